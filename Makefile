@@ -1,0 +1,43 @@
+# The README's two commands: `make demo` and `make test`. Both set themselves up
+# on a fresh Debian machine: venv, pinned install, redis-server via apt-get.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(abspath $(VENV))/bin
+STAMP  := $(VENV)/.installed
+# NOTE: torch==2.13.0 is the CPU build on our machines; any other torch spec
+# pulls a multi-GB CUDA build. GPU users: see README "GPU install".
+TORCH  ?= torch==2.13.0
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: setup redis demo test bench bench-quick clean
+
+setup: $(STAMP) redis
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q '$(TORCH)'
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian package)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@redis-server --version
+
+demo: setup
+	PATH=$(BIN):$$PATH bash infra/demo.sh
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/loongforge bench
+
+bench-quick: setup
+	$(BIN)/loongforge bench --quick
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,3 @@
+"""LoongForge: fast training of multimodal embodied-AI models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""`loongforge` console command: one subcommand per service.
+
+Each service module `loongforge.<service>.cli` exposes `register(subparsers)`,
+which adds its subcommands with `set_defaults(func=handler)`; a handler takes
+the parsed args and returns an exit code. Service CLIs import their heavy
+dependencies inside handlers, so `loongforge --help` stays fast and a node that
+installed only one extra still gets the other commands' help and a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from loongforge import __version__
+from loongforge.shared.errors import LoongForgeError
+
+SERVICES = (
+    ("loongforge.preprocess.cli", "preprocess"),
+    ("loongforge.cache.cli", "cache"),
+    ("loongforge.train.cli", "train"),
+    ("loongforge.benchmarks.cli", "dev"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loongforge", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"loongforge {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name, extra in SERVICES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("loongforge."):
+                continue  # service not built yet
+            log_missing = f"{module_name} needs `pip install 'loongforge[{extra}]'` ({exc.name} missing)"
+            logging.getLogger(__name__).debug(log_missing)
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except LoongForgeError as exc:
+        print(f"loongforge {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"loongforge {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

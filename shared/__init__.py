@@ -1,0 +1,1 @@
+"""Code every LoongForge service uses: shard format, index schema, reader, errors, paths."""

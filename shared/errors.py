@@ -1,0 +1,56 @@
+"""The one error hierarchy of LoongForge. Every service raises these, so callers
+can catch `LoongForgeError` at a boundary and tests can assert the precise kind."""
+
+from __future__ import annotations
+
+
+class LoongForgeError(Exception):
+    """Root of every error LoongForge raises on purpose."""
+
+
+class ConfigError(LoongForgeError, ValueError):
+    """A config value or file is invalid. The message names the field and the fix."""
+
+
+class FormatError(LoongForgeError):
+    """On-disk bytes do not follow the shard/index format (truncated, malformed)."""
+
+
+class FormatVersionError(FormatError):
+    """An artifact carries a format version this build cannot read."""
+
+
+class IntegrityError(FormatError):
+    """Bytes do not match the size or hash recorded in the index."""
+
+
+class UnsafePathError(LoongForgeError, ValueError):
+    """A shard or sample name tries to leave its directory (path traversal)."""
+
+
+class SourceDataError(LoongForgeError):
+    """Input dataset problem: corrupt video, missing file, length mismatch."""
+
+
+class CacheError(LoongForgeError):
+    """Cache daemon or client failure."""
+
+
+class CacheUnavailableError(CacheError):
+    """The cache daemon cannot be reached."""
+
+
+class ShardNotFoundError(CacheError, KeyError):
+    """A shard name is not in the index."""
+
+
+class TrainError(LoongForgeError):
+    """Trainer failure: data worker died, bad checkpoint, bad layout."""
+
+
+class CheckpointError(TrainError):
+    """A checkpoint is missing, corrupt or of an unknown format version."""
+
+
+class DataWorkerError(TrainError):
+    """A decode worker died or raised; the message says which and why."""

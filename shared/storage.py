@@ -1,0 +1,94 @@
+"""Byte I/O on local paths and fsspec URLs, with atomic writes and hashing.
+
+Local paths take the fast route (open/mmap/os.replace); anything with a URL
+scheme goes through fsspec, so the same code reads s3://, gs://, http(s)://.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import tempfile
+
+from loongforge.shared.errors import IntegrityError
+
+HASH_CHUNK = 8 << 20
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def read_bytes(path: str, start: int | None = None, length: int | None = None) -> bytes:
+    if is_local(path):
+        with open(_local(path), "rb") as f:
+            if start is not None:
+                f.seek(start)
+            return f.read() if length is None else f.read(length)
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    if start is None:
+        return fs.cat_file(p)
+    end = None if length is None else start + length
+    return fs.cat_file(p, start=start, end=end)
+
+
+def map_file(path: str) -> memoryview:
+    """Read-only zero-copy view of a local file (an mmap); empty files map to b''."""
+    with open(_local(path), "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write to a temp name beside the target, fsync, then rename into place."""
+    if is_local(path):
+        path = _local(path)
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return
+    import fsspec
+
+    # Object stores have no rename; a single PUT is already all-or-nothing.
+    fs, p = fsspec.core.url_to_fs(path)
+    fs.pipe_file(p, data)
+
+
+def sha256_of(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    """(hex digest, size) of a local file, streamed."""
+    h, size = hashlib.sha256(), 0
+    with open(_local(path), "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def verify(data: bytes | memoryview, name: str, size: int, sha256: str) -> None:
+    if len(data) != size:
+        raise IntegrityError(f"{name}: {len(data)} bytes, index says {size}: truncated or replaced")
+    got = sha256_of(data)
+    if got != sha256:
+        raise IntegrityError(f"{name}: sha256 {got[:16]}… != index {sha256[:16]}…: corrupt; refetch or re-run preprocess")

@@ -1,0 +1,59 @@
+"""Shard writing: concatenate sample fragments into one tar, hash it, and place
+it atomically. Used by the preprocess job and by test/benchmark factories."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+from loongforge.shared import paths, storage
+from loongforge.shared.format import END_OF_ARCHIVE
+from loongforge.shared.index import ShardEntry
+
+
+def layout_shard(name: str, fragments: list[tuple[str, int, bytes]]) -> tuple[ShardEntry, list[bytes]]:
+    """Plan one shard from (key, frame count, fragment) triples, in order.
+    Returns the index entry and the byte chunks to write (hash included)."""
+    h = hashlib.sha256()
+    keys, offsets, lengths, frames, chunks = [], [], [], [], []
+    pos = 0
+    for key, n_frames, frag in fragments:
+        keys.append(key)
+        offsets.append(pos)
+        lengths.append(len(frag))
+        frames.append(n_frames)
+        chunks.append(frag)
+        h.update(frag)
+        pos += len(frag)
+    chunks.append(END_OF_ARCHIVE)
+    h.update(END_OF_ARCHIVE)
+    pos += len(END_OF_ARCHIVE)
+    entry = ShardEntry(name=paths.check_relative(name), bytes=pos, sha256=h.hexdigest(), keys=tuple(keys),
+                       offsets=tuple(offsets), lengths=tuple(lengths), frames=tuple(frames))
+    return entry, chunks
+
+
+def write_shard(root: str, name: str, fragments: list[tuple[str, int, bytes]]) -> ShardEntry:
+    """Write a shard under `root` (local or fsspec URL) atomically; return its entry."""
+    entry, chunks = layout_shard(name, fragments)
+    path = paths.join(root, name)
+    if not storage.is_local(path):
+        storage.write_bytes_atomic(path, b"".join(chunks))
+        return entry
+    path = path[len("file://"):] if path.startswith("file://") else path
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".tar")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return entry
