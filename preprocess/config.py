@@ -1,0 +1,93 @@
+"""`PreprocessConfig`: every knob of the preprocess job, validated once at load.
+
+Only the fields in `OUTPUT_FIELDS` change the bytes written; they are recorded
+as the index's `params` (so two runs with the same values are byte-identical
+and a trainer can check what windowing made its shards). Worker count and
+runner choice never change the output and are therefore left out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+from loongforge.shared.errors import ConfigError
+
+RESIZE_MODES = ("resize", "crop")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+OUTPUT_FIELDS = ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames", "height", "width",
+                 "resize_mode", "shard_size", "zstd_level")
+
+
+def parse_size(text: str | int) -> int:
+    """'64MB', '512k', '1GiB', 1048576 -> bytes (binary units: shard sizes are memory-sized)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB), e.g. 64MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreprocessConfig:
+    input: str
+    output: str
+    frames_per_sample: int = 4  # K
+    stride: int = 4  # first frames of consecutive windows are `stride` frames apart
+    frame_step: int = 1  # D: frames inside a window are D source frames apart
+    action_horizon: int = 16  # H action rows from the window's last frame
+    min_frames: int = 2  # shortest tail window kept (< K makes frame counts vary)
+    height: int | None = None  # None = source resolution
+    width: int | None = None
+    resize_mode: str = "resize"
+    shard_size: int = 64 << 20
+    zstd_level: int = 3
+    workers: int = 0  # 0 = one per core
+
+    def __post_init__(self):
+        for name in ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        if self.min_frames > self.frames_per_sample:
+            raise ConfigError(f"min_frames={self.min_frames} > frames_per_sample={self.frames_per_sample}: "
+                              "set --min-frames to at most --frames-per-sample")
+        if (self.height is None) != (self.width is None):
+            raise ConfigError("height and width: give both (--height H --width W) or neither (source resolution)")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % 2):
+                raise ConfigError(f"{name}={value}: NV12 needs a positive even size, e.g. {max(2, value + value % 2)}")
+        if self.resize_mode not in RESIZE_MODES:
+            raise ConfigError(f"resize_mode={self.resize_mode!r}: choose one of {RESIZE_MODES}")
+        if self.shard_size < 1 << 16:
+            raise ConfigError(f"shard_size={self.shard_size}: must be at least 64KB")
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"zstd_level={self.zstd_level}: must be in 1..22")
+        if self.workers < 0:
+            raise ConfigError(f"workers={self.workers}: must be >= 0 (0 = one per core)")
+        if not self.input or not self.output:
+            raise ConfigError("input and output: both are required (--input DATASET --output SHARDS)")
+        if self.output.rstrip("/") == self.input.rstrip("/"):
+            raise ConfigError("output must differ from input: the job would write into the source dataset")
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or default_workers()
+
+    def output_params(self) -> dict:
+        return {name: getattr(self, name) for name in OUTPUT_FIELDS}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

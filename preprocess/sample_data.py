@@ -1,0 +1,239 @@
+"""Deterministic generator of LeRobot v2.x datasets (the layout GR00T trains on).
+
+    generate_dataset("data/sample")                           # 3 episodes, 2 cameras, 64x64
+    generate_dataset("data/gr1", **PRESETS["gr00t-like"])     # 256x256, 44-D, metadata quirks
+
+Videos are real H.264 (libx264, yuv420p) encoded through PyAV, with moving
+content (drifting gradient, a moving square, a scrolling noise texture), so
+decoders, resizers and zstd see realistic, non-trivial frames. Encoding is
+single-threaded, which makes x264 output (and so the whole tree) a pure
+function of the arguments.
+
+`quirks` inject what real datasets get wrong:
+  missing_camera     info.json lists a camera that has no video files at all
+  splits_beyond      splits name more episodes than exist
+  total_chunks_zero  info.json says total_chunks: 0
+  corrupt_video      one episode's mp4 is truncated (unreadable)
+  length_mismatch    one episode's video has fewer frames than its parquet rows
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from loongforge.shared.errors import ConfigError
+
+QUIRKS = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
+DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+CHUNKS_SIZE = 1000
+TASKS = ("pick up the red cube and place it in the bowl", "open the top drawer", "push the green block left",
+         "pour the cup into the sink")
+MISSING_CAMERA = "observation.images.side_view"
+# GR1 humanoid layout of the GR00T sample data: 44 joints in named sub-ranges.
+GR1_PARTS = (("left_arm", 7), ("left_hand", 6), ("left_leg", 6), ("neck", 3), ("right_arm", 7),
+             ("right_hand", 6), ("right_leg", 6), ("waist", 3))
+PRESETS = {
+    "default": {},
+    # "A real LeRobot v2.0 dataset as found": one 256x256 H.264 camera at 20 fps,
+    # 44-D state/action, and the metadata quirks such datasets ship with.
+    "gr00t-like": {"height": 256, "width": 256, "fps": 20, "cameras": ("ego_view",), "state_dim": 44,
+                   "action_dim": 44, "gop": 20, "robot_type": "GR1ArmsAndWaistFourierHands",
+                   "quirks": ("splits_beyond", "total_chunks_zero", "missing_camera")},
+}
+
+
+def _parts(dim: int) -> list[tuple[str, int]]:
+    if dim == sum(n for _, n in GR1_PARTS):
+        return list(GR1_PARTS)
+    return [("arm", dim - 1), ("gripper", 1)] if dim > 1 else [("joint", dim)]
+
+
+def _names(dim: int) -> list[str]:
+    return [f"{part}_{i}" for part, n in _parts(dim) for i in range(n)]
+
+
+def _modality(state_dim: int, action_dim: int, cameras: tuple[str, ...]) -> dict:
+    def ranges(dim):
+        out, start = {}, 0
+        for part, n in _parts(dim):
+            out[part] = {"start": start, "end": start + n}
+            start += n
+        return out
+
+    return {
+        "state": ranges(state_dim),
+        "action": ranges(action_dim),
+        "video": {cam: {"original_key": f"observation.images.{cam}"} for cam in cameras},
+        "annotation": {"human.action.task_description": {}, "human.validity": {}},
+    }
+
+
+def _frames_rgb(n: int, height: int, width: int, phase: float, rng: np.random.Generator) -> np.ndarray:
+    """(n, h, w, 3) uint8 of moving content, vectorised over the whole clip."""
+    t = np.arange(n, dtype=np.float32)[:, None, None]
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    r = 128 + 100 * np.sin((xx / width * 2 + t * 0.05 + phase) * np.pi)
+    g = 128 + 100 * np.cos((yy / height * 2 - t * 0.07 + phase) * np.pi)
+    b = 64 + 0.5 * (xx + yy) + 8 * np.sin(t * 0.3 + phase)
+    rgb = np.stack(np.broadcast_arrays(r, g, b), axis=-1)
+    texture = rng.integers(-24, 25, size=(height, width * 2, 1), dtype=np.int16).astype(np.float32)
+    side = max(4, height // 5)
+    for i in range(n):  # per-frame (not per-pixel) loop: scroll the texture, place the square
+        shift = (i * 2) % width
+        rgb[i] += texture[:, shift : shift + width]
+        y0 = int((height - side) * (0.5 + 0.4 * np.sin(i * 0.15 + phase)))
+        x0 = int((width - side) * (0.5 + 0.4 * np.cos(i * 0.11 + phase)))
+        rgb[i, y0 : y0 + side, x0 : x0 + side] = (230, 40, 40)
+    return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+def encode_mp4(path: str | Path, rgb: np.ndarray, *, fps: int, gop: int, crf: int = 23) -> None:
+    """Encode (n, h, w, 3) uint8 RGB to H.264 mp4 (libx264, yuv420p, fixed GOP)."""
+    import av
+
+    n, height, width, _ = rgb.shape
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.mp4")
+    with av.open(str(tmp), "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        # threads=1: multi-threaded x264 output depends on scheduling, and the
+        # generator promises byte-identical files for equal arguments.
+        stream.codec_context.options = {
+            "crf": str(crf), "preset": "veryfast", "threads": "1",
+            "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0",
+        }
+        for i in range(n):
+            # Convert to yuv420p here, not inside encode(): PyAV's implicit
+            # conversion there made the output differ between identical runs.
+            frame = av.VideoFrame.from_ndarray(rgb[i], format="rgb24").reformat(format="yuv420p")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    os.replace(tmp, path)
+
+
+def _episode_table(ep: int, n: int, first_index: int, task_index: int, fps: int, state_dim: int,
+                   action_dim: int, rng: np.random.Generator):
+    import pyarrow as pa
+
+    t = np.arange(n + 1, dtype=np.float32)[:, None]
+    freq = rng.uniform(0.02, 0.2, size=(1, max(state_dim, action_dim))).astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi, size=(1, max(state_dim, action_dim))).astype(np.float32)
+    traj = np.sin(t * freq + phase).astype(np.float32)
+    state = traj[:n, :state_dim]
+    action = traj[1 : n + 1, :action_dim]  # the action is where the state goes next
+
+    def fixed_list(a):
+        return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), pa.float32()), a.shape[1])
+
+    return pa.table({
+        "observation.state": fixed_list(state),
+        "action": fixed_list(action),
+        "timestamp": pa.array(np.arange(n, dtype=np.float32) / fps),
+        "annotation.human.action.task_description": pa.array(np.full(n, task_index, np.int64)),
+        "task_index": pa.array(np.full(n, task_index, np.int64)),
+        "annotation.human.validity": pa.array(np.ones(n, np.int64)),
+        "episode_index": pa.array(np.full(n, ep, np.int64)),
+        "index": pa.array(np.arange(first_index, first_index + n, dtype=np.int64)),
+        "frame_index": pa.array(np.arange(n, dtype=np.int64)),
+        "next.done": pa.array(np.arange(n) == n - 1),
+    })
+
+
+def _info(episodes, lengths, height, width, fps, cameras, state_dim, action_dim, robot_type, quirks, n_tasks):
+    video_info = {"video.fps": float(fps), "video.codec": "h264", "video.pix_fmt": "yuv420p",
+                  "video.is_depth_map": False, "has_audio": False}
+    keys = [f"observation.images.{c}" for c in cameras] + ([MISSING_CAMERA] if "missing_camera" in quirks else [])
+    features = {key: {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channel"],
+                      "video_info": dict(video_info)} for key in keys}
+    features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": _names(state_dim)}
+    features["action"] = {"dtype": "float32", "shape": [action_dim], "names": _names(action_dim)}
+    for name, dtype in (("timestamp", "float32"), ("task_index", "int64"), ("episode_index", "int64"),
+                        ("index", "int64"), ("frame_index", "int64"),
+                        ("annotation.human.action.task_description", "int64")):
+        features[name] = {"dtype": dtype, "shape": [1], "names": None}
+    return {
+        "codebase_version": "v2.0",
+        "robot_type": robot_type,
+        "total_episodes": episodes,
+        "total_frames": int(sum(lengths)),
+        "total_tasks": n_tasks,
+        "total_videos": episodes * len(cameras),
+        "total_chunks": 0 if "total_chunks_zero" in quirks else (episodes - 1) // CHUNKS_SIZE + 1,
+        "chunks_size": CHUNKS_SIZE,
+        "fps": fps,
+        "splits": {"train": f"0:{episodes + 100 if 'splits_beyond' in quirks else episodes}"},
+        "data_path": DATA_PATH,
+        "video_path": VIDEO_PATH,
+        "features": features,
+    }
+
+
+def _write_json(path: Path, doc) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=4) + "\n")
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 60), height: int = 64,
+                     width: int = 64, fps: int = 20, cameras: tuple[str, ...] = ("ego_view", "wrist_view"),
+                     state_dim: int = 8, action_dim: int = 8, gop: int = 10, crf: int = 23, seed: int = 0,
+                     quirks: tuple[str, ...] = (), robot_type: str = "sim_arm") -> Path:
+    """Write a LeRobot v2.0 dataset under `root` and return its path."""
+    import pyarrow.parquet as pq
+
+    unknown = sorted(set(quirks) - set(QUIRKS))
+    if unknown:
+        raise ConfigError(f"quirks {unknown}: unknown; choose from {QUIRKS}")
+    if episodes < 1 or frames[0] < 2 or frames[1] < frames[0]:
+        raise ConfigError(f"episodes={episodes}, frames={frames}: need episodes >= 1 and 2 <= A <= B")
+    if height % 2 or width % 2 or gop < 1:
+        raise ConfigError(f"size {height}x{width}, gop {gop}: H.264 yuv420p needs even sizes and gop >= 1")
+    root = Path(root)
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(frames[0], frames[1] + 1, size=episodes)]
+    corrupt_ep = min(1, episodes - 1) if "corrupt_video" in quirks else -1
+    short_ep = episodes - 1 if "length_mismatch" in quirks else -1
+    n_tasks = min(len(TASKS), episodes)
+    first = 0
+    for ep, n in enumerate(lengths):
+        chunk = ep // CHUNKS_SIZE
+        task_index = ep % n_tasks
+        table = _episode_table(ep, n, first, task_index, fps, state_dim, action_dim, rng)
+        parquet = root / DATA_PATH.format(episode_chunk=chunk, episode_index=ep)
+        parquet.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, parquet)
+        first += n
+        for c, cam in enumerate(cameras):
+            n_video = max(1, n - 5) if ep == short_ep else n
+            rgb = _frames_rgb(n_video, height, width, phase=ep * 0.7 + c * 1.3, rng=rng)
+            mp4 = root / VIDEO_PATH.format(episode_chunk=chunk, video_key=f"observation.images.{cam}",
+                                           episode_index=ep)
+            encode_mp4(mp4, rgb, fps=fps, gop=gop, crf=crf)
+            if ep == corrupt_ep and c == 0:
+                data = mp4.read_bytes()  # mp4 with its moov atom cut off: unreadable
+                mp4.write_bytes(data[: len(data) * 2 // 5])
+    meta = root / "meta"
+    _write_json(meta / "info.json", _info(episodes, lengths, height, width, fps, cameras, state_dim, action_dim,
+                                          robot_type, quirks, n_tasks))
+    _write_json(meta / "modality.json", _modality(state_dim, action_dim, cameras))
+    _write_jsonl(meta / "episodes.jsonl", ({"episode_index": ep, "tasks": [TASKS[ep % n_tasks]], "length": n}
+                                           for ep, n in enumerate(lengths)))
+    _write_jsonl(meta / "tasks.jsonl", ({"task_index": i, "task": TASKS[i]} for i in range(n_tasks)))
+    return root
+
+
+def generate_preset(root, preset: str, **overrides) -> Path:
+    if preset not in PRESETS:
+        raise ConfigError(f"preset {preset!r}: unknown; choose from {sorted(PRESETS)}")
+    return generate_dataset(root, **{**PRESETS[preset], **overrides})
