@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loongforge.shared import color
 from loongforge.shared.errors import ConfigError
 
 QUIRKS = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
@@ -92,6 +93,16 @@ def _frames_rgb(n: int, height: int, width: int, phase: float, rng: np.random.Ge
     return np.clip(rgb, 0, 255).astype(np.uint8)
 
 
+def _rgb_to_i420(rgb: np.ndarray) -> np.ndarray:
+    """(n, h, w, 3) RGB -> (n, 3h/2, w) planar yuv420p, BT.601 limited range.
+    Done in numpy so the source colour matrix/range is known exactly (the
+    preprocess fidelity tests rely on BT.601 limited)."""
+    n, h, w, _ = rgb.shape
+    nv12 = color.rgb_to_nv12(rgb, "bt601", "limited")
+    y, u, v = color.split_planes(nv12)
+    return np.concatenate((y.reshape(n, -1), u.reshape(n, -1), v.reshape(n, -1)), axis=1).reshape(n, h * 3 // 2, w)
+
+
 def encode_mp4(path: str | Path, rgb: np.ndarray, *, fps: int, gop: int, crf: int = 23) -> None:
     """Encode (n, h, w, 3) uint8 RGB to H.264 mp4 (libx264, yuv420p, fixed GOP)."""
     import av
@@ -103,16 +114,17 @@ def encode_mp4(path: str | Path, rgb: np.ndarray, *, fps: int, gop: int, crf: in
     with av.open(str(tmp), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        # threads=1: multi-threaded x264 output depends on scheduling, and the
-        # generator promises byte-identical files for equal arguments.
+        # The generator promises byte-identical files for equal arguments:
+        # threads=1 (threaded x264 depends on scheduling) and mbtree=0 (with
+        # macroblock-tree rate control, this x264 build (core 165) gave different
+        # bitstreams for identical input; B-frames and lookahead stay on).
         stream.codec_context.options = {
             "crf": str(crf), "preset": "veryfast", "threads": "1",
-            "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0",
+            "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:mbtree=0",
         }
+        i420 = _rgb_to_i420(rgb)
         for i in range(n):
-            # Convert to yuv420p here, not inside encode(): PyAV's implicit
-            # conversion there made the output differ between identical runs.
-            frame = av.VideoFrame.from_ndarray(rgb[i], format="rgb24").reformat(format="yuv420p")
+            frame = av.VideoFrame.from_ndarray(i420[i], format="yuv420p")
             frame.pts = i
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
