@@ -1,0 +1,158 @@
+"""Typed configs of the trainer, one frozen dataclass per component.
+
+Every value is checked in `__post_init__`; a bad one raises `ConfigError`
+naming the field and the fix, so a launch fails before any process group or
+worker exists. The DeepSpeed JSON is generated from these (engine.py), never
+written by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from loongforge.shared.errors import ConfigError
+
+BAD_SAMPLE_POLICIES = ("skip", "raise")
+TAIL_POLICIES = ("drop",)  # see order.py: padding would duplicate samples within an epoch
+ATTENTION_BACKENDS = ("sdpa", "flash")
+
+
+def _need(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {msg}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    root: str
+    global_batch_size: int = 8  # samples per optimizer step over all ranks (micro batch x world x accum)
+    num_workers: int = 0
+    seed: int = 0
+    shuffle_window: int = 64  # samples; bounds the within-window shuffle so shard locality stays high
+    frame_buckets: tuple[int, ...] = ()  # () = powers of two up to the longest window in the index
+    max_text_tokens: int = 32
+    bad_samples: str = "skip"
+    prefetch_batches: int = 2  # batches in flight per worker
+    worker_timeout_s: float = 120.0  # no result for this long = a stuck worker, raise
+    start_method: str = "spawn"  # workers never inherit the trainer's threads or CUDA context
+    cache_socket: str | None = None
+    cache_tcp: str | None = None
+    image_mean: float = 0.5
+    image_std: float = 0.25
+
+    def __post_init__(self):
+        _need(bool(self.root), "data.root", "give the shard root (directory holding index.json)")
+        _need(self.global_batch_size >= 1, "data.global_batch_size", "must be >= 1")
+        _need(self.num_workers >= 0, "data.num_workers", "must be >= 0 (0 decodes in the main process)")
+        _need(self.shuffle_window >= 1, "data.shuffle_window", "must be >= 1 (1 = no shuffle within shards)")
+        _need(all(b >= 1 for b in self.frame_buckets), "data.frame_buckets", "bucket sizes must be >= 1")
+        _need(list(self.frame_buckets) == sorted(set(self.frame_buckets)), "data.frame_buckets",
+              "must be strictly increasing")
+        _need(self.max_text_tokens >= 1, "data.max_text_tokens", "must be >= 1")
+        _need(self.bad_samples in BAD_SAMPLE_POLICIES, "data.bad_samples", f"use one of {BAD_SAMPLE_POLICIES}")
+        _need(self.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1")
+        _need(self.worker_timeout_s > 0, "data.worker_timeout_s", "must be > 0")
+        _need(self.start_method in ("spawn", "forkserver", "fork"), "data.start_method",
+              "use spawn, forkserver or fork")
+        _need(self.image_std > 0, "data.image_std", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    patch: int = 8
+    vocab: int = 259  # 256 bytes + pad/bos/eos: a byte-level tokenizer needs no download
+    action_bins: int = 64
+    action_clip: float = 3.0  # normalized actions are clipped to +-clip before binning
+    flow_weight: float = 1.0
+    ce_weight: float = 0.1
+    dropout: float = 0.0
+    attention: str = "sdpa"
+    # Filled from the shard index by recipes.resolve(): the model never reads the index itself.
+    image_size: tuple[int, int] = (16, 16)
+    cameras: int = 2
+    max_frames: int = 2
+    state_dim: int = 6
+    action_dim: int = 4
+    action_horizon: int = 4
+    max_text_tokens: int = 32
+
+    def __post_init__(self):
+        _need(self.dim > 0 and self.heads > 0 and self.dim % self.heads == 0, "model.dim",
+              f"must be a positive multiple of model.heads ({self.heads})")
+        _need(self.depth >= 1, "model.depth", "must be >= 1")
+        h, w = self.image_size
+        _need(self.patch >= 1 and h % self.patch == 0 and w % self.patch == 0, "model.patch",
+              f"must divide the frame size {h}x{w}; pick a divisor or resize in preprocess")
+        _need(self.action_bins >= 2, "model.action_bins", "must be >= 2")
+        _need(self.attention in ATTENTION_BACKENDS, "model.attention", f"use one of {ATTENTION_BACKENDS}")
+        _need(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _need(self.flow_weight >= 0 and self.ce_weight >= 0 and self.flow_weight + self.ce_weight > 0,
+              "model.flow_weight", "loss weights must be >= 0 and not both 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _need(self.lr > 0, "optim.lr", "must be > 0")
+        _need(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _need(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _need(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    zero_stage: int = 2
+    grad_accum: int = 1
+    reduce_bucket_size: int = 50_000_000
+    overlap_comm: bool = True
+    precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+
+    def __post_init__(self):
+        _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "use 0, 1, 2 or 3 (--zero)")
+        _need(self.grad_accum >= 1, "parallel.grad_accum", "must be >= 1")
+        _need(self.reduce_bucket_size >= 1, "parallel.reduce_bucket_size", "must be >= 1")
+        _need(self.precision in ("auto", "bf16", "fp32"), "parallel.precision", "use auto, bf16 or fp32")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    run_dir: str
+    steps: int = 10
+    save_every: int = 0  # 0 = only at the end
+    resume: bool = False
+    log_every: int = 1
+    profile_steps: tuple[int, int] | None = None  # [a, b) steps traced with torch.profiler
+    device: str = "auto"  # auto = cuda if available else cpu
+
+    def __post_init__(self):
+        _need(bool(self.run_dir), "run.run_dir", "give --run-dir")
+        _need(self.steps >= 1, "run.steps", "must be >= 1")
+        _need(self.save_every >= 0, "run.save_every", "must be >= 0")
+        _need(self.log_every >= 1, "run.log_every", "must be >= 1")
+        if self.profile_steps is not None:
+            a, b = self.profile_steps
+            _need(0 <= a < b, "run.profile_steps", "use a:b with 0 <= a < b (steps counted from 0)")
+        _need(self.device in ("auto", "cpu", "cuda"), "run.device", "use auto, cpu or cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data: DataConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig
+    recipe: str = "tiny"
+
+    def to_dict(self) -> dict:
+        return asdict(self)

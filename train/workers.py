@@ -1,0 +1,185 @@
+"""Decode worker pool: shard bytes -> NV12 batches in shared-memory slots.
+
+The main process sends only integers (batch number, slot, sample locations)
+through multiprocessing queues; workers read shards through their own
+ShardSource (mmap, zero-copy), zstd-decompress straight into a slot of a ring
+of `multiprocessing.shared_memory` buffers, and answer with a few integers.
+Frames are never pickled. `num_workers=0` fills the same layout inline.
+
+A dead worker is noticed within one poll interval (`is_alive()` on every
+wait) and reported as DataWorkerError naming the worker and its exit code;
+a worker that stops answering hits `timeout_s`. Nothing blocks forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+from multiprocessing import get_context
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from loongforge.shared.errors import DataWorkerError, LoongForgeError
+from loongforge.shared.index import ShardIndex
+from loongforge.train.batch import BatchLayout, Norm, fill_batch
+from loongforge.train.sources import SourceSpec, close_source, make_source
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+
+
+def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes, layout: BatchLayout,
+                 shm_names: list[str], policy: str, tasks, results) -> None:
+    # Runs in a fresh (spawned) process: no torch import, own source, own mmaps.
+    try:
+        index = ShardIndex.from_json(index_json)
+        norm = Norm.from_index(index)
+        source = make_source(spec, index)
+        shms = [SharedMemory(name=n) for n in shm_names]
+    except BaseException:  # noqa: BLE001 - report why we could not start, then exit non-zero
+        results.put(("fatal", worker_id, -1, traceback.format_exc(limit=8)))
+        raise SystemExit(3) from None
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            seq, slot, k, items = task
+            try:
+                arrays = layout.views(shms[slot].buf, k)
+                bad, reasons = fill_batch(source, index, layout, norm, arrays, items, policy)
+                del arrays
+                results.put(("ok", worker_id, seq, (slot, k, bad, reasons)))
+            except LoongForgeError as exc:
+                results.put(("error", worker_id, seq, f"{type(exc).__name__}: {exc}"))
+            except Exception:  # noqa: BLE001 - a bug must surface in the trainer, with its traceback
+                results.put(("error", worker_id, seq, traceback.format_exc(limit=8)))
+    finally:
+        close_source(source)
+        for shm in shms:
+            shm.close()
+
+
+class DecodePool:
+    """Ring of `slots` batch buffers filled by `num_workers` processes (or inline)."""
+
+    def __init__(self, index: ShardIndex, layout: BatchLayout, spec: SourceSpec, *, num_workers: int,
+                 slots: int, policy: str = "skip", timeout_s: float = 120.0, start_method: str = "spawn"):
+        self.index, self.layout, self.spec, self.policy = index, layout, spec, policy
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.bad_samples = 0
+        self.bad_reasons: list[str] = []
+        self._free = list(range(slots))
+        self._done: dict[int, tuple] = {}
+        self._pending: dict[int, tuple] = {}  # inline mode: seq -> task
+        self._shms: list[SharedMemory] = []
+        self._procs = []
+        if num_workers == 0:
+            self._bufs = [np.empty(layout.nbytes, np.uint8) for _ in range(slots)]
+            self._norm = Norm.from_index(index)
+            self._source = make_source(spec, index)
+            return
+        self._source = None
+        self._shms = [SharedMemory(create=True, size=max(1, layout.nbytes)) for _ in range(slots)]
+        self._bufs = [s.buf for s in self._shms]
+        ctx = get_context(start_method)
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        names, index_json = [s.name for s in self._shms], index.to_json()
+        for wid in range(num_workers):
+            p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
+                            args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results))
+            p.start()
+            self._procs.append(p)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def submit(self, seq: int, k: int, items: list[tuple[int, int, int]]) -> None:
+        if not self._free:
+            raise DataWorkerError("no free batch slot: release() consumed batches before submitting more")
+        slot = self._free.pop()
+        task = (seq, slot, k, [tuple(int(v) for v in it) for it in items])
+        if self.num_workers == 0:
+            self._pending[seq] = task
+        else:
+            self._tasks.put(task)
+
+    def get(self, seq: int) -> tuple[int, dict[str, np.ndarray]]:
+        """Wait for batch `seq`; returns (slot, arrays viewing the slot). Call release(slot) after use."""
+        if self.num_workers == 0:
+            _, slot, k, items = self._pending.pop(seq)
+            arrays = self.layout.views(self._bufs[slot], k)
+            try:
+                bad, reasons = fill_batch(self._source, self.index, self.layout, self._norm, arrays, items,
+                                          self.policy)
+            except BaseException:
+                self._free.append(slot)
+                raise
+            return self._finish(slot, k, bad, reasons)
+        deadline = time.monotonic() + self.timeout_s
+        while seq not in self._done:
+            try:
+                kind, wid, rseq, payload = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise DataWorkerError(f"no decoded batch for {self.timeout_s:.0f} s (data.worker_timeout_s): "
+                                          f"workers alive={[p.is_alive() for p in self._procs]}") from None
+                continue
+            if kind == "fatal":
+                raise DataWorkerError(f"data worker {wid} failed to start:\n{payload}")
+            if kind == "error":
+                raise DataWorkerError(f"data worker {wid} failed on batch {rseq}: {payload}")
+            self._done[rseq] = payload
+        slot, k, bad, reasons = self._done.pop(seq)
+        return self._finish(slot, k, bad, reasons)
+
+    def _finish(self, slot, k, bad, reasons):
+        if bad:
+            self.bad_samples += bad
+            self.bad_reasons.extend(reasons[-16:])
+            for r in reasons:
+                log.warning("skipped bad sample (data.bad_samples='skip'): %s", r)
+        return slot, self.layout.views(self._bufs[slot], k)
+
+    def _check_alive(self) -> None:
+        for wid, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise DataWorkerError(f"data worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
+                                      f"{' (killed by signal %d)' % -p.exitcode if (p.exitcode or 0) < 0 else ''}; "
+                                      "check dmesg for the OOM killer or lower --workers")
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def close(self) -> None:
+        if self._source is not None:
+            close_source(self._source)
+            self._source = None
+        for _ in self._procs:
+            try:
+                self._tasks.put_nowait(None)
+            except Exception:  # noqa: BLE001 - queue may be broken if a worker died mid-put
+                break
+        for p in self._procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+        self._procs = []
+        self._bufs = []
+        for shm in self._shms:
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping dies with the process
+            shm.unlink()
+        self._shms = []
+        if self.num_workers:
+            for q in (self._tasks, self._results):
+                q.cancel_join_thread()
+                q.close()
