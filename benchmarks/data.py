@@ -1,0 +1,106 @@
+"""The benchmark's inputs: one generated LeRobot dataset and its shards.
+
+Both loaders read the same dataset: the baseline reads the mp4 + parquet tree,
+LoongForge reads the shards `loongforge preprocess` made from it. The
+baseline's windows are taken from the shards' own sample metadata, so both
+loaders serve exactly the same (episode, frames) windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loongforge.benchmarks.baseline import Window
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.shared.errors import ConfigError, LoongForgeError
+from loongforge.shared.format import SampleParts
+from loongforge.shared.index import ShardIndex, load_index
+from loongforge.shared.source import OriginSource
+
+log = logging.getLogger(__name__)
+PREPROCESS_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    dataset: str  # LeRobot v2.x root (mp4 + parquet)
+    shards: str  # shard root (index.json + shards/)
+    index: ShardIndex
+    windows: tuple[Window, ...]  # sample i of the index, as (episode, frames)
+    source_frames: int  # video frames in the dataset, all cameras
+    generate_s: float
+    transcode_s: float  # wall time of the whole `loongforge preprocess` job
+    transcode_workers: int
+
+
+def generate(cfg: BenchConfig, root: Path) -> Path:
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    return Path(generate_dataset(root, episodes=cfg.episodes, frames=cfg.episode_frames, height=cfg.height,
+                                 width=cfg.width, fps=cfg.fps, cameras=cfg.cameras, state_dim=cfg.state_dim,
+                                 action_dim=cfg.action_dim, gop=cfg.gop, seed=cfg.seed))
+
+
+def preprocess_argv(cfg: BenchConfig, dataset: Path, out: Path) -> list[str]:
+    return ["preprocess", "--input", str(dataset), "--output", str(out),
+            "--frames-per-sample", str(cfg.frames_per_sample), "--stride", str(cfg.stride),
+            "--action-horizon", str(cfg.action_horizon), "--height", str(cfg.height), "--width", str(cfg.width),
+            "--workers", str(cfg.preprocess_workers), "--shard-size", cfg.shard_size]
+
+
+def transcode(cfg: BenchConfig, dataset: Path, out: Path) -> float:
+    """Run the real preprocess job as a user would (`loongforge preprocess ...`);
+    returns its wall time, start-up included (what the one-off cost really is)."""
+    argv = [sys.executable, "-m", "loongforge", *preprocess_argv(cfg, dataset, out)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREPROCESS_TIMEOUT_S,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as exc:
+        raise LoongForgeError(f"`loongforge preprocess` ran past {PREPROCESS_TIMEOUT_S}s") from exc
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+        raise LoongForgeError("`loongforge preprocess` failed (exit %d):\n%s" % (proc.returncode, "\n".join(tail)))
+    return seconds
+
+
+def windows_of(root: str, index: ShardIndex) -> tuple[Window, ...]:
+    source = OriginSource(root, index)
+    out = []
+    for entry in index.shards:
+        for off, length in zip(entry.offsets, entry.lengths):
+            meta = SampleParts(source.read_range(entry.name, off, length)).meta
+            out.append(Window(int(meta["episode"]), tuple(int(f) for f in meta["frames"])))
+    return tuple(out)
+
+
+def count_source_frames(dataset: Path, cameras: int) -> int:
+    import json
+
+    rows = [json.loads(x) for x in (dataset / "meta" / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    return sum(int(r["length"]) for r in rows) * cameras
+
+
+def prepare(cfg: BenchConfig, workdir: Path) -> Prepared:
+    workdir.mkdir(parents=True, exist_ok=True)
+    dataset, shards = workdir / "lerobot", workdir / "shards"
+    t0 = time.perf_counter()
+    generate(cfg, dataset)
+    generate_s = time.perf_counter() - t0
+    log.info("generated %s in %.1fs; transcoding", dataset, generate_s)
+    transcode_s = transcode(cfg, dataset, shards)
+    index = load_index(str(shards))
+    if index.num_samples < cfg.batch_size * 2:
+        raise ConfigError(f"bench: the shards hold {index.num_samples} samples, fewer than two batches of "
+                          f"{cfg.batch_size}; generate more episodes or lower --batch-size")
+    log.info("shards: %s", index.summary())
+    return Prepared(dataset=str(dataset), shards=str(shards), index=index, windows=windows_of(str(shards), index),
+                    source_frames=count_source_frames(dataset, len(cfg.cameras)), generate_s=generate_s,
+                    transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers)
