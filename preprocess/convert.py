@@ -1,0 +1,109 @@
+"""The per-episode transform: parquet + every camera's mp4 -> staged samples.
+
+`ConvertEpisodeFn` chains stages 2-5 for one episode (read the parquet, decode
+each camera once, cut windows, pack into a staging file) and emits only
+metadata. Bad input never kills the job: a missing/corrupt video, an unreadable
+parquet or a parquet/video length mismatch becomes a record on the `failed`
+output (episode, camera, reason) plus a counter, and the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from loongforge.preprocess import files
+from loongforge.preprocess.decode import decode_nv12
+from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
+from loongforge.preprocess.episode import read_episode
+from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, stage_samples, staging_path
+from loongforge.preprocess.stats import episode_moments
+from loongforge.preprocess.window import cut_samples, plan_windows
+from loongforge.shared import paths
+from loongforge.shared.errors import FormatError, SourceDataError
+
+log = logging.getLogger(__name__)
+FAILED = "failed"
+STATS = "stats"
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertParams:
+    """What the per-episode transform needs from PreprocessConfig, resolved
+    (target size filled in from the source when the config leaves it open)."""
+
+    output: str
+    height: int
+    width: int
+    resize_mode: str
+    frames_per_sample: int
+    stride: int
+    frame_step: int
+    action_horizon: int
+    min_frames: int
+    zstd_level: int
+
+
+def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
+    if root:
+        reason = reason.replace(root.rstrip("/") + "/", "")  # dataset-relative paths in records
+    return {"episode": int(episode), "camera": camera, "reason": reason}
+
+
+class ConvertEpisodeFn(beam.DoFn):
+    def __init__(self, meta: SourceMeta, params: ConvertParams):
+        self.meta = meta
+        self.params = params
+        self.converted = Metrics.counter(METRICS_NS, "episodes_converted")
+        self.failed = Metrics.counter(METRICS_NS, "episodes_failed")
+        self.samples = Metrics.counter(METRICS_NS, "samples")
+        self.frames = Metrics.counter(METRICS_NS, "frames_decoded")
+
+    def _fail(self, spec: EpisodeSpec, camera: str | None, exc: Exception):
+        self.failed.inc()
+        record = failure(spec.index, camera, str(exc), self.meta.uri)
+        log.warning("episode %d failed: %s", spec.index, record["reason"])
+        return beam.pvalue.TaggedOutput(FAILED, record)
+
+    def process(self, spec: EpisodeSpec):
+        t0 = time.perf_counter()
+        p = self.params
+        try:
+            table = read_episode(spec, self.meta)
+        except (SourceDataError, FormatError) as exc:
+            yield self._fail(spec, None, exc)
+            return
+        frames, videos, source_bytes = {}, [], files.size(spec.parquet)
+        for key, path in spec.videos:
+            try:
+                frames[paths.camera_slot(key)], info = decode_nv12(
+                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode)
+                source_bytes += files.size(path)
+            except SourceDataError as exc:
+                yield self._fail(spec, key, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - a decoder bug on one file must not kill the job
+                log.exception("episode %d camera %s: unexpected decode error", spec.index, key)
+                yield self._fail(spec, key, SourceDataError(f"{path}: {type(exc).__name__}: {exc}"))
+                return
+            videos.append((key, info.height, info.width, info.codec, info.color_matrix))
+        windows = plan_windows(table.length, frames_per_sample=p.frames_per_sample, stride=p.stride,
+                               frame_step=p.frame_step, action_horizon=p.action_horizon, min_frames=p.min_frames)
+        if not windows:
+            yield self._fail(spec, None, SourceDataError(
+                f"episode {spec.index}: {table.length} frames, too short for one window of {p.min_frames}"))
+            return
+        path = staging_path(p.output, spec.index)
+        staged = stage_samples(path, cut_samples(table, frames, windows), p.zstd_level)
+        self.converted.inc()
+        self.samples.inc(len(staged))
+        self.frames.inc(table.length * len(frames))
+        log.info("episode %d: %d frames x %d cameras -> %d samples (%.2f s)", spec.index, table.length,
+                 len(frames), len(staged), time.perf_counter() - t0)
+        yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
+        yield StagedEpisode(episode=spec.index, path=path, samples=staged, source_frames=table.length,
+                            source_bytes=source_bytes, videos=tuple(videos))

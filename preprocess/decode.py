@@ -1,0 +1,136 @@
+"""Stage 3: decode one camera's mp4 to NV12 frames at the configured resolution.
+
+Each file is decoded ONCE, front to back (`container.decode`): a seek per frame
+would re-decode from the previous keyframe every time, which at GOP 100+ costs
+~GOP/2 decodes per frame. The whole episode lands in one preallocated
+(n, 3h/2, w) uint8 buffer; windows are then cut from it without re-decoding.
+
+Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
+(no matrix or range conversion), so the NV12 carries the source's colour
+matrix, limited range. Untagged streams are BT.601 (what swscale also assumes
+for RGB conversion), BT.709-tagged streams are recorded as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loongforge.preprocess import files
+from loongforge.shared.errors import SourceDataError
+
+AVCOL_SPC_BT709 = 1  # FFmpeg's AVColorSpace value for BT.709
+
+
+@dataclass(frozen=True, slots=True)
+class VideoInfo:
+    height: int  # source
+    width: int
+    codec: str
+    pix_fmt: str
+    color_matrix: str  # bt601 | bt709
+    frames: int  # decoded
+
+
+def crop_box(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[int, int, int, int]:
+    """Largest centred (y0, x0, h, w) region with the target aspect ratio, on the
+    2x2 chroma grid so the NV12 planes crop consistently."""
+    if src_h * dst_w > src_w * dst_h:  # source is taller than the target aspect
+        w = src_w
+        h = src_w * dst_h // dst_w
+    else:
+        h = src_h
+        w = src_h * dst_w // dst_h
+    h, w = max(2, h - h % 2), max(2, w - w % 2)
+    y0, x0 = (src_h - h) // 2, (src_w - w) // 2
+    return y0 - y0 % 2, x0 - x0 % 2, h, w
+
+
+class NV12Converter:
+    """Frame -> NV12 into a caller's buffer row; the mode is fixed per file."""
+
+    def __init__(self, src_h: int, src_w: int, height: int | None, width: int | None, resize_mode: str):
+        self.src = (src_h, src_w)
+        self.dst = (height or src_h, width or src_w)
+        self.box = crop_box(src_h, src_w, *self.dst) if resize_mode == "crop" else None
+        if self.box is not None and self.box[2:] == self.src:
+            self.box = None  # same aspect: a crop is a plain resize
+
+    def __call__(self, frame, out: np.ndarray) -> None:
+        h, w = self.dst
+        if self.box is None:
+            same = self.src == self.dst
+            # Same size: swscale's yuv420p -> nv12 is a plane copy + chroma interleave (exact).
+            nv12 = frame.reformat(format="nv12") if same else frame.reformat(width=w, height=h, format="nv12")
+            out[...] = nv12.to_ndarray()
+            return
+        self._crop(frame, out)
+
+    def _crop(self, frame, out: np.ndarray) -> None:
+        import av
+
+        if frame.format.name != "yuv420p":
+            frame = frame.reformat(format="yuv420p")
+        src_h, src_w = self.src
+        planes = frame.to_ndarray()  # I420 stacked: Y (h, w) then U, V each h/2*w/2
+        y = planes[:src_h]
+        u = planes[src_h : src_h + src_h // 4].reshape(src_h // 2, src_w // 2)
+        v = planes[src_h + src_h // 4 :].reshape(src_h // 2, src_w // 2)
+        y0, x0, ch, cw = self.box
+        yc = y[y0 : y0 + ch, x0 : x0 + cw]
+        uc = u[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
+        vc = v[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
+        h, w = self.dst
+        if (ch, cw) == (h, w):
+            out[:h] = yc
+            out[h:, 0::2] = uc
+            out[h:, 1::2] = vc
+            return
+        i420 = np.concatenate((yc.reshape(-1), uc.reshape(-1), vc.reshape(-1))).reshape(ch * 3 // 2, cw)
+        cropped = av.VideoFrame.from_ndarray(i420, format="yuv420p")
+        out[...] = cropped.reformat(width=w, height=h, format="nv12").to_ndarray()
+
+
+def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: int | None = None,
+                resize_mode: str = "resize", threads: int = 1) -> tuple[np.ndarray, VideoInfo]:
+    """Decode exactly `n_frames` frames of the first video stream into NV12.
+
+    Raises SourceDataError when the file is missing or unreadable, or holds a
+    different number of frames than `n_frames` (the parquet's row count)."""
+    import av
+
+    try:
+        with files.open_read(path) as f, av.open(f, mode="r") as container:
+            if not container.streams.video:
+                raise SourceDataError(f"{path}: no video stream")
+            stream = container.streams.video[0]
+            # One thread by default: the job already runs one worker per core,
+            # and frame-threaded decoding adds latency without adding throughput.
+            stream.codec_context.thread_count = threads
+            if threads != 1:
+                stream.thread_type = "AUTO"
+            cc = stream.codec_context
+            src_h, src_w = cc.height, cc.width
+            if src_h % 2 or src_w % 2:
+                raise SourceDataError(f"{path}: odd source size {src_h}x{src_w}; NV12 needs even sizes")
+            convert = NV12Converter(src_h, src_w, height, width, resize_mode)
+            h, w = convert.dst
+            out = np.empty((n_frames, h * 3 // 2, w), dtype=np.uint8)
+            count = 0
+            for frame in container.decode(stream):
+                if count == n_frames:
+                    total = stream.frames or "more"
+                    raise SourceDataError(f"{path}: length mismatch: video has {total} frames, parquet {n_frames} rows")
+                convert(frame, out[count])
+                count += 1
+            matrix = "bt709" if cc.colorspace == AVCOL_SPC_BT709 else "bt601"
+            info = VideoInfo(height=src_h, width=src_w, codec=cc.name, pix_fmt=str(cc.pix_fmt),
+                             color_matrix=matrix, frames=count)
+    except FileNotFoundError:
+        raise SourceDataError(f"{path}: video file missing") from None
+    except av.FFmpegError as exc:
+        raise SourceDataError(f"{path}: unreadable video ({type(exc).__name__}: {exc})") from exc
+    if count != n_frames:
+        raise SourceDataError(f"{path}: length mismatch: video has {count} frames, parquet {n_frames} rows")
+    return out, info

@@ -1,0 +1,100 @@
+"""Stage 6: write `failed.jsonl`, then `index.json` (LAST), then clean up.
+
+The index is the commit point of the job: readers treat a root without one as
+unfinished, so it is written only after every shard it names is in place
+(Beam side inputs guarantee all shard writers finished). Everything in it is
+sorted and free of timestamps, so identical runs give identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import apache_beam as beam
+
+from loongforge import __version__
+from loongforge.preprocess import files
+from loongforge.preprocess.config import PreprocessConfig
+from loongforge.preprocess.convert import ConvertParams
+from loongforge.preprocess.discover import SourceMeta
+from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
+from loongforge.shared import paths, storage
+from loongforge.shared.index import CameraInfo, DatasetInfo, ShardEntry, ShardIndex, save_index
+
+log = logging.getLogger(__name__)
+
+
+def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[tuple[CameraInfo, ...], str]:
+    """Camera infos from the decoded streams (first converted episode), falling
+    back to info.json when nothing converted; plus the colour matrix."""
+    seen = {key: (h, w, codec, matrix) for key, h, w, codec, matrix in (staged[0].videos if staged else ())}
+    matrices = {v[4] for ep in staged for v in ep.videos}
+    if len(matrices) > 1:
+        log.warning("cameras/episodes disagree on the colour matrix %s; recording %s", sorted(matrices),
+                    seen and next(iter(seen.values()))[3])
+    cams = []
+    for cam in meta.cameras:
+        h, w, codec, _ = seen.get(cam.key, (cam.height, cam.width, cam.codec, "bt601"))
+        cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec))
+    matrix = next(iter(seen.values()))[3] if seen else "bt601"
+    return tuple(cams), matrix
+
+
+def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, entries: list[ShardEntry],
+                failed: list[dict], stats: dict, staged: list[StagedEpisode]) -> ShardIndex:
+    staged = sorted(staged, key=lambda e: e.episode)
+    cameras, matrix = _cameras(meta, staged)
+    state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
+    action_dim = meta.action_dim or len(stats.get("action", {}).get("mean", ()))
+    source = {
+        "uri": meta.uri, "codebase_version": meta.codebase_version, "robot_type": meta.robot_type,
+        "fingerprint": meta.fingerprint, "warnings": list(meta.warnings),
+        "bytes": sum(e.source_bytes for e in staged), "frames": sum(e.source_frames for e in staged),
+    }
+    dataset = DatasetInfo(
+        fps=meta.fps, height=params.height, width=params.width, cameras=cameras, color_matrix=matrix,
+        color_range="limited", state_dim=state_dim, action_dim=action_dim, action_horizon=cfg.action_horizon,
+        frames_per_sample=cfg.frames_per_sample, state_names=meta.state_names, action_names=meta.action_names,
+        modality=meta.modality, stats=stats, source=source,
+        tasks={str(k): v for k, v in sorted(meta.tasks.items())})
+    failed_sorted = tuple(sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"])))
+    return ShardIndex(dataset=dataset, shards=tuple(sorted(entries, key=lambda e: e.name)),
+                      params={**cfg.output_params(), "height": params.height, "width": params.width},
+                      failed=failed_sorted, episodes=len(staged), created_by=f"loongforge.preprocess {__version__}")
+
+
+def _remove_stale_shards(output: str, index: ShardIndex) -> None:
+    """A previous run with more shards leaves higher-numbered files behind."""
+    keep = {s.name for s in index.shards}
+    try:
+        listed = files.list_files(output, paths.SHARD_DIR)
+    except FileNotFoundError:
+        return
+    for name in sorted(listed - keep):
+        if name.endswith(".tar"):
+            files.remove_file(files.join(output, name))
+
+
+def write_outputs(index: ShardIndex, output: str) -> str:
+    lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in index.failed)
+    storage.write_bytes_atomic(paths.join(output, paths.FAILED_FILE), lines.encode())
+    path = save_index(index, output)  # last: its presence means the shard set is complete
+    _remove_stale_shards(output, index)
+    files.remove_tree(files.join(output, STAGING_DIR))
+    return path
+
+
+class FinalizeFn(beam.DoFn):
+    """Runs once, after every shard is written; emits the index summary."""
+
+    def __init__(self, meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams):
+        self.meta, self.cfg, self.params = meta, cfg, params
+
+    def process(self, _unused, entries, failed, stats, staged):
+        index = build_index(self.meta, self.cfg, self.params, list(entries), list(failed), stats or {},
+                            list(staged))
+        path = write_outputs(index, self.cfg.output)
+        log.info("wrote %s: %d shards, %d samples, %d failed", path, len(index.shards), index.num_samples,
+                 len(index.failed))
+        yield index.summary()

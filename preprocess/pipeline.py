@@ -1,0 +1,174 @@
+"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index.
+
+Local (default runner: Beam's FnApiRunner, one worker process per core):
+
+    loongforge preprocess --input data/sample --output out/shards
+    python -m loongforge.preprocess.pipeline --input data/sample --output out/shards --workers 2
+
+Dataflow (standard Beam pipeline options pass straight through; see
+infra/dataflow/launch.sh for the full command):
+
+    python -m loongforge.preprocess.pipeline --input gs://bkt/lerobot/ds --output gs://bkt/shards/ds \\
+        --runner=DataflowRunner --project=P --region=us-central1 --temp_location=gs://bkt/tmp \\
+        --setup_file=./setup.py --requirements_file=infra/dataflow/requirements.txt
+
+Stages, top to bottom (one module each): discover (meta, launcher side) ->
+convert per episode [episode: parquet, decode: mp4 -> NV12, window: samples,
+pack: staging file] -> plan shards (metadata only) -> write shards -> stats
+(CombineFn) -> finalize (failed.jsonl, then index.json last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.pvalue import AsList, AsSingleton
+
+from loongforge.preprocess import files
+from loongforge.preprocess.config import PreprocessConfig, parse_size
+from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
+from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.finalize import FinalizeFn
+from loongforge.preprocess.pack import STAGING_DIR, WriteShardFn, plan_shards
+from loongforge.preprocess.stats import NormStatsCombineFn
+from loongforge.shared import paths
+from loongforge.shared.errors import ConfigError
+from loongforge.shared.index import load_index
+
+log = logging.getLogger(__name__)
+STAGED = "staged"
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
+    parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
+    parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="frames per window (4)")
+    parser.add_argument("--stride", type=int, default=4, metavar="S", help="frames between window starts (4)")
+    parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="frames between window frames (1)")
+    parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
+    parser.add_argument("--min-frames", type=int, default=2, metavar="M", help="shortest tail window kept (2)")
+    parser.add_argument("--height", type=int, default=None, help="output height (default: source)")
+    parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
+    parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
+                        help="resize: scale to HxW; crop: centre-crop to the aspect, then scale")
+    parser.add_argument("--shard-size", default="64MB", help="target shard size, e.g. 64MB, 1GB (64MB)")
+    parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
+    parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    return PreprocessConfig(input=args.input, output=args.output, frames_per_sample=args.frames_per_sample,
+                            stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
+                            min_frames=args.min_frames, height=args.height, width=args.width,
+                            resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size),
+                            zstd_level=args.zstd_level, workers=args.workers)
+
+
+def beam_options(cfg: PreprocessConfig, beam_args: list[str]) -> PipelineOptions:
+    """The local defaults unless the caller chose otherwise (any --runner, or
+    its own --direct_* flags, wins: Dataflow/Flink options pass through)."""
+    given = {a.split("=", 1)[0] for a in beam_args}
+    flags = list(beam_args)
+    if "--runner" not in given:
+        # Beam's default DirectRunner would fetch a Prism binary (fails offline).
+        flags.append("--runner=FnApiRunner")
+        if "--direct_num_workers" not in given:
+            flags.append(f"--direct_num_workers={cfg.num_workers}")
+        if "--direct_running_mode" not in given:
+            flags.append("--direct_running_mode=multi_processing")
+    return PipelineOptions(flags=flags)
+
+
+def resolve_params(cfg: PreprocessConfig, meta: SourceMeta) -> ConvertParams:
+    height, width = cfg.height, cfg.width
+    if height is None:  # source resolution: the first camera's, per info.json
+        height, width = meta.cameras[0].height, meta.cameras[0].width
+        if height % 2 or width % 2 or height <= 0 or width <= 0:
+            raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
+    return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
+                         frames_per_sample=cfg.frames_per_sample, stride=cfg.stride, frame_step=cfg.frame_step,
+                         action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level)
+
+
+def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec]):
+    params = resolve_params(cfg, meta)
+    converted = (
+        p
+        | "ListEpisodes" >> beam.Create(episodes)
+        | "SpreadEpisodes" >> beam.Reshuffle()
+        | "ConvertEpisodes" >> beam.ParDo(ConvertEpisodeFn(meta, params)).with_outputs(FAILED, STATS, main=STAGED)
+    )
+    staged, failed = converted[STAGED], converted[FAILED]
+    entries = (
+        staged
+        | "CollectStaged" >> beam.combiners.ToList()
+        | "PlanShards" >> beam.FlatMap(plan_shards, cfg.shard_size)
+        | "SpreadShards" >> beam.Reshuffle()
+        | "WriteShards" >> beam.ParDo(WriteShardFn(cfg.output))
+    )
+    stats = converted[STATS] | "NormStats" >> beam.CombineGlobally(NormStatsCombineFn())
+    return (
+        p
+        | "Once" >> beam.Create([None])
+        | "WriteIndex" >> beam.ParDo(FinalizeFn(meta, cfg, params), entries=AsList(entries), failed=AsList(failed),
+                                     stats=AsSingleton(stats), staged=AsList(staged))
+    )
+
+
+def prepare_output(output: str) -> None:
+    """Drop a previous run's index first: if this run dies half-way, the root
+    must not look complete while its shards are being overwritten."""
+    files.remove_file(paths.join(output, paths.INDEX_FILE))
+    files.remove_tree(files.join(output, STAGING_DIR))
+
+
+def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
+    """Run the job to completion; returns the summary (index numbers + timing)."""
+    meta, episodes = discover(cfg.input)
+    prepare_output(cfg.output)
+    log.info("preprocess %s -> %s: %d episodes, cameras %s", cfg.input, cfg.output, len(episodes),
+             [c.key for c in meta.cameras])
+    t0 = time.perf_counter()
+    with beam.Pipeline(options=beam_options(cfg, beam_args or [])) as p:
+        build_pipeline(p, cfg, meta, episodes)
+    return summarize(cfg.output, time.perf_counter() - t0)
+
+
+def summarize(root: str, seconds: float | None = None) -> dict:
+    index = load_index(root)
+    ds = index.dataset
+    out = index.summary()
+    bytes_in = int(ds.source.get("bytes", 0))
+    nv12 = index.num_frames * ds.frame_bytes * len(ds.cameras)
+    out.update({
+        "source_frames": int(ds.source.get("frames", 0)),
+        "bytes_in": bytes_in,
+        "bytes_out": index.total_bytes,
+        "out_over_in": round(index.total_bytes / bytes_in, 3) if bytes_in else None,
+        "nv12_over_out": round(nv12 / index.total_bytes, 3) if index.total_bytes else None,
+        "warnings": list(ds.source.get("warnings", [])),
+        "failed_records": list(index.failed),
+    })
+    if seconds is not None:
+        decoded = out["source_frames"] * len(ds.cameras)
+        out["seconds"] = round(seconds, 2)
+        out["frames_per_s"] = round(decoded / seconds, 1) if seconds > 0 else None
+    return out
+
+
+def run(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m loongforge.preprocess.pipeline", description=__doc__.splitlines()[0])
+    add_job_arguments(parser)
+    args, beam_args = parser.parse_known_args(argv)
+    return run_job(config_from_args(args), beam_args)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = run(sys.argv[1:])
+    print(summary)

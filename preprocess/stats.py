@@ -1,0 +1,80 @@
+"""Normalisation statistics (mean/std/min/max of state and action over every
+frame of every converted episode), computed inside the pipeline.
+
+Determinism: Beam combines partial results in whatever order bundles finish,
+and float merges are not associative, so merging in arrival order would make
+`index.json` differ between identical runs. The accumulator therefore keeps one
+partial per episode (a few numbers per dimension) and `extract_output` merges
+them in episode order (Chan et al.'s parallel mean/variance update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Moments:
+    count: int
+    mean: tuple[float, ...]
+    m2: tuple[float, ...]  # sum of squared deviations from the mean
+    min: tuple[float, ...]
+    max: tuple[float, ...]
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> "Moments":
+        x = np.asarray(rows, dtype=np.float64)
+        mean = x.mean(axis=0)
+        return cls(count=int(x.shape[0]), mean=tuple(mean.tolist()), m2=tuple(((x - mean) ** 2).sum(axis=0).tolist()),
+                   min=tuple(x.min(axis=0).tolist()), max=tuple(x.max(axis=0).tolist()))
+
+    def merge(self, other: "Moments") -> "Moments":
+        n = self.count + other.count
+        a_mean, b_mean = np.asarray(self.mean), np.asarray(other.mean)
+        delta = b_mean - a_mean
+        mean = a_mean + delta * (other.count / n)
+        m2 = np.asarray(self.m2) + np.asarray(other.m2) + delta**2 * (self.count * other.count / n)
+        return Moments(count=n, mean=tuple(mean.tolist()), m2=tuple(m2.tolist()),
+                       min=tuple(np.minimum(self.min, other.min).tolist()),
+                       max=tuple(np.maximum(self.max, other.max).tolist()))
+
+    def summary(self) -> dict:
+        std = np.sqrt(np.asarray(self.m2) / max(self.count, 1))
+        return {"count": self.count, "mean": list(self.mean), "std": std.tolist(), "min": list(self.min),
+                "max": list(self.max)}
+
+
+def episode_moments(episode: int, state: np.ndarray, action: np.ndarray) -> tuple[int, dict[str, Moments]]:
+    return episode, {"state": Moments.of(state), "action": Moments.of(action)}
+
+
+class NormStatsCombineFn(beam.CombineFn):
+    """(episode, {"state": Moments, "action": Moments}) -> {"state": {...}, "action": {...}}."""
+
+    def create_accumulator(self) -> dict:
+        return {}
+
+    def add_input(self, acc: dict, element) -> dict:
+        episode, moments = element
+        acc[int(episode)] = moments
+        return acc
+
+    def merge_accumulators(self, accumulators) -> dict:
+        merged: dict = {}
+        for acc in accumulators:
+            merged.update(acc)
+        return merged
+
+    def extract_output(self, acc: dict) -> dict:
+        out = {}
+        for name in ("state", "action"):
+            total = None
+            for episode in sorted(acc):
+                part = acc[episode][name]
+                total = part if total is None else total.merge(part)
+            if total is not None:
+                out[name] = total.summary()
+        return out
