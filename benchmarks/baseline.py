@@ -105,7 +105,7 @@ class LeRobotVideoDataset:
     """Map-style dataset of `windows` over a LeRobot v2.x root (see module doc)."""
 
     def __init__(self, root: str | Path, windows: list[Window], *, action_horizon: int,
-                 cameras: tuple[str, ...] | None = None, backend: str = "pyav"):
+                 cameras: tuple[str, ...] | None = None, backend: str = "pyav", transform=None):
         if backend not in BACKENDS:
             raise ConfigError(f"backend={backend!r}: choose one of {BACKENDS}")
         self.root = Path(root)
@@ -118,6 +118,9 @@ class LeRobotVideoDataset:
         self.windows = list(windows)
         self.action_horizon = action_horizon
         self.backend = backend
+        # Per-item transform run in the worker, as GR00T's dataset applies its
+        # transforms (normalization, tokenization) inside __getitem__.
+        self.transform = transform
         # LeRobotDataset's default tolerance_s: decoded pts must match the parquet timestamps.
         self.tolerance_s = 1e-4
         self.tasks = {int(r["task_index"]): r["task"] for r in _jsonl(self.root / "meta" / "tasks.jsonl")}
@@ -170,7 +173,7 @@ class LeRobotVideoDataset:
         item["action"] = torch.from_numpy(table["action"][np.minimum(idx, n - 1)])
         item["action_is_pad"] = torch.from_numpy(idx >= n)
         item["task"] = self.tasks.get(int(table["task_index"][frames[0]]), "")
-        return item
+        return self.transform(item) if self.transform is not None else item
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -33,7 +33,10 @@ class CacheDaemon:
         self.extra_args = extra_args
         # AF_UNIX paths are limited to ~107 bytes; keep the socket name short.
         self.socket = str(self.workdir / "c.sock")
-        self.ram_dir = self.workdir / "ram"
+        # The RAM tier belongs on tmpfs: on a disk directory it would be a disk tier.
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.workdir
+        self.ram_dir = base / f"loongforge-bench-{os.getpid()}-{id(self):x}"
         self.proc: subprocess.Popen | None = None
         self._lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

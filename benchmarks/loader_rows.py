@@ -1,0 +1,145 @@
+"""P1 (loader samples/s, LoongForge vs the on-the-fly baseline) and P2
+(LoongForge frames/s per worker vs the zstd limit, with a profile of the
+decode path when the goal is missed)."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import logging
+import pstats
+import time
+from dataclasses import dataclass, field
+
+from loongforge.benchmarks import loongforge_path as lf
+from loongforge.benchmarks.baseline import LeRobotVideoDataset, make_baseline_loader
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.benchmarks.data import Prepared
+from loongforge.benchmarks.measure import Stat, endless, ratio, time_pass
+from loongforge.benchmarks.rows import Row
+
+log = logging.getLogger(__name__)
+P1_GOAL = 20.0
+P2_GOAL = 0.60
+
+
+@dataclass(slots=True)
+class Context:
+    cfg: BenchConfig
+    prep: Prepared
+    socket: str | None  # cache daemon socket; None = the origin (row notes say why)
+    source_label: str
+    measured: dict = field(default_factory=dict)  # figures later rows reuse (P5 uses P1's)
+
+    def baseline_dataset(self) -> LeRobotVideoDataset:
+        cams = tuple(f"observation.images.{c}" for c in self.cfg.cameras)
+        return LeRobotVideoDataset(self.prep.dataset, list(self.prep.windows),
+                                   action_horizon=self.prep.index.dataset.action_horizon, cameras=cams)
+
+    def window_params(self) -> dict:
+        ds = self.prep.index.dataset
+        return {"frames_per_sample": ds.frames_per_sample, "cameras": list(ds.slots),
+                "resolution": [ds.height, ds.width], "batch_size": self.cfg.batch_size,
+                "samples": self.prep.index.num_samples, "gop": self.cfg.gop}
+
+
+def baseline_pass(ctx: Context, workers: int, batches: int) -> float:
+    loader = make_baseline_loader(ctx.baseline_dataset(), batch_size=ctx.cfg.batch_size, num_workers=workers,
+                                  seed=ctx.cfg.seed)
+    stream = endless(lambda: loader)
+    try:
+        return time_pass(stream, warmup=ctx.cfg.warmup_batches, timed=batches).samples_per_s
+    finally:
+        stream.close()  # shuts the DataLoader's workers down now, not at garbage collection
+
+
+def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True) -> float:
+    with lf.opened(lf.make_loader(ctx.prep.shards, ctx.prep.index, ctx.cfg, workers=workers,
+                                  socket=ctx.socket, rgb=rgb)) as loader:
+        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches).samples_per_s
+
+
+def p1_rows(ctx: Context) -> list[Row]:
+    rows = []
+    for w in ctx.cfg.workers:
+        base, ours = [], []
+        for _ in range(ctx.cfg.repeats):  # interleaved, so machine noise hits both alike
+            base.append(baseline_pass(ctx, w, ctx.cfg.baseline_batches))
+            ours.append(ours_pass(ctx, w, ctx.cfg.ours_batches))
+        b, o = Stat.of(base), Stat.of(ours)
+        ctx.measured[("p1", w)] = (b, o)
+        r = ratio(o, b)
+        rows.append(Row(
+            id=f"P1/w{w}", title=f"Loader samples/s, {w} worker{'s' if w != 1 else ''}", unit="samples/s",
+            params={**ctx.window_params(), "workers": w, "baseline_batches": ctx.cfg.baseline_batches,
+                    "ours_batches": ctx.cfg.ours_batches, "warmup_batches": ctx.cfg.warmup_batches,
+                    "repeats": ctx.cfg.repeats, "ours_source": ctx.source_label, "output": "float RGB, normalized"},
+            baseline_label="PyAV on-the-fly (LeRobot-style DataLoader)", ours_label=f"ShardLoader ({ctx.source_label})",
+            baseline=b, ours=o, ratio=r, goal=f">= {P1_GOAL:.0f}x", goal_met=r.median >= P1_GOAL))
+        log.info("P1 w=%d baseline %.1f ours %.1f samples/s (%.1fx)", w, b.median, o.median, r.median)
+    return rows
+
+
+def fill_profile(ctx: Context, batches: int = 20) -> dict:
+    """cProfile of the decode workers' body (`fill_batch`) run in this process:
+    where a worker's time goes, measured. Returns the top functions by own time
+    and the share spent inside zstd decompression."""
+    import numpy as np
+
+    from loongforge.train.batch import BatchLayout, Norm, bucket_for, default_buckets, fill_batch
+    from loongforge.train.sources import SourceSpec, close_source, make_source
+
+    index = ctx.prep.index
+    max_frames = max(max(s.frames) for s in index.shards)
+    layout = BatchLayout.from_index(index, ctx.cfg.batch_size, 32, default_buckets(max_frames)[-1])
+    k = bucket_for(max_frames, default_buckets(max_frames))
+    arrays = layout.views(bytearray(layout.nbytes), k)
+    norm = Norm.from_index(index)
+    source = make_source(SourceSpec(root=ctx.prep.shards, cache_socket=ctx.socket), index)
+    ids = np.random.default_rng(0).permutation(index.num_samples)
+    plans = [[(int(g), *index.locate(int(g))) for g in ids[i:i + ctx.cfg.batch_size]]
+             for i in range(0, len(ids) - ctx.cfg.batch_size + 1, ctx.cfg.batch_size)][:batches]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for items in plans:
+        fill_batch(source, index, layout, norm, arrays, items, "raise")
+    prof.disable()
+    elapsed = time.perf_counter() - t0
+    close_source(source)
+    frames = len(plans) * ctx.cfg.batch_size * index.dataset.frames_per_sample * len(layout.slots)
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    total = sum(v[2] for v in stats.stats.values()) or 1e-9  # own time of every function
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:8]
+    zstd = sum(v[2] for (f, _, name), v in stats.stats.items() if "readinto" in name or "zstd" in f.lower())
+    return {"frames_per_s": frames / elapsed, "zstd_share": zstd / total,
+            "top_own_time": [{"function": f"{f.rsplit('/', 1)[-1]}:{line}({name})", "share": v[2] / total}
+                             for (f, line, name), v in top]}
+
+
+def p2_rows(ctx: Context) -> list[Row]:
+    ds = ctx.prep.index.dataset
+    per_sample = ds.frames_per_sample * len(ds.slots)
+    rows = []
+    limit = Stat.of(lf.zstd_limit(ctx.prep.shards, ctx.prep.index) for _ in range(ctx.cfg.repeats))
+    for w in sorted({max(1, w) for w in ctx.cfg.workers}):
+        vals = [ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False) * per_sample / w for _ in range(ctx.cfg.repeats)]
+        o = Stat.of(vals)
+        r = ratio(o, limit)
+        row = Row(id=f"P2/w{w}", title=f"Frames/s per worker vs zstd limit, {w} worker{'s' if w != 1 else ''}",
+                  unit="frames/s/worker",
+                  params={**ctx.window_params(), "workers": w, "ours_batches": ctx.cfg.ours_batches,
+                          "repeats": ctx.cfg.repeats, "output": "NV12 uint8 (RGB conversion is on the GPU)",
+                          "ours_source": ctx.source_label},
+                  baseline_label="raw zstd decompression, 1 core, bytes in RAM", ours_label="ShardLoader per worker",
+                  baseline=limit, ours=o, ratio=r, ratio_note="LoongForge / zstd limit",
+                  goal=f">= {P2_GOAL:.0%} of limit", goal_met=r.median >= P2_GOAL)
+        if not row.goal_met:
+            prof = fill_profile(ctx)
+            row.extra["worker_body_profile"] = prof
+            row.notes.append(
+                f"goal missed; profile of the worker body (fill_batch): {prof['frames_per_s']:.0f} frames/s "
+                f"single-threaded, {prof['zstd_share']:.0%} of its time in zstd; top own time: "
+                + ", ".join(f"{t['function']} {t['share']:.0%}" for t in prof["top_own_time"][:3]))
+        rows.append(row)
+    return rows

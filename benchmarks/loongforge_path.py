@@ -1,0 +1,116 @@
+"""LoongForge's side of the comparison: the trainer's `ShardLoader` reading shards
+through the cache daemon, and the physical limit of that path (raw zstd).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.shared.format import SampleParts, decompress_into
+from loongforge.shared.index import ShardIndex
+from loongforge.shared.source import OriginSource
+
+
+def cache_status() -> str | None:
+    """None if the cache client and daemon are installed, else why not."""
+    for module in ("loongforge.cache.client", "loongforge.cache.cli"):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} does not exist yet"
+        except ImportError as exc:
+            return f"{module} not importable ({exc})"
+    return None
+
+
+def loader_status() -> str | None:
+    try:
+        if importlib.util.find_spec("loongforge.train.loader") is None:
+            return "loongforge.train.loader does not exist yet"
+    except ImportError as exc:
+        return f"loongforge.train.loader not importable ({exc})"
+    return None
+
+
+def make_loader(root: str, index: ShardIndex, cfg: BenchConfig, *, workers: int, socket: str | None,
+                rgb: bool = True):
+    """The loader exactly as the trainer builds it (global batch = batch_size, one rank).
+    rgb=True returns normalized float RGB, the same thing the baseline returns."""
+    from loongforge.train.loader import ShardLoader
+    from loongforge.train.sources import SourceSpec
+
+    spec = SourceSpec(root=root, cache_socket=socket)
+    return ShardLoader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, index=index,
+                       source=spec, device="cpu", rgb=rgb)
+
+
+@contextmanager
+def opened(loader):
+    try:
+        yield loader
+    finally:
+        loader.close()
+
+
+def warm_cache(root: str, index: ShardIndex, socket: str) -> dict:
+    """Read every shard once through the daemon so the next reads are RAM-tier hits.
+    Returns what the client reports about where the bytes came from."""
+    from loongforge.train.sources import SourceSpec, close_source, make_source
+
+    source = make_source(SourceSpec(root=root, cache_socket=socket), index)
+    try:
+        if isinstance(source, OriginSource):
+            raise RuntimeError("the cache client fell back to the origin: the daemon is not serving")
+        for entry in index.shards:
+            source.read_shard(entry.name)
+        stats = getattr(source, "stats", None)
+        return dict(stats() if callable(stats) else stats or {})
+    finally:
+        close_source(source)
+
+
+def evict_page_cache(root: str, index: ShardIndex) -> bool:
+    """Drop the origin's shard files from the OS page cache (no root needed for
+    clean pages), so a "cold" pass really reads the disk. False if unsupported."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for entry in index.shards:
+        fd = os.open(str(Path(root) / entry.name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def zstd_limit(root: str, index: ShardIndex, *, min_seconds: float = 1.0, max_samples: int = 256) -> float:
+    """Frames/s one core decompresses from the very frame payloads the loader
+    reads, already in memory, into one reused buffer: no I/O, no parsing, no
+    copies — the ceiling of a decode worker."""
+    ds = index.dataset
+    source = OriginSource(root, index)
+    blobs: list[tuple[bytes, int]] = []
+    for entry in index.shards:
+        for off, length, k in zip(entry.offsets, entry.lengths, entry.frames):
+            parts = SampleParts(source.read_range(entry.name, off, length))
+            blobs.extend((bytes(parts.frames_blob(slot)), k) for slot in ds.slots)
+            if len(blobs) >= max_samples * len(ds.slots):
+                break
+        if len(blobs) >= max_samples * len(ds.slots):
+            break
+    kmax = max(k for _, k in blobs)
+    out = np.empty((kmax, ds.height * 3 // 2, ds.width), np.uint8)
+    frames, start = 0, time.perf_counter()
+    while True:
+        for blob, k in blobs:
+            decompress_into(blob, out[:k])
+            frames += k
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return frames / elapsed

@@ -1,0 +1,170 @@
+"""What a bench run leaves behind: machine info, the result JSON, the markdown
+table (stdout and README) and the PNG plot, all generated from measured rows."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from loongforge.shared.storage import write_bytes_atomic
+
+RESULT_VERSION = 1
+LIBRARIES = ("loongforge", "torch", "av", "numpy", "zstandard", "pyarrow", "apache-beam", "redis", "torchcodec",
+             "deepspeed")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine_info() -> dict:
+    versions = {}
+    for lib in LIBRARIES:
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            versions[lib] = None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {"host": socket.gethostname(), "cpu_model": _cpu_model(), "cores_logical": os.cpu_count(),
+            "cores_usable": usable, "memory_bytes": mem, "platform": platform.platform(),
+            "python": platform.python_version(), "libraries": versions, "git_commit": _git_commit(),
+            "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "gpu": "none measured (CPU-only benchmark)"}
+
+
+def result_path(out_dir: Path, when: _dt.datetime, host: str) -> Path:
+    safe_host = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)[:40] or "host"
+    return out_dir / f"{when:%Y-%m-%d}-{safe_host}.json"
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(str(path), (json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v != v or v in (float("inf"), float("-inf")):
+        return str(v)
+    a = abs(v)
+    if a >= 100:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 0.01 or a == 0:
+        return f"{v:.3g}"
+    return f"{v:.2e}"
+
+
+def fmt_stat(s: dict | None, unit: str = "") -> str:
+    if not s:
+        return "-"
+    share = unit == "share"
+    f = (lambda x: f"{100 * x:.1f}%") if share else _fmt
+    spread = "" if s["min"] == s["max"] else f" [{f(s['min'])}–{f(s['max'])}]"
+    tail = "" if share or not unit else f" {unit}"
+    return f"{f(s['median'])}{spread}{tail}"
+
+
+def fmt_ratio(s: dict | None) -> str:
+    if not s:
+        return "-"
+    spread = "" if s["min"] == s["max"] else f" [{_fmt(s['min'])}–{_fmt(s['max'])}]"
+    return f"{_fmt(s['median'])}x{spread}"
+
+
+def _goal(row: dict) -> str:
+    if not row.get("goal"):
+        return ""
+    met = row.get("goal_met")
+    return f"{row['goal']}: " + ("met" if met else "MISSED" if met is not None else "?")
+
+
+def markdown_table(doc: dict) -> str:
+    lines = ["| Row | What | Baseline | LoongForge | Ratio | Goal |", "|---|---|---|---|---|---|"]
+    for row in doc["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['id']} | {row['title']} | {row['status']} | | | |")
+            continue
+        ratio = fmt_ratio(row["ratio"]) + (f" ({row['ratio_note']})" if row["ratio"] else "")
+        lines.append(f"| {row['id']} | {row['title']} | {fmt_stat(row['baseline'], row['unit'])} | "
+                     f"{fmt_stat(row['ours'], row['unit'])} | {ratio} | {_goal(row)} |")
+    for row in doc.get("components", []):
+        raw = {k: v for k, v in row["raw"].items() if k not in ("id", "name", "title", "params")}
+        body = ", ".join(f"{k}={_fmt(v) if isinstance(v, float) else v}" for k, v in raw.items()
+                         if not isinstance(v, (dict, list)))
+        lines.append(f"| {row['id']} | {row['title']} | {body} | | | |")
+    notes = [f"- {row['id']}: {n}" for row in doc["rows"] for n in row.get("notes", [])]
+    m = doc["machine"]
+    head = (f"LoongForge bench ({'quick' if doc['config']['quick'] else 'full'}), {doc['started']}, "
+            f"{m['cpu_model']}, {m['cores_usable']} usable cores; median [min–max] of "
+            f"{doc['config']['repeats']} repeat(s)")
+    return "\n".join([head, "", *lines, *([""] + notes if notes else [])])
+
+
+def plot(doc: dict, path: Path) -> Path | None:
+    """samples/s per worker count (log scale) and data-wait share, baseline vs LoongForge."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p1 = [r for r in doc["rows"] if r["id"].startswith("P1/") and r["status"] == "ok"]
+    p3 = next((r for r in doc["rows"] if r["id"] == "P3/share" and r["status"] == "ok"), None)
+    if not p1 and p3 is None:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if p1:
+        xs = range(len(p1))
+        for off, key, label in ((-0.2, "baseline", "baseline (PyAV on the fly)"), (0.2, "ours", "LoongForge")):
+            med = [r[key]["median"] for r in p1]
+            err = [[m - r[key]["min"] for m, r in zip(med, p1)], [r[key]["max"] - m for m, r in zip(med, p1)]]
+            ax1.bar([x + off for x in xs], med, 0.4, yerr=err, label=label, capsize=3)
+        ax1.set_xticks(list(xs), [f"{r['params']['workers']} workers" for r in p1])
+        ax1.set_yscale("log")
+        ax1.set_ylabel("samples/s (log)")
+        ax1.set_title("P1 loader throughput")
+        ax1.legend()
+    if p3 is not None:
+        vals = [p3["baseline"]["median"] * 100, p3["ours"]["median"] * 100]
+        ax2.bar(["baseline", "LoongForge"], vals, color=["tab:blue", "tab:orange"])
+        ax2.axhline(5, color="gray", linestyle="--", label="goal: 5%")
+        ax2.set_ylabel("data-wait share of step time (%)")
+        ax2.set_title("P3 data-bound training (tiny model)")
+        ax2.legend()
+    fig.suptitle(f"{doc['machine']['cpu_model']} ({doc['machine']['cores_usable']} cores), {doc['started']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

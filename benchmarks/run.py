@@ -1,0 +1,137 @@
+"""`loongforge bench`: build the inputs once, run every row, write the results.
+
+Order of work: generate a LeRobot dataset -> transcode it with the real
+`loongforge preprocess` -> start a real cache daemon and warm it -> P1..P5 ->
+the component benchmarks (benchmarks/preprocess.py, benchmarks/cache.py) ->
+JSON + PNG + markdown table. A row whose component is missing says
+"not available: <reason>"; a row that crashes says "failed: <error>" and the
+rest still run, so one broken service never hides the others' figures.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from contextlib import ExitStack
+from pathlib import Path
+
+from loongforge.benchmarks import loongforge_path as lf
+from loongforge.benchmarks import report
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.benchmarks.daemon import CacheDaemon
+from loongforge.benchmarks.data import prepare
+from loongforge.benchmarks.loader_rows import Context, p1_rows, p2_rows
+from loongforge.benchmarks.onetime_rows import p4_rows, p5_rows
+from loongforge.benchmarks.rows import Row, component_row
+from loongforge.benchmarks.training_rows import p3_rows
+
+log = logging.getLogger(__name__)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+SECTIONS = (("P1", "Loader samples/s", p1_rows), ("P2", "Frames/s per worker vs zstd limit", p2_rows),
+            ("P3", "Data-bound training", p3_rows), ("P4", "Cold start", None), ("P5", "Preprocess cost", p5_rows))
+COMPONENTS = (("preprocess", "loongforge.benchmarks.preprocess"), ("cache", "loongforge.benchmarks.cache"))
+
+
+def _section(rows: list[Row], sid: str, title: str, fn, *args) -> None:
+    t0 = time.perf_counter()
+    try:
+        got = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - record and go on: the other rows still mean something
+        log.error("%s failed:\n%s", sid, traceback.format_exc())
+        got = [Row(id=sid, title=title, unit="", status=f"failed: {type(exc).__name__}: {exc}"[:400])]
+    for row in got:
+        row.extra.setdefault("section_wall_s", time.perf_counter() - t0)
+    rows.extend(got)
+
+
+def _components(quick: bool) -> list[dict]:
+    out = []
+    for kind, module_name in COMPONENTS:
+        t0 = time.perf_counter()
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            out.append({"id": f"C-{kind}", "title": f"benchmarks/{kind}.py", "status": f"not available: {exc}",
+                        "raw": {}})
+            continue
+        try:
+            raws = module.run(quick)
+            out.extend(component_row(kind, i, raw) for i, raw in enumerate(raws))
+        except Exception as exc:  # noqa: BLE001
+            log.error("component %s failed:\n%s", kind, traceback.format_exc())
+            out.append({"id": f"C-{kind}", "title": f"benchmarks/{kind}.py", "raw": {},
+                        "status": f"failed: {type(exc).__name__}: {exc}"[:400]})
+        log.info("component %s took %.1fs", kind, time.perf_counter() - t0)
+    return out
+
+
+def _unavailable_all(reason: str) -> list[Row]:
+    return [Row.unavailable(sid, title, reason) for sid, title, _ in SECTIONS]
+
+
+def run(cfg: BenchConfig, *, out_dir: Path = DEFAULT_OUT, workdir: Path | None = None,
+        plot: bool = True) -> tuple[dict, Path]:
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    machine = report.machine_info()
+    rows: list[Row] = []
+    inputs: dict = {}
+    with ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loongforge-bench-")))
+        elif workdir.exists():
+            shutil.rmtree(workdir)  # every run regenerates: the transcode is one of the figures
+        try:
+            prep = prepare(cfg, workdir)
+        except Exception as exc:  # noqa: BLE001 - no inputs, no rows; say why for each
+            log.error("preparing the inputs failed:\n%s", traceback.format_exc())
+            rows = _unavailable_all(f"inputs could not be prepared ({type(exc).__name__}: {exc})"[:400])
+            prep = None
+        if prep is not None:
+            inputs = {"dataset": prep.dataset, "shards": prep.shards, "index": prep.index.summary(),
+                      "generate_s": prep.generate_s, "transcode_s": prep.transcode_s}
+            rows = _measure(cfg, prep, workdir, stack, inputs)
+    components = _components(cfg.quick) if cfg.components else []
+    doc = {"result_version": report.RESULT_VERSION, "started": started.isoformat(timespec="seconds"),
+           "wall_s": time.perf_counter() - t0, "config": cfg.to_dict(), "machine": machine, "inputs": inputs,
+           "rows": [r.to_dict() for r in rows], "components": components}
+    doc["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    path = report.result_path(out_dir, started, machine["host"])
+    if plot:
+        png = report.plot(doc, path.with_suffix(".png"))
+        doc["plot"] = png.name if png else None
+    report.write_json(path, doc)
+    return doc, path
+
+
+def _measure(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: dict) -> list[Row]:
+    rows: list[Row] = []
+    missing = lf.loader_status()
+    if missing:
+        return _unavailable_all(missing)
+    cache_reason = lf.cache_status()
+    socket, label = None, "origin mmap"
+    if cache_reason is None:
+        try:
+            daemon = stack.enter_context(CacheDaemon(prep.shards, workdir / "hot", ram_budget=cfg.ram_budget))
+            inputs["warm_cache"] = lf.warm_cache(prep.shards, prep.index, daemon.socket)
+            socket, label = daemon.socket, "cache daemon, hot"
+        except Exception as exc:  # noqa: BLE001
+            log.error("cache daemon unusable:\n%s", traceback.format_exc())
+            cache_reason = f"cache daemon unusable ({type(exc).__name__}: {exc})"[:300]
+    if cache_reason is not None:
+        label = f"origin mmap; cache not available: {cache_reason}"
+    inputs["loongforge_source"] = label
+    ctx = Context(cfg=cfg, prep=prep, socket=socket, source_label=label)
+    for sid, title, fn in SECTIONS:
+        if sid == "P4":
+            _section(rows, sid, title, p4_rows, ctx, cache_reason)
+        else:
+            _section(rows, sid, title, fn, ctx)
+    return rows
