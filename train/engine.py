@@ -1,0 +1,128 @@
+"""DeepSpeed wiring: the JSON config generated from the typed config, process
+group setup/teardown, the engine, and per-step communication time.
+
+The model module knows nothing of any of this (torchtitan's split).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from loongforge.shared.errors import ConfigError
+from loongforge.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device: cuda requested but torch.cuda.is_available() is False; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
+    """The DeepSpeed JSON, from the typed config. One place, so it can be printed and diffed."""
+    p, o = cfg.parallel, cfg.optim
+    step_batch = cfg.data.global_batch_size
+    micro = step_batch // (world * p.grad_accum)
+    if micro * world * p.grad_accum != step_batch:
+        raise ConfigError(f"data.global_batch_size: {step_batch} must equal micro batch x {world} ranks x "
+                          f"{p.grad_accum} accumulation steps; pick a multiple of {world * p.grad_accum}")
+    cuda = device.type == "cuda"
+    bf16 = p.precision == "bf16" or (p.precision == "auto" and cuda)
+    zero = {"stage": p.zero_stage, "reduce_bucket_size": p.reduce_bucket_size, "overlap_comm": p.overlap_comm,
+            "contiguous_gradients": True, "allgather_bucket_size": p.reduce_bucket_size}
+    if p.zero_stage == 3:
+        zero.pop("allgather_bucket_size")
+        zero.update({"stage3_prefetch_bucket_size": p.reduce_bucket_size, "stage3_param_persistence_threshold": 0})
+    conf = {
+        "train_batch_size": step_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": p.grad_accum,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": 1e-8,
+                                                  "weight_decay": o.weight_decay,
+                                                  # The fused CPU Adam op costs a ~40 s g++ build; torch's is fine here.
+                                                  **({"torch_adam": True} if not cuda else {})}},
+        "wall_clock_breakdown": True,
+        # Enabled so deepspeed.comm times every collective (see comm_seconds). On CUDA the logger
+        # synchronizes after each op, which would serialize overlap_comm: there NCCL time comes from traces.
+        "comms_logger": {"enabled": not cuda, "prof_all": True, "verbose": False},
+        "steps_per_print": 1 << 30,
+    }
+    if o.warmup_steps:
+        conf["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                                                            "warmup_num_steps": o.warmup_steps}}
+    return conf
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    import deepspeed
+
+    # Single-process runs (no launcher) still get a 1-rank group, so the code path is one.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, *, world: int, device: torch.device):
+    import deepspeed
+
+    conf = ds_config(cfg, world=world, device=device)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                           config=conf)
+    return engine, conf
+
+
+def comm_seconds() -> float:
+    """Seconds spent inside deepspeed.comm collectives since the last call (then reset).
+
+    Read from deepspeed.comm's per-op timers directly: its comms logger records
+    the cumulative timer value per op (elapsed(reset=False)), not each op's own
+    latency, so summing the logger's list would over-count."""
+    from deepspeed.comm import comm as dscomm
+
+    total = 0.0
+    for t in list(dscomm.timers.get_timers().values()):
+        if t.started_:
+            continue
+        for et in t.event_timers:
+            total += et if isinstance(et, float) else et.get_elapsed_msec() / 1000.0
+        t.reset()
+    return total
+
+
+def write_ds_config(conf: dict, run_dir: str) -> None:
+    from loongforge.shared.storage import write_bytes_atomic
+
+    write_bytes_atomic(os.path.join(run_dir, "ds_config.json"), json.dumps(conf, indent=2, sort_keys=True).encode())
+
+
+def shutdown() -> None:
+    """destroy_process_group: without it gloo processes sometimes abort at exit."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.barrier()
+        except Exception as exc:  # noqa: BLE001 - a peer may already be gone; still tear down
+            log.warning("barrier at shutdown failed: %s", exc)
+        torch.distributed.destroy_process_group()

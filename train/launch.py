@@ -1,0 +1,121 @@
+"""Launcher entry: `python -m loongforge.train ARGS` under torchrun, the
+deepspeed launcher, or alone (one rank). Thin: parse -> build -> run -> close.
+
+gloo processes sometimes abort at interpreter exit ("terminate called without
+an active exception"), so after destroy_process_group() we flush and leave
+with os._exit(code): a launch returns the run's real exit code, reliably.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+from loongforge.shared.errors import ConfigError, LoongForgeError
+
+
+def _steps_range(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile-steps wants a:b (e.g. 3:6), got {text!r}") from None
+    return a, b
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
+    p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
+    p.add_argument("--recipe", default="tiny", help="tiny | small | 1.6b")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to reach (total, counting resumed)")
+    p.add_argument("--batch-size", type=int, default=8, help="GLOBAL batch per optimizer step (all ranks)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--workers", type=int, default=0, help="decode worker processes per rank (0 = inline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--shuffle-window", type=int, default=64)
+    p.add_argument("--bad-samples", default="skip", choices=("skip", "raise"))
+    p.add_argument("--cache-socket", default=None, help="cache daemon unix socket (reads go through the cache)")
+    p.add_argument("--cache-tcp", default=None, help="cache daemon HOST:PORT")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    p.add_argument("--profile-steps", type=_steps_range, default=None, help="a:b torch.profiler trace of steps [a,b)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
+    p.add_argument("--no-overlap-comm", action="store_true")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(a: argparse.Namespace):
+    from loongforge.train.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+
+    return TrainConfig(
+        recipe=a.recipe,
+        data=DataConfig(root=a.data, global_batch_size=a.batch_size, num_workers=a.workers, seed=a.seed,
+                        shuffle_window=a.shuffle_window, bad_samples=a.bad_samples, cache_socket=a.cache_socket,
+                        cache_tcp=a.cache_tcp),
+        optim=OptimConfig(lr=a.lr),
+        parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
+                                overlap_comm=not a.no_overlap_comm, precision=a.precision),
+        run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
+                      log_every=a.log_every, profile_steps=a.profile_steps, device=a.device),
+    )
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Build, run, close. Returns an exit code; never raises past here."""
+    from loongforge.train import engine
+    from loongforge.train.trainer import Trainer
+
+    log = logging.getLogger("loongforge.train")
+    trainer, code = None, 0
+    try:
+        trainer = Trainer(config_from_args(args))
+        trainer.run()
+    except ConfigError as exc:
+        print(f"loongforge train: config error: {exc}", file=sys.stderr)
+        code = 2
+    except LoongForgeError as exc:
+        print(f"loongforge train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - print it, still tear the process group down
+        traceback.print_exc()
+        code = 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+        try:
+            engine.shutdown() if code == 0 else _abort_group()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("process group teardown: %s", exc)
+    return code
+
+
+def _abort_group() -> None:
+    # After a failure peers may be gone: a barrier could hang, so skip it.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loongforge.train", description="LoongForge trainer (one rank)")
+    add_train_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exit_now(run_args(args))

@@ -1,0 +1,88 @@
+"""Run observability: one JSONL line per step (RUN_DIR/metrics.jsonl, rank 0)
+with every timer, the losses and the global sample ids consumed, plus a live
+console line (step, loss, samples/s, data-wait %)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+METRICS_FILE = "metrics.jsonl"
+METRICS_VERSION = 1
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str, *, enabled: bool, resume: bool, log_every: int = 1, stream=None,
+                 keep_below: int = 0):
+        self.enabled, self.log_every = enabled, log_every
+        self.stream = stream or sys.stderr
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._f = None
+        self._t_last, self._samples_since = time.perf_counter(), 0
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            if resume and os.path.exists(self.path):
+                _truncate_from(self.path, keep_below)  # steps after the checkpoint are re-run
+            # Line-buffered append: a crash loses at most the line being written; resume appends.
+            self._f = open(self.path, "a" if resume else "w", buffering=1)
+
+    def write(self, record: dict) -> None:
+        if not self._f:
+            return
+        self._f.write(json.dumps({"v": METRICS_VERSION, **record}, separators=(",", ":")) + "\n")
+        self._samples_since += record.get("samples", 0)
+        step = record["step"]
+        if step % self.log_every == 0:
+            now = time.perf_counter()
+            rate = self._samples_since / max(now - self._t_last, 1e-9)
+            self._t_last, self._samples_since = now, 0
+            wait = 100.0 * record["data_wait_s"] / max(record["step_s"], 1e-9)
+            self.stream.write(f"step {step:6d}  loss {record['loss']:.4f}  {rate:8.1f} samples/s  "
+                              f"data-wait {wait:4.1f}%  step {record['step_s'] * 1e3:7.1f} ms\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self._f = None
+
+
+def _truncate_from(path: str, step: int) -> None:
+    from loongforge.shared.storage import write_bytes_atomic
+
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError):
+                continue
+    write_bytes_atomic(path, "".join(keep).encode())
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    from loongforge.shared.errors import FormatError
+
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise FormatError(f"{path} not found: not a run directory (run `loongforge train --run-dir DIR` first)")
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                if n > 1:
+                    continue  # a torn last line after a crash
+                raise
+            if row.get("v") != METRICS_VERSION:
+                raise FormatError(f"{path}:{n}: metrics version {row.get('v')!r}, this build reads {METRICS_VERSION}")
+            rows.append(row)
+    return rows

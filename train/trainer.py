@@ -1,0 +1,170 @@
+"""The training run: build everything from a TrainConfig, run the steps, close.
+
+`run(cfg)` is the whole life of one rank: process group -> index -> model ->
+DeepSpeed engine -> loader -> (resume) -> steps -> final checkpoint -> close,
+with every resource closed on every exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from loongforge.shared.index import load_index
+from loongforge.train import checkpoint, engine as eng, recipes
+from loongforge.train.config import TrainConfig
+from loongforge.train.loader import ShardLoader
+from loongforge.train.metrics import MetricsLog
+from loongforge.train.model import VLAModel, count_parameters
+from loongforge.train.profiler import StepTimer, TraceWindow
+from loongforge.train.sources import SourceSpec
+
+log = logging.getLogger(__name__)
+
+
+def noise_for(seed: int, step: int, micro: int, rank: int, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-matching noise and time as a pure function of (seed, step, micro, rank): a resumed
+    run draws exactly what an uninterrupted one would, without saving generator state."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0]))
+    return torch.randn(shape, generator=g, device=device), torch.rand(shape[0], generator=g, device=device)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.device = eng.pick_device(cfg.run.device)
+        self.rank, self.world = eng.init_distributed(self.device)
+        torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
+        self.index = load_index(cfg.data.root)
+        d = cfg.data
+        max_frames = max(max(s.frames) for s in self.index.shards)
+        self.model_cfg = recipes.resolve(cfg.recipe, self.index, max_text_tokens=d.max_text_tokens,
+                                         max_frames=max(max_frames, *(d.frame_buckets or (0,))),
+                                         **_model_overrides(cfg))
+        model = VLAModel(self.model_cfg)
+        self.params = count_parameters(model)
+        self.engine, self.ds_conf = eng.build_engine(model, cfg, world=self.world, device=self.device)
+        accum = cfg.parallel.grad_accum
+        self.loader = ShardLoader(
+            d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
+            rank=self.rank, world=self.world, index=self.index,
+            source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
+            device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
+            max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
+            timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
+            image_std=d.image_std)
+        self.step = 0
+        if cfg.run.resume:
+            self._resume()
+        self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0,
+                                  log_every=cfg.run.log_every, keep_below=self.step)
+        if self.rank == 0:
+            os.makedirs(cfg.run.run_dir, exist_ok=True)
+            eng.write_ds_config(self.ds_conf, cfg.run.run_dir)
+            log.info("model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
+                     self.world, self.device, cfg.parallel.zero_stage)
+
+    def _resume(self) -> None:
+        tag = checkpoint.latest_tag(self.cfg.run.run_dir)
+        if tag is None:
+            log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
+            return
+        doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
+                              zero_stage=self.cfg.parallel.zero_stage)
+        self.loader.load_state_dict(doc["loader"])
+        self.step = int(doc["step"])
+        log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
+                 doc["loader"]["epoch"], doc["loader"]["consumed"])
+
+    def run(self) -> None:
+        cfg, run = self.cfg, self.cfg.run
+        timer = StepTimer(self.device)
+        trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
+        eng.comm_seconds()  # drop collectives of setup and resume
+        it = iter(self.loader)
+        try:
+            while self.step < run.steps:
+                trace.before(self.step)
+                record = self._one_step(it, timer)
+                trace.after(self.step)
+                self.metrics.write(record)
+                self.step += 1
+                if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
+                    self.save()
+            self.save()
+        finally:
+            trace.close()
+
+    def _one_step(self, it, timer: StepTimer) -> dict:
+        e, accum = self.engine, self.cfg.parallel.grad_accum
+        timer.begin()
+        losses, ids, bad = [], [], 0
+        for micro in range(accum):
+            with timer.phase("data_wait"):
+                batch = next(it)
+            meta = batch.pop("meta")
+            ids.append(meta["sample_ids"])
+            shape = batch["action"].shape
+            noise, t = noise_for(self.cfg.data.seed, self.step, micro, self.rank, shape, self.device)
+            with timer.phase("forward"):
+                out = e(batch, noise, t)
+            with timer.phase("backward"):
+                e.backward(out["loss"])
+            with timer.phase("optimizer"):
+                e.step()
+            losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
+                                       out["ce_loss"].float()]))
+        comm = eng.comm_seconds() if self.device.type == "cpu" else None
+        rec = timer.end(comm)
+        return self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+
+    def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
+        """One all_gather per step for the log line: every rank's losses and sample ids."""
+        t0 = time.perf_counter()
+        mine = torch.cat([losses.cpu().double(), torch.from_numpy(ids.astype(np.float64)),
+                          torch.tensor([self.loader.bad_samples], dtype=torch.float64)])
+        if self.world > 1:
+            dev_t = mine.to(self.device)
+            out = [torch.empty_like(dev_t) for _ in range(self.world)]
+            torch.distributed.all_gather(out, dev_t)
+            allr = torch.stack(out).cpu()
+        else:
+            allr = mine[None]
+        n = len(ids)
+        rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
+                   ce_loss=float(allr[:, 2].mean()), samples=n * self.world,
+                   sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
+                   bad_samples=int(allr[:, -1].sum()), epoch=self.loader.epoch,
+                   consumed=self.loader.consumed, log_s=time.perf_counter() - t0, world=self.world)
+        return rec
+
+    def save(self) -> None:
+        checkpoint.save(self.engine, self.cfg.run.run_dir, step=self.step, loader_state=self.loader.state_dict(),
+                        rank=self.rank, world=self.world,
+                        extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
+                               "global_batch_size": self.cfg.data.global_batch_size})
+
+    def close(self) -> None:
+        for closer in (self.loader.close, self.metrics.close):
+            try:
+                closer()
+            except Exception as exc:  # noqa: BLE001 - close the rest, then report
+                log.warning("close failed: %s", exc)
+
+
+def _model_overrides(cfg: TrainConfig) -> dict:
+    """Fields the user set on cfg.model that differ from the default ModelConfig win over the recipe."""
+    from dataclasses import fields
+
+    from loongforge.train.config import ModelConfig
+
+    base = ModelConfig()
+    data_fields = {"image_size", "cameras", "max_frames", "state_dim", "action_dim", "action_horizon",
+                   "max_text_tokens"}
+    return {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)
+            if f.name not in data_fields and getattr(cfg.model, f.name) != getattr(base, f.name)}
