@@ -1,0 +1,144 @@
+"""`loongforge cache serve | stats | stop`. Thin: parse flags, build the
+config, hand over to daemon.py. Heavy imports (redis, prometheus) happen in
+handlers so `loongforge --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loongforge.cache.config import SOCKET_ENV, format_bytes, load_config
+
+
+def register(subparsers) -> None:
+    cache = subparsers.add_parser("cache", help="per-node shard cache daemon (RAM + SSD, Redis-coordinated)")
+    sub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
+
+    serve = sub.add_parser("serve", help="run the cache daemon in the foreground")
+    serve.add_argument("--origin", help="shard root: local path or fsspec URL (s3://, gs://, http(s)://)")
+    serve.add_argument("--config", help="TOML file ([cache] table or top-level keys; flags override it)")
+    _endpoint_flags(serve)
+    serve.add_argument("--ram-dir", help="RAM tier directory (default /dev/shm/loongforge-cache)")
+    serve.add_argument("--ram-budget", help="RAM tier size, e.g. 2GiB")
+    serve.add_argument("--ssd-dir", help="SSD tier directory (default ~/.cache/loongforge/cache)")
+    serve.add_argument("--ssd-budget", help="SSD tier size, e.g. 20GiB")
+    serve.add_argument("--redis-url", help="redis://[user:pass@]host:port/db or rediss://; omit for one node")
+    serve.add_argument("--node-id", help="this node's name in Redis (default: hostname)")
+    serve.add_argument("--peer-listen", help="HOST:PORT to serve shards to other nodes (port 0 = any)")
+    serve.add_argument("--peer-advertise", help="HOST:PORT other nodes use to reach --peer-listen")
+    serve.add_argument("--prefetch-window", type=int, help="shards to prefetch ahead per announced plan")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (off by default)")
+    serve.add_argument("--lease-s", type=float, help="seconds a reader's pin lasts without renewal")
+    serve.add_argument("--lock-ttl-s", type=float, help="single-flight fill lock TTL in seconds")
+    serve.add_argument("--heartbeat-s", type=float, help="seconds between Redis heartbeats")
+    serve.add_argument("--node-ttl-s", type=float, help="a node missing heartbeats this long is dead")
+    serve.set_defaults(func=cmd_serve)
+
+    stats = sub.add_parser("stats", help="print the daemon's counters (a table, or --json)")
+    _endpoint_flags(stats)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--timeout", type=float, default=5.0)
+    stats.set_defaults(func=cmd_stats)
+
+    stop = sub.add_parser("stop", help="shut the daemon down gracefully (SSD tier kept)")
+    _endpoint_flags(stop)
+    stop.add_argument("--timeout", type=float, default=5.0)
+    stop.set_defaults(func=cmd_stop)
+    cache.set_defaults(func=lambda args: cache.print_help() or 2)
+
+
+def _endpoint_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--socket", help=f"unix socket path (default ${SOCKET_ENV} or a per-user path)")
+    group.add_argument("--tcp", help="loopback HOST:PORT instead of the unix socket")
+
+
+def cmd_serve(args) -> int:
+    from loongforge.cache.daemon import Daemon
+
+    keys = ("origin", "socket", "tcp", "ram_dir", "ram_budget", "ssd_dir", "ssd_budget", "redis_url", "node_id",
+            "peer_listen", "peer_advertise", "prefetch_window", "metrics_port", "lease_s", "lock_ttl_s",
+            "heartbeat_s", "node_ttl_s")
+    cfg = load_config(args.config, **{k: getattr(args, k) for k in keys})
+    daemon = Daemon(cfg)
+    daemon.start()
+    daemon.serve_forever()
+    return 0
+
+
+def _request(args, op: str) -> dict:
+    from loongforge.cache.config import default_socket_path
+    from loongforge.cache.protocol import Connection
+
+    conn = Connection(None if args.tcp else (args.socket or default_socket_path()), args.tcp, args.timeout)
+    try:
+        return conn.request(op)
+    finally:
+        conn.close()
+
+
+def cmd_stats(args) -> int:
+    try:
+        stats = _request(args, "stats")["stats"]
+    except OSError as exc:
+        print(f"loongforge cache stats: daemon unreachable: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(render_table(stats))
+    return 0
+
+
+def render_table(stats: dict) -> str:
+    c = stats["counters"]
+    lines = [f"node {stats['node']}  endpoint {stats['endpoint']}  redis {stats['redis']['state']}  "
+             f"uptime {stats['uptime_s']:.0f}s", f"origin {stats['origin']}", "",
+             f"{'tier':<6} {'used':>10} {'budget':>10} {'shards':>7} {'hits':>8} {'misses':>8} {'evicted':>8} "
+             f"{'corrupt':>8} {'served':>10}"]
+    for tier in ("ram", "ssd"):
+        t = stats["tiers"][tier]
+        lines.append(f"{tier:<6} {format_bytes(t['used']):>10} {format_bytes(t['budget']):>10} {t['shards']:>7} "
+                     f"{c['hits'].get(tier, 0):>8} {c['misses'].get(tier, 0):>8} {c['evictions'].get(tier, 0):>8} "
+                     f"{c['corrupt'].get(tier, 0):>8} {format_bytes(c['bytes_served'].get(tier, 0)):>10}")
+    fills = c["fills"]
+    lead = c["prefetch_lead_s"]
+    lines += ["", f"fills: origin {fills.get('origin', 0)}  peer {fills.get('peer', 0)}  ssd {fills.get('ssd', 0)}"
+              f"   prefetched {sum(c['prefetches'].values())}  lead p50 "
+              + (f"{lead['p50']:.3f}s" if lead["p50"] is not None else "-"),
+              f"pinned {stats['pinned']}  in flight {stats['inflight']}  plans {len(stats['plans'])} ranks  "
+              f"rejected {sum(c['rejected'].values())}  redis errors {sum(c['redis_errors'].values())}"]
+    return "\n".join(lines)
+
+
+def cmd_stop(args) -> int:
+    try:
+        _request(args, "stop")
+    except OSError as exc:
+        print(f"loongforge cache stop: daemon unreachable: {exc}", file=sys.stderr)
+        return 1
+    print("cache daemon stopping")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loongforge.cache ...` == `loongforge cache ...`, without
+    importing the other services (a cache node has neither torch nor beam)."""
+    import logging
+
+    from loongforge.shared.errors import LoongForgeError
+
+    parser = argparse.ArgumentParser(prog="python -m loongforge.cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    args = parser.parse_args(["cache", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except LoongForgeError as exc:
+        print(f"loongforge cache: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

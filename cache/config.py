@@ -1,0 +1,183 @@
+"""Cache daemon configuration: one frozen dataclass, filled from (lowest to
+highest precedence) defaults, a TOML file, LOONGFORGE_CACHE_* env vars, flags.
+
+Defaults work on a single node: RAM tier in /dev/shm, SSD tier under
+~/.cache, unix socket in the runtime dir, no Redis, no metrics port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket as _socket
+import tomllib
+from dataclasses import dataclass, fields
+
+from loongforge.shared.errors import ConfigError
+from loongforge.shared.index import ShardIndex
+
+ENV_PREFIX = "LOONGFORGE_CACHE_"
+SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int, field: str = "size") -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, 4096 -> 4096."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{field}: cannot parse size {value!r}; use e.g. '512MiB', '2GiB', '20GB' or bytes")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def default_socket_path() -> str:
+    """$LOONGFORGE_CACHE_SOCKET, else the per-user runtime dir, else /tmp."""
+    if os.environ.get(SOCKET_ENV):
+        return os.environ[SOCKET_ENV]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "loongforge-cache.sock")
+    return f"/tmp/loongforge-cache-{os.getuid()}.sock"
+
+
+def _default_ssd_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "loongforge", "cache")
+
+
+def parse_hostport(value: str, field: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{field}: expected HOST:PORT (e.g. 127.0.0.1:7700), got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheConfig:
+    origin: str  # shard root: local path or fsspec URL (read-only)
+    socket: str = dataclasses.field(default_factory=default_socket_path)
+    tcp: str | None = None  # "127.0.0.1:7700": loopback TCP instead of the unix socket
+    ram_dir: str = "/dev/shm/loongforge-cache"
+    ram_budget: int = 2 * 2**30
+    ssd_dir: str = dataclasses.field(default_factory=_default_ssd_dir)
+    ssd_budget: int = 20 * 2**30
+    redis_url: str | None = None  # redis://, rediss://, unix://; user/password may sit in the URL
+    redis_username: str | None = None  # ACL user, if not in the URL
+    redis_password: str | None = None  # prefer the env var LOONGFORGE_CACHE_REDIS_PASSWORD over a flag
+    redis_ca_certs: str | None = None  # CA bundle for rediss://
+    redis_prefix: str = "loongforge:cache"
+    node_id: str = dataclasses.field(default_factory=_socket.gethostname)
+    peer_listen: str | None = None  # HOST:PORT for node-to-node shard transfer; port 0 = any
+    peer_advertise: str | None = None  # address other nodes use; default: the listen address
+    prefetch_window: int = 4  # shards ahead per announced plan
+    prefetch_threads: int = 2
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; off unless set
+    metrics_host: str = "127.0.0.1"
+    lease_s: float = 60.0  # a reader's pin expires after this without renewal
+    lock_ttl_s: float = 30.0  # single-flight fill lock; refreshed while the holder is alive
+    heartbeat_s: float = 2.0
+    node_ttl_s: float = 10.0
+    fill_timeout_s: float = 120.0  # one origin/peer fill, end to end
+    redis_timeout_s: float = 1.0
+    origin_delay_s: float = 0.0  # fault injection for tests: slow every origin read
+
+    def __post_init__(self):
+        if not self.origin:
+            raise ConfigError("origin: required; pass --origin ROOT (a shard root path or fsspec URL)")
+        for name in ("ram_budget", "ssd_budget"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}; use e.g. '2GiB'")
+        if self.tcp:
+            host, _ = parse_hostport(self.tcp, "tcp")
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                raise ConfigError(f"tcp: {host!r} is not loopback; the protocol has no auth, bind 127.0.0.1")
+        if self.peer_listen:
+            parse_hostport(self.peer_listen, "peer_listen")
+        if self.prefetch_window < 0 or self.prefetch_threads < 1:
+            raise ConfigError("prefetch_window must be >= 0 and prefetch_threads >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port")
+        for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0 seconds")
+        if self.node_ttl_s <= self.heartbeat_s:
+            raise ConfigError("node_ttl_s must exceed heartbeat_s, or live nodes expire between heartbeats")
+        if os.path.realpath(self.ram_dir) == os.path.realpath(self.ssd_dir):
+            raise ConfigError("ram_dir and ssd_dir must differ (RAM files are wiped on shutdown)")
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp:{self.tcp}" if self.tcp else f"unix:{self.socket}"
+
+    def check_index(self, index: ShardIndex) -> None:
+        """A shard bigger than a tier can never be placed there: fail now, not deadlock later."""
+        if not index.shards:
+            return
+        biggest = max(index.shards, key=lambda s: s.bytes)
+        for name in ("ram_budget", "ssd_budget"):
+            budget = getattr(self, name)
+            if biggest.bytes > budget:
+                raise ConfigError(
+                    f"{name} {format_bytes(budget)} is smaller than shard {biggest.name} "
+                    f"({format_bytes(biggest.bytes)}); raise --{name.replace('_', '-')} to at least "
+                    f"{format_bytes(biggest.bytes)} (a few shards' worth is sensible)")
+
+
+_FIELDS = {f.name: f for f in fields(CacheConfig)}
+_SIZES = {"ram_budget", "ssd_budget"}
+
+
+def _coerce(name: str, value):
+    if value is None:
+        return None
+    if name in _SIZES:
+        return parse_bytes(value, name)
+    kind = _FIELDS[name].type
+    try:
+        if "int" in kind and "str" not in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    return str(value)
+
+
+def load_config(path: str | None = None, env: dict | None = None, **overrides) -> CacheConfig:
+    """Merge TOML file < env vars < overrides (CLI flags; None = not given)."""
+    values: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        doc = doc.get("cache", doc)  # either a [cache] table or top-level keys
+        unknown = sorted(set(doc) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(f"config file {path}: unknown keys {unknown}; valid keys: {sorted(_FIELDS)}")
+        values.update(doc)
+    env = os.environ if env is None else env
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if env.get(key):
+            values[name] = env[key]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown cache settings {unknown}")
+    return CacheConfig(**{k: _coerce(k, v) for k, v in values.items()})

@@ -1,0 +1,209 @@
+"""The cache daemon process: socket server, background threads, shutdown.
+
+Threads: one per client connection (blocking I/O, daemon threads), N
+prefetchers, one heartbeat/reaper, optional peer and metrics HTTP servers.
+SIGTERM/SIGINT and the `stop` op shut down cleanly: socket removed, RAM tier
+files removed, SSD tier kept, node deregistered from Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import socketserver
+import threading
+import time
+
+from loongforge.cache import protocol
+from loongforge.cache.config import CacheConfig, parse_hostport
+from loongforge.cache.coord import Coordinator
+from loongforge.cache.metrics import Metrics
+from loongforge.cache.store import Store
+from loongforge.shared.errors import CacheError, LoongForgeError
+from loongforge.shared.index import load_index
+
+log = logging.getLogger(__name__)
+_owner_ids = itertools.count(1)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self):
+        daemon: Daemon = self.server.cache_daemon
+        owner = f"c{next(_owner_ids)}"
+        try:
+            while True:
+                line = self.rfile.readline(protocol.MAX_LINE + 1)
+                if not line:
+                    return
+                reply = daemon.dispatch(line, owner)
+                self.wfile.write(protocol.encode(reply))
+                self.wfile.flush()
+                if len(line) > protocol.MAX_LINE:
+                    return  # the rest of an oversized line is garbage: drop the connection
+        except (ConnectionError, BrokenPipeError):
+            pass
+        finally:
+            daemon.store.release_owner(owner)
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class Daemon:
+    def __init__(self, cfg: CacheConfig):
+        self.cfg = cfg
+        self.index = load_index(cfg.origin)
+        cfg.check_index(self.index)
+        namespace = hashlib.sha256(self.index.to_json()).hexdigest()[:16]  # one key space per dataset
+        self.metrics = Metrics(cfg.node_id)
+        self.store = Store(cfg, self.index, self.metrics,
+                           lambda holdings: Coordinator(cfg, namespace, self.metrics, holdings))
+        self.coord = self.store.coord
+        self.stop_event = threading.Event()
+        self.started = time.time()
+        self.server = None
+        self.peer = None
+        self.metrics_server = None
+
+    # -- requests --------------------------------------------------------------
+    def dispatch(self, line: bytes, owner: str) -> dict:
+        req_id = None
+        try:
+            req = protocol.decode(line)
+            req_id = req.get("id")
+            if req.get("v") != protocol.PROTOCOL_VERSION:
+                raise protocol.ProtocolError(
+                    f"protocol version {req.get('v')!r}, daemon speaks {protocol.PROTOCOL_VERSION}: upgrade the client")
+            op = req.get("op")
+            if op not in protocol.OPS:
+                raise protocol.ProtocolError(f"unknown op {op!r}; ops: {', '.join(protocol.OPS)}")
+            result = getattr(self, "op_" + op)(req, owner)
+            return {"v": protocol.PROTOCOL_VERSION, "id": req_id, "ok": True, **result}
+        except (LoongForgeError, ValueError, KeyError, TypeError, OSError) as exc:
+            if not isinstance(exc, LoongForgeError):
+                log.warning("request failed: %s: %s", type(exc).__name__, exc)
+            return protocol.error_reply(req_id, exc)
+
+    def op_hello(self, req, owner):
+        return {"node": self.cfg.node_id, "protocol": protocol.PROTOCOL_VERSION, "origin": self.cfg.origin,
+                "shards": len(self.index.shards)}
+
+    def op_get(self, req, owner):
+        rank = req.get("rank")
+        return self.store.get(str(req["shard"]), owner, int(rank) if rank is not None else None)
+
+    def op_release(self, req, owner):
+        self.store.release(str(req["shard"]), owner)
+        return {}
+
+    def op_announce(self, req, owner):
+        shards = req["shards"]
+        if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
+            raise protocol.ProtocolError("announce: shards must be a list of shard names")
+        n = self.store.announce(int(req["rank"]), int(req["epoch"]), shards)
+        return {"announced": n}
+
+    def op_stats(self, req, owner):
+        return {"stats": self.stats()}
+
+    def op_stop(self, req, owner):
+        threading.Thread(target=self.shutdown, daemon=True).start()
+        return {"stopping": True}
+
+    def stats(self) -> dict:
+        return {"node": self.cfg.node_id, "endpoint": self.cfg.endpoint, "origin": self.cfg.origin,
+                "uptime_s": round(time.time() - self.started, 3), "redis": self.coord.snapshot(),
+                "counters": self.metrics.snapshot(), **self.store.snapshot()}
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self.store.open()
+        if self.cfg.peer_listen:
+            from loongforge.cache.peer import PeerServer
+
+            host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
+            self.peer = PeerServer(self.store, host, port).start()
+            self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"
+        if self.cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self.metrics_server, _ = start_http_server(self.cfg.metrics_port, self.cfg.metrics_host,
+                                                       registry=self.metrics.registry)
+            log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_host, self.metrics_server.server_port)
+        self.coord.heartbeat()
+        threads = [threading.Thread(target=self.store.prefetch_loop, args=(self.stop_event,), daemon=True,
+                                    name=f"prefetch-{i}") for i in range(self.cfg.prefetch_threads)]
+        threads.append(threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat"))
+        for t in threads:
+            t.start()
+        self.server = self._bind()
+
+    def _bind(self):
+        if self.cfg.tcp:
+            _, addr = protocol.parse_endpoint(None, self.cfg.tcp)
+            server = _TCPServer(addr, _Handler)
+        else:
+            path = self.cfg.socket
+            if os.path.exists(path):
+                probe = socket.socket(socket.AF_UNIX)
+                probe.settimeout(1.0)
+                try:
+                    probe.connect(path)
+                    raise CacheError(f"another cache daemon is serving on {path}; "
+                                     "stop it (`loongforge cache stop`) or pass --socket")
+                except OSError:
+                    os.unlink(path)  # stale socket of a dead daemon
+                finally:
+                    probe.close()
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            server = _UnixServer(path, _Handler)
+        server.cache_daemon = self
+        return server
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.wait(self.cfg.heartbeat_s):
+            self.coord.heartbeat()
+            with self.store.lock:
+                self.store.pinned()  # reap expired leases
+            self.store.wake.set()  # re-plan prefetch periodically (e.g. after a failed fill)
+
+    def serve_forever(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: threading.Thread(target=self.shutdown, daemon=True).start())
+        where = self.cfg.endpoint if not self.cfg.tcp else f"tcp:{self.server.server_address[0]}:" \
+                                                          f"{self.server.server_address[1]}"
+        line = f"cache daemon ready on {where} (node {self.cfg.node_id}, redis {self.coord.state}" + \
+               (f", peer {self.coord.peer_addr}" if self.peer else "") + ")"
+        log.info(line)
+        print(line, flush=True)
+        try:
+            self.server.serve_forever(poll_interval=0.2)
+        finally:
+            self._cleanup()
+
+    def shutdown(self) -> None:
+        if not self.stop_event.is_set():
+            self.stop_event.set()
+            self.server.shutdown()
+
+    def _cleanup(self) -> None:
+        self.server.server_close()
+        if not self.cfg.tcp and os.path.exists(self.cfg.socket):
+            os.unlink(self.cfg.socket)
+        if self.peer:
+            self.peer.stop()
+        if self.metrics_server:
+            self.metrics_server.shutdown()
+        self.coord.deregister()
+        self.store.close()
+        log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s", self.cfg.ssd_dir)

@@ -1,0 +1,340 @@
+"""The node's shard store: RAM tier over SSD tier over remote (peer or origin).
+
+`get` returns the path of a hash-verified tier file and pins the shard for
+the reader (a lease). Every fill verifies the index hash. Placement spills
+RAM -> SSD before dropping, never evicts a pinned or in-flight shard, and
+asks policy.py which shard goes. When no tier can take a shard (all pinned,
+disk full) the reply says tier "origin" and the client reads origin itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from loongforge.cache.policy import PlanBook, Policy
+from loongforge.cache.tiers import Tier
+from loongforge.shared import paths, storage
+from loongforge.shared.errors import CacheError, IntegrityError, ShardNotFoundError
+from loongforge.shared.index import ShardEntry, ShardIndex
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    def __init__(self, cfg, index: ShardIndex, metrics, coord_factory):
+        self.cfg, self.index, self.metrics = cfg, index, metrics
+        self.entries = {s.name: s for s in index.shards}
+        self.ram = Tier("ram", cfg.ram_dir, cfg.ram_budget)
+        self.ssd = Tier("ssd", cfg.ssd_dir, cfg.ssd_budget)
+        self.plans = PlanBook()
+        self.policy = Policy(self.plans)
+        self.lock = threading.RLock()
+        self.leases: dict[str, dict[str, float]] = {}  # shard -> owner -> expiry (monotonic)
+        self.inflight: dict[str, Future] = {}
+        self.prefetched_at: dict[str, float] = {}
+        self.wake = threading.Event()  # new plan or progress: prefetchers re-plan
+        self.coord = coord_factory(self.holdings)
+
+    # -- lifecycle -----------------------------------------------------------
+    def open(self) -> None:
+        for tier in (self.ram, self.ssd):
+            tier.open_dir()
+        self.ram.wipe()  # RAM files of a previous run: not ours to trust, cheap to refill
+        self.ram.open_dir()
+        t0 = time.monotonic()
+        kept, dropped = self.ssd.rebuild(self.index)
+        for _ in dropped:
+            self.metrics.inc("corrupt", "ssd")
+        for s in kept:
+            self.policy.touch(s)
+        log.info("ssd tier %s: %d shards re-verified, %d dropped, in %.2fs",
+                 self.ssd.root, len(kept), len(dropped), time.monotonic() - t0)
+        self._update_gauges()
+
+    def close(self) -> None:
+        with self.lock:
+            self.ram.wipe()
+
+    def holdings(self) -> list[str]:
+        with self.lock:
+            return sorted(set(self.ram.entries) | set(self.ssd.entries))
+
+    # -- requests ------------------------------------------------------------
+    def entry(self, name: str) -> ShardEntry:
+        try:
+            paths.check_relative(name)
+        except ValueError:
+            self.metrics.inc("rejected", "unsafe_path")
+            raise
+        entry = self.entries.get(name)
+        if entry is None:
+            self.metrics.inc("rejected", "not_in_index")
+            raise ShardNotFoundError(f"shard {name!r} is not in the index of {self.cfg.origin}")
+        return entry
+
+    def get(self, name: str, owner: str, rank: int | None = None) -> dict:
+        entry = self.entry(name)
+        with self.lock:
+            self.plans.consume(name, rank)
+            self.policy.touch(name)
+            self.coord.touch(name)
+            tier = "ram" if name in self.ram else None
+            if tier:
+                self.metrics.inc("hits", "ram")
+                self._pin(name, owner)
+                lead = self.prefetched_at.pop(name, None)
+                if lead is not None:
+                    self.metrics.observe_lead(time.monotonic() - lead)
+            else:
+                self.metrics.inc("misses", "ram")
+        self.wake.set()
+        if tier is None:
+            tier = self._fill_once(entry, prefetch=False)
+            with self.lock:
+                self._pin(name, owner)
+                if tier == "ram" and name not in self.ram:  # evicted between fill and pin: rare
+                    tier = "ssd" if name in self.ssd else "origin"
+        self.metrics.inc("bytes_served", tier, entry.bytes)
+        path = {"ram": self.ram, "ssd": self.ssd}[tier].path(name) if tier != "origin" else None
+        return {"shard": name, "tier": tier, "path": path, "bytes": entry.bytes, "sha256": entry.sha256,
+                "lease_s": self.cfg.lease_s}
+
+    def _pin(self, name: str, owner: str) -> None:
+        self.leases.setdefault(name, {})[owner] = time.monotonic() + self.cfg.lease_s
+
+    def release(self, name: str, owner: str) -> None:
+        with self.lock:
+            owners = self.leases.get(name, {})
+            owners.pop(owner, None)
+            if not owners:
+                self.leases.pop(name, None)
+
+    def release_owner(self, owner: str) -> None:
+        """A connection closed: its reader is gone, so are its pins."""
+        with self.lock:
+            for name in list(self.leases):
+                self.release(name, owner)
+
+    def pinned(self) -> set[str]:
+        now = time.monotonic()
+        out = set()
+        for name, owners in list(self.leases.items()):
+            for owner, expiry in list(owners.items()):
+                if expiry < now:
+                    del owners[owner]  # lease expired: the reader did not renew
+            if owners:
+                out.add(name)
+            else:
+                del self.leases[name]
+        return out
+
+    def announce(self, rank: int, epoch: int, shards: list[str]) -> int:
+        for s in shards:
+            self.entry(s)  # reject the whole plan on one bad name
+        with self.lock:
+            self.plans.announce(rank, epoch, shards)
+        self.coord.announce(rank, epoch, shards)
+        self.wake.set()
+        return len(shards)
+
+    # -- filling ---------------------------------------------------------------
+    def _fill_once(self, entry: ShardEntry, prefetch: bool, claimed: Future | None = None) -> str:
+        """Fill `entry` into the tiers unless another thread already is; wait for it."""
+        with self.lock:
+            fut = claimed or self.inflight.get(entry.name)
+            leader = claimed is not None or fut is None
+            if fut is None:
+                fut = self.inflight[entry.name] = Future()
+        if leader:
+            try:
+                fut.set_result(self._fill(entry, prefetch))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            finally:
+                with self.lock:
+                    self.inflight.pop(entry.name, None)
+        try:
+            return fut.result(timeout=self.cfg.fill_timeout_s)
+        except TimeoutError:
+            raise CacheError(f"fill of {entry.name} exceeded fill_timeout_s={self.cfg.fill_timeout_s}") from None
+
+    def _fill(self, entry: ShardEntry, prefetch: bool) -> str:
+        name = entry.name
+        data = None
+        if name in self.ssd:
+            t0 = time.monotonic()
+            try:
+                data = self.ssd.map(name)
+                storage.verify(data, name, entry.bytes, entry.sha256)
+                self.metrics.inc("hits", "ssd")
+                self.metrics.inc("fills", "ssd")
+                self.metrics.observe_fill("ssd", time.monotonic() - t0)
+            except (IntegrityError, OSError) as exc:
+                log.warning("ssd tier: %s failed verification (%s): dropped, refetching", name, exc)
+                self.metrics.inc("corrupt", "ssd")
+                data = None
+                with self.lock:
+                    self.ssd.remove(name)
+        if data is None:
+            self.metrics.inc("misses", "ssd")
+            data, token = self._fetch_remote(entry)
+            in_ssd = self._place(self.ssd, name, data, prefetch)
+            in_ram = self._place(self.ram, name, data, prefetch)
+            self.coord.finish(name, token, published=in_ssd or in_ram)
+        else:
+            in_ram = self._place(self.ram, name, data, prefetch)
+        if prefetch and in_ram:
+            self.metrics.inc("prefetches", "ram")
+            with self.lock:
+                self.prefetched_at[name] = time.monotonic()
+        self._update_gauges()
+        return "ram" if in_ram else "ssd" if name in self.ssd else "origin"
+
+    def _fetch_remote(self, entry: ShardEntry) -> tuple[bytes, str]:
+        from loongforge.cache.peer import fetch_from_peer
+
+        def from_origin() -> bytes:
+            t0 = time.monotonic()
+            if self.cfg.origin_delay_s:
+                time.sleep(self.cfg.origin_delay_s)  # fault injection (tests): a slow origin
+            data = storage.read_bytes(paths.join(self.cfg.origin, entry.name))
+            self.metrics.inc("fills", "origin")  # counted even if corrupt: it was an origin read
+            self._verify_remote(data, entry, "origin")
+            self.metrics.observe_fill("origin", time.monotonic() - t0)
+            return data
+
+        def from_peer(addr: str) -> bytes:
+            t0 = time.monotonic()
+            data = fetch_from_peer(addr, entry.name, timeout=self.cfg.fill_timeout_s)
+            self._verify_remote(data, entry, "peer")
+            self.metrics.inc("fills", "peer")
+            self.metrics.observe_fill("peer", time.monotonic() - t0)
+            return data
+
+        data, source, token = self.coord.fill(entry.name, from_origin, from_peer,
+                                              deadline=time.monotonic() + self.cfg.fill_timeout_s)
+        return data, token
+
+    def _verify_remote(self, data: bytes, entry: ShardEntry, source: str) -> None:
+        try:
+            storage.verify(data, entry.name, entry.bytes, entry.sha256)
+        except IntegrityError:
+            self.metrics.inc("corrupt", source)
+            raise
+
+    def _place(self, tier: Tier, name: str, data, prefetch: bool) -> bool:
+        """Write `name` into `tier`, evicting per policy. False if it cannot go there."""
+        size = len(data)
+        for attempt in range(2):
+            with self.lock:
+                if name in tier:
+                    return True
+                if not self._make_room(tier, name, size, prefetch):
+                    return False
+                tier.reserved[name] = size
+            try:
+                tier.write(name, data)
+            except OSError as exc:
+                with self.lock:
+                    tier.reserved.pop(name, None)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    log.error("%s tier: writing %s failed (%s): serving it from another tier", tier.name, name, exc)
+                    return False
+                self.metrics.inc("enospc", tier.name)
+                log.error("%s tier %s: disk full (ENOSPC) writing %s (%d bytes); budget %d exceeds the free space."
+                          " %s", tier.name, tier.root, name, size, tier.budget,
+                          "Evicting one shard and retrying" if attempt == 0 else "Serving it from another tier")
+                with self.lock:
+                    victim = self.policy.victim(tier.entries, exclude=self.pinned() | set(self.inflight) | {name})
+                    if attempt or victim is None:
+                        return False
+                    self._evict(tier, victim)
+                continue
+            with self.lock:
+                tier.reserved.pop(name, None)
+                tier.entries[name] = size
+            return True
+        return False
+
+    def _make_room(self, tier: Tier, name: str, size: int, prefetch: bool) -> bool:
+        """Evict until `size` more bytes fit (caller holds the lock)."""
+        protect = self.pinned() | set(self.inflight) | {name}
+        if prefetch:
+            protect |= set(self.plans.upcoming(self.cfg.prefetch_window))
+        while tier.used + size > tier.budget:
+            victim = self.policy.victim(tier.entries, exclude=protect)
+            if victim is None:
+                log.info("%s tier full of pinned/in-flight shards; %s not placed there", tier.name, name)
+                return False
+            if prefetch and not self.policy.worth_prefetching(name, victim):
+                return False
+            self._evict(tier, victim)
+        return True
+
+    def _evict(self, tier: Tier, victim: str) -> None:
+        """Drop `victim` from `tier`; RAM spills to SSD first if SSD lacks it."""
+        if tier is self.ram and victim not in self.ssd:
+            try:
+                self._place(self.ssd, victim, self.ram.map(victim), prefetch=False)
+            except OSError as exc:
+                log.warning("spilling %s to ssd failed (%s); dropping it", victim, exc)
+        tier.remove(victim)
+        self.prefetched_at.pop(victim, None) if tier is self.ram else None
+        self.metrics.inc("evictions", tier.name)
+        if victim not in self.ram and victim not in self.ssd:
+            self.policy.forget(victim)
+            self.coord.dropped(victim)
+
+    # -- prefetch --------------------------------------------------------------
+    def next_prefetch(self) -> tuple[ShardEntry, Future] | None:
+        """Claim the nearest announced shard that is not in RAM nor in flight."""
+        with self.lock:
+            upcoming = self.plans.upcoming(self.cfg.prefetch_window)
+            for name in upcoming:
+                if name in self.ram or name in self.inflight:
+                    continue
+                if not self._admissible(name, set(upcoming) | self.pinned()):
+                    return None  # RAM holds only nearer shards: prefetching would cause a miss
+                fut = self.inflight[name] = Future()
+                return self.entries[name], fut
+        return None
+
+    def _admissible(self, name: str, protect: set[str]) -> bool:
+        """Dry run of _make_room(prefetch=True): would Belady admit `name` into RAM?"""
+        need = self.ram.used + self.entries[name].bytes - self.ram.budget
+        ranked = sorted((s for s in self.ram.entries if s not in protect), key=self.policy.rank_key, reverse=True)
+        for victim in ranked:
+            if need <= 0:
+                break
+            if not self.policy.worth_prefetching(name, victim):
+                return False
+            need -= self.ram.entries[victim]
+        return need <= 0
+
+    def prefetch_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.wake.wait(0.5)
+            self.wake.clear()
+            while not stop.is_set() and (job := self.next_prefetch()) is not None:
+                entry, fut = job
+                try:
+                    tier = self._fill_once(entry, prefetch=True, claimed=fut)
+                except Exception as exc:  # noqa: BLE001 - a failed prefetch is retried by the read
+                    log.warning("prefetch of %s failed: %s", entry.name, exc)
+                    break
+                if tier != "ram":
+                    break  # RAM is full of nearer shards: wait for reads to make room
+
+    def _update_gauges(self) -> None:
+        for tier in (self.ram, self.ssd):
+            self.metrics.tier_bytes.labels(tier.name).set(tier.used)
+            self.metrics.tier_budget.labels(tier.name).set(tier.budget)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"tiers": {"ram": self.ram.summary(), "ssd": self.ssd.summary()},
+                    "pinned": len(self.pinned()), "inflight": len(self.inflight), "plans": self.plans.summary()}

@@ -1,0 +1,123 @@
+"""One storage tier = a directory of shard files with a byte budget.
+
+RAM is a tier in /dev/shm (tmpfs), so trainer workers mmap the very pages the
+daemon wrote: no copy, no bytes through the socket. SSD is a tier on local
+disk that survives restarts; its catalog is rebuilt (and re-verified) from
+disk at start. Files are written to a temp name and renamed into place, so a
+reader that mapped the old inode keeps valid bytes even while we replace or
+unlink it. Thread safety is the caller's (store.py holds one lock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+from loongforge.shared import paths, storage
+from loongforge.shared.errors import ConfigError, IntegrityError
+from loongforge.shared.index import ShardIndex
+
+log = logging.getLogger(__name__)
+TIER_FORMAT = "loongforge-cache-tier"
+TIER_VERSION = 1
+MARKER = "CACHE_FORMAT.json"
+
+
+class Tier:
+    def __init__(self, name: str, root: str, budget: int):
+        self.name = name
+        self.root = os.path.abspath(root)
+        self.data_dir = os.path.join(self.root, "data")  # everything under it is ours to delete
+        self.budget = budget
+        self.entries: dict[str, int] = {}  # shard -> bytes, complete and verified
+        self.reserved: dict[str, int] = {}  # shard -> bytes, being written
+
+    @property
+    def used(self) -> int:
+        return sum(self.entries.values()) + sum(self.reserved.values())
+
+    def __contains__(self, shard: str) -> bool:
+        return shard in self.entries
+
+    def path(self, shard: str) -> str:
+        return os.path.join(self.data_dir, paths.check_relative(shard))
+
+    def open_dir(self) -> None:
+        """Create the directory, or check the on-disk format of an existing one."""
+        os.makedirs(self.data_dir, exist_ok=True)
+        marker = os.path.join(self.root, MARKER)
+        if os.path.exists(marker):
+            try:
+                with open(marker) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{self.name} tier {marker}: unreadable ({exc}); delete {self.root}") from exc
+            if doc.get("format") != TIER_FORMAT or doc.get("version") != TIER_VERSION:
+                raise ConfigError(f"{self.name} tier {self.root} holds format {doc}, this build writes "
+                                  f"{TIER_FORMAT} v{TIER_VERSION}: delete the directory or point elsewhere")
+        else:
+            storage.write_bytes_atomic(marker, json.dumps({"format": TIER_FORMAT, "version": TIER_VERSION}).encode())
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.entries.clear()
+        self.reserved.clear()
+
+    def rebuild(self, index: ShardIndex) -> tuple[list[str], list[str]]:
+        """Re-verify every file on disk against the index. Returns (kept,
+        dropped): dropped = corrupt, truncated or no longer in the index."""
+        kept, dropped = [], []
+        self.entries.clear()
+        for dirpath, _, files in os.walk(self.data_dir):
+            for fname in files:
+                full = os.path.join(dirpath, fname)
+                rel = os.path.relpath(full, self.data_dir).replace(os.sep, "/")
+                try:
+                    entry = index.shard(rel)
+                    digest, size = storage.sha256_file(full)
+                    if (size, digest) != (entry.bytes, entry.sha256):
+                        raise IntegrityError(f"{rel}: size/hash differ from the index")
+                except (KeyError, ValueError, IntegrityError, OSError) as exc:
+                    log.warning("%s tier: dropping %s (%s)", self.name, rel, exc)
+                    _unlink(full)
+                    dropped.append(rel)
+                    continue
+                self.entries[rel] = size
+                kept.append(rel)
+        return kept, dropped
+
+    def write(self, shard: str, data) -> str:
+        """Temp file + rename; raises OSError (ENOSPC included) with nothing left behind."""
+        target = self.path(shard)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)  # trainer workers may run as another user in the group
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return target
+
+    def map(self, shard: str) -> memoryview:
+        return storage.map_file(self.path(shard))
+
+    def remove(self, shard: str) -> None:
+        self.entries.pop(shard, None)
+        self.reserved.pop(shard, None)
+        _unlink(self.path(shard))
+
+    def summary(self) -> dict:
+        return {"dir": self.root, "budget": self.budget, "used": self.used, "shards": len(self.entries)}
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
