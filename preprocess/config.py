@@ -8,6 +8,7 @@ runner choice never change the output and are therefore left out.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass, fields
@@ -91,3 +92,28 @@ class PreprocessConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
+    parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
+    parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="frames per window (4)")
+    parser.add_argument("--stride", type=int, default=4, metavar="S", help="frames between window starts (4)")
+    parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="frames between window frames (1)")
+    parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
+    parser.add_argument("--min-frames", type=int, default=2, metavar="M", help="shortest tail window kept (2)")
+    parser.add_argument("--height", type=int, default=None, help="output height (default: source)")
+    parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
+    parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
+                        help="resize: scale to HxW; crop: centre-crop to the aspect, then scale")
+    parser.add_argument("--shard-size", default="64MB", help="target shard size, e.g. 64MB, 1GB (64MB)")
+    parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
+    parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    return PreprocessConfig(input=args.input, output=args.output, frames_per_sample=args.frames_per_sample,
+                            stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
+                            min_frames=args.min_frames, height=args.height, width=args.width,
+                            resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size),
+                            zstd_level=args.zstd_level, workers=args.workers)

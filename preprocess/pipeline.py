@@ -30,43 +30,18 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge.preprocess import files
-from loongforge.preprocess.config import PreprocessConfig, parse_size
+from loongforge.preprocess.config import PreprocessConfig, add_job_arguments, config_from_args
 from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.preprocess.finalize import FinalizeFn
+from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import STAGING_DIR, WriteShardFn, plan_shards
 from loongforge.preprocess.stats import NormStatsCombineFn
 from loongforge.shared import paths
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.index import load_index
 
 log = logging.getLogger(__name__)
 STAGED = "staged"
-
-
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
-    parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
-    parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="frames per window (4)")
-    parser.add_argument("--stride", type=int, default=4, metavar="S", help="frames between window starts (4)")
-    parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="frames between window frames (1)")
-    parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
-    parser.add_argument("--min-frames", type=int, default=2, metavar="M", help="shortest tail window kept (2)")
-    parser.add_argument("--height", type=int, default=None, help="output height (default: source)")
-    parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
-    parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
-                        help="resize: scale to HxW; crop: centre-crop to the aspect, then scale")
-    parser.add_argument("--shard-size", default="64MB", help="target shard size, e.g. 64MB, 1GB (64MB)")
-    parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
-    parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
-
-
-def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
-    return PreprocessConfig(input=args.input, output=args.output, frames_per_sample=args.frames_per_sample,
-                            stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
-                            min_frames=args.min_frames, height=args.height, width=args.width,
-                            resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size),
-                            zstd_level=args.zstd_level, workers=args.workers)
 
 
 def beam_options(cfg: PreprocessConfig, beam_args: list[str]) -> PipelineOptions:
@@ -137,28 +112,6 @@ def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
     with beam.Pipeline(options=beam_options(cfg, beam_args or [])) as p:
         build_pipeline(p, cfg, meta, episodes)
     return summarize(cfg.output, time.perf_counter() - t0)
-
-
-def summarize(root: str, seconds: float | None = None) -> dict:
-    index = load_index(root)
-    ds = index.dataset
-    out = index.summary()
-    bytes_in = int(ds.source.get("bytes", 0))
-    nv12 = index.num_frames * ds.frame_bytes * len(ds.cameras)
-    out.update({
-        "source_frames": int(ds.source.get("frames", 0)),
-        "bytes_in": bytes_in,
-        "bytes_out": index.total_bytes,
-        "out_over_in": round(index.total_bytes / bytes_in, 3) if bytes_in else None,
-        "nv12_over_out": round(nv12 / index.total_bytes, 3) if index.total_bytes else None,
-        "warnings": list(ds.source.get("warnings", [])),
-        "failed_records": list(index.failed),
-    })
-    if seconds is not None:
-        decoded = out["source_frames"] * len(ds.cameras)
-        out["seconds"] = round(seconds, 2)
-        out["frames_per_s"] = round(decoded / seconds, 1) if seconds > 0 else None
-    return out
 
 
 def run(argv: list[str] | None = None) -> dict:

@@ -82,7 +82,7 @@ def _frames_rgb(n: int, height: int, width: int, phase: float, rng: np.random.Ge
     g = 128 + 100 * np.cos((yy / height * 2 - t * 0.07 + phase) * np.pi)
     b = 64 + 0.5 * (xx + yy) + 8 * np.sin(t * 0.3 + phase)
     rgb = np.stack(np.broadcast_arrays(r, g, b), axis=-1)
-    texture = rng.integers(-24, 25, size=(height, width * 2, 1), dtype=np.int16).astype(np.float32)
+    texture = rng.integers(-8, 9, size=(height, width * 2, 1), dtype=np.int16).astype(np.float32)
     side = max(4, height // 5)
     for i in range(n):  # per-frame (not per-pixel) loop: scroll the texture, place the square
         shift = (i * 2) % width
