@@ -47,9 +47,15 @@ class Window:
 
 def decode_frames_pyav(path: str, timestamps: list[float], tolerance_s: float) -> np.ndarray:
     """uint8 (K, H, W, 3) RGB frames nearest to `timestamps` (seconds)."""
+    loaded, loaded_ts = decode_span(path, min(timestamps), max(timestamps))
+    return _nearest(path, loaded, loaded_ts, timestamps, tolerance_s)
+
+
+def decode_span(path: str, first: float, last: float) -> tuple[list[np.ndarray], list[float]]:
+    """Every frame from the keyframe at or before `first` through the first frame
+    at or after `last`, each converted to RGB, with its pts in seconds."""
     import av
 
-    first, last = min(timestamps), max(timestamps)
     loaded, loaded_ts = [], []
     try:
         with av.open(path) as container:
@@ -64,7 +70,7 @@ def decode_frames_pyav(path: str, timestamps: list[float], tolerance_s: float) -
                     break
     except av.FFmpegError as exc:
         raise SourceDataError(f"{path}: cannot decode ({exc})") from exc
-    return _nearest(path, loaded, loaded_ts, timestamps, tolerance_s)
+    return loaded, loaded_ts
 
 
 def _nearest(path, loaded, loaded_ts, timestamps, tolerance_s) -> np.ndarray:

@@ -37,6 +37,7 @@ class CacheDaemon:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.workdir
         self.ram_dir = base / f"loongforge-bench-{os.getpid()}-{id(self):x}"
+        self.ssd_dir = self.workdir / "ssd"
         self.proc: subprocess.Popen | None = None
         self._lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
@@ -44,12 +45,14 @@ class CacheDaemon:
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "loongforge", "cache", "serve", "--origin", self.origin,
                 "--socket", self.socket, "--ram-dir", str(self.ram_dir), "--ram-budget", self.ram_budget,
-                *self.extra_args]
+                # A private SSD tier: the default (~/.cache) would survive runs and make "cold" warm.
+                "--ssd-dir", str(self.ssd_dir), *self.extra_args]
 
     def start(self) -> "CacheDaemon":
         # An empty RAM tier every time: "hot" must be earned by a warm-up pass.
-        shutil.rmtree(self.ram_dir, ignore_errors=True)
-        self.ram_dir.mkdir(parents=True)
+        for d in (self.ram_dir, self.ssd_dir):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         self.proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -91,7 +94,8 @@ class CacheDaemon:
                 self.proc.kill()
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
         self.proc = None
-        shutil.rmtree(self.ram_dir, ignore_errors=True)
+        for d in (self.ram_dir, self.ssd_dir):
+            shutil.rmtree(d, ignore_errors=True)
 
     def __enter__(self) -> "CacheDaemon":
         return self.start()

@@ -70,7 +70,12 @@ def warm_cache(root: str, index: ShardIndex, socket: str) -> dict:
         for entry in index.shards:
             source.read_shard(entry.name)
         stats = getattr(source, "stats", None)
-        return dict(stats() if callable(stats) else stats or {})
+        got = dict(stats() if callable(stats) else stats or {})
+        origin_reads = got.get("client", {}).get("origin_reads", 0)
+        if origin_reads:
+            raise RuntimeError(f"the daemon could not place {origin_reads} shard(s) (served from origin): "
+                               "raise --ram-budget; a 'hot' figure would be an origin figure")
+        return got
     finally:
         close_source(source)
 

@@ -1,0 +1,89 @@
+"""The baseline loader decodes what a full sequential decode decodes, reads the
+right parquet rows, and fails loudly on broken input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loongforge.benchmarks.baseline import (LeRobotVideoDataset, Window, decode_frames_pyav, decode_span, make_baseline_loader,
+                                            torchcodec_status)
+from loongforge.shared.errors import ConfigError, SourceDataError
+
+CAM = "observation.images.ego_view"
+
+
+@pytest.mark.parametrize("frames", [(0, 1, 2, 3), (96, 98, 100, 102), (120, 121, 122, 123), (5, 50, 99, 149)])
+def test_pyav_seek_decode_matches_sequential_decode(lerobot_root, decode_all, frames):
+    # Windows inside the first GOP, across the keyframe at 100, inside the second
+    # GOP (needs the seek to land on 100, not 0), and sparse.
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames)], action_horizon=4)
+    path = ds.video_file(0, CAM)
+    truth = decode_all(path)[list(frames)]
+    got = decode_frames_pyav(path, [f / ds.fps for f in frames], ds.tolerance_s)
+    np.testing.assert_array_equal(got, truth)
+
+
+@pytest.mark.parametrize("first, keyframe", [(80, 0), (100, 100), (120, 100), (146, 100)])
+def test_seek_lands_on_the_keyframe_before_the_window(lerobot_root, first, keyframe):
+    # GOP 100: keyframes at frames 0 and 100. Decoding starts there, as in
+    # LeRobot's pyav path, and stops at the last requested frame.
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    frames, ts = decode_span(ds.video_file(0, CAM), first / ds.fps, (first + 3) / ds.fps)
+    assert ts[0] == pytest.approx(keyframe / ds.fps)
+    assert ts[-1] == pytest.approx((first + 3) / ds.fps)
+    assert len(frames) == len(ts) == first + 3 - keyframe + 1
+
+
+def test_timestamp_past_the_video_is_an_error(lerobot_root):
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    with pytest.raises(SourceDataError, match="tolerance"):
+        decode_frames_pyav(ds.video_file(0, CAM), [1000.0], ds.tolerance_s)
+
+
+def test_truncated_mp4_is_a_clear_error(lerobot_root, tmp_path):
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    data = open(ds.video_file(0, CAM), "rb").read()
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(data[: len(data) // 3])
+    with pytest.raises(SourceDataError):
+        decode_frames_pyav(str(bad), [0.0], ds.tolerance_s)
+
+
+def test_item_holds_the_window_rows_and_pads_the_action_at_the_episode_end(lerobot_root):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(lerobot_root / "data/chunk-000/episode_000001.parquet")
+    n = table.num_rows
+    state = np.stack(table.column("observation.state").to_numpy(zero_copy_only=False))
+    action = np.stack(table.column("action").to_numpy(zero_copy_only=False))
+    frames = (n - 3, n - 2, n - 1)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(1, frames)], action_horizon=5)
+    item = ds[0]
+    assert item[CAM].shape == (3, 3, 32, 32) and item[CAM].dtype.is_floating_point
+    assert 0.0 <= float(item[CAM].min()) and float(item[CAM].max()) <= 1.0
+    np.testing.assert_array_equal(item["observation.state"].numpy(), state[list(frames)])
+    np.testing.assert_array_equal(item["action"].numpy()[0], action[n - 1])
+    np.testing.assert_array_equal(item["action"].numpy()[1:], np.repeat(action[n - 1 : n], 4, axis=0))
+    assert item["action_is_pad"].tolist() == [False, True, True, True, True]
+    assert isinstance(item["task"], str) and item["task"]
+
+
+def test_dataloader_with_a_worker_batches_items(lerobot_root):
+    windows = [Window(e, tuple(range(s, s + 2))) for e in (0, 1) for s in range(0, 140, 20)]
+    ds = LeRobotVideoDataset(lerobot_root, windows, action_horizon=2)
+    batches = list(make_baseline_loader(ds, batch_size=4, num_workers=1, seed=0))
+    assert len(batches) == len(windows) // 4  # drop_last, as LeRobot trains
+    assert batches[0][CAM].shape == (4, 2, 3, 32, 32)
+    assert len(batches[0]["task"]) == 4
+
+
+def test_unknown_backend_is_a_config_error(lerobot_root):
+    with pytest.raises(ConfigError, match="backend"):
+        LeRobotVideoDataset(lerobot_root, [], action_horizon=1, backend="decord")
+
+
+def test_torchcodec_status_is_a_reason_or_none():
+    status = torchcodec_status()
+    if status is not None:
+        assert "torchcodec" in status
