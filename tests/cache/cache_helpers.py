@@ -1,0 +1,99 @@
+"""Cache test helpers: every daemon is a real `python -m loongforge.cache serve` process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loongforge.cache.client import CacheClient
+from loongforge.cache.protocol import Connection
+from loongforge.shared.index import ShardIndex
+
+READY = "cache daemon ready on"
+
+
+class DaemonProc:
+    """One cache daemon = one node. Tiers live under tmp_path (RAM dir too: on
+    a test box /dev/shm and tmp behave the same for correctness)."""
+
+    def __init__(self, tmp: Path, root: str, index: ShardIndex, name: str = "node-a", *, ram: str = "1MiB",
+                 ssd: str = "4MiB", redis_url: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None):
+        self.root, self.index, self.name = root, index, name
+        self.dir = tmp / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = str(self.dir / "c.sock")
+        self.ram_dir = str(self.dir / "ram")
+        self.ssd_dir = str(self.dir / "ssd")
+        self.log_path = self.dir / "daemon.log"
+        self.args = [sys.executable, "-m", "loongforge.cache", "serve", "--origin", root, "--socket", self.socket,
+                     "--ram-dir", self.ram_dir, "--ram-budget", ram, "--ssd-dir", self.ssd_dir, "--ssd-budget", ssd,
+                     "--node-id", name, "--prefetch-window", "0", "--heartbeat-s", "0.2", "--node-ttl-s", "2",
+                     *(("--redis-url", redis_url, "--peer-listen", "127.0.0.1:0") if redis_url else ()), *extra]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20.0) -> "DaemonProc":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if READY in self.log_path.read_text() and os.path.exists(self.socket):
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"daemon {self.name} did not get ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        self.proc = None
+        return rc
+
+    def request(self, op: str, **fields) -> dict:
+        conn = Connection(self.socket, None, 10.0)
+        try:
+            return conn.request(op, **fields)
+        finally:
+            conn.close()
+
+    def stats(self) -> dict:
+        return self.request("stats")["stats"]
+
+    def client(self, **kw) -> CacheClient:
+        return CacheClient(self.root, self.index, socket_path=self.socket, **kw)
+
+
+def counter(stats: dict, name: str, label: str) -> int:
+    return stats["counters"][name].get(label, 0)
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,237 @@
+"""One node: a real daemon process, real tier files, real client mmaps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from loongforge.cache.protocol import Connection
+from loongforge.shared.errors import CacheUnavailableError, ShardNotFoundError, UnsafePathError
+
+from cache_helpers import counter, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+SHARD = 50 * 1024  # synthetic_root shards are ~49 KiB; budgets below are multiples of this
+
+
+def _origin_bytes(root, name):
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
+def _tier_files(directory):
+    data = os.path.join(directory, "data")
+    return sorted(os.path.relpath(os.path.join(d, f), data) for d, _, fs in os.walk(data) for f in fs)
+
+
+def test_hit_miss_eviction_accounting_and_metrics(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    port = free_port()
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)), extra=("--metrics-port", str(port)))
+    conn = Connection(d.socket, None, 10.0)
+    tiers = []
+    for name in (s[0], s[1], s[2], s[1], s[0]):  # no plan announced: LRU
+        tiers.append(conn.request("get", shard=name)["tier"])
+        conn.request("release", shard=name)
+    st = d.stats()
+    assert tiers == ["ram"] * 5
+    assert counter(st, "misses", "ram") == 4 and counter(st, "hits", "ram") == 1
+    assert counter(st, "misses", "ssd") == 3 and counter(st, "hits", "ssd") == 1
+    assert counter(st, "fills", "origin") == 3 and counter(st, "fills", "ssd") == 1
+    assert counter(st, "evictions", "ram") == 2  # s0 (LRU) for s2, then s2 for s0
+    assert counter(st, "bytes_served", "ram") == sum(index.shard(n).bytes for n in (s[0], s[1], s[2], s[1], s[0]))
+    assert _tier_files(d.ram_dir) == sorted([s[0], s[1]])
+    assert _tier_files(d.ssd_dir) == sorted(s[:3])  # write-through: SSD keeps what RAM dropped
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'loongforge_cache_hits_total{tier="ram"} 1.0' in metrics
+    assert 'loongforge_cache_fills_total{source="origin"} 3.0' in metrics
+    conn.close()
+
+    with d.client() as client:  # the client hands out an mmap of the RAM tier file
+        view = client.read_shard(s[1])
+        assert bytes(view) == _origin_bytes(root, s[1])
+        assert bytes(client.read_range(s[1], 100, 50)) == _origin_bytes(root, s[1])[100:150]
+        assert not client.degraded and client.counts["origin_reads"] == 0
+
+
+def test_pinned_shards_are_never_evicted(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)))
+    reader = Connection(d.socket, None, 10.0)
+    assert reader.request("get", shard=s[0])["tier"] == "ram"
+    assert reader.request("get", shard=s[1])["tier"] == "ram"
+    other = Connection(d.socket, None, 10.0)
+    reply = other.request("get", shard=s[2])  # RAM holds two pinned shards: s2 is served from SSD
+    assert reply["tier"] == "ssd" and os.path.exists(reply["path"])
+    assert _tier_files(d.ram_dir) == sorted(s[:2])
+    reader.request("release", shard=s[0])
+    assert other.request("get", shard=s[3])["tier"] == "ram"
+    assert _tier_files(d.ram_dir) == sorted([s[1], s[3]])  # the released one went, the pinned one stayed
+    reader.close()  # a closed connection drops its pins
+    assert other.request("get", shard=s[0])["tier"] == "ram"
+    other.close()
+
+
+def test_ssd_budget_exceeded_evicts(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, ram=str(int(1.2 * SHARD)), ssd=str(int(2.2 * SHARD)))
+    with d.client(max_open=1) as client:
+        for name in s:
+            assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
+    st = d.stats()
+    assert counter(st, "evictions", "ssd") == 2
+    assert st["tiers"]["ssd"]["used"] <= st["tiers"]["ssd"]["budget"]
+    assert len(_tier_files(d.ssd_dir)) == 2 and len(_tier_files(d.ram_dir)) == 1
+
+
+def test_restart_reverifies_ssd_and_refetches_corrupt(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index)
+    with d.client() as client:
+        for name in s:
+            client.read_shard(name)
+    assert d.stop() == 0  # SIGTERM: clean shutdown
+    assert not os.path.exists(d.socket) and _tier_files(d.ram_dir) == []
+    assert _tier_files(d.ssd_dir) == sorted(s)  # SSD survives the restart
+    with open(os.path.join(d.ssd_dir, "data", s[0]), "r+b") as f:  # bit rot
+        f.seek(700)
+        byte = f.read(1)
+        f.seek(700)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.truncate(os.path.join(d.ssd_dir, "data", s[1]), 1000)  # torn write
+    d.start()
+    st = d.stats()
+    assert counter(st, "corrupt", "ssd") == 2 and st["tiers"]["ssd"]["shards"] == 2
+    # Corruption after the start-up check is caught when the entry is promoted to RAM.
+    with open(os.path.join(d.ssd_dir, "data", s[3]), "r+b") as f:
+        f.seek(10)
+        f.write(b"XXXX")
+    with d.client() as client:
+        for name in s:
+            assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
+    st = d.stats()
+    assert counter(st, "corrupt", "ssd") == 3
+    assert counter(st, "fills", "origin") == 3 and counter(st, "hits", "ssd") == 1  # only s2 was intact
+
+
+def test_bad_names_and_messages_rejected(synthetic_root, daemons):
+    root, index = synthetic_root
+    d = daemons(root, index)
+    conn = Connection(d.socket, None, 10.0)
+    for name in ("../../etc/passwd", "/etc/passwd", "shards/../index.json", "shards/./shard-000000.tar"):
+        with pytest.raises(UnsafePathError):
+            conn.request("get", shard=name)
+    with pytest.raises(ShardNotFoundError):
+        conn.request("get", shard="shards/shard-999999.tar")
+    with pytest.raises(UnsafePathError):
+        conn.request("announce", shards=["shards/shard-000000.tar", "../x"], rank=0, epoch=0)
+    conn.sock.sendall(b"{not json\n")
+    assert b'"ProtocolError"' in conn.rfile.readline()
+    conn.sock.sendall(b'{"v":1,"id":7,"op":"rm -rf"}\n')
+    assert b"unknown op" in conn.rfile.readline()
+    st = d.stats()
+    assert counter(st, "rejected", "unsafe_path") == 5 and counter(st, "rejected", "not_in_index") == 1
+    assert not any(f.endswith("passwd") for f in _tier_files(d.ram_dir) + _tier_files(d.ssd_dir))
+    with d.client() as client, pytest.raises(UnsafePathError):
+        client.read_shard("../index.json")  # rejected before it leaves the process, fallback or not
+    conn.close()
+
+
+def test_daemon_killed_or_hung_client_falls_back_to_origin(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index)
+    client = d.client(timeout=1.0)
+    client.read_shard(s[0])
+    assert not client.degraded
+    d.proc.send_signal(signal.SIGSTOP)  # hung daemon: the client must not wait past its timeout
+    t0 = time.monotonic()
+    assert bytes(client.read_shard(s[1])) == _origin_bytes(root, s[1])
+    assert time.monotonic() - t0 < 3.0 and client.degraded
+    d.proc.send_signal(signal.SIGCONT)
+    d.stop(signal.SIGKILL)  # dead daemon
+    client.announce(s, rank=0, epoch=0)  # never raises with fallback
+    assert bytes(client.read_shard(s[2])) == _origin_bytes(root, s[2]) and client.degraded
+    assert client.counts["origin_reads"] == 2
+    strict = d.client(fallback=False, timeout=1.0)
+    with pytest.raises(CacheUnavailableError):
+        strict.read_shard(s[3])
+    client.close()
+    strict.close()
+
+
+def test_prefetch_follows_announced_plan(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    plan = [s[2], s[0], s[3], s[1]]
+    d = daemons(root, index, extra=("--prefetch-window", "2"))
+    with d.client() as client:
+        client.announce(plan, rank=0, epoch=0)
+        wait_for(lambda: counter(d.stats(), "prefetches", "ram") >= 2, what="prefetch of the first 2 shards")
+        st = d.stats()
+        assert set(_tier_files(d.ram_dir)) == {s[2], s[0]}  # exactly the window, nothing beyond it
+        for i, name in enumerate(plan):
+            wait_for(lambda: counter(d.stats(), "prefetches", "ram") >= min(4, i + 2), what="prefetch ahead")
+            assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
+    st = d.stats()
+    assert counter(st, "hits", "ram") == 4 and counter(st, "misses", "ram") == 0
+    assert st["counters"]["prefetch_lead_s"]["count"] == 4
+
+
+def test_cli_stats_and_stop(synthetic_root, daemons):
+    root, index = synthetic_root
+    d = daemons(root, index)
+    with d.client() as client:
+        client.read_shard(index.shards[0].name)
+    cmd = [sys.executable, "-m", "loongforge.cache"]
+    out = subprocess.run(cmd + ["stats", "--socket", d.socket, "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["counters"]["fills"]["origin"] == 1
+    table = subprocess.run(cmd + ["stats", "--socket", d.socket], capture_output=True, text=True, timeout=30)
+    assert table.returncode == 0 and "ram" in table.stdout and "fills: origin 1" in table.stdout
+    stop = subprocess.run(cmd + ["stop", "--socket", d.socket], capture_output=True, text=True, timeout=30)
+    assert stop.returncode == 0
+    assert d.proc.wait(timeout=15) == 0
+    assert not os.path.exists(d.socket) and _tier_files(d.ram_dir) == []
+    gone = subprocess.run(cmd + ["stats", "--socket", d.socket], capture_output=True, text=True, timeout=30)
+    assert gone.returncode == 1 and "unreachable" in gone.stderr
+
+
+def test_budget_smaller_than_a_shard_fails_at_start(synthetic_root, tmp_path):
+    root, _ = synthetic_root
+    out = subprocess.run([sys.executable, "-m", "loongforge.cache", "serve", "--origin", root, "--socket",
+                          str(tmp_path / "s.sock"), "--ram-dir", str(tmp_path / "ram"), "--ssd-dir",
+                          str(tmp_path / "ssd"), "--ram-budget", "10KiB"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "ram_budget" in out.stderr and "--ram-budget" in out.stderr and not os.path.exists(tmp_path / "s.sock")
+
+
+def test_concurrent_readers_share_one_fill(synthetic_root, daemons):
+    root, index = synthetic_root
+    name = index.shards[0].name
+    d = daemons(root, index, env={"LOONGFORGE_CACHE_ORIGIN_DELAY_S": "0.3"})
+    results = []
+
+    def read():
+        with d.client(timeout=5.0) as c:
+            results.append(bytes(c.read_shard(name)) == _origin_bytes(root, name) and not c.degraded)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results == [True] * 4
+    assert counter(d.stats(), "fills", "origin") == 1
