@@ -80,16 +80,26 @@ class TraceWindow:
         if self.steps and step == self.steps[0] and self.prof is None:
             self.prof = torch.profiler.profile(activities=self.activities, record_shapes=False)
             self.prof.start()
+        if self.prof is not None:
+            # Our own step marker (the name HTA expects): without a schedule, prof.step() records none.
+            self._mark = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._mark.__enter__()
 
     def after(self, step: int) -> None:
         if self.prof is None:
             return
-        self.prof.step()  # ProfilerStep#N markers delimit steps in the trace
+        self._end_mark()
         if step + 1 >= self.steps[1]:
             self.close()
 
+    def _end_mark(self) -> None:
+        if getattr(self, "_mark", None) is not None:
+            self._mark.__exit__(None, None, None)
+            self._mark = None
+
     def close(self) -> None:
         if self.prof is not None:
+            self._end_mark()
             self.prof.stop()
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self.prof.export_chrome_trace(self.path)
