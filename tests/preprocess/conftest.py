@@ -1,0 +1,34 @@
+"""Preprocess fixtures: small real LeRobot v2 datasets (H.264 via PyAV), made
+once per session, and a helper that runs the real Beam job in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge.preprocess.config import PreprocessConfig
+
+IN_MEMORY = ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
+SMALL = {"episodes": 3, "frames": (14, 22), "height": 64, "width": 64, "gop": 6}
+
+
+@pytest.fixture(scope="session")
+def sample_dataset(tmp_path_factory) -> str:
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    return str(generate_dataset(tmp_path_factory.mktemp("lerobot") / "sample", **SMALL))
+
+
+@pytest.fixture(scope="session")
+def quirky_dataset(tmp_path_factory) -> str:
+    from loongforge.preprocess.sample_data import QUIRKS, generate_dataset
+
+    return str(generate_dataset(tmp_path_factory.mktemp("lerobot") / "quirky", **{**SMALL, "episodes": 4},
+                                quirks=QUIRKS))
+
+
+def run_in_memory(input_root: str, output: str, **overrides) -> dict:
+    """The real job on Beam's in-process FnApiRunner (fast to start, one worker)."""
+    from loongforge.preprocess.pipeline import run_job
+
+    cfg = PreprocessConfig(input=input_root, output=output, workers=1, **overrides)
+    return run_job(cfg, IN_MEMORY)

@@ -1,0 +1,41 @@
+import pytest
+
+from loongforge.preprocess.config import PreprocessConfig, parse_size
+from loongforge.shared.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,want", [("64MB", 64 << 20), ("512k", 512 << 10), ("1GiB", 1 << 30), ("1000", 1000),
+                                       (4096, 4096), ("1.5MB", 3 << 19)])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-1MB", "MB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"frames_per_sample": 0}, "frames_per_sample"),
+    ({"min_frames": 5, "frames_per_sample": 4}, "min_frames"),
+    ({"height": 64}, "height and width"),
+    ({"height": 63, "width": 64}, "height"),
+    ({"resize_mode": "stretch"}, "resize_mode"),
+    ({"shard_size": 100}, "shard_size"),
+    ({"zstd_level": 0}, "zstd_level"),
+    ({"output": "in"}, "output must differ"),
+])
+def test_config_rejects_with_field_name(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        PreprocessConfig(**{"input": "in", "output": "out", **kw})
+
+
+def test_config_is_frozen_and_records_output_params():
+    cfg = PreprocessConfig(input="in", output="out", workers=3)
+    with pytest.raises(AttributeError):
+        cfg.stride = 2  # type: ignore[misc]
+    params = cfg.output_params()
+    assert "workers" not in params and "input" not in params  # they never change the bytes written
+    assert params["frames_per_sample"] == 4 and params["shard_size"] == 64 << 20
+    assert cfg.num_workers == 3

@@ -1,0 +1,122 @@
+"""The generator writes what real LeRobot v2.0 / GR00T datasets hold: real
+H.264 with moving content, the meta files, and (on request) their defects."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from loongforge.preprocess.sample_data import PRESETS, QUIRKS, generate_dataset, generate_preset
+from loongforge.shared.errors import ConfigError
+
+
+def _tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _decode(path: Path) -> tuple[list[np.ndarray], av.video.stream.VideoStream, int]:
+    with av.open(str(path)) as c:
+        s = c.streams.video[0]
+        frames, keys = [], 0
+        for f in c.decode(s):
+            frames.append(f.to_ndarray(format="rgb24"))
+            keys += f.key_frame
+        return frames, (s.codec_context.name, s.codec_context.pix_fmt, s.average_rate), keys
+
+
+def test_layout_meta_and_parquet(sample_dataset):
+    root = Path(sample_dataset)
+    info = json.loads((root / "meta/info.json").read_text())
+    assert info["codebase_version"] == "v2.0" and info["total_episodes"] == 3 and info["total_chunks"] == 1
+    assert info["splits"] == {"train": "0:3"}
+    cams = [k for k, v in info["features"].items() if v["dtype"] == "video"]
+    assert cams == ["observation.images.ego_view", "observation.images.wrist_view"]
+    assert info["features"]["observation.images.ego_view"]["shape"] == [64, 64, 3]
+    assert len(info["features"]["observation.state"]["names"]) == 8
+    episodes = [json.loads(line) for line in (root / "meta/episodes.jsonl").read_text().splitlines()]
+    tasks = {json.loads(line)["task_index"]: json.loads(line)["task"]
+             for line in (root / "meta/tasks.jsonl").read_text().splitlines()}
+    modality = json.loads((root / "meta/modality.json").read_text())
+    assert modality["state"]["gripper"] == {"start": 7, "end": 8}
+    assert modality["video"]["ego_view"] == {"original_key": "observation.images.ego_view"}
+    assert sum(e["length"] for e in episodes) == info["total_frames"]
+    assert len({e["length"] for e in episodes}) > 1  # lengths vary per episode
+    for ep in episodes:
+        i = ep["episode_index"]
+        table = pq.read_table(root / info["data_path"].format(episode_chunk=0, episode_index=i))
+        assert table.num_rows == ep["length"]
+        for col in ("observation.state", "action", "timestamp", "frame_index", "episode_index", "index",
+                    "task_index", "annotation.human.action.task_description"):
+            assert col in table.column_names
+        assert tasks[table.column("task_index")[0].as_py()] == ep["tasks"][0]
+        state = np.array(table.column("observation.state").to_pylist(), dtype=np.float32)
+        assert state.shape == (ep["length"], 8) and state.std() > 0.1
+
+
+def test_videos_are_real_h264_with_moving_content(sample_dataset):
+    root = Path(sample_dataset)
+    info = json.loads((root / "meta/info.json").read_text())
+    length = json.loads((root / "meta/episodes.jsonl").read_text().splitlines()[0])["length"]
+    path = root / info["video_path"].format(episode_chunk=0, video_key="observation.images.wrist_view",
+                                            episode_index=0)
+    frames, (codec, pix_fmt, rate), keys = _decode(path)
+    assert (codec, pix_fmt, rate) == ("h264", "yuv420p", 20)
+    assert len(frames) == length and frames[0].shape == (64, 64, 3)
+    assert keys == -(-length // 6)  # gop=6
+    assert frames[0].std() > 20  # not a flat colour
+    diffs = [np.abs(a.astype(int) - b).mean() for a, b in zip(frames, frames[1:])]
+    assert min(diffs) > 1.0  # every frame moves
+
+
+def test_generation_is_deterministic(tmp_path):
+    a = generate_dataset(tmp_path / "a", episodes=2, frames=(10, 12), seed=5)
+    b = generate_dataset(tmp_path / "b", episodes=2, frames=(10, 12), seed=5)
+    c = generate_dataset(tmp_path / "c", episodes=2, frames=(10, 12), seed=6)
+    assert _tree_hash(a) == _tree_hash(b) != _tree_hash(c)
+
+
+def test_long_gop(tmp_path):
+    root = generate_dataset(tmp_path / "g", episodes=1, frames=(120, 120), cameras=("cam",), gop=100)
+    frames, _, keys = _decode(next(root.rglob("*.mp4")))
+    assert len(frames) == 120 and keys == 2
+
+
+def test_quirks(tmp_path):
+    root = generate_dataset(tmp_path / "q", episodes=3, frames=(12, 16), quirks=QUIRKS)
+    info = json.loads((root / "meta/info.json").read_text())
+    assert info["total_chunks"] == 0 and info["splits"]["train"] == "0:103"
+    assert "observation.images.side_view" in info["features"]
+    assert not list(root.rglob("*side_view*"))  # listed, no files
+    lengths = [json.loads(line)["length"] for line in (root / "meta/episodes.jsonl").read_text().splitlines()]
+    bad = root / "videos/chunk-000/observation.images.ego_view/episode_000001.mp4"
+    with pytest.raises(av.FFmpegError):
+        _decode(bad)
+    short = root / "videos/chunk-000/observation.images.ego_view/episode_000002.mp4"
+    assert len(_decode(short)[0]) == lengths[2] - 5
+
+
+def test_gr00t_like_preset(tmp_path):
+    root = generate_preset(tmp_path / "gr1", "gr00t-like", episodes=2, frames=(8, 10))
+    info = json.loads((root / "meta/info.json").read_text())
+    assert info["features"]["observation.images.ego_view"]["shape"] == [256, 256, 3]
+    assert info["features"]["observation.state"]["shape"] == [44] == info["features"]["action"]["shape"]
+    assert info["fps"] == 20 and info["total_chunks"] == 0 and info["robot_type"].startswith("GR1")
+    modality = json.loads((root / "meta/modality.json").read_text())
+    assert modality["state"]["waist"] == {"start": 41, "end": 44}
+    frames, (codec, _, _), _ = _decode(next(root.rglob("*.mp4")))
+    assert codec == "h264" and frames[0].shape == (256, 256, 3)
+    assert set(PRESETS["gr00t-like"]["quirks"]) <= set(QUIRKS)
+
+
+@pytest.mark.parametrize("kw", [{"quirks": ("nope",)}, {"frames": (5, 2)}, {"height": 63}, {"episodes": 0}])
+def test_bad_arguments(tmp_path, kw):
+    with pytest.raises(ConfigError):
+        generate_dataset(tmp_path / "x", **kw)

@@ -1,0 +1,140 @@
+"""Each Beam transform of the job, run on Beam's local runner (TestPipeline)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import apache_beam as beam
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
+from loongforge.preprocess.discover import discover
+from loongforge.preprocess.pack import ShardPlan, StagedEpisode, StagedSample, WriteShardFn, plan_shards
+from loongforge.preprocess.stats import Moments, NormStatsCombineFn, episode_moments
+from loongforge.preprocess.window import plan_windows
+from loongforge.shared import paths
+from loongforge.shared.format import END_OF_ARCHIVE
+from loongforge.shared.writer import layout_shard
+
+
+def pipeline() -> test_pipeline.TestPipeline:
+    # FnApiRunner in-process: Beam's default DirectRunner would try to fetch Prism.
+    return test_pipeline.TestPipeline(options=PipelineOptions(["--runner=FnApiRunner", "--direct_running_mode=in_memory"]))
+
+
+def params(output, **kw) -> ConvertParams:
+    base = dict(output=str(output), height=64, width=64, resize_mode="resize", frames_per_sample=4, stride=4,
+                frame_step=1, action_horizon=5, min_frames=2, zstd_level=3)
+    return ConvertParams(**{**base, **kw})
+
+
+def test_convert_episode_fn_stages_windows_and_tags_failures(quirky_dataset, tmp_path):
+    meta, episodes = discover(quirky_dataset)
+    lengths = {e.index: e.length for e in episodes}
+    expected_keys = sorted(
+        paths.sample_key(ep, w.start) for ep in (0, 2)  # 1 = corrupt video, 3 = length mismatch
+        for w in plan_windows(lengths[ep], frames_per_sample=4, stride=4, frame_step=1, action_horizon=5,
+                              min_frames=2))
+    with pipeline() as p:
+        out = (p | beam.Create(episodes)
+               | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path))).with_outputs(FAILED, STATS, main="staged"))
+        keys = out.staged | "Keys" >> beam.FlatMap(lambda e: [s.key for s in e.samples])
+        assert_that(keys, equal_to(expected_keys), label="CheckKeys")
+        reasons = out[FAILED] | "Reasons" >> beam.Map(
+            lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "length mismatch" in r["reason"]))
+        assert_that(reasons, equal_to([(1, "observation.images.ego_view", True),
+                                       (3, "observation.images.ego_view", True)]), label="CheckFailed")
+        counts = out[STATS] | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count))
+        assert_that(counts, equal_to([(0, lengths[0]), (2, lengths[2])]), label="CheckStats")
+    staged = sorted((tmp_path / "_staging").iterdir())
+    assert [f.name for f in staged] == ["episode_000000.bin", "episode_000002.bin"]
+    # A staging file is packed fragments back to back: a plain tar once terminated.
+    with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
+        names = tar.getnames()
+    assert sorted({n.split(".")[0] for n in names}) == [k for k in expected_keys if k.startswith("e000000")]
+    assert sum(n.endswith(".nv12.zst") for n in names) == 2 * len({n.split(".")[0] for n in names})
+
+
+def test_norm_stats_combine_fn_equals_numpy_and_is_order_free(sample_dataset):
+    _, episodes = discover(sample_dataset)
+    tables = [pq.read_table(e.parquet) for e in episodes]
+    states = [np.array(t.column("observation.state").to_pylist(), np.float32) for t in tables]
+    actions = [np.array(t.column("action").to_pylist(), np.float32) for t in tables]
+    parts = [episode_moments(i, s, a) for i, (s, a) in enumerate(zip(states, actions))]
+    with pipeline() as p:
+        stats = (p | beam.Create(parts[::-1]) | beam.CombineGlobally(NormStatsCombineFn()))
+        assert_that(stats | beam.Map(lambda s: sorted(s)), equal_to([["action", "state"]]), label="Names")
+        assert_that(stats | "Count" >> beam.Map(lambda s: s["state"]["count"]),
+                    equal_to([sum(len(s) for s in states)]), label="Count")
+    allstate = np.concatenate(states).astype(np.float64)
+    combined = NormStatsCombineFn()
+    acc = combined.merge_accumulators([combined.add_input({}, part) for part in parts])
+    out = combined.extract_output(acc)
+    np.testing.assert_allclose(out["state"]["mean"], allstate.mean(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out["state"]["std"], allstate.std(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(out["state"]["min"], allstate.min(0))
+    np.testing.assert_array_equal(out["action"]["max"], np.concatenate(actions).astype(np.float64).max(0))
+    shuffled = combined.merge_accumulators([combined.add_input({}, part) for part in parts[::-1]])
+    assert combined.extract_output(shuffled) == out  # bit-identical whatever the arrival order
+
+
+def _staged(ep: int, lengths: list[int], path="s") -> StagedEpisode:
+    samples, pos = [], 0
+    for i, n in enumerate(lengths):
+        samples.append(StagedSample(key=paths.sample_key(ep, i * 4), frames=4, offset=pos, length=n))
+        pos += n
+    return StagedEpisode(episode=ep, path=f"{path}{ep}", samples=tuple(samples), source_frames=8, source_bytes=1,
+                         videos=())
+
+
+def test_plan_shards_is_greedy_sorted_and_size_bounded():
+    staged = [_staged(2, [500, 500]), _staged(0, [500, 400, 300]), _staged(1, [5000])]
+    plans = plan_shards(staged, shard_size=2200)
+    assert [p.name for p in plans] == [paths.shard_name(i) for i in range(4)]
+    assert [[s.key for _, s in p.items] for p in plans] == [
+        ["e000000_f000000", "e000000_f000004"],  # 1024 (end marker) + 900 fits, +300 would not
+        ["e000000_f000008"],  # the next sample is over the bound on its own: it gets its own shard
+        ["e000001_f000000"],
+        ["e000002_f000000", "e000002_f000004"],
+    ]
+    assert [p.items[0][0] for p in plans] == ["s0", "s0", "s1", "s2"]
+    with pipeline() as p:
+        names = (p | beam.Create([staged]) | beam.FlatMap(plan_shards, 2200) | beam.Map(lambda sp: sp.name))
+        assert_that(names, equal_to([paths.shard_name(i) for i in range(4)]))
+
+
+def test_write_shard_fn_copies_staged_ranges(tmp_path):
+    frags = {f"e000000_f{i:06d}": bytes([i]) * (512 * (i + 1)) for i in range(3)}
+    staging = tmp_path / "stage.bin"
+    staging.write_bytes(b"".join(frags.values()))
+    items, pos = [], 0
+    for key, data in frags.items():
+        items.append((str(staging), StagedSample(key=key, frames=2, offset=pos, length=len(data))))
+        pos += len(data)
+    plan = ShardPlan(number=0, name=paths.shard_name(0), items=tuple(items))
+    want, _ = layout_shard(plan.name, [(k, 2, v) for k, v in frags.items()])
+    out = tmp_path / "out"
+    with pipeline() as p:
+        entries = p | beam.Create([plan]) | beam.ParDo(WriteShardFn(str(out)))
+        assert_that(entries, equal_to([want]))
+    assert (out / plan.name).stat().st_size == want.bytes
+
+
+def test_moments_merge_matches_direct():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(5, 2, (30, 3)), rng.normal(-1, 1, (7, 3))
+    merged = Moments.of(a).merge(Moments.of(b)).summary()
+    both = np.concatenate([a, b])
+    np.testing.assert_allclose(merged["mean"], both.mean(0))
+    np.testing.assert_allclose(merged["std"], both.std(0))
+
+
+@pytest.mark.parametrize("shard_size", [1 << 16])
+def test_plan_shards_empty(shard_size):
+    assert plan_shards([], shard_size) == []
