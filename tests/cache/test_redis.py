@@ -1,0 +1,133 @@
+"""Several nodes over one origin, coordinated by a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+from cache_helpers import counter, wait_for
+
+from loongforge.shared.synthetic import make_synthetic_root
+
+pytestmark = pytest.mark.slow
+
+
+def _bytes(root, name):
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
+@pytest.fixture
+def root8(tmp_path):
+    root = str(tmp_path / "origin")
+    return root, make_synthetic_root(root, shards=8)
+
+
+def _read_all(daemon, names, ok: list, timeout=15.0):
+    with daemon.client(timeout=timeout) as c:
+        for n in names:
+            ok.append(bytes(c.read_shard(n)) == _bytes(daemon.root, n) and not c.degraded)
+
+
+def test_two_nodes_missing_the_same_shards_read_origin_once_each(root8, redis_server, daemons):
+    root, index = root8
+    names = [s.name for s in index.shards]
+    slow = {"LOONGFORGE_CACHE_ORIGIN_DELAY_S": "0.15"}  # widen the race: both nodes miss while one fills
+    a = daemons(root, index, "node-a", redis_url=redis_server.url, env=slow)
+    b = daemons(root, index, "node-b", redis_url=redis_server.url, env=slow)
+    wait_for(lambda: a.stats()["redis"]["state"] == b.stats()["redis"]["state"] == "connected", what="redis")
+    ok: list = []
+    threads = [threading.Thread(target=_read_all, args=(d, names, ok)) for d in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert ok == [True] * (4 * len(names))
+    sa, sb = a.stats(), b.stats()
+    origin = counter(sa, "fills", "origin") + counter(sb, "fills", "origin")
+    peer = counter(sa, "fills", "peer") + counter(sb, "fills", "peer")
+    # Documented bound: <= 1 origin read per shard while Redis is up and no lock holder dies.
+    assert origin == len(names), (origin, peer)
+    assert peer == len(names)  # the other node got each shard from its peer
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    prefix = sa["redis"]["prefix"]
+    for n in names:
+        assert r.smembers(prefix + f"dir:{n}") == {"node-a", "node-b"}
+    assert r.smembers(prefix + "nodes") == {"node-a", "node-b"}
+    wait_for(lambda: r.zcard(prefix + "hot") == len(names), what="hotness counters")
+    assert int(r.zscore(prefix + "hot", names[0])) >= 4
+
+
+def test_lock_holder_dies_mid_fill_a_waiter_takes_over(synthetic_root, redis_server, daemons):
+    root, index = synthetic_root
+    name = index.shards[0].name
+    lock = ("--lock-ttl-s", "1")
+    a = daemons(root, index, "node-a", redis_url=redis_server.url, extra=lock,
+                env={"LOONGFORGE_CACHE_ORIGIN_DELAY_S": "30"})
+    b = daemons(root, index, "node-b", redis_url=redis_server.url, extra=lock)
+    wait_for(lambda: a.stats()["redis"]["state"] == b.stats()["redis"]["state"] == "connected", what="redis")
+    def doomed_get():
+        with pytest.raises(ConnectionError):  # node-a is killed while this request waits
+            a.request("get", shard=name)
+
+    threading.Thread(target=doomed_get, daemon=True).start()
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    lock_key = a.stats()["redis"]["prefix"] + f"lock:{name}"
+    wait_for(lambda: r.exists(lock_key), what="node-a to take the fill lock")
+    time.sleep(1.5)  # past one TTL: the keep-alive must have extended the live holder's lock
+    assert r.exists(lock_key)
+    a.stop(signal.SIGKILL)  # holder dies mid-fill; its lock is not released
+    t0 = time.monotonic()
+    with b.client(timeout=10.0) as c:
+        assert bytes(c.read_shard(name)) == _bytes(root, name) and not c.degraded
+    waited = time.monotonic() - t0
+    assert waited < 1 + 1.0  # <= lock TTL (+ polling slack)
+    assert counter(b.stats(), "fills", "origin") == 1  # bound: 1 + one dead holder (which never finished)
+
+
+def test_redis_killed_then_restarted(synthetic_root, redis_server, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, redis_url=redis_server.url)
+    wait_for(lambda: d.stats()["redis"]["state"] == "connected", what="redis")
+    with d.client(timeout=5.0) as c:
+        c.read_shard(s[0])
+        redis_server.stop()
+        t0 = time.monotonic()
+        for n in s[1:3]:
+            assert bytes(c.read_shard(n)) == _bytes(root, n) and not c.degraded  # still served, from origin
+        assert time.monotonic() - t0 < 5.0
+    st = wait_for(lambda: (x := d.stats())["redis"]["state"] == "down" and x, what="redis state down")
+    assert counter(st, "fills", "origin") == 3 and sum(st["counters"]["redis_errors"].values()) >= 1
+    redis_server.start()  # empty: no persistence, the node must re-register and re-publish
+    st = wait_for(lambda: (x := d.stats())["redis"]["state"] == "connected" and x["redis"]["registrations"] >= 2
+                  and x, timeout=15, what="re-registration")
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    prefix = st["redis"]["prefix"]
+    assert r.exists(prefix + "node:node-a")
+    assert {n for n in s[:3] if r.sismember(prefix + f"dir:{n}", "node-a")} == set(s[:3])
+
+
+def test_redis_password_acl_user_and_wrong_password(synthetic_root, tmp_path, redis_server, daemons):
+    root, index = synthetic_root
+    redis_server.stop()
+    server = type(redis_server)(tmp_path, password="s3cret").start()  # tests/conftest.py RedisServer
+    try:
+        admin = redis.Redis(port=server.port, password="s3cret")
+        admin.acl_setuser("cachenode", enabled=True, passwords=["+nodepw"], keys=["loongforge:*"],
+                          commands=["+@all"])
+        by_password = daemons(root, index, "node-p", redis_url=server.url)
+        by_acl = daemons(root, index, "node-u", redis_url=f"redis://cachenode:nodepw@127.0.0.1:{server.port}/0")
+        wrong = daemons(root, index, "node-w", redis_url=f"redis://:nope@127.0.0.1:{server.port}/0")
+        for d in (by_password, by_acl):
+            wait_for(lambda d=d: d.stats()["redis"]["state"] == "connected", what=f"{d.name} auth")
+        assert admin.exists(by_acl.stats()["redis"]["prefix"].encode() + b"node:node-u")
+        with wrong.client(timeout=5.0) as c:  # auth failure degrades, never stops serving
+            assert bytes(c.read_shard(index.shards[0].name)) == _bytes(root, index.shards[0].name)
+        assert wrong.stats()["redis"]["state"] == "down"
+    finally:
+        server.stop()
