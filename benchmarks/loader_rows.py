@@ -108,11 +108,25 @@ def fill_profile(ctx: Context, batches: int = 20) -> dict:
     elapsed = time.perf_counter() - t0
     close_source(source)
     frames = len(plans) * ctx.cfg.batch_size * index.dataset.frames_per_sample * len(layout.slots)
-    stats = pstats.Stats(prof, stream=io.StringIO())
-    total = sum(v[2] for v in stats.stats.values()) or 1e-9  # own time of every function
-    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:8]
-    zstd = sum(v[2] for (f, _, name), v in stats.stats.items() if "readinto" in name or "zstd" in f.lower())
-    return {"frames_per_s": frames / elapsed, "zstd_share": zstd / total,
+    return {"frames_per_s": frames / elapsed, **stage_shares(pstats.Stats(prof, stream=io.StringIO()))}
+
+
+# (file suffix, function) -> stage of the worker body; cumulative time, so a
+# stage includes what it calls (np.load's header parsing lands under "npy").
+STAGES = (("zstd decompress", "format.py", "decompress_into"), ("tar + meta parse", "format.py", "__init__"),
+          ("npy parse (np.load)", "format.py", "array"), ("shard read", "", "read_range"),
+          ("text tokens", "batch.py", "encode_text"))
+
+
+def stage_shares(stats: pstats.Stats) -> dict:
+    total = next((v[3] for (f, _, name), v in stats.stats.items() if name == "fill_batch"), 0.0) or 1e-9
+    shares = {}
+    for stage, suffix, func in STAGES:
+        shares[stage] = sum(v[3] for (f, _, name), v in stats.stats.items()
+                            if name == func and f.endswith(suffix)) / total
+    shares["other (normalize, copies, glue)"] = max(0.0, 1.0 - sum(shares.values()))
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:6]
+    return {"stage_share": shares, "zstd_share": shares["zstd decompress"],
             "top_own_time": [{"function": f"{f.rsplit('/', 1)[-1]}:{line}({name})", "share": v[2] / total}
                              for (f, line, name), v in top]}
 
@@ -137,9 +151,11 @@ def p2_rows(ctx: Context) -> list[Row]:
         if not row.goal_met:
             prof = fill_profile(ctx)
             row.extra["worker_body_profile"] = prof
+            stages = sorted(prof["stage_share"].items(), key=lambda kv: kv[1], reverse=True)
+            glue = 1.0 - o.median / prof["frames_per_s"]
             row.notes.append(
-                f"goal missed; profile of the worker body (fill_batch): {prof['frames_per_s']:.0f} frames/s "
-                f"single-threaded, {prof['zstd_share']:.0%} of its time in zstd; top own time: "
-                + ", ".join(f"{t['function']} {t['share']:.0%}" for t in prof["top_own_time"][:3]))
+                f"goal missed; cProfile of the worker body (fill_batch, in-process): {prof['frames_per_s']:,.0f} "
+                "frames/s; its time by stage: " + ", ".join(f"{k} {v:.0%}" for k, v in stages)
+                + f"; the loader per worker is {glue:+.0%} below that body (IPC, prefetch, main process)")
         rows.append(row)
     return rows

@@ -82,7 +82,7 @@ def _fmt(v: float | None) -> str:
     if a >= 10:
         return f"{v:.1f}"
     if a >= 0.01 or a == 0:
-        return f"{v:.3g}"
+        return f"{v:#.3g}"
     return f"{v:.2e}"
 
 
@@ -120,6 +120,9 @@ def markdown_table(doc: dict) -> str:
         lines.append(f"| {row['id']} | {row['title']} | {fmt_stat(row['baseline'], row['unit'])} | "
                      f"{fmt_stat(row['ours'], row['unit'])} | {ratio} | {_goal(row)} |")
     for row in doc.get("components", []):
+        if row["status"] != "ok":
+            lines.append(f"| {row['id']} | {row['title']} | {row['status']} | | | |")
+            continue
         raw = {k: v for k, v in row["raw"].items() if k not in ("id", "name", "title", "params")}
         body = ", ".join(f"{k}={_fmt(v) if isinstance(v, float) else v}" for k, v in raw.items()
                          if not isinstance(v, (dict, list)))

@@ -1,0 +1,91 @@
+"""Statistics, timed passes and the rendered table/plot, on known inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.benchmarks.measure import Stat, batch_size_of, endless, ratio, time_pass
+from loongforge.benchmarks.report import markdown_table, plot, result_path, write_json
+from loongforge.benchmarks.rows import Row
+from loongforge.shared.errors import ConfigError
+
+
+def test_stat_and_ratio_spread():
+    a, b = Stat.of([10, 30, 20]), Stat.of([2, 4, 5])
+    assert (a.median, a.min, a.max) == (20, 10, 30)
+    r = ratio(a, b)
+    assert r.median == 5 and r.min == 10 / 5 and r.max == 30 / 2
+    assert ratio(a, Stat.of([0])).median == float("inf")
+    with pytest.raises(ValueError):
+        Stat.of([])
+
+
+def test_time_pass_excludes_warmup_and_counts_samples():
+    import numpy as np
+
+    batches = iter([{"x": np.zeros((4, 2))}] * 2 + [{"x": np.zeros((3, 2))}] * 5)
+    seen = []
+    t = time_pass(batches, warmup=2, timed=5, on_batch=seen.append)
+    assert t.samples == 15 and len(t.wait_s) == 5 and len(seen) == 5
+    assert t.samples_per_s > 0
+
+
+def test_endless_restarts_epochs_and_refuses_an_empty_loader():
+    epochs = iter([[1, 2], [3]])
+    it = endless(lambda: next(epochs))
+    assert [next(it) for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="no batch"):
+        next(endless(lambda: []))
+
+
+def test_batch_size_of_nested_and_lists():
+    import torch
+
+    assert batch_size_of({"frames": {"a": torch.zeros(5, 1)}, "state": torch.zeros(5, 2)}) == 5
+    assert batch_size_of({"task": ["a", "b"]}) == 2
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match="bench.repeats"):
+        BenchConfig(repeats=0)
+    with pytest.raises(ConfigError, match="bench.workers"):
+        BenchConfig(workers=())
+    q = BenchConfig.quick_preset()
+    assert q.quick and q.gop >= 100 and q.with_overrides(repeats=None).repeats == q.repeats
+
+
+def _doc():
+    ok = Row(id="P1/w0", title="Loader samples/s, 0 workers", unit="samples/s", params={"workers": 0},
+             baseline=Stat.of([1.0, 2.0, 3.0]), ours=Stat.of([40.0, 50.0]), goal=">= 20x", goal_met=True)
+    ok.ratio = ratio(ok.ours, ok.baseline)
+    share = Row(id="P3/share", title="Data-wait share", unit="share", baseline=Stat.of([0.6]),
+                ours=Stat.of([0.02]), goal="< 5%", goal_met=True)
+    missing = Row.unavailable("P4", "Cold start", "cache daemon missing")
+    return {"started": "2026-01-01T00:00:00+00:00", "config": BenchConfig().to_dict(),
+            "machine": {"cpu_model": "Test CPU", "cores_usable": 2, "host": "h"},
+            "rows": [r.to_dict() for r in (ok, share, missing)],
+            "components": [{"id": "C-cache/hit", "title": "hit rate", "status": "ok", "raw": {"lru": 0.5}},
+                           {"id": "C-preprocess", "title": "x", "status": "not available: not written", "raw": {}}]}
+
+
+def test_markdown_table_shows_every_row_its_spread_and_unavailability():
+    text = markdown_table(_doc())
+    assert "| P1/w0 |" in text and "2.00 [1.00–3.00] samples/s" in text and "45.0 [40.0–50.0] samples/s" in text and "22.5x [13.3–50.0]" in text
+    assert "60.0%" in text and "2.0%" in text
+    assert "not available: cache daemon missing" in text
+    assert "lru=0.500" in text and "not available: not written" in text
+
+
+def test_plot_and_json_are_written(tmp_path):
+    import datetime as dt
+
+    doc = _doc()
+    path = result_path(tmp_path, dt.datetime(2026, 1, 2), "my host/1")
+    assert path.name == "2026-01-02-my-host-1.json"
+    png = plot(doc, path.with_suffix(".png"))
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    write_json(path, doc)
+    assert json.loads(path.read_text())["rows"][0]["id"] == "P1/w0"
