@@ -26,9 +26,15 @@ def quirky_dataset(tmp_path_factory) -> str:
                                 quirks=QUIRKS))
 
 
-def run_in_memory(input_root: str, output: str, **overrides) -> dict:
-    """The real job on Beam's in-process FnApiRunner (fast to start, one worker)."""
+def _run_in_memory(input_root: str, output: str, **overrides) -> dict:
     from loongforge.preprocess.pipeline import run_job
 
     cfg = PreprocessConfig(input=input_root, output=output, workers=1, **overrides)
     return run_job(cfg, IN_MEMORY)
+
+
+@pytest.fixture(scope="session")
+def run_in_memory():
+    """The real job on Beam's in-process FnApiRunner (fast to start, one worker):
+    run_in_memory(input, output, **PreprocessConfig overrides) -> summary."""
+    return _run_in_memory

@@ -1,0 +1,54 @@
+"""`loongforge sample-data | preprocess | inspect` through the real console entry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loongforge.cli import main
+
+
+@pytest.mark.slow  # multi-process Beam workers (the default local runner)
+def test_sample_data_preprocess_inspect(tmp_path, capsys):
+    data, out = str(tmp_path / "ds"), str(tmp_path / "shards")
+    assert main(["sample-data", data, "--episodes", "3", "--frames", "12", "16", "--gop", "4"]) == 0
+    assert main(["preprocess", "--input", data, "--output", out, "--workers", "2", "--shard-size", "256KB"]) == 0
+    text = capsys.readouterr().out
+    assert "episodes   3 converted, 0 failed" in text and "frames/s" in text and "ratio" in text
+
+    assert main(["inspect", out, "--json", "--verify"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("format_version", "episodes", "samples", "frames", "shards", "bytes", "cameras", "failed"):
+        assert key in report
+    assert report["episodes"] == 3 and report["failed"] == 0 and report["verified"] is True
+    assert report["shards"] >= 2 and report["cameras"] == ["observation.images.ego_view",
+                                                           "observation.images.wrist_view"]
+
+    shard = Path(out) / "shards" / "shard-000001.tar"
+    data_bytes = bytearray(shard.read_bytes())
+    data_bytes[700] ^= 0xFF
+    shard.write_bytes(bytes(data_bytes))
+    assert main(["inspect", out, "--verify"]) == 1
+    assert "FAILED: shards/shard-000001.tar" in capsys.readouterr().out
+
+
+def test_in_memory_runner_options_pass_through(tmp_path, capsys):
+    data, out = str(tmp_path / "ds"), str(tmp_path / "shards")
+    assert main(["sample-data", data, "--episodes", "1", "--frames", "8", "8", "--cameras", "front",
+                 "--quirks", "corrupt_video"]) == 0
+    rc = main(["preprocess", "--input", data, "--output", out, "--json", "--",
+               "--direct_running_mode=in_memory", "--direct_num_workers=1"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["failed"] == 1 and summary["samples"] == 0 and summary["episodes"] == 0
+    assert "unreadable" in summary["failed_records"][0]["reason"]
+
+
+def test_bad_config_is_a_clear_error(tmp_path, capsys):
+    assert main(["preprocess", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--height", "63",
+                 "--width", "64"]) == 1
+    assert "height=63" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "no index.json" in capsys.readouterr().err
