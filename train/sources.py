@@ -40,11 +40,7 @@ def make_source(spec: SourceSpec, index: ShardIndex) -> ShardSource:
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         log.warning(msg)
         return OriginSource(spec.root, index)
-    tcp = spec.cache_tcp
-    if isinstance(tcp, str) and ":" in tcp:
-        host, port = tcp.rsplit(":", 1)
-        tcp = (host, int(port))
-    return CacheClient(spec.root, index, socket_path=spec.cache_socket, tcp=tcp, fallback=True,
+    return CacheClient(spec.root, index, socket_path=spec.cache_socket, tcp=spec.cache_tcp, fallback=True,
                        timeout=spec.cache_timeout_s)
 
 
