@@ -90,7 +90,9 @@ def torchcodec_status() -> str | None:
     try:
         from torchcodec.decoders import VideoDecoder  # noqa: F401
     except ImportError as exc:
-        return f"torchcodec not installed ({exc.name or exc})"
+        # Tried on our CPU machines: pip's torchcodec wheel leaves torch alone but
+        # cannot load without CUDA torch libraries and system FFmpeg (README).
+        return f"torchcodec not installed ({exc.name or exc}); its PyPI wheel needs CUDA torch + FFmpeg libs"
     except Exception as exc:  # noqa: BLE001 - a wheel that imports but cannot load its libs lands here
         return f"torchcodec cannot load its libraries: {str(exc).splitlines()[0][:160]}"
     return None

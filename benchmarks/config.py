@@ -17,8 +17,8 @@ class BenchConfig:
     # -- the generated LeRobot dataset (fed to both loaders) -------------------
     episodes: int = 8
     episode_frames: tuple[int, int] = (300, 400)  # 15-20 s at 20 fps, like a real teleop episode
-    height: int = 128
-    width: int = 128
+    height: int = 224  # GR00T-class models take 224x224 frames
+    width: int = 224
     fps: int = 20
     cameras: tuple[str, ...] = ("ego_view", "wrist_view")
     gop: int = 120  # real recorders: H.264 with a keyframe every 100+ frames
@@ -34,7 +34,7 @@ class BenchConfig:
     batch_size: int = 8
     workers: tuple[int, ...] = (0, 1, 2)
     repeats: int = 3
-    baseline_batches: int = 6  # timed batches per baseline measurement (it is slow)
+    baseline_batches: int = 8  # timed batches per baseline measurement (it is slow)
     ours_batches: int = 60  # timed batches per LoongForge measurement
     warmup_batches: int = 1  # not timed: worker start-up and first-touch costs
     train_steps: int = 12  # P3 timed steps per loader

@@ -119,3 +119,17 @@ def zstd_limit(root: str, index: ShardIndex, *, min_seconds: float = 1.0, max_sa
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return frames / elapsed
+
+
+def cache_counters(root: str, index: ShardIndex, socket: str) -> dict:
+    """The daemon's counters (hits, misses, fills per tier), to show the hot
+    figures really were served from the RAM tier."""
+    from loongforge.train.sources import SourceSpec, close_source, make_source
+
+    source = make_source(SourceSpec(root=root, cache_socket=socket), index)
+    try:
+        stats = getattr(source, "stats", None)
+        got = stats() if callable(stats) else {}
+        return got.get("daemon", {}).get("counters", got)
+    finally:
+        close_source(source)

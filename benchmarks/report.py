@@ -123,9 +123,10 @@ def markdown_table(doc: dict) -> str:
         if row["status"] != "ok":
             lines.append(f"| {row['id']} | {row['title']} | {row['status']} | | | |")
             continue
-        raw = {k: v for k, v in row["raw"].items() if k not in ("id", "name", "title", "params")}
+        # Numbers and short labels only; the full dict (parameters too) is in the JSON.
+        raw = {k: v for k, v in row["raw"].items() if k not in ("id", "name", "title", "params", "status")}
         body = ", ".join(f"{k}={_fmt(v) if isinstance(v, float) else v}" for k, v in raw.items()
-                         if not isinstance(v, (dict, list)))
+                         if isinstance(v, (int, float)) or (isinstance(v, str) and len(v) <= 40))
         lines.append(f"| {row['id']} | {row['title']} | {body} | | | |")
     notes = [f"- {row['id']}: {n}" for row in doc["rows"] for n in row.get("notes", [])]
     m = doc["machine"]
@@ -142,7 +143,7 @@ def plot(doc: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p1 = [r for r in doc["rows"] if r["id"].startswith("P1/") and r["status"] == "ok"]
+    p1 = [r for r in doc["rows"] if r["id"].startswith("P1/w") and r["status"] == "ok"]
     p3 = next((r for r in doc["rows"] if r["id"] == "P3/share" and r["status"] == "ok"), None)
     if not p1 and p3 is None:
         return None
@@ -153,11 +154,11 @@ def plot(doc: dict, path: Path) -> Path | None:
             med = [r[key]["median"] for r in p1]
             err = [[m - r[key]["min"] for m, r in zip(med, p1)], [r[key]["max"] - m for m, r in zip(med, p1)]]
             ax1.bar([x + off for x in xs], med, 0.4, yerr=err, label=label, capsize=3)
-        ax1.set_xticks(list(xs), [f"{r['params']['workers']} workers" for r in p1])
+        ax1.set_xticks(list(xs), [f"{r['params']['workers']} worker{'' if r['params']['workers'] == 1 else 's'}" for r in p1])
         ax1.set_yscale("log")
         ax1.set_ylabel("samples/s (log)")
         ax1.set_title("P1 loader throughput")
-        ax1.legend()
+        ax1.legend(loc="lower right", fontsize="small")
     if p3 is not None:
         vals = [p3["baseline"]["median"] * 100, p3["ours"]["median"] * 100]
         ax2.bar(["baseline", "LoongForge"], vals, color=["tab:blue", "tab:orange"])

@@ -134,4 +134,6 @@ def _measure(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: di
             _section(rows, sid, title, p4_rows, ctx, cache_reason)
         else:
             _section(rows, sid, title, fn, ctx)
+        if socket is not None and sid == "P3":  # the hot daemon served P1-P3
+            inputs["hot_cache_counters_after_p1_p3"] = lf.cache_counters(prep.shards, prep.index, socket)
     return rows

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-EXPECTED_ROWS = {"P1/w0", "P1/w1", "P1/w2", "P2/w1", "P2/w2", "P3/share", "P3/step", "P3/wait", "P4",
+EXPECTED_ROWS = {"P1/w0", "P1/w1", "P1/w2", "P1/torchcodec", "P2/w1", "P2/w2", "P3/share", "P3/step", "P3/wait", "P4",
                  "P5/transcode", "P5/break-even"}
 QUICK_BUDGET_S = 240  # the bench promises < 2 min; the margin absorbs a loaded CI machine
 
@@ -41,6 +41,8 @@ def test_quick_bench_writes_a_complete_result(quick_run):
     rows = {r["id"]: r for r in doc["rows"]}
     assert set(rows) == EXPECTED_ROWS
     for row in rows.values():
+        if row["id"] == "P1/torchcodec" and row["status"].startswith("not available: torchcodec"):
+            continue  # the CPU wheel needs CUDA torch and system FFmpeg libraries (see README)
         assert row["status"] == "ok", (row["id"], row["status"])
         assert row["ours"] and row["ours"]["min"] <= row["ours"]["median"] <= row["ours"]["max"]
         assert row["params"], row["id"]
