@@ -47,40 +47,51 @@ def crop_box(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[int, int, 
     return y0 - y0 % 2, x0 - x0 % 2, h, w
 
 
+def _plane(frame, i: int, width: int) -> np.ndarray:
+    """Zero-copy view of plane i without its line padding."""
+    p = frame.planes[i]
+    return np.frombuffer(p, np.uint8).reshape(p.height, p.line_size)[:, :width]
+
+
 class NV12Converter:
-    """Frame -> NV12 into a caller's buffer row; the mode is fixed per file."""
+    """Frame -> NV12 into a caller's buffer row; the mode is fixed per file.
+
+    Speed (benchmarks/preprocess.py): `frame.reformat()` builds a new swscale
+    context on every call, which cost ~5x the H.264 decode itself at 128x128.
+    So: same-size yuv420p is repacked in numpy (two plane copies, exact), and
+    scaling goes through one reused VideoReformatter (cached swscale context)."""
 
     def __init__(self, src_h: int, src_w: int, height: int | None, width: int | None, resize_mode: str):
+        from av.video.reformatter import VideoReformatter
+
         self.src = (src_h, src_w)
         self.dst = (height or src_h, width or src_w)
         self.box = crop_box(src_h, src_w, *self.dst) if resize_mode == "crop" else None
         if self.box is not None and self.box[2:] == self.src:
             self.box = None  # same aspect: a crop is a plain resize
+        self.reformatter = VideoReformatter()
 
     def __call__(self, frame, out: np.ndarray) -> None:
         h, w = self.dst
-        if self.box is None:
-            same = self.src == self.dst
-            # Same size: swscale's yuv420p -> nv12 is a plane copy + chroma interleave (exact).
-            nv12 = frame.reformat(format="nv12") if same else frame.reformat(width=w, height=h, format="nv12")
-            out[...] = nv12.to_ndarray()
-            return
-        self._crop(frame, out)
+        if self.box is not None:
+            self._crop(frame, out)
+        elif self.src == self.dst and frame.format.name == "yuv420p":
+            out[:h] = _plane(frame, 0, w)
+            out[h:, 0::2] = _plane(frame, 1, w // 2)
+            out[h:, 1::2] = _plane(frame, 2, w // 2)
+        else:
+            out[...] = self.reformatter.reformat(frame, width=w, height=h, format="nv12").to_ndarray()
 
     def _crop(self, frame, out: np.ndarray) -> None:
         import av
 
         if frame.format.name != "yuv420p":
-            frame = frame.reformat(format="yuv420p")
-        src_h, src_w = self.src
-        planes = frame.to_ndarray()  # I420 stacked: Y (h, w) then U, V each h/2*w/2
-        y = planes[:src_h]
-        u = planes[src_h : src_h + src_h // 4].reshape(src_h // 2, src_w // 2)
-        v = planes[src_h + src_h // 4 :].reshape(src_h // 2, src_w // 2)
+            frame = self.reformatter.reformat(frame, format="yuv420p")
+        src_w = self.src[1]
         y0, x0, ch, cw = self.box
-        yc = y[y0 : y0 + ch, x0 : x0 + cw]
-        uc = u[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
-        vc = v[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
+        yc = _plane(frame, 0, src_w)[y0 : y0 + ch, x0 : x0 + cw]
+        uc = _plane(frame, 1, src_w // 2)[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
+        vc = _plane(frame, 2, src_w // 2)[y0 // 2 : (y0 + ch) // 2, x0 // 2 : (x0 + cw) // 2]
         h, w = self.dst
         if (ch, cw) == (h, w):
             out[:h] = yc
@@ -89,7 +100,7 @@ class NV12Converter:
             return
         i420 = np.concatenate((yc.reshape(-1), uc.reshape(-1), vc.reshape(-1))).reshape(ch * 3 // 2, cw)
         cropped = av.VideoFrame.from_ndarray(i420, format="yuv420p")
-        out[...] = cropped.reformat(width=w, height=h, format="nv12").to_ndarray()
+        out[...] = self.reformatter.reformat(cropped, width=w, height=h, format="nv12").to_ndarray()
 
 
 def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: int | None = None,
