@@ -113,6 +113,10 @@ class CacheClient:
             if view is not None and os.getpid() == self._pid:
                 self._maps[name] = self._maps.pop(name)  # most recently used goes last
                 return view
+        with self._lock:  # make room first, so the daemon may evict what we no longer pin
+            excess = list(self._maps)[:len(self._maps) - self.max_open + 1] if len(self._maps) >= self.max_open else []
+        for old in excess:
+            self.release(old)
         try:
             reply = self._request("get", shard=name, rank=self._rank)
         except CacheUnavailableError as exc:
@@ -126,9 +130,6 @@ class CacheClient:
         with self._lock:
             self._maps[name] = view
             self.counts["daemon_reads"] += 1
-            excess = list(self._maps)[:-self.max_open] if len(self._maps) > self.max_open else []
-        for old in excess:
-            self.release(old)
         return view
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:

@@ -180,4 +180,7 @@ def load_config(path: str | None = None, env: dict | None = None, **overrides) -
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown cache settings {unknown}")
+    if not values.get("origin"):
+        raise ConfigError("origin: required; pass --origin ROOT, set origin in the TOML file or "
+                          f"{ENV_PREFIX}ORIGIN (a shard root path or fsspec URL)")
     return CacheConfig(**{k: _coerce(k, v) for k, v in values.items()})

@@ -42,6 +42,9 @@ class _Handler(socketserver.StreamRequestHandler):
                 reply = daemon.dispatch(line, owner)
                 self.wfile.write(protocol.encode(reply))
                 self.wfile.flush()
+                if reply.get("stopping"):  # only after the reply is out: the process exits soon after
+                    threading.Thread(target=daemon.shutdown, daemon=True).start()
+                    return
                 if len(line) > protocol.MAX_LINE:
                     return  # the rest of an oversized line is garbage: drop the connection
         except (ConnectionError, BrokenPipeError):
@@ -117,8 +120,7 @@ class Daemon:
         return {"stats": self.stats()}
 
     def op_stop(self, req, owner):
-        threading.Thread(target=self.shutdown, daemon=True).start()
-        return {"stopping": True}
+        return {"stopping": True}  # the handler shuts down once this reply is sent
 
     def stats(self) -> dict:
         return {"node": self.cfg.node_id, "endpoint": self.cfg.endpoint, "origin": self.cfg.origin,

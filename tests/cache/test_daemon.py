@@ -157,6 +157,7 @@ def test_daemon_killed_or_hung_client_falls_back_to_origin(synthetic_root, daemo
     client.read_shard(s[0])
     assert not client.degraded
     d.proc.send_signal(signal.SIGSTOP)  # hung daemon: the client must not wait past its timeout
+    wait_for(lambda: open(f"/proc/{d.proc.pid}/stat").read().split(") ")[1][0] == "T", what="SIGSTOP to land")
     t0 = time.monotonic()
     assert bytes(client.read_shard(s[1])) == _origin_bytes(root, s[1])
     assert time.monotonic() - t0 < 3.0 and client.degraded
@@ -235,3 +236,17 @@ def test_concurrent_readers_share_one_fill(synthetic_root, daemons):
         t.join(timeout=20)
     assert results == [True] * 4
     assert counter(d.stats(), "fills", "origin") == 1
+
+
+def test_eviction_uses_the_announced_plan(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)))  # prefetch off: eviction alone decides
+    with d.client(max_open=1) as client:
+        client.announce([s[0], s[1], s[2], s[0]], rank=0, epoch=0)
+        for name in (s[0], s[1], s[2]):
+            client.read_shard(name)
+        assert _tier_files(d.ram_dir) == sorted([s[0], s[2]])  # LRU would have dropped s0; s1 is never read again
+        client.read_shard(s[0])
+    st = d.stats()
+    assert counter(st, "hits", "ram") == 1 and counter(st, "evictions", "ram") == 1
