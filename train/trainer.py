@@ -121,6 +121,7 @@ class Trainer:
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
         rec = timer.end(comm)
+        rec.update(epoch=meta["epoch"], epoch_pos=meta["consumed"])  # where this step's batch came from
         return self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
@@ -139,8 +140,7 @@ class Trainer:
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
                    ce_loss=float(allr[:, 2].mean()), samples=n * self.world,
                    sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
-                   bad_samples=int(allr[:, -1].sum()), epoch=self.loader.epoch,
-                   consumed=self.loader.consumed, log_s=time.perf_counter() - t0, world=self.world)
+                   bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
 
     def save(self) -> None:

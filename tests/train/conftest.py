@@ -1,17 +1,9 @@
 """Fixtures of the trainer tests: synthetic shard roots and a helper that runs
-a real multi-process launch (torchrun / deepspeed) with a timeout."""
+a real multi-process launch (helpers in train_launch.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-VENV_BIN = Path(sys.executable).parent
-
 
 @pytest.fixture(scope="session")
 def train_root(tmp_path_factory):
@@ -31,31 +23,3 @@ def variable_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("variable_root")
     index = make_synthetic_root(str(root), shards=3, samples_per_shard=8, frames=3, variable_frames=True)
     return str(root), index
-
-
-def launch(cmd: list[str], *, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"launch timed out after {timeout}s: {' '.join(cmd)}\n{(exc.stderr or '')[-3000:]}")
-    return proc
-
-
-def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240):
-    return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-                   "-m", "loongforge.train", *args], cwd=cwd, timeout=timeout)
-
-
-def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240):
-    return launch([str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_port()),
-                   "--module", "loongforge.train", *args], cwd=cwd, timeout=timeout)
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,0 +1,153 @@
+"""Real multi-process DeepSpeed on gloo (2 CPU ranks), launched like production:
+torchrun and the deepspeed launcher, via subprocess with a timeout."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from train_launch import deepspeed_launch, launch, torchrun
+
+pytestmark = pytest.mark.slow
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3"]
+STEPS = "20"  # 2.5 epochs of the 64-sample root: crosses epoch boundaries
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def zero2_run(train_root, tmp_path_factory):
+    """20 steps, 2 ranks, ZeRO-2, one decode worker per rank, checkpoints every 5, trace of steps 3..5."""
+    root, _ = train_root
+    work = tmp_path_factory.mktemp("zero2")
+    run_dir = str(work / "run")
+    proc = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", STEPS, "--zero", "2", "--workers", "1",
+                        "--save-every", "5", "--profile-steps", "3:6", *COMMON], cwd=str(work))
+    _ok(proc)
+    return run_dir, proc
+
+
+def test_zero2_two_ranks_learns_disjoint_slices(zero2_run, train_root):
+    run_dir, proc = zero2_run
+    _, index = train_root
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(20))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    losses = [r["loss"] for r in rows]
+    assert mean(losses[-5:]) < 0.85 * mean(losses[:3]), losses  # flow-matching loss is noisy: compare means
+    assert mean([r["ce_loss"] for r in rows[-5:]]) < mean([r["ce_loss"] for r in rows[:3]])
+    by_epoch = {}
+    for r in rows:
+        assert r["world"] == 2 and len(r["sample_ids"]) == 2 and len(r["sample_ids"][0]) == 4
+        a, b = (set(x) for x in r["sample_ids"])
+        assert not a & b  # ranks never read the same sample in a step
+        by_epoch.setdefault(r["epoch"], []).extend(r["sample_ids"][0] + r["sample_ids"][1])
+    for epoch in (0, 1):  # full epochs: every sample exactly once (64 % 8 == 0: no tail to drop)
+        assert sorted(by_epoch[epoch]) == list(range(index.num_samples))
+    assert by_epoch[0] != by_epoch[1]  # reshuffled per epoch
+    for key in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "comm_s", "compute_s", "overhead_s"):
+        assert all(r[key] is not None and r[key] >= 0 for r in rows), key
+    assert any(r["comm_s"] > 0 for r in rows)  # gloo collectives were timed
+    assert "samples/s" in proc.stderr + proc.stdout and "data-wait" in proc.stderr + proc.stdout
+    ds = json.load(open(os.path.join(run_dir, "ds_config.json")))
+    assert ds["zero_optimization"]["stage"] == 2 and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["bf16"]["enabled"] is False and ds["wall_clock_breakdown"] is True
+
+
+def test_profile_cli_table_chart_and_gloo_trace(zero2_run):
+    run_dir, _ = zero2_run
+    proc = launch([sys.executable, "-m", "loongforge", "profile", run_dir], cwd=run_dir, timeout=120)
+    _ok(proc)
+    out = proc.stdout
+    for phase in ("data wait", "communication", "launch/dispatch overhead", "compute", "% of step"):
+        assert phase in out
+    assert "gloo:all_reduce" in out  # parsed from the CPU chrome trace
+    assert os.path.getsize(os.path.join(run_dir, "profile.png")) > 5000
+    proc = launch([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], cwd=run_dir,
+                  timeout=120)
+    _ok(proc)
+    b = json.loads(proc.stdout)
+    assert abs(sum(b["percent"].values()) - 100.0) < 5.0  # the four parts account for the step
+    assert b["table"]["communication"] > 0
+    trace = b["traces"][0]
+    assert trace["kind"] == "cpu" and len(trace["comm_s_per_step"]) == 3 and all(c > 0 for c in trace["comm_s_per_step"])
+
+
+def _resume_copy(run_dir, dest, tag="step00000005"):
+    shutil.copytree(run_dir, dest)
+    with open(os.path.join(dest, "checkpoints", "latest"), "w") as f:
+        f.write(tag)
+    return dest
+
+
+def test_resume_is_exact(zero2_run, train_root, tmp_path):
+    """20 steps straight == 5 steps + resume + 15 steps: same sample ids, same losses."""
+    run_dir, _ = zero2_run
+    root, _ = train_root
+    resumed = _resume_copy(run_dir, str(tmp_path / "resumed"))
+    proc = torchrun(2, ["--data", root, "--run-dir", resumed, "--steps", STEPS, "--zero", "2", "--workers", "1",
+                        "--resume", *COMMON], cwd=str(tmp_path))
+    _ok(proc)
+    want, got = _metrics(run_dir), _metrics(resumed)
+    assert [r["step"] for r in got] == list(range(20))  # steps 5.. replaced, not appended twice
+    for a, b in zip(want[5:], got[5:]):
+        assert a["sample_ids"] == b["sample_ids"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_path):
+    run_dir, _ = zero2_run
+    root, _ = train_root
+    resumed = _resume_copy(run_dir, str(tmp_path / "one_rank"))
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", resumed, "--steps", STEPS,
+                   "--zero", "2", "--resume", *COMMON], cwd=str(tmp_path))
+    _ok(proc)
+    want, got = _metrics(run_dir), _metrics(resumed)
+    for a, b in zip(want[5:], got[5:]):
+        assert b["world"] == 1
+        two = [x for pair in zip(*a["sample_ids"]) for x in pair]  # position p went to rank p % 2
+        assert b["sample_ids"][0] == two
+        assert b["loss"] == b["loss"] and b["loss"] < 100  # finite
+
+
+def test_zero3_deepspeed_launcher(train_root, tmp_path):
+    root, _ = train_root
+    run_dir = str(tmp_path / "z3")
+    proc = deepspeed_launch(2, ["--data", root, "--run-dir", run_dir, "--steps", "4", "--zero", "3", *COMMON],
+                            cwd=str(tmp_path))
+    _ok(proc)
+    rows = _metrics(run_dir)
+    assert len(rows) == 4 and all(r["world"] == 2 for r in rows)
+    assert json.load(open(os.path.join(run_dir, "ds_config.json")))["zero_optimization"]["stage"] == 3
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))
+
+
+def test_config_error_exit_code(train_root, tmp_path):
+    root, _ = train_root
+    proc = launch([sys.executable, "-m", "loongforge", "train", "--data", root, "--run-dir", str(tmp_path / "r"),
+                   "--batch-size", "0"], cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and "data.global_batch_size" in proc.stderr
+
+
+def test_gpu_run_smoke(train_root, tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root, _ = train_root
+    run_dir = str(tmp_path / "gpu")
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "4",
+                   "--device", "cuda", "--profile-steps", "1:3", "--workers", "1", *COMMON], cwd=str(tmp_path))
+    _ok(proc)
+    assert len(_metrics(run_dir)) == 4
+
+
+test_gpu_run_smoke = pytest.mark.gpu(test_gpu_run_smoke)
