@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="128x128, 4 episodes (about a minute)")
     args = parser.parse_args(argv)
     rows = run(args.quick)
-    print(f"dataset: {rows[0]['dataset']}; cores: {os.cpu_count()}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"dataset: {rows[0]['dataset']}; cores: {os.cpu_count()}; load average after: {load}")
     print(format_table(rows))
     return 0
 

@@ -10,7 +10,7 @@ infra/dataflow/launch.sh for the full command):
 
     python -m loongforge.preprocess.pipeline --input gs://bkt/lerobot/ds --output gs://bkt/shards/ds \\
         --runner=DataflowRunner --project=P --region=us-central1 --temp_location=gs://bkt/tmp \\
-        --setup_file=./setup.py --requirements_file=infra/dataflow/requirements.txt
+        --setup_file=$PWD/pyproject.toml --requirements_file=infra/dataflow/requirements.txt
 
 Stages, top to bottom (one module each): discover (meta, launcher side) ->
 convert per episode [episode: parquet, decode: mp4 -> NV12, window: samples,

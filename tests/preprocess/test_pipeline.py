@@ -132,3 +132,19 @@ def test_gr00t_like_preset_with_resize(tmp_path, run_in_memory):
     assert ds.cameras[0].source_height == 256 and ds.modality["state"]["left_arm"] == {"start": 0, "end": 7}
     sample = ShardReader(out, verify=True)[0]
     assert sample.frames["ego_view"].shape == (2, 96, 64) and sample.state.shape == (2, 44)
+
+
+def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_memory):
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    root = generate_dataset(tmp_path / "ds", episodes=3, frames=(8, 10), gop=4)
+    (root / "data/chunk-000/episode_000001.parquet").unlink()
+    (root / "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4").unlink()
+    out = str(tmp_path / "out")
+    summary = run_in_memory(str(root), out)
+    assert summary["episodes"] == 1 and summary["failed"] == 2
+    failed = load_index(out).failed
+    assert failed[0]["episode"] == 1 and failed[0]["camera"] is None and "parquet file missing" in failed[0]["reason"]
+    assert failed[1] == {"episode": 2, "camera": "observation.images.wrist_view",
+                         "reason": "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4: video file missing"}
+    assert {s.episode for s in ShardReader(out, verify=True)} == {0}
