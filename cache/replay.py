@@ -52,20 +52,28 @@ class _Sim:
 
 
 def replay(epochs: list[dict[int, list[str]]], sizes: dict[str, int], capacity: int, *, plan_aware: bool,
-           window: int = 0, fills_per_step: int = 0, name: str = "") -> ReplayResult:
-    """`epochs[e][rank]` = the shards rank reads in epoch e. Every epoch's plan
-    is announced up front (the order is deterministic); `plan_aware=False`
-    ignores it for eviction (LRU) but still prefetches when window > 0."""
+           window: int = 0, fills_per_step: float = 0, horizon: int | None = None, name: str = "") -> ReplayResult:
+    """`epochs[e][rank]` = the shards rank reads in epoch e. With horizon=None
+    every epoch's plan is announced up front (the order is deterministic);
+    with horizon=H each rank re-announces only its next H reads every step
+    (a rolling plan). `plan_aware=False` ignores plans for eviction (LRU) but
+    still prefetches when window > 0. `fills_per_step` may be fractional."""
     plans = PlanBook()
-    for e, ranks in enumerate(epochs):
-        for rank, seq in ranks.items():
-            plans.announce(rank, e, seq)
+    if horizon is None:
+        for e, ranks in enumerate(epochs):
+            for rank, seq in ranks.items():
+                plans.announce(rank, e, seq)
     sim = _Sim(sizes, capacity, Policy(plans, plan_aware=plan_aware))
     reads, hits = [], []
-    for ranks in epochs:
+    credit = 0.0
+    for e, ranks in enumerate(epochs):
         n_reads = n_hits = 0
         for t in range(max((len(s) for s in ranks.values()), default=0)):
-            _prefetch(sim, plans, window, fills_per_step)
+            if horizon is not None:
+                for rank, seq in ranks.items():
+                    plans.announce(rank, e, seq[t: t + horizon])
+            credit = min(credit + fills_per_step, max(1.0, fills_per_step))  # bandwidth does not bank up
+            credit -= _prefetch(sim, plans, window, int(credit))
             for rank in sorted(ranks):
                 if t >= len(ranks[rank]):
                     continue
@@ -83,15 +91,17 @@ def replay(epochs: list[dict[int, list[str]]], sizes: dict[str, int], capacity: 
                         hits=tuple(hits), origin_fills=sim.fills, evictions=sim.evictions)
 
 
-def _prefetch(sim: _Sim, plans: PlanBook, window: int, budget: int) -> None:
+def _prefetch(sim: _Sim, plans: PlanBook, window: int, budget: int) -> int:
+    """Fill up to `budget` upcoming shards; returns how many were filled."""
     if window <= 0 or budget <= 0:
-        return
-    targets = plans.upcoming(window)
+        return 0
+    filled = 0
     protect: set[str] = set()
-    for shard in targets:
+    for shard in plans.upcoming(window):
         protect.add(shard)  # never evict a shard the window is about to need
         if shard in sim.resident:
             continue
-        if budget == 0 or not sim.place(shard, protect, prefetch=True):
-            return
-        budget -= 1
+        if filled == budget or not sim.place(shard, protect, prefetch=True):
+            break
+        filled += 1
+    return filled

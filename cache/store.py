@@ -13,7 +13,7 @@ import errno
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from loongforge.cache.policy import PlanBook, Policy
 from loongforge.cache.tiers import Tier
@@ -38,6 +38,8 @@ class Store:
         self.prefetched_at: dict[str, float] = {}
         self.wake = threading.Event()  # new plan or progress: prefetchers re-plan
         self.coord = coord_factory(self.holdings)
+        self.ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="ssd-writer")
+        self.ssd_pending = 0
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
@@ -56,6 +58,7 @@ class Store:
         self._update_gauges()
 
     def close(self) -> None:
+        self.ssd_writer.shutdown(wait=True)  # pending write-throughs finish: SSD stays complete
         with self.lock:
             self.ram.wipe()
 
@@ -182,9 +185,14 @@ class Store:
         if data is None:
             self.metrics.inc("misses", "ssd")
             data, token = self._fetch_remote(entry)
-            in_ssd = self._place(self.ssd, name, data, prefetch)
             in_ram = self._place(self.ram, name, data, prefetch)
-            self.coord.finish(name, token, published=in_ssd or in_ram)
+            if in_ram:  # write-through to SSD off the reader's path; the bytes stay alive until written
+                with self.lock:
+                    self.ssd.reserved.setdefault(name, 0)  # "being written": RAM eviction need not spill it
+                    self.ssd_pending += 1
+                self.ssd_writer.submit(self._write_through, name, data, prefetch)
+            held = in_ram or self._place(self.ssd, name, data, prefetch)
+            self.coord.finish(name, token, published=held)
         else:
             in_ram = self._place(self.ram, name, data, prefetch)
         if prefetch and in_ram:
@@ -193,6 +201,18 @@ class Store:
                 self.prefetched_at[name] = time.monotonic()
         self._update_gauges()
         return "ram" if in_ram else "ssd" if name in self.ssd else "origin"
+
+    def _write_through(self, name: str, data: bytes, prefetch: bool) -> None:
+        with self.lock:
+            self.ssd.reserved.pop(name, None)
+        try:
+            self._place(self.ssd, name, data, prefetch)
+        except Exception:  # noqa: BLE001 - SSD is an optimisation; RAM still serves the shard
+            log.exception("ssd write-through of %s failed", name)
+        finally:
+            with self.lock:
+                self.ssd_pending -= 1
+        self._update_gauges()
 
     def _fetch_remote(self, entry: ShardEntry) -> tuple[bytes, str]:
         from loongforge.cache.peer import fetch_from_peer
@@ -231,8 +251,8 @@ class Store:
         size = len(data)
         for attempt in range(2):
             with self.lock:
-                if name in tier:
-                    return True
+                if name in tier or name in tier.reserved:
+                    return True  # present, or another thread is writing it right now
                 if not self._make_room(tier, name, size, prefetch):
                     return False
                 tier.reserved[name] = size
@@ -337,4 +357,5 @@ class Store:
     def snapshot(self) -> dict:
         with self.lock:
             return {"tiers": {"ram": self.ram.summary(), "ssd": self.ssd.summary()},
-                    "pinned": len(self.pinned()), "inflight": len(self.inflight), "plans": self.plans.summary()}
+                    "pinned": len(self.pinned()), "inflight": len(self.inflight),
+                    "ssd_pending": self.ssd_pending, "plans": self.plans.summary()}

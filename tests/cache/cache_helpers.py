@@ -81,6 +81,11 @@ def counter(stats: dict, name: str, label: str) -> int:
     return stats["counters"][name].get(label, 0)
 
 
+def settled(daemon) -> dict:
+    """Stats once the SSD write-through queue is empty (it runs off the reader's path)."""
+    return wait_for(lambda: (st := daemon.stats())["ssd_pending"] == 0 and st, what="ssd write-through")
+
+
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import pytest
 from loongforge.cache.protocol import Connection
 from loongforge.shared.errors import CacheUnavailableError, ShardNotFoundError, UnsafePathError
 
-from cache_helpers import counter, free_port, wait_for
+from cache_helpers import counter, free_port, settled, wait_for
 
 pytestmark = pytest.mark.slow
 SHARD = 50 * 1024  # synthetic_root shards are ~49 KiB; budgets below are multiples of this
@@ -42,7 +42,7 @@ def test_hit_miss_eviction_accounting_and_metrics(synthetic_root, daemons):
     for name in (s[0], s[1], s[2], s[1], s[0]):  # no plan announced: LRU
         tiers.append(conn.request("get", shard=name)["tier"])
         conn.request("release", shard=name)
-    st = d.stats()
+    st = settled(d)
     assert tiers == ["ram"] * 5
     assert counter(st, "misses", "ram") == 4 and counter(st, "hits", "ram") == 1
     assert counter(st, "misses", "ssd") == 3 and counter(st, "hits", "ssd") == 1
@@ -78,6 +78,7 @@ def test_pinned_shards_are_never_evicted(synthetic_root, daemons):
     assert other.request("get", shard=s[3])["tier"] == "ram"
     assert _tier_files(d.ram_dir) == sorted([s[1], s[3]])  # the released one went, the pinned one stayed
     reader.close()  # a closed connection drops its pins
+    wait_for(lambda: d.stats()["pinned"] == 2, what="the closed connection's pin on s1 to go")
     assert other.request("get", shard=s[0])["tier"] == "ram"
     other.close()
 
@@ -89,7 +90,7 @@ def test_ssd_budget_exceeded_evicts(synthetic_root, daemons):
     with d.client(max_open=1) as client:
         for name in s:
             assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
-    st = d.stats()
+    st = settled(d)
     assert counter(st, "evictions", "ssd") == 2
     assert st["tiers"]["ssd"]["used"] <= st["tiers"]["ssd"]["budget"]
     assert len(_tier_files(d.ssd_dir)) == 2 and len(_tier_files(d.ram_dir)) == 1
