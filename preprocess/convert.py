@@ -69,34 +69,45 @@ class ConvertEpisodeFn(beam.DoFn):
         log.warning("episode %d failed: %s", spec.index, record["reason"])
         return beam.pvalue.TaggedOutput(FAILED, record)
 
+    def _read_inputs(self, spec: EpisodeSpec):
+        """(table, {slot: NV12}, video infos, source bytes); raises SourceDataError
+        tagged with the camera at fault (None = the parquet)."""
+        p = self.params
+        camera = None
+        try:
+            table = read_episode(spec, self.meta)
+            if spec.length >= 0 and spec.length != table.length:
+                log.warning("episode %d: episodes.jsonl says %d frames, parquet has %d; trusting the parquet",
+                            spec.index, spec.length, table.length)
+            frames, videos, source_bytes = {}, [], files.size(spec.parquet)
+            for camera, path in spec.videos:
+                frames[paths.camera_slot(camera)], info = decode_nv12(
+                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode)
+                source_bytes += files.size(path)
+                videos.append((camera, info.height, info.width, info.codec, info.color_matrix))
+        except (SourceDataError, FormatError) as exc:
+            raise _Failed(camera, exc) from exc
+        except Exception as exc:  # noqa: BLE001 - a reader/decoder bug on one input must not kill the job
+            log.exception("episode %d: unexpected error reading %s", spec.index, camera or "the parquet")
+            raise _Failed(camera, SourceDataError(f"{type(exc).__name__}: {exc}")) from exc
+        return table, frames, videos, source_bytes
+
     def process(self, spec: EpisodeSpec):
         t0 = time.perf_counter()
         p = self.params
         try:
-            table = read_episode(spec, self.meta)
-        except (SourceDataError, FormatError) as exc:
-            yield self._fail(spec, None, exc)
+            table, frames, videos, source_bytes = self._read_inputs(spec)
+        except _Failed as failed:
+            yield self._fail(spec, failed.camera, failed.error)
             return
-        frames, videos, source_bytes = {}, [], files.size(spec.parquet)
-        for key, path in spec.videos:
-            try:
-                frames[paths.camera_slot(key)], info = decode_nv12(
-                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode)
-                source_bytes += files.size(path)
-            except SourceDataError as exc:
-                yield self._fail(spec, key, exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - a decoder bug on one file must not kill the job
-                log.exception("episode %d camera %s: unexpected decode error", spec.index, key)
-                yield self._fail(spec, key, SourceDataError(f"{path}: {type(exc).__name__}: {exc}"))
-                return
-            videos.append((key, info.height, info.width, info.codec, info.color_matrix))
         windows = plan_windows(table.length, frames_per_sample=p.frames_per_sample, stride=p.stride,
                                frame_step=p.frame_step, action_horizon=p.action_horizon, min_frames=p.min_frames)
         if not windows:
             yield self._fail(spec, None, SourceDataError(
                 f"episode {spec.index}: {table.length} frames, too short for one window of {p.min_frames}"))
             return
+        # Output errors (disk full, permissions) are not bad input: they propagate
+        # and fail the job loudly instead of marking every episode failed.
         path = staging_path(p.output, spec.index)
         staged = stage_samples(path, cut_samples(table, frames, windows), p.zstd_level)
         self.converted.inc()
@@ -107,3 +118,9 @@ class ConvertEpisodeFn(beam.DoFn):
         yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
         yield StagedEpisode(episode=spec.index, path=path, samples=staged, source_frames=table.length,
                             source_bytes=source_bytes, videos=tuple(videos))
+
+
+class _Failed(Exception):
+    def __init__(self, camera: str | None, error: Exception):
+        super().__init__(str(error))
+        self.camera, self.error = camera, error

@@ -138,3 +138,23 @@ def test_moments_merge_matches_direct():
 @pytest.mark.parametrize("shard_size", [1 << 16])
 def test_plan_shards_empty(shard_size):
     assert plan_shards([], shard_size) == []
+
+
+def test_unexpected_decoder_error_is_a_failed_record_but_output_errors_raise(sample_dataset, tmp_path, monkeypatch):
+    import loongforge.preprocess.convert as convert
+
+    meta, episodes = discover(sample_dataset)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("decoder exploded")
+
+    with monkeypatch.context() as m:
+        m.setattr(convert, "decode_nv12", broken)
+        out = list(ConvertEpisodeFn(meta, params(tmp_path)).process(episodes[0]))
+    assert len(out) == 1 and out[0].tag == FAILED
+    assert out[0].value["camera"] == "observation.images.ego_view"
+    assert "RuntimeError: decoder exploded" in out[0].value["reason"]
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output root should be")
+    with pytest.raises(OSError):  # disk full / unwritable output fails loudly, not as bad input
+        list(ConvertEpisodeFn(meta, params(blocker)).process(episodes[0]))
