@@ -72,6 +72,9 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta) -> ConvertParams:
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec]):
     params = resolve_params(cfg, meta)
+    # The Reshuffles are fusion breaks: without them a runner may fuse the heavy
+    # per-episode (per-shard) work with the one-element Create (plan) and run it
+    # all on one worker.
     converted = (
         p
         | "ListEpisodes" >> beam.Create(episodes)
