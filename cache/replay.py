@@ -72,7 +72,7 @@ def replay(epochs: list[dict[int, list[str]]], sizes: dict[str, int], capacity: 
             if horizon is not None:
                 for rank, seq in ranks.items():
                     plans.announce(rank, e, seq[t: t + horizon])
-            credit = min(credit + fills_per_step, max(1.0, fills_per_step))  # bandwidth does not bank up
+            credit = min(credit + fills_per_step, 1.0 + fills_per_step)  # idle bandwidth barely banks up
             credit -= _prefetch(sim, plans, window, int(credit))
             for rank in sorted(ranks):
                 if t >= len(ranks[rank]):
