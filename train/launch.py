@@ -48,6 +48,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
     p.add_argument("--no-overlap-comm", action="store_true")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--ds-log-level", default="WARNING", help="DeepSpeed's own logger (INFO shows its per-step "
+                   "wall_clock_breakdown lines; our timers are in metrics.jsonl either way)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -73,6 +75,7 @@ def run_args(args: argparse.Namespace) -> int:
     from loongforge.train.trainer import Trainer
 
     log = logging.getLogger("loongforge.train")
+    logging.getLogger("DeepSpeed").setLevel(getattr(args, "ds_log_level", "WARNING").upper())
     trainer, code = None, 0
     try:
         trainer = Trainer(config_from_args(args))
@@ -119,3 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_now(run_args(args))
+
+
+if __name__ == "__main__":  # `deepspeed --num_gpus N path/to/launch.py ...` (script-path form)
+    main()

@@ -28,9 +28,13 @@ def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240):
                    "-m", "loongforge.train", *args], cwd=cwd, timeout=timeout)
 
 
-def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240):
+def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, module: bool = False):
+    """The deepspeed launcher, with the script path (what infra/demo.sh does) or --module."""
+    import loongforge.train.launch as entry
+
+    target = ["--module", "loongforge.train"] if module else [entry.__file__]
     return launch([str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_port()),
-                   "--module", "loongforge.train", *args], cwd=cwd, timeout=timeout)
+                   *target, *args], cwd=cwd, timeout=timeout)
 
 
 def _port() -> int:

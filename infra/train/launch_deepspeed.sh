@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch `loongforge.train` with the DeepSpeed launcher, one node or many.
+#   infra/train/launch_deepspeed.sh [--hostfile FILE] [--gpus N] -- TRAIN ARGS...
+# Examples:
+#   DS_ACCELERATOR=cpu infra/train/launch_deepspeed.sh --gpus 2 -- --data shards --run-dir runs/a --recipe tiny
+#   infra/train/launch_deepspeed.sh --hostfile infra/train/hostfile -- --data s3://b/shards --run-dir /shared/runs/b \
+#       --recipe 1.6b --zero 3 --batch-size 256 --workers 6 --cache-socket /run/loongforge/cache.sock
+# The batch size is GLOBAL (all ranks); it must divide by ranks x --grad-accum.
+set -euo pipefail
+HOSTFILE=""; GPUS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --hostfile) HOSTFILE=$2; shift 2 ;;
+    --gpus) GPUS=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "unknown option $1 (train args go after --)" >&2; exit 2 ;;
+  esac
+done
+ARGS=()
+[ -n "$HOSTFILE" ] && ARGS+=(--hostfile "$HOSTFILE")
+[ -n "$GPUS" ] && ARGS+=(--num_gpus "$GPUS")
+if [ -z "$GPUS" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}   # CPU/gloo: DeepSpeed cannot detect a device count
+  ARGS+=(--num_gpus 1)
+fi
+# --module: each rank runs `python -m loongforge.train` (the same entry torchrun uses).
+exec deepspeed "${ARGS[@]}" --module loongforge.train "$@"

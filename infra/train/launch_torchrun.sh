@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Launch `loongforge.train` with torchrun (elastic rendezvous), one node or many.
+#   NNODES=1 NPROC=2 infra/train/launch_torchrun.sh --data shards --run-dir runs/a --recipe tiny
+# Multi-node: run the same command on every node with NNODES, NODE_RANK and
+# MASTER_ADDR (the rendezvous host) set, e.g.
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=gpu-node-0 NPROC=8 infra/train/launch_torchrun.sh --data ... --zero 3
+set -euo pipefail
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+NPROC=${NPROC:-$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L | wc -l || echo 2)}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+command -v nvidia-smi >/dev/null 2>&1 || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" -m loongforge.train "$@"
