@@ -88,7 +88,7 @@ class Store:
             tier = "ram" if name in self.ram else None
             if tier:
                 self.metrics.inc("hits", "ram")
-                self._pin(name, owner)
+                self._pin(name, owner, "ram")
                 lead = self.prefetched_at.pop(name, None)
                 if lead is not None:
                     self.metrics.observe_lead(time.monotonic() - lead)
@@ -98,16 +98,17 @@ class Store:
         if tier is None:
             tier = self._fill_once(entry, prefetch=False)
             with self.lock:
-                self._pin(name, owner)
                 if tier == "ram" and name not in self.ram:  # evicted between fill and pin: rare
                     tier = "ssd" if name in self.ssd else "origin"
+                self._pin(name, owner, tier)
         self.metrics.inc("bytes_served", tier, entry.bytes)
         path = {"ram": self.ram, "ssd": self.ssd}[tier].path(name) if tier != "origin" else None
         return {"shard": name, "tier": tier, "path": path, "bytes": entry.bytes, "sha256": entry.sha256,
                 "lease_s": self.cfg.lease_s}
 
-    def _pin(self, name: str, owner: str) -> None:
-        self.leases.setdefault(name, {})[owner] = time.monotonic() + self.cfg.lease_s
+    def _pin(self, name: str, owner: str, tier: str) -> None:
+        """Pin the copy the reader maps (RAM or SSD); the other tier's copy stays evictable."""
+        self.leases.setdefault(name, {})[owner] = (time.monotonic() + self.cfg.lease_s, tier)
 
     def release(self, name: str, owner: str) -> None:
         with self.lock:
@@ -122,16 +123,17 @@ class Store:
             for name in list(self.leases):
                 self.release(name, owner)
 
-    def pinned(self) -> set[str]:
+    def pinned(self, tier: str | None = None) -> set[str]:
+        """Shards with a live lease (in `tier`, or in any tier); expired leases are dropped."""
         now = time.monotonic()
         out = set()
         for name, owners in list(self.leases.items()):
-            for owner, expiry in list(owners.items()):
+            for owner, (expiry, where) in list(owners.items()):
                 if expiry < now:
                     del owners[owner]  # lease expired: the reader did not renew
-            if owners:
-                out.add(name)
-            else:
+                elif tier is None or where == tier:
+                    out.add(name)
+            if not owners:
                 del self.leases[name]
         return out
 
@@ -269,7 +271,7 @@ class Store:
                           " %s", tier.name, tier.root, name, size, tier.budget,
                           "Evicting one shard and retrying" if attempt == 0 else "Serving it from another tier")
                 with self.lock:
-                    victim = self.policy.victim(tier.entries, exclude=self.pinned() | set(self.inflight) | {name})
+                    victim = self.policy.victim(tier.entries, exclude=self.pinned(tier.name) | set(self.inflight) | {name})
                     if attempt or victim is None:
                         return False
                     self._evict(tier, victim)
@@ -282,7 +284,7 @@ class Store:
 
     def _make_room(self, tier: Tier, name: str, size: int, prefetch: bool) -> bool:
         """Evict until `size` more bytes fit (caller holds the lock)."""
-        protect = self.pinned() | set(self.inflight) | {name}
+        protect = self.pinned(tier.name) | set(self.inflight) | {name}
         if prefetch:
             protect |= set(self.plans.upcoming(self.cfg.prefetch_window))
         while tier.used + size > tier.budget:
@@ -317,7 +319,7 @@ class Store:
             for name in upcoming:
                 if name in self.ram or name in self.inflight:
                     continue
-                if not self._admissible(name, set(upcoming) | self.pinned()):
+                if not self._admissible(name, set(upcoming) | self.pinned("ram")):
                     return None  # RAM holds only nearer shards: prefetching would cause a miss
                 fut = self.inflight[name] = Future()
                 return self.entries[name], fut
