@@ -124,6 +124,13 @@ class CacheClient:
                 raise
             self._degrade(exc)
             return self._from_origin(name)
+        except (ShardNotFoundError, IntegrityError, ValueError):
+            raise  # the name or the origin's bytes are bad: origin would say the same
+        except CacheError as exc:  # the daemon is up but could not fill (timeout, origin I/O error)
+            if not self.fallback:
+                raise
+            log.warning("cache daemon could not serve %s (%s); reading it from origin", name, exc)
+            return self._from_origin(name)
         if reply.get("tier") == "origin" or not reply.get("path"):
             return self._from_origin(name)  # the daemon could not place it (tiers pinned or disk full)
         view = _map(reply["path"], entry.bytes)
