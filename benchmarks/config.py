@@ -28,7 +28,7 @@ class BenchConfig:
     frames_per_sample: int = 4
     stride: int = 4
     action_horizon: int = 16
-    shard_size: str = "8MB"
+    shard_size: str = "64MB"  # the preprocess default
     preprocess_workers: int = 2
     # -- the loaders ------------------------------------------------------------
     batch_size: int = 8
