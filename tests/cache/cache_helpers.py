@@ -34,6 +34,8 @@ class DaemonProc:
                      "--node-id", name, "--prefetch-window", "0", "--heartbeat-s", "0.2", "--node-ttl-s", "2",
                      *(("--redis-url", redis_url, "--peer-listen", "127.0.0.1:0") if redis_url else ()), *extra]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "--tcp" in extra:  # --socket and --tcp are exclusive
+            self.args = [a for a in self.args if a not in ("--socket", self.socket)]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 20.0) -> "DaemonProc":
@@ -43,7 +45,7 @@ class DaemonProc:
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if READY in self.log_path.read_text() and os.path.exists(self.socket):
+            if READY in self.log_path.read_text() and ("--tcp" in self.args or os.path.exists(self.socket)):
                 return self
             if self.proc.poll() is not None:
                 break

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from loongforge.cache.client import CacheClient
 from loongforge.cache.protocol import Connection
 from loongforge.shared.errors import CacheUnavailableError, ShardNotFoundError, UnsafePathError
 
@@ -275,3 +276,20 @@ def test_disk_full_evicts_and_keeps_serving(synthetic_root, daemons, tiny_disk):
     assert counter(st, "enospc", "ssd") >= 1 and counter(st, "evictions", "ssd") >= 1
     assert counter(st, "hits", "ram") + counter(st, "misses", "ram") == 4 and st["tiers"]["ram"]["shards"] == 4
     assert "disk full (ENOSPC)" in d.log()
+
+
+def test_loopback_tcp_endpoint(synthetic_root, daemons):
+    root, index = synthetic_root
+    tcp = f"127.0.0.1:{free_port()}"
+    d = daemons(root, index, extra=("--tcp", tcp))
+    assert f"ready on tcp:{tcp}" in d.log() and not os.path.exists(d.socket)
+    with CacheClient(root, index, tcp=tcp) as client:
+        name = index.shards[1].name
+        assert bytes(client.read_shard(name)) == _origin_bytes(root, name) and not client.degraded
+        assert client.stats()["daemon"]["counters"]["fills"]["origin"] == 1
+
+
+def test_cache_package_never_imports_torch():
+    code = ("import sys, loongforge.cache.daemon, loongforge.cache.client, loongforge.cache.cli, "
+            "loongforge.cache.replay, loongforge.cache.peer; sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
