@@ -116,8 +116,10 @@ class ParallelConfig:
     reduce_bucket_size: int = 50_000_000
     overlap_comm: bool = True
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs
 
     def __post_init__(self):
+        _need(self.dist_timeout_s > 0, "parallel.dist_timeout_s", "must be > 0")
         _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "use 0, 1, 2 or 3 (--zero)")
         _need(self.grad_accum >= 1, "parallel.grad_accum", "must be >= 1")
         _need(self.reduce_bucket_size >= 1, "parallel.reduce_bucket_size", "must be >= 1")

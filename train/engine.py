@@ -65,7 +65,9 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
     return conf
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
+    from datetime import timedelta
+
     import deepspeed
 
     # Single-process runs (no launcher) still get a 1-rank group, so the code path is one.
@@ -81,7 +83,8 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
+                               timeout=timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

@@ -47,6 +47,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
     p.add_argument("--no-overlap-comm", action="store_true")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--ds-log-level", default="WARNING", help="DeepSpeed's own logger (INFO shows its per-step "
                    "wall_clock_breakdown lines; our timers are in metrics.jsonl either way)")
@@ -63,7 +64,8 @@ def config_from_args(a: argparse.Namespace):
                         cache_tcp=a.cache_tcp),
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
-                                overlap_comm=not a.no_overlap_comm, precision=a.precision),
+                                overlap_comm=not a.no_overlap_comm, precision=a.precision,
+                                dist_timeout_s=a.dist_timeout),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device),
     )

@@ -38,7 +38,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.device = eng.pick_device(cfg.run.device)
-        self.rank, self.world = eng.init_distributed(self.device)
+        self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.index = load_index(cfg.data.root)
         d = cfg.data

@@ -121,6 +121,9 @@ class DecodePool:
                 raise
             return self._finish(slot, k, bad, reasons)
         deadline = time.monotonic() + self.timeout_s
+        # Checked on every call, not only on a timeout: the surviving workers would otherwise
+        # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
+        self._check_alive()
         while seq not in self._done:
             try:
                 kind, wid, rseq, payload = self._results.get(timeout=POLL_S)

@@ -151,3 +151,23 @@ def test_gpu_run_smoke(train_root, tmp_path):
 
 
 test_gpu_run_smoke = pytest.mark.gpu(test_gpu_run_smoke)
+
+
+def test_bad_sample_raise_fails_the_launch_without_hanging(tmp_path):
+    """A rank that hits a corrupt sample with --bad-samples raise must end the whole launch
+    with a non-zero code and a clear message; the peer must not wait forever in allreduce."""
+    from loongforge.shared.synthetic import make_synthetic_root
+
+    root = str(tmp_path / "shards")
+    index = make_synthetic_root(root, shards=2, samples_per_shard=8)
+    entry = index.shards[0]
+    path = os.path.join(root, entry.name)
+    data = bytearray(open(path, "rb").read())
+    for off, length in zip(entry.offsets, entry.lengths):  # every sample of shard 0: hit on the first steps
+        data[off + length - 700: off + length - 600] = b"\xff" * 100
+    open(path, "wb").write(data)
+    proc = torchrun(2, ["--data", root, "--run-dir", str(tmp_path / "run"), "--steps", "4", "--batch-size", "4",
+                        "--bad-samples", "raise", "--workers", "1", "--dist-timeout", "60"], cwd=str(tmp_path),
+                    timeout=180)
+    assert proc.returncode != 0
+    assert "DataWorkerError" in proc.stderr and "bad sample" in proc.stderr

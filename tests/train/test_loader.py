@@ -140,21 +140,69 @@ def test_killed_worker_is_a_clear_error_not_a_hang(train_root):
         loader.close()
 
 
-@pytest.mark.slow
-def test_through_cache_client_if_available(train_root):
+def _cache_client_or_skip():
     try:
         from loongforge.cache.client import CacheClient  # noqa: F401
+        import loongforge.cache.daemon  # noqa: F401
     except ImportError as exc:
-        pytest.skip(f"loongforge.cache.client not importable yet ({exc}); origin path covered above")
-    root, index = train_root
+        pytest.skip(f"loongforge.cache not importable yet ({exc}); the origin path is covered above")
+
+
+@pytest.mark.slow
+def test_through_real_cache_daemon(train_root, tmp_path):
+    """Workers read through a real `loongforge cache serve` (one node, no Redis); the rank's
+    announce reaches the daemon as a plan; batches equal the origin's."""
+    import json
+    import subprocess
+    import sys
+
     from loongforge.train.sources import SourceSpec
 
-    # No daemon listening: the client must degrade to the origin (fallback=True) and give identical bytes.
-    spec = SourceSpec(root=root, cache_socket=os.path.join(os.path.dirname(root), "no-daemon.sock"))
+    _cache_client_or_skip()
+    root, index = train_root
+    sock = str(tmp_path / "cache.sock")
+    cli = [sys.executable, "-m", "loongforge", "cache"]
+    daemon = subprocess.Popen([*cli, "serve", "--origin", root, "--socket", sock, "--ram-dir", str(tmp_path / "ram"),
+                               "--ram-budget", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-budget", "256MiB"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert daemon.poll() is None, f"cache daemon exited: {daemon.stdout.read()[-2000:]}"
+            assert time.monotonic() < deadline, "cache daemon did not create its socket in 30 s"
+            time.sleep(0.1)
+        spec = SourceSpec(root=root, cache_socket=sock)
+        with ShardLoader(root, batch_size=4, index=index, max_steps=4, source=spec, num_workers=1) as via_cache:
+            a = [(bt["sample_ids"].clone(), bt["frames"]["wrist"].clone()) for bt in via_cache]
+        with ShardLoader(root, batch_size=4, index=index, max_steps=4) as origin:
+            b = [(bt["sample_ids"].clone(), bt["frames"]["wrist"].clone()) for bt in origin]
+        assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+        stats = subprocess.run([*cli, "stats", "--socket", sock, "--json"], capture_output=True, text=True,
+                               timeout=30)
+        doc = json.loads(stats.stdout)
+        served = sum(doc["counters"]["hits"].values()) + sum(doc["counters"]["fills"].values())
+        assert served > 0, doc["counters"]
+        assert doc["plans"], "the loader's announce() did not reach the daemon"
+    finally:
+        subprocess.run([*cli, "stop", "--socket", sock], capture_output=True, timeout=30)
+        try:
+            daemon.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(timeout=5)
+
+
+@pytest.mark.slow
+def test_cache_client_without_daemon_degrades_to_origin(train_root, tmp_path):
+    _cache_client_or_skip()
+    from loongforge.train.sources import SourceSpec
+
+    root, index = train_root
+    spec = SourceSpec(root=root, cache_socket=str(tmp_path / "no-daemon.sock"))
     with ShardLoader(root, batch_size=4, index=index, max_steps=3, source=spec, num_workers=1) as via_cache:
-        a = [b["frames"]["wrist"].clone() for b in via_cache]
+        a = [bt["frames"]["wrist"].clone() for bt in via_cache]
     with ShardLoader(root, batch_size=4, index=index, max_steps=3) as origin:
-        b = [b["frames"]["wrist"].clone() for b in origin]
+        b = [bt["frames"]["wrist"].clone() for bt in origin]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
