@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     serve.add_argument("--ram-budget", help="RAM tier size, e.g. 2GiB")
     serve.add_argument("--ssd-dir", help="SSD tier directory (default ~/.cache/loongforge/cache)")
     serve.add_argument("--ssd-budget", help="SSD tier size, e.g. 20GiB")
+    serve.add_argument("--ssd-verify", choices=("size", "full"),
+                       help="SSD catalog check at start: size (default; hashes are checked on every SSD->RAM fill) "
+                            "or full (re-hash everything)")
     serve.add_argument("--redis-url", help="redis://[user:pass@]host:port/db or rediss://; omit for one node")
     serve.add_argument("--node-id", help="this node's name in Redis (default: hostname)")
     serve.add_argument("--peer-listen", help="HOST:PORT to serve shards to other nodes (port 0 = any)")
@@ -57,7 +60,7 @@ def _endpoint_flags(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args) -> int:
     from loongforge.cache.daemon import Daemon
 
-    keys = ("origin", "socket", "tcp", "ram_dir", "ram_budget", "ssd_dir", "ssd_budget", "redis_url", "node_id",
+    keys = ("origin", "socket", "tcp", "ram_dir", "ram_budget", "ssd_dir", "ssd_budget", "ssd_verify", "redis_url", "node_id",
             "peer_listen", "peer_advertise", "prefetch_window", "metrics_port", "lease_s", "lock_ttl_s",
             "heartbeat_s", "node_ttl_s")
     cfg = load_config(args.config, **{k: getattr(args, k) for k in keys})

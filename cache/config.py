@@ -75,6 +75,7 @@ class CacheConfig:
     ram_budget: int = 2 * 2**30
     ssd_dir: str = dataclasses.field(default_factory=_default_ssd_dir)
     ssd_budget: int = 20 * 2**30
+    ssd_verify: str = "size"  # on start: "size" (fast; hashes checked on every SSD->RAM fill) or "full"
     redis_url: str | None = None  # redis://, rediss://, unix://; user/password may sit in the URL
     redis_username: str | None = None  # ACL user, if not in the URL
     redis_password: str | None = None  # prefer the env var LOONGFORGE_CACHE_REDIS_PASSWORD over a flag
@@ -107,6 +108,8 @@ class CacheConfig:
                 raise ConfigError(f"tcp: {host!r} is not loopback; the protocol has no auth, bind 127.0.0.1")
         if self.peer_listen:
             parse_hostport(self.peer_listen, "peer_listen")
+        if self.ssd_verify not in ("size", "full"):
+            raise ConfigError(f"ssd_verify: {self.ssd_verify!r} is not 'size' or 'full'")
         if self.prefetch_window < 0 or self.prefetch_threads < 1:
             raise ConfigError("prefetch_window must be >= 0 and prefetch_threads >= 1")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

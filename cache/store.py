@@ -48,13 +48,13 @@ class Store:
         self.ram.wipe()  # RAM files of a previous run: not ours to trust, cheap to refill
         self.ram.open_dir()
         t0 = time.monotonic()
-        kept, dropped = self.ssd.rebuild(self.index)
+        kept, dropped = self.ssd.rebuild(self.index, full=self.cfg.ssd_verify == "full")
         for _ in dropped:
             self.metrics.inc("corrupt", "ssd")
         for s in kept:
             self.policy.touch(s)
-        log.info("ssd tier %s: %d shards re-verified, %d dropped, in %.2fs",
-                 self.ssd.root, len(kept), len(dropped), time.monotonic() - t0)
+        log.info("ssd tier %s: %d shards kept, %d dropped (%s check), in %.2fs",
+                 self.ssd.root, len(kept), len(dropped), self.cfg.ssd_verify, time.monotonic() - t0)
         self._update_gauges()
 
     def close(self) -> None:

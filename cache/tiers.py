@@ -10,6 +10,7 @@ unlink it. Thread safety is the caller's (store.py holds one lock).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ class Tier:
         self.budget = budget
         self.entries: dict[str, int] = {}  # shard -> bytes, complete and verified
         self.reserved: dict[str, int] = {}  # shard -> bytes, being written
+        self._lock_fd: int | None = None  # flock held for the daemon's lifetime
 
     @property
     def used(self) -> int:
@@ -46,8 +48,18 @@ class Tier:
         return os.path.join(self.data_dir, paths.check_relative(shard))
 
     def open_dir(self) -> None:
-        """Create the directory, or check the on-disk format of an existing one."""
+        """Create the directory, or check the on-disk format of an existing one,
+        and lock it: two daemons sharing a tier would delete each other's files."""
         os.makedirs(self.data_dir, exist_ok=True)
+        if self._lock_fd is None:
+            fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConfigError(f"{self.name} tier {self.root} is in use by another cache daemon; "
+                                  f"give this one its own --{self.name}-dir") from None
+            self._lock_fd = fd
         marker = os.path.join(self.root, MARKER)
         if os.path.exists(marker):
             try:
@@ -66,23 +78,28 @@ class Tier:
         self.entries.clear()
         self.reserved.clear()
 
-    def rebuild(self, index: ShardIndex) -> tuple[list[str], list[str]]:
-        """Re-verify every file on disk against the index. Returns (kept,
-        dropped): dropped = corrupt, truncated or no longer in the index."""
+    def rebuild(self, index: ShardIndex, full: bool = True) -> tuple[list[str], list[str]]:
+        """Rebuild the catalog from the files on disk, checking each against the
+        index: size always, sha256 too if `full`. Returns (kept, dropped):
+        dropped = corrupt, truncated or no longer in the index. Without `full`
+        a bit flip is caught later: every SSD -> RAM fill re-hashes."""
         kept, dropped = [], []
         self.entries.clear()
         for dirpath, _, files in os.walk(self.data_dir):
             for fname in files:
-                full = os.path.join(dirpath, fname)
-                rel = os.path.relpath(full, self.data_dir).replace(os.sep, "/")
+                full_path = os.path.join(dirpath, fname)
+                rel = os.path.relpath(full_path, self.data_dir).replace(os.sep, "/")
                 try:
                     entry = index.shard(rel)
-                    digest, size = storage.sha256_file(full)
+                    if full:
+                        digest, size = storage.sha256_file(full_path)
+                    else:
+                        digest, size = entry.sha256, os.path.getsize(full_path)
                     if (size, digest) != (entry.bytes, entry.sha256):
                         raise IntegrityError(f"{rel}: size/hash differ from the index")
                 except (KeyError, ValueError, IntegrityError, OSError) as exc:
                     log.warning("%s tier: dropping %s (%s)", self.name, rel, exc)
-                    _unlink(full)
+                    _unlink(full_path)
                     dropped.append(rel)
                     continue
                 self.entries[rel] = size

@@ -100,7 +100,7 @@ def test_ssd_budget_exceeded_evicts(synthetic_root, daemons):
 def test_restart_reverifies_ssd_and_refetches_corrupt(synthetic_root, daemons):
     root, index = synthetic_root
     s = [e.name for e in index.shards]
-    d = daemons(root, index)
+    d = daemons(root, index, extra=("--ssd-verify", "full"))
     with d.client() as client:
         for name in s:
             client.read_shard(name)
@@ -293,3 +293,35 @@ def test_cache_package_never_imports_torch():
     code = ("import sys, loongforge.cache.daemon, loongforge.cache.client, loongforge.cache.cli, "
             "loongforge.cache.replay, loongforge.cache.peer; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_size_only_start_check_still_catches_bit_rot_on_fill(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index)  # default --ssd-verify size: fast start
+    with d.client() as client:
+        client.read_shard(s[0])
+    settled(d)
+    assert d.stop() == 0
+    with open(os.path.join(d.ssd_dir, "data", s[0]), "r+b") as f:
+        f.seek(900)
+        f.write(b"rot")
+    d.start()
+    assert d.stats()["tiers"]["ssd"]["shards"] == 1  # same size: kept at start
+    with d.client() as client:
+        assert bytes(client.read_shard(s[0])) == _origin_bytes(root, s[0])
+    st = d.stats()
+    assert counter(st, "corrupt", "ssd") == 1 and counter(st, "fills", "origin") == 1
+
+
+def test_two_daemons_cannot_share_a_tier(synthetic_root, daemons):
+    root, index = synthetic_root
+    a = daemons(root, index, "node-a")
+    b = daemons(root, index, "node-b", start=False)
+    b.args[b.args.index("--ram-dir") + 1] = a.ram_dir
+    b.proc = subprocess.Popen(b.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = b.proc.communicate(timeout=30)
+    b.proc = None
+    assert "in use by another cache daemon" in out
+    with a.client() as client:  # a's RAM tier was not wiped by b
+        assert bytes(client.read_shard(s0 := index.shards[0].name)) == _origin_bytes(root, s0)

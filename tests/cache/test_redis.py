@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import signal
 import threading
 import time
@@ -131,3 +133,47 @@ def test_redis_password_acl_user_and_wrong_password(synthetic_root, tmp_path, re
         assert wrong.stats()["redis"]["state"] == "down"
     finally:
         server.stop()
+
+
+def _tls_certs(d) -> tuple[str, str, str]:
+    """A private CA and a server cert for 127.0.0.1, made with the openssl CLI."""
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=loongforge-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "ext")
+    return str(d / "ca.crt"), str(d / "server.crt"), str(d / "server.key")
+
+
+def test_rediss_tls_url(synthetic_root, tmp_path, redis_server, daemons):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed: cannot make a test certificate")
+    root, index = synthetic_root
+    ca, cert, key = _tls_certs(tmp_path)
+    port = redis_server.port
+    redis_server.stop()  # reuse its free port for a TLS-only server
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                             cert, "--tls-key-file", key, "--tls-ca-cert-file", ca, "--tls-auth-clients", "no",
+                             "--requirepass", "tlspw", "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://:tlspw@127.0.0.1:{port}/0"
+        wait_for(lambda: _tls_ping(url, ca), what="TLS redis-server")
+        d = daemons(root, index, redis_url=url, env={"LOONGFORGE_CACHE_REDIS_CA_CERTS": ca})
+        wait_for(lambda: d.stats()["redis"]["state"] == "connected", what="rediss:// connection")
+        with d.client() as c:
+            c.read_shard(index.shards[0].name)
+        r = redis.Redis.from_url(url, ssl_ca_certs=ca, decode_responses=True)
+        assert r.smembers(d.stats()["redis"]["prefix"] + f"dir:{index.shards[0].name}") == {"node-a"}
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _tls_ping(url, ca) -> bool:
+    try:
+        return redis.Redis.from_url(url, ssl_ca_certs=ca, socket_timeout=0.5).ping()
+    except redis.RedisError:
+        return False
