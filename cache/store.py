@@ -290,7 +290,7 @@ class Store:
         while tier.used + size > tier.budget:
             victim = self.policy.victim(tier.entries, exclude=protect)
             if victim is None:
-                log.info("%s tier full of pinned/in-flight shards; %s not placed there", tier.name, name)
+                log.debug("%s tier full of pinned/in-flight shards; %s not placed there", tier.name, name)
                 return False
             if prefetch and not self.policy.worth_prefetching(name, victim):
                 return False
