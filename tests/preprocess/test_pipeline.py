@@ -148,3 +148,19 @@ def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_m
     assert failed[1] == {"episode": 2, "camera": "observation.images.wrist_view",
                          "reason": "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4: video file missing"}
     assert {s.episode for s in ShardReader(out, verify=True)} == {0}
+
+
+def test_rgb_from_shards_matches_pyav_rgb_with_the_index_colour_info(sample_dataset, converted):
+    import av
+
+    out, _ = converted
+    reader = ShardReader(out)
+    sample = reader[len(reader) // 2]
+    _, _, _, spec = _parquet(sample_dataset, sample.episode)
+    key, path = spec.videos[1]
+    with av.open(path) as c:
+        ref = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    rgb = reader.rgb(sample, paths.camera_slot(key))  # uses the index's color_matrix / color_range
+    for got, row in zip(rgb, sample.frame_indices):
+        mse = np.mean((got.astype(np.float64) - ref[row]) ** 2)
+        assert 10 * np.log10(255.0**2 / max(mse, 1e-12)) >= 35.0
