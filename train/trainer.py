@@ -85,7 +85,6 @@ class Trainer:
         cfg, run = self.cfg, self.cfg.run
         timer = StepTimer(self.device)
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
-        eng.comm_seconds()  # drop collectives of setup and resume
         it = iter(self.loader)
         try:
             while self.step < run.steps:
@@ -102,6 +101,7 @@ class Trainer:
 
     def _one_step(self, it, timer: StepTimer) -> dict:
         e, accum = self.engine, self.cfg.parallel.grad_accum
+        eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         timer.begin()
         losses, ids, bad = [], [], 0
         for micro in range(accum):

@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from loongforge.shared.errors import CheckpointError
+from loongforge.train import checkpoint
+from loongforge.train.profiler import _union, analyze_trace
+
+
+def _x(name, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 1, "tid": 1}
+
+
+def test_union_of_nested_and_overlapping_intervals():
+    assert _union([(0, 10), (2, 5), (8, 12), (20, 21)]) == 13
+
+
+def test_gpu_trace_nccl_kernels_and_idle(tmp_path):
+    """Hand-written NCCL timeline (narrow unit test of the parser): two steps of 1000 us."""
+    events = [_x("ProfilerStep#0", 0, 1000, "user_annotation"), _x("ProfilerStep#1", 1000, 1000, "user_annotation"),
+              _x("aten::mm", 10, 50), _x("ampere_sgemm_128x64", 100, 300, "kernel"),
+              _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 350, 200, "kernel"),  # overlaps compute by 50 us
+              _x("ampere_sgemm_128x64", 1100, 400, "kernel"),
+              _x("ncclDevKernel_ReduceScatter_Sum_bf16", 1600, 100, "kernel")]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    t = analyze_trace(str(path))
+    assert t["kind"] == "gpu"
+    s0, s1 = t["steps"]
+    assert s0["comm_s"] == pytest.approx(200e-6) and s1["comm_s"] == pytest.approx(100e-6)
+    assert s0["gpu_busy_s"] == pytest.approx(450e-6) and s0["gpu_idle_s"] == pytest.approx(550e-6)
+    assert s1["gpu_idle_s"] == pytest.approx(500e-6)
+    assert "ncclDevKernel_AllReduce_Sum_f32_RING_LL" in t["comm_events"]
+
+
+def test_cpu_trace_gloo_events(tmp_path):
+    events = [_x("ProfilerStep#3", 0, 1000, "user_annotation"), _x("c10d::allreduce_", 100, 300),
+              _x("gloo:all_reduce", 120, 250, "user_annotation"), _x("aten::addmm", 500, 100)]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    t = analyze_trace(str(path))
+    assert t["kind"] == "cpu" and t["steps"][0]["comm_s"] == pytest.approx(300e-6)
+    assert "gloo:all_reduce" in t["comm_events"]
+
+
+def test_checkpoint_sidecar_and_latest_pointer_are_checked(tmp_path):
+    run = str(tmp_path)
+    assert checkpoint.latest_tag(run) is None
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "latest").write_text("step00000005")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        checkpoint.latest_tag(run)
+    (root / "step00000005").mkdir()
+    assert checkpoint.latest_tag(run) == "step00000005"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        checkpoint.read_sidecar(run, "step00000005")
+    (root / "step00000005" / checkpoint.SIDECAR).write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        checkpoint.read_sidecar(run, "step00000005")
+    (root / "step00000005" / checkpoint.SIDECAR).write_text("{truncated")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        checkpoint.read_sidecar(run, "step00000005")
