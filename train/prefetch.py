@@ -66,6 +66,8 @@ class Prefetcher:
     # -- producer side (background thread) -------------------------------------
     def _run(self) -> None:
         try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread; default would be cuda:0
             while not self._stop.is_set():
                 staged = self._stage_next()
                 if staged is None:

@@ -82,7 +82,8 @@ class Trainer:
                  doc["loader"]["epoch"], doc["loader"]["consumed"])
 
     def run(self) -> None:
-        cfg, run = self.cfg, self.cfg.run
+        run = self.cfg.run
+        start = self.step
         timer = StepTimer(self.device)
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
         it = iter(self.loader)
@@ -95,7 +96,8 @@ class Trainer:
                 self.step += 1
                 if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
                     self.save()
-            self.save()
+            if self.step > start:
+                self.save()
         finally:
             trace.close()
 
@@ -103,7 +105,7 @@ class Trainer:
         e, accum = self.engine, self.cfg.parallel.grad_accum
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         timer.begin()
-        losses, ids, bad = [], [], 0
+        losses, ids = [], []
         for micro in range(accum):
             with timer.phase("data_wait"):
                 batch = next(it)

@@ -142,8 +142,10 @@ def test_killed_worker_is_a_clear_error_not_a_hang(train_root):
 
 def _cache_client_or_skip():
     try:
-        from loongforge.cache.client import CacheClient  # noqa: F401
-        import loongforge.cache.daemon  # noqa: F401
+        import importlib
+
+        importlib.import_module("loongforge.cache.client")
+        importlib.import_module("loongforge.cache.daemon")
     except ImportError as exc:
         pytest.skip(f"loongforge.cache not importable yet ({exc}); the origin path is covered above")
 
