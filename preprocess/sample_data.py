@@ -74,6 +74,18 @@ def _modality(state_dim: int, action_dim: int, cameras: tuple[str, ...]) -> dict
     }
 
 
+def _texture(height: int, width: int, rng: np.random.Generator) -> np.ndarray:
+    """Blotchy low-frequency noise plus a little grain, twice the frame width so
+    it can scroll. Camera-like: per-pixel white noise would make frames nearly
+    incompressible for zstd (unlike real footage) and inflate the mp4 bitrate."""
+    cell = max(2, height // 16)
+    coarse = rng.integers(-20, 21, size=(height // cell + 2, 2 * width // cell + 2, 1)).astype(np.float32)
+    tex = np.repeat(np.repeat(coarse, cell, axis=0), cell, axis=1)
+    half = cell // 2
+    tex = (tex + np.roll(tex, half, 0) + np.roll(tex, half, 1) + np.roll(tex, (half, half), (0, 1))) / 4
+    return tex[:height, : 2 * width] + rng.integers(-2, 3, size=(height, 2 * width, 1))
+
+
 def _frames_rgb(n: int, height: int, width: int, phase: float, rng: np.random.Generator) -> np.ndarray:
     """(n, h, w, 3) uint8 of moving content, vectorised over the whole clip."""
     t = np.arange(n, dtype=np.float32)[:, None, None]
@@ -82,7 +94,7 @@ def _frames_rgb(n: int, height: int, width: int, phase: float, rng: np.random.Ge
     g = 128 + 100 * np.cos((yy / height * 2 - t * 0.07 + phase) * np.pi)
     b = 64 + 0.5 * (xx + yy) + 8 * np.sin(t * 0.3 + phase)
     rgb = np.stack(np.broadcast_arrays(r, g, b), axis=-1)
-    texture = rng.integers(-8, 9, size=(height, width * 2, 1), dtype=np.int16).astype(np.float32)
+    texture = _texture(height, width, rng)
     side = max(4, height // 5)
     for i in range(n):  # per-frame (not per-pixel) loop: scroll the texture, place the square
         shift = (i * 2) % width
