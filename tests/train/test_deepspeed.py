@@ -119,16 +119,25 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
         assert b["loss"] == b["loss"] and b["loss"] < 100  # finite
 
 
-def test_zero3_deepspeed_launcher(train_root, tmp_path):
+def test_zero3_deepspeed_launcher_with_grad_accum(train_root, tmp_path):
     root, _ = train_root
     run_dir = str(tmp_path / "z3")
-    proc = deepspeed_launch(2, ["--data", root, "--run-dir", run_dir, "--steps", "4", "--zero", "3", *COMMON],
-                            cwd=str(tmp_path))
+    proc = deepspeed_launch(2, ["--data", root, "--run-dir", run_dir, "--steps", "4", "--zero", "3",
+                                "--grad-accum", "2", *COMMON], cwd=str(tmp_path))
     _ok(proc)
     rows = _metrics(run_dir)
     assert len(rows) == 4 and all(r["world"] == 2 for r in rows)
-    assert json.load(open(os.path.join(run_dir, "ds_config.json")))["zero_optimization"]["stage"] == 3
+    ids = [x for r in rows for rank_ids in r["sample_ids"] for x in rank_ids]
+    assert all(len(r["sample_ids"][0]) == 4 for r in rows)  # 2 micro batches x 2 samples per rank per step
+    assert len(ids) == len(set(ids)) == 32
+    conf = json.load(open(os.path.join(run_dir, "ds_config.json")))
+    assert conf["zero_optimization"]["stage"] == 3 and conf["gradient_accumulation_steps"] == 2
+    assert conf["train_micro_batch_size_per_gpu"] == 2
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))
+    # ZeRO-3 partitions the parameters themselves: a different rank count must be refused clearly.
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "6",
+                   "--zero", "3", "--grad-accum", "2", "--resume", *COMMON], cwd=str(tmp_path))
+    assert proc.returncode == 1 and "CheckpointError" in proc.stderr and "universal checkpoint" in proc.stderr
 
 
 def test_config_error_exit_code(train_root, tmp_path):

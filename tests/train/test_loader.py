@@ -219,3 +219,17 @@ def test_missing_cache_module_falls_back_with_warning(train_root, monkeypatch):
     with pytest.warns(RuntimeWarning, match="reading the origin"):
         src = make_source(SourceSpec(root=root, cache_socket="/nonexistent.sock"), load_index(root))
     assert isinstance(src, OriginSource)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetch_matches_cpu(train_root):
+    """Pinned buffers + side-stream copy + device NV12->RGB give the CPU path's tensors."""
+    root, index = train_root
+    with ShardLoader(root, batch_size=4, index=index, max_steps=6, device="cuda", num_workers=1) as gpu:
+        got = [{k: (v["front"] if k == "frames" else v).cpu() for k, v in b.items() if k != "meta"} for b in gpu]
+    with ShardLoader(root, batch_size=4, index=index, max_steps=6) as cpu:
+        want = [{k: (v["front"] if k == "frames" else v) for k, v in b.items() if k != "meta"} for b in cpu]
+    for a, b in zip(got, want):
+        for key in b:
+            assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
