@@ -133,7 +133,13 @@ class CacheClient:
             return self._from_origin(name)
         if reply.get("tier") == "origin" or not reply.get("path"):
             return self._from_origin(name)  # the daemon could not place it (tiers pinned or disk full)
-        view = _map(reply["path"], entry.bytes)
+        try:
+            view = _map(reply["path"], entry.bytes)
+        except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
+            if not self.fallback:
+                raise CacheError(f"cache daemon handed out {reply['path']} but it is unusable: {exc}") from exc
+            log.warning("cache tier file %s unusable (%s); reading %s from origin", reply["path"], exc, name)
+            return self._from_origin(name)
         with self._lock:
             self._maps[name] = view
             self.counts["daemon_reads"] += 1

@@ -97,9 +97,8 @@ class Store:
         self.wake.set()
         if tier is None:
             tier = self._fill_once(entry, prefetch=False)
-            with self.lock:
-                if tier == "ram" and name not in self.ram:  # evicted between fill and pin: rare
-                    tier = "ssd" if name in self.ssd else "origin"
+            with self.lock:  # where it is now: a waiter's result may be stale, or evicted since
+                tier = "ram" if name in self.ram else "ssd" if name in self.ssd else "origin"
                 self._pin(name, owner, tier)
         self.metrics.inc("bytes_served", tier, entry.bytes)
         path = {"ram": self.ram, "ssd": self.ssd}[tier].path(name) if tier != "origin" else None
