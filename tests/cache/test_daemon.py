@@ -15,7 +15,7 @@ import pytest
 
 from loongforge.cache.client import CacheClient
 from loongforge.cache.protocol import Connection
-from loongforge.shared.errors import CacheUnavailableError, ShardNotFoundError, UnsafePathError
+from loongforge.shared.errors import CacheUnavailableError, IntegrityError, ShardNotFoundError, UnsafePathError
 
 from cache_helpers import counter, free_port, settled, wait_for
 
@@ -325,3 +325,17 @@ def test_two_daemons_cannot_share_a_tier(synthetic_root, daemons):
     assert "in use by another cache daemon" in out
     with a.client() as client:  # a's RAM tier was not wiped by b
         assert bytes(client.read_shard(s0 := index.shards[0].name)) == _origin_bytes(root, s0)
+
+
+def test_corrupt_origin_is_a_clear_error_not_cached(synthetic_root, daemons):
+    root, index = synthetic_root
+    name = index.shards[2].name
+    with open(os.path.join(root, name), "r+b") as f:
+        f.seek(600)
+        f.write(b"\x00garbage\x00")
+    d = daemons(root, index)
+    with d.client() as client, pytest.raises(IntegrityError, match="sha256"):
+        client.read_shard(name)  # fallback on: origin would fail the same check, so it is raised
+    st = settled(d)
+    assert counter(st, "corrupt", "origin") == 1 and st["tiers"]["ram"]["shards"] == 0
+    assert st["tiers"]["ssd"]["shards"] == 0
