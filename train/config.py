@@ -116,6 +116,7 @@ class ParallelConfig:
     reduce_bucket_size: int = 50_000_000
     overlap_comm: bool = True
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    wall_clock_breakdown: bool = True  # DeepSpeed's own fwd/bwd/allreduce timers (printed every micro step)
     dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs
 
     def __post_init__(self):

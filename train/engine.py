@@ -53,7 +53,7 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
                                                   "weight_decay": o.weight_decay,
                                                   # The fused CPU Adam op costs a ~40 s g++ build; torch's is fine here.
                                                   **({"torch_adam": True} if not cuda else {})}},
-        "wall_clock_breakdown": True,
+        "wall_clock_breakdown": p.wall_clock_breakdown,
         # Enabled so deepspeed.comm times every collective (see comm_seconds). On CUDA the logger
         # synchronizes after each op, which would serialize overlap_comm: there NCCL time comes from traces.
         "comms_logger": {"enabled": not cuda, "prof_all": True, "verbose": False},

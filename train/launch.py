@@ -47,10 +47,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
     p.add_argument("--no-overlap-comm", action="store_true")
+    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
+                   "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--ds-log-level", default="WARNING", help="DeepSpeed's own logger (INFO shows its per-step "
-                   "wall_clock_breakdown lines; our timers are in metrics.jsonl either way)")
+    p.add_argument("--ds-log-level", default="WARNING", help="level of DeepSpeed's logger (INFO: its setup chatter)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -65,7 +66,7 @@ def config_from_args(a: argparse.Namespace):
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
-                                dist_timeout_s=a.dist_timeout),
+                                dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device),
     )
