@@ -47,6 +47,14 @@ def map_file(path: str) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
+def publish_mode(tmp: str) -> None:
+    """mkstemp creates 0600; published files must be readable by the cache
+    daemon and trainer, which may run as other users. Honour the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o644 & ~umask)
+
+
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """Write to a temp name beside the target, fsync, then rename into place."""
     if is_local(path):
@@ -59,6 +67,7 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            publish_mode(tmp)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

@@ -51,6 +51,7 @@ def write_shard(root: str, name: str, fragments: list[tuple[str, int, bytes]]) -
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        storage.publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

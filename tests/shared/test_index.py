@@ -92,3 +92,9 @@ def test_random_access_matches_iteration(synthetic_root):
     for n in (0, 9, 31):
         assert reader[n].key == ordered[n].key
         assert (reader[n].frames["front"] == ordered[n].frames["front"]).all()
+
+
+def test_published_files_are_world_readable(synthetic_root):
+    root, index = synthetic_root
+    for name in ("index.json", index.shards[0].name):
+        assert os.stat(os.path.join(root, name)).st_mode & 0o044 == 0o044
