@@ -136,6 +136,9 @@ class Daemon:
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
             self.peer = PeerServer(self.store, host, port).start()
             self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"
+        elif self.cfg.redis_url:
+            log.warning("redis is configured but --peer-listen is not: nodes cannot copy shards from each other, "
+                        "so each node still reads every shard it misses from origin (one at a time)")
         if self.cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
