@@ -12,8 +12,8 @@ RGB normalized, or (B, K, 3h/2, w) uint8 NV12 with rgb=False}, state (B, K, Ds)
 and action (B, H, Da) float32 normalized with the index stats, action_valid
 (B, H), frame_mask (B, K) (padding from length bucketing), task_tokens /
 task_mask (B, L) (byte-level), sample_valid (B,) (False = bad sample masked
-out), sample_ids (B,) global sample numbers. Tensors are valid until the next
-batch is requested on CPU and stream-ordered on CUDA.
+out), sample_ids (B,) global sample numbers. Tensors are fresh (never views of
+the shared-memory ring); on CUDA they are ordered on the current stream.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ class ShardLoader:
             epoch, consumed, step = nxt_epoch, nxt_consumed, step + 1
 
     def _announce(self, seq, epoch, consumed) -> None:
-        if self._announcer is None or (epoch, consumed) <= (epoch, self._announced_until) and \
-                self._announced_epoch == epoch:
+        if self._announcer is None:
             return
+        if epoch == self._announced_epoch and consumed <= self._announced_until:
+            return  # still inside the span announced last time
         span = ANNOUNCE_BATCHES * self.global_batch
         mine = np.concatenate([order.rank_batch(seq, c, self.global_batch, self.rank, self.world)
                                for c in range(consumed, min(consumed + span, self.plan.steps * self.global_batch),

@@ -48,6 +48,8 @@ def breakdown(run_dir: str) -> dict:
         # CUDA runs do not time collectives on the host (that would serialize overlap_comm): use the trace.
         frac = sum(s["comm_s"] for s in trace_steps) / sum(s["step_s"] for s in trace_steps)
         comm, comm_src = frac * step, "NCCL kernel time from the profiler traces, as a fraction of the step"
+    elif comm is None:
+        comm_src = "NOT measured: a CUDA run without --profile-steps traces; it is inside compute"
     comm = comm or 0.0
     busy = mean("forward_s") + mean("backward_s") + mean("optimizer_s")
     if any(t["kind"] == "gpu" for t in traces):
