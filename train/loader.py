@@ -70,7 +70,7 @@ class ShardLoader:
         self._pool: DecodePool | None = None
         self._prefetcher: Prefetcher | None = None
         self._announcer = None
-        self._announced_until = -1
+        self._announced_epoch, self._announced_until = -1, -1
 
     # -- order ---------------------------------------------------------------
     def sequence(self, epoch: int) -> np.ndarray:

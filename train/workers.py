@@ -14,6 +14,7 @@ a worker that stops answering hits `timeout_s`. Nothing blocks forever.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import time
 import traceback
@@ -42,9 +43,15 @@ def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes, layout: Ba
     except BaseException:  # noqa: BLE001 - report why we could not start, then exit non-zero
         results.put(("fatal", worker_id, -1, traceback.format_exc(limit=8)))
         raise SystemExit(3) from None
+    parent = multiprocessing.parent_process()
     try:
         while True:
-            task = tasks.get()
+            try:
+                task = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return  # the trainer was killed: do not linger as an orphan
+                continue
             if task is None:
                 return
             seq, slot, k, items = task

@@ -233,3 +233,44 @@ def test_cuda_prefetch_matches_cpu(train_root):
     for a, b in zip(got, want):
         for key in b:
             assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_trainer_is_killed(train_root, tmp_path):
+    """SIGKILL of the main process (OOM killer, scheduler) must not leave decode workers behind."""
+    import subprocess
+    import sys
+
+    root, _ = train_root
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import sys, time\n"
+        "from loongforge.train.loader import ShardLoader\n"
+        "if __name__ == '__main__':\n"
+        "    loader = ShardLoader(sys.argv[1], batch_size=4, num_workers=2)\n"
+        "    it = iter(loader); next(it)\n"
+        "    print(' '.join(str(p.pid) for p in loader._pool._procs), flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _alive(p)]
+    assert not alive, f"decode workers {alive} outlived their killed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) counts as gone
+        return f.read().split()[2] != "Z"
