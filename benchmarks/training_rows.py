@@ -12,7 +12,7 @@ import numpy as np
 
 from loongforge.benchmarks import loongforge_path as lf
 from loongforge.benchmarks.baseline import LeRobotVideoDataset, make_baseline_loader
-from loongforge.benchmarks.loader_rows import Context
+from loongforge.benchmarks.context import Context
 from loongforge.benchmarks.measure import PassTiming, Stat, endless, ratio, time_pass
 from loongforge.benchmarks.rows import Row
 

@@ -1,0 +1,30 @@
+"""What every row needs: the config, the prepared inputs, where LoongForge
+reads from, and figures one row measured that a later row reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loongforge.benchmarks.baseline import LeRobotVideoDataset
+from loongforge.benchmarks.config import BenchConfig
+from loongforge.benchmarks.data import Prepared
+
+
+@dataclass(slots=True)
+class Context:
+    cfg: BenchConfig
+    prep: Prepared
+    socket: str | None  # cache daemon socket; None = the origin (row notes say why)
+    source_label: str
+    measured: dict = field(default_factory=dict)  # figures later rows reuse (P5 uses P1's)
+
+    def baseline_dataset(self, backend: str = "pyav") -> LeRobotVideoDataset:
+        cams = tuple(f"observation.images.{c}" for c in self.cfg.cameras)
+        return LeRobotVideoDataset(self.prep.dataset, list(self.prep.windows), backend=backend,
+                                   action_horizon=self.prep.index.dataset.action_horizon, cameras=cams)
+
+    def window_params(self) -> dict:
+        ds = self.prep.index.dataset
+        return {"frames_per_sample": ds.frames_per_sample, "cameras": list(ds.slots),
+                "resolution": [ds.height, ds.width], "batch_size": self.cfg.batch_size,
+                "samples": self.prep.index.num_samples, "gop": self.cfg.gop}
