@@ -9,6 +9,7 @@ memory + NV12->RGB on the device). The real benchmarks live in benchmarks/.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--workers", default="0,1,2")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is printed")
     args = ap.parse_args()
     from loongforge.shared.synthetic import make_synthetic_root
 
@@ -46,9 +48,12 @@ def main() -> None:
               f"{args.size}x{args.size} NV12, {mb:.1f} MiB of shards; batch {args.batch}, {args.batches} batches")
         print(f"{'workers':>8} {'nv12 samples/s':>15} {'rgb samples/s':>14}")
         for w in (int(x) for x in args.workers.split(",")):
-            nv12 = measure(root, index, workers=w, batch=args.batch, batches=args.batches, rgb=False)
-            rgb = measure(root, index, workers=w, batch=args.batch, batches=args.batches, rgb=True)
-            print(f"{w:>8} {nv12:>15.1f} {rgb:>14.1f}")
+            cells = []
+            for rgb in (False, True):
+                runs = [measure(root, index, workers=w, batch=args.batch, batches=args.batches, rgb=rgb)
+                        for _ in range(args.repeat)]
+                cells.append(statistics.median(runs))
+            print(f"{w:>8} {cells[0]:>15.1f} {cells[1]:>14.1f}")
 
 
 if __name__ == "__main__":
