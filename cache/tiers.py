@@ -138,3 +138,19 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def tmpfs_huge_option(path: str) -> str | None:
+    """The `huge=` option of the tmpfs holding `path`; None if not tmpfs (or unknown)."""
+    best, found = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, fstype, options = line.split()[:4]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best = mnt
+                    found = None if fstype != "tmpfs" else next(
+                        (o for o in options.split(",") if o.startswith("huge=")), "huge=never")
+    except OSError:
+        return None
+    return found
