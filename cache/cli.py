@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loongforge.shared.errors import LoongForgeError
 
-    parser = argparse.ArgumentParser(prog="python -m loongforge.cache")
+    parser = argparse.ArgumentParser(prog="loongforge")  # usage reads "loongforge cache ..."
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
     args = parser.parse_args(["cache", *(sys.argv[1:] if argv is None else argv)])
