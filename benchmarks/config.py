@@ -38,6 +38,7 @@ class BenchConfig:
     ours_batches: int = 60  # timed batches per LoongForge measurement
     warmup_batches: int = 1  # not timed: worker start-up and first-touch costs
     train_steps: int = 12  # P3 timed steps per loader
+    train_workers: int | None = None  # P3 loader workers; None = usable cores - 1 (a core for the model)
     ram_budget: str = "2GiB"
     seed: int = 0
     # -- which parts to run -----------------------------------------------------
@@ -62,6 +63,7 @@ class BenchConfig:
         need(self.repeats >= 1, "repeats", "must be >= 1 (--repeats)")
         need(min(self.baseline_batches, self.ours_batches, self.train_steps) >= 1, "baseline_batches",
              "timed batch counts must be >= 1")
+        need(self.train_workers is None or self.train_workers >= 0, "train_workers", "must be >= 0")
         need(self.warmup_batches >= 1, "warmup_batches", "must be >= 1 so worker start-up is never timed")
 
     @classmethod

@@ -7,13 +7,14 @@ does on a GPU where the step takes milliseconds.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
 from loongforge.benchmarks import loongforge_path as lf
 from loongforge.benchmarks.baseline import LeRobotVideoDataset, make_baseline_loader
 from loongforge.benchmarks.context import Context
-from loongforge.benchmarks.measure import PassTiming, Stat, endless, ratio, time_pass
+from loongforge.benchmarks.measure import Stat, endless, ratio
 from loongforge.benchmarks.rows import Row
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class ModelInputs:
 
 
 def make_step(index, seed: int):
-    """A real optimizer step of the tiny model; returns fn(batch)."""
+    """A real optimizer step of the tiny model, timed by phase with the trainer's
+    own `StepTimer` (same data-wait definition as `loongforge train`)."""
     import torch
 
     from loongforge.train.model import VLAModel
@@ -70,23 +72,41 @@ def make_step(index, seed: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
 
-    def step(batch):
+    def step(batch, timer):
         b, h, da = batch["action"].shape
         noise = torch.randn(b, h, da, generator=gen)
         t = torch.rand(b, generator=gen)
-        loss = model(batch, noise, t)["loss"]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with timer.phase("forward"):
+            loss = model(batch, noise, t)["loss"]
+        with timer.phase("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with timer.phase("optimizer"):
+            opt.step()
 
     return step, cfg
 
 
-def _train(batches, step, ctx: Context) -> PassTiming:
-    return time_pass(batches, warmup=ctx.cfg.warmup_batches, timed=ctx.cfg.train_steps, on_batch=step)
+def _train(batches, step, ctx: Context) -> list[dict]:
+    """Per-step phase records of `train_steps` steps after `warmup_batches` untimed ones."""
+    import torch
+
+    from loongforge.train.profiler import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    records = []
+    for i in range(ctx.cfg.warmup_batches + ctx.cfg.train_steps):
+        timer.begin()
+        with timer.phase("data_wait"):
+            batch = next(batches)
+        step(batch, timer)
+        rec = timer.end(None)
+        if i >= ctx.cfg.warmup_batches:
+            records.append(rec)
+    return records
 
 
-def baseline_train(ctx: Context, workers: int, step) -> PassTiming:
+def baseline_train(ctx: Context, workers: int, step) -> list[dict]:
     index = ctx.prep.index
     cams = tuple((f"observation.images.{c.slot}", c.slot) for c in index.dataset.cameras)
     dataset = LeRobotVideoDataset(ctx.prep.dataset, list(ctx.prep.windows),
@@ -100,32 +120,67 @@ def baseline_train(ctx: Context, workers: int, step) -> PassTiming:
         stream.close()
 
 
-def ours_train(ctx: Context, workers: int, step) -> PassTiming:
+def ours_train(ctx: Context, workers: int, step) -> list[dict]:
     with lf.opened(lf.make_loader(ctx.prep.shards, ctx.prep.index, ctx.cfg, workers=workers,
                                   socket=ctx.socket, rgb=True)) as loader:
         return _train(iter(loader), step, ctx)
 
 
+def train_workers(ctx: Context) -> int:
+    """Loader workers for P3: one core is left to the model step, as on a GPU node
+    where the step does not run on the cores that decode (2 cores -> 1 worker)."""
+    if ctx.cfg.train_workers is not None:
+        return ctx.cfg.train_workers
+    return max(1, min(max(ctx.cfg.workers), _cores() - 1))
+
+
 def p3_rows(ctx: Context) -> list[Row]:
-    workers = max(ctx.cfg.workers)
+    import torch
+
+    workers = train_workers(ctx)
+    threads = torch.get_num_threads()
+    # The model gets the cores the workers leave: intra-op threads spinning on a
+    # core a decode worker holds would slow the step for reasons no GPU shares.
+    torch.set_num_threads(max(1, _cores() - workers))
+    try:
+        return _p3(ctx, workers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _p3(ctx: Context, workers: int) -> list[Row]:
+    import torch
+
     step, model_cfg = make_step(ctx.prep.index, ctx.cfg.seed)
     shares = {"baseline": [], "ours": []}
     steps = {"baseline": [], "ours": []}
     waits = {"baseline": [], "ours": []}
+    phases = {"baseline": [], "ours": []}
     for _ in range(ctx.cfg.repeats):
         for name, fn in (("baseline", baseline_train), ("ours", ours_train)):
-            timing = fn(ctx, workers, step)
-            wait = float(np.sum(timing.wait_s))
-            shares[name].append(wait / timing.seconds)
-            steps[name].append(timing.seconds / len(timing.wait_s))
-            waits[name].append(wait / len(timing.wait_s))
+            recs = fn(ctx, workers, step)
+            wall = float(np.sum([r["step_s"] for r in recs]))
+            wait = float(np.sum([r["data_wait_s"] for r in recs]))
+            shares[name].append(wait / wall)
+            steps[name].append(wall / len(recs))
+            waits[name].append(wait / len(recs))
+            phases[name].append({k: float(np.mean([r[k] for r in recs])) for k in
+                                 ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "overhead_s")})
     share = {k: Stat.of(v) for k, v in shares.items()}
     step_s = {k: Stat.of(v) for k, v in steps.items()}
     wait_s = {k: Stat.of(v) for k, v in waits.items()}
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
     params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
-              "patch": model_cfg.patch, "ours_source": ctx.source_label, "processes": 1}
+              "patch": model_cfg.patch, "ours_source": ctx.source_label, "processes": 1,
+              "torch_threads": torch.get_num_threads()}
     labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"ShardLoader ({ctx.source_label})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]
     wait_ratio = ratio(wait_s["baseline"], wait_s["ours"])
@@ -133,7 +188,7 @@ def p3_rows(ctx: Context) -> list[Row]:
         Row(id="P3/share", title="Data-wait share of step time, tiny model", unit="share", params=params, **labels,
             baseline=share["baseline"], ours=share["ours"], ratio=ratio(share["ours"], share["baseline"]),
             goal=f"LoongForge < {P3_GOAL:.0%}", goal_met=share["ours"].median < P3_GOAL,
-            extra={"compute_s_per_step": compute}),
+            extra={"compute_s_per_step": compute, "phases_s_per_step": phases}),
         Row(id="P3/step", title="Step time, tiny model", unit="s/step", params=params, **labels,
             baseline=step_s["baseline"], ours=step_s["ours"], ratio=ratio(step_s["baseline"], step_s["ours"]),
             ratio_note="baseline / LoongForge (speed-up)"),
