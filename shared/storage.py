@@ -36,7 +36,14 @@ def read_bytes(path: str, start: int | None = None, length: int | None = None) -
     if start is None:
         return fs.cat_file(p)
     end = None if length is None else start + length
-    return fs.cat_file(p, start=start, end=end)
+    data = fs.cat_file(p, start=start, end=end)
+    if length is not None and len(data) != length:
+        # Some HTTP servers ignore Range and send the whole object: slice it,
+        # and refuse a short answer rather than hand back the wrong bytes.
+        if len(data) > length and len(data) >= start + length:
+            return data[start : start + length]
+        raise IntegrityError(f"{path}: asked for {length} bytes at {start}, got {len(data)}: truncated object")
+    return data
 
 
 def map_file(path: str) -> memoryview:

@@ -1,0 +1,56 @@
+"""Shard roots served over HTTP (fsspec), as an object store would serve them."""
+
+import functools
+import http.server
+import os
+import threading
+
+import pytest
+
+from loongforge.shared.reader import ShardReader
+
+
+class RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files with single-range support (object stores all honour Range)."""
+
+    honour_range = True
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        rng = self.headers.get("Range")
+        path = self.translate_path(self.path)
+        if not rng or not self.honour_range or not os.path.isfile(path):
+            return super().do_GET()
+        start, _, end = rng.removeprefix("bytes=").partition("-")
+        data = open(path, "rb").read()
+        start = int(start)
+        end = min(int(end) if end else len(data) - 1, len(data) - 1)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        self.wfile.write(data[start : end + 1])
+
+
+@pytest.fixture(params=[True, False], ids=["range", "no-range"])
+def http_root(request, synthetic_root):
+    root, index = synthetic_root
+    handler = type("H", (RangeHandler,), {"honour_range": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=root))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", root, index
+    server.shutdown()
+
+
+def test_http_origin_matches_local(http_root):
+    url, root, index = http_root
+    remote, local = ShardReader(url), ShardReader(root)
+    assert remote.verify() == []
+    for n in (0, 5, 9, index.num_samples - 1):
+        a, b = remote[n], local[n]
+        assert a.key == b.key
+        assert (a.frames["front"] == b.frames["front"]).all()
+    assert [s.key for s in ShardReader(url, verify=True)] == [s.key for s in local]
