@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_workers, help="loader worker counts to compare (default 0,1,2)")
     p.add_argument("--batch-size", type=int, help="samples per batch, both loaders (default 8, 4 with --quick)")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
-    p.add_argument("--workdir", type=Path, help="keep the generated dataset and shards here (default: a temp dir)")
+    p.add_argument("--workdir", type=Path, help="keep the generated dataset and shards here (default: a temp dir); "
+                                              "must be new, empty or an earlier bench workdir: it is wiped")
     p.add_argument("--no-components", action="store_true",
                    help="skip the folded-in component benchmarks (benchmarks/preprocess.py, cache.py)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")

@@ -30,6 +30,7 @@ from loongforge.benchmarks.context import Context
 from loongforge.benchmarks.loader_rows import p1_rows, p2_rows
 from loongforge.benchmarks.onetime_rows import p4_rows, p5_rows
 from loongforge.benchmarks.rows import Row, component_row
+from loongforge.shared.errors import ConfigError
 from loongforge.benchmarks.training_rows import p3_rows
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ def _components(quick: bool) -> list[dict]:
     return out
 
 
+WORKDIR_MARK = ".loongforge-bench"
+
+
+def _claim_workdir(workdir: Path) -> None:
+    """Every run regenerates (the transcode is one of the figures), so an old
+    workdir is wiped: only one this bench made, never a folder with other files."""
+    if workdir.exists() and any(workdir.iterdir()):
+        if not (workdir / WORKDIR_MARK).exists():
+            raise ConfigError(f"--workdir {workdir}: not empty and not made by `loongforge bench`; "
+                              "give a new or empty folder (it is wiped on every run)")
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / WORKDIR_MARK).write_text("made by loongforge bench; wiped on every run\n")
+
+
 def _unavailable_all(reason: str) -> list[Row]:
     return [Row.unavailable(sid, title, reason) for sid, title, _ in SECTIONS]
 
@@ -86,8 +102,8 @@ def run(cfg: BenchConfig, *, out_dir: Path = DEFAULT_OUT, workdir: Path | None =
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loongforge-bench-")))
-        elif workdir.exists():
-            shutil.rmtree(workdir)  # every run regenerates: the transcode is one of the figures
+        else:
+            _claim_workdir(workdir)
         try:
             prep = prepare(cfg, workdir)
         except Exception as exc:  # noqa: BLE001 - no inputs, no rows; say why for each

@@ -89,3 +89,19 @@ def test_plot_and_json_are_written(tmp_path):
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     write_json(path, doc)
     assert json.loads(path.read_text())["rows"][0]["id"] == "P1/w0"
+
+
+def test_workdir_with_foreign_files_is_never_wiped(tmp_path):
+    from loongforge.benchmarks.run import _claim_workdir
+
+    mine = tmp_path / "bench"
+    _claim_workdir(mine)
+    (mine / "old-shards").mkdir()
+    _claim_workdir(mine)  # an earlier bench workdir: wiped and re-marked
+    assert not (mine / "old-shards").exists()
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(ConfigError, match="not made by"):
+        _claim_workdir(foreign)
+    assert (foreign / "thesis.tex").read_text() == "precious"
