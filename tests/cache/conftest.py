@@ -6,7 +6,7 @@ import shutil
 import signal
 
 import pytest
-from cache_helpers import DaemonProc
+from tests.cache.cache_helpers import DaemonProc
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import redis
-from cache_helpers import counter, wait_for
+from tests.cache.cache_helpers import counter, wait_for
 
 from loongforge.shared.synthetic import make_synthetic_root
 
