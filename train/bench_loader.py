@@ -37,15 +37,19 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--workers", default="0,1,2")
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is printed")
+    ap.add_argument("--root", help="measure this shard root instead of a synthetic one (e.g. preprocess output)")
     args = ap.parse_args()
+    from loongforge.shared.index import load_index
     from loongforge.shared.synthetic import make_synthetic_root
 
-    with tempfile.TemporaryDirectory() as root:
-        index = make_synthetic_root(root, shards=8, samples_per_shard=32, frames=args.frames, height=args.size,
-                                    width=args.size)
-        mb = index.total_bytes / 2**20
-        print(f"synthetic root: {index.num_samples} samples, 2 cameras x {args.frames} frames x "
-              f"{args.size}x{args.size} NV12, {mb:.1f} MiB of shards; batch {args.batch}, {args.batches} batches")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.root or tmp
+        index = load_index(root) if args.root else make_synthetic_root(
+            root, shards=8, samples_per_shard=32, frames=args.frames, height=args.size, width=args.size)
+        ds, mb = index.dataset, index.total_bytes / 2**20
+        print(f"{'root ' + root if args.root else 'synthetic root'}: {index.num_samples} samples, {len(ds.cameras)} "
+              f"cameras x {ds.frames_per_sample} frames x {ds.height}x{ds.width} NV12, {mb:.1f} MiB of shards; "
+              f"batch {args.batch}, {args.batches} batches")
         print(f"{'workers':>8} {'nv12 samples/s':>15} {'rgb samples/s':>14}")
         for w in (int(x) for x in args.workers.split(",")):
             cells = []
