@@ -1,0 +1,7 @@
+"""LoongForge trainer: deterministic sharded data order, shared-memory decode
+workers, async device prefetch, a GR00T-like VLA model and DeepSpeed ZeRO
+training with a per-step time breakdown. Map of modules: README.md.
+
+Public entry points: `loongforge.train.loader.ShardLoader` (data),
+`python -m loongforge.train` (one rank under torchrun/deepspeed),
+`loongforge train` / `loongforge profile` (CLI)."""
