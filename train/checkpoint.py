@@ -7,6 +7,10 @@ Layout under RUN_DIR/checkpoints/:
     step00000005/rng_rank0.pt     torch RNG state (loaded with weights_only=True)
     latest                        tag name; written LAST, atomically, by rank 0
 A crash mid-save leaves `latest` on the previous complete checkpoint.
+
+Trust: our own torch.load uses weights_only=True, but DeepSpeed's
+load_checkpoint (0.19) unpickles its model/optimizer files with
+weights_only=False. Only resume from run directories you wrote.
 """
 
 from __future__ import annotations
