@@ -143,17 +143,23 @@ def plot(doc: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p1 = [r for r in doc["rows"] if r["id"].startswith("P1/w") and r["status"] == "ok"]
+    p1 = [r for r in doc["rows"] if r["id"].startswith("P1/w") and "-" not in r["id"] and r["status"] == "ok"]
+    nv12 = {r["params"]["workers"]: r for r in doc["rows"] if r["id"].endswith("-nv12") and r["status"] == "ok"}
     p3 = next((r for r in doc["rows"] if r["id"] == "P3/share" and r["status"] == "ok"), None)
     if not p1 and p3 is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     if p1:
         xs = range(len(p1))
-        for off, key, label in ((-0.2, "baseline", "baseline (PyAV on the fly)"), (0.2, "ours", "LoongForge")):
-            med = [r[key]["median"] for r in p1]
-            err = [[m - r[key]["min"] for m, r in zip(med, p1)], [r[key]["max"] - m for m, r in zip(med, p1)]]
-            ax1.bar([x + off for x in xs], med, 0.4, yerr=err, label=label, capsize=3)
+        series = [("baseline", p1, "baseline (PyAV on the fly)"), ("ours", p1, "LoongForge, RGB out")]
+        if len(nv12) == len(p1):
+            series.append(("ours", [nv12[r["params"]["workers"]] for r in p1], "LoongForge, NV12 out"))
+        width = 0.8 / len(series)
+        for i, (key, rs, label) in enumerate(series):
+            med = [r[key]["median"] for r in rs]
+            err = [[m - r[key]["min"] for m, r in zip(med, rs)], [r[key]["max"] - m for m, r in zip(med, rs)]]
+            ax1.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], med, width, yerr=err, label=label,
+                    capsize=3)
         ax1.set_xticks(list(xs), [f"{r['params']['workers']} worker{'' if r['params']['workers'] == 1 else 's'}" for r in p1])
         ax1.set_yscale("log")
         ax1.set_ylabel("samples/s (log)")
