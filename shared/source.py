@@ -28,6 +28,7 @@ class OriginSource:
         self.root = root
         self.index = index
         self._maps: dict[str, memoryview] = {}  # local shards, mapped once
+        self._verified: set[str] = set()
 
     def _map(self, name: str, path: str) -> memoryview:
         view = self._maps.get(name)
@@ -42,8 +43,16 @@ class OriginSource:
     def read_shard(self, name: str) -> memoryview:
         entry = self.index.shard(name)
         path = self._path(name)
-        data = self._map(name, path) if storage.is_local(path) else memoryview(storage.read_bytes(path))
-        storage.verify(data, name, entry.bytes, entry.sha256)
+        if not storage.is_local(path):
+            data = memoryview(storage.read_bytes(path))
+            storage.verify(data, name, entry.bytes, entry.sha256)
+            return data
+        data = self._map(name, path)
+        # A mapped shard is hashed once: shards are immutable once published, and
+        # re-hashing a whole shard per sample read would dominate a degraded cache.
+        if name not in self._verified:
+            storage.verify(data, name, entry.bytes, entry.sha256)
+            self._verified.add(name)
         return data
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:

@@ -33,7 +33,7 @@ from loongforge.train.workers import DecodePool
 
 log = logging.getLogger(__name__)
 LOADER_STATE_VERSION = 1
-ANNOUNCE_BATCHES = 8  # how far ahead (global batches) a rank tells the cache what it will read
+ANNOUNCE_BATCHES = 8  # global batches before an epoch's end at which the next epoch is announced
 
 
 class ShardLoader:
@@ -70,7 +70,7 @@ class ShardLoader:
         self._pool: DecodePool | None = None
         self._prefetcher: Prefetcher | None = None
         self._announcer = None
-        self._announced_epoch, self._announced_until = -1, -1
+        self._announced_epoch, self._announced_next = -1, -1
 
     # -- order ---------------------------------------------------------------
     def sequence(self, epoch: int) -> np.ndarray:
@@ -95,20 +95,31 @@ class ShardLoader:
             epoch, consumed, step = nxt_epoch, nxt_consumed, step + 1
 
     def _announce(self, seq, epoch, consumed) -> None:
+        """Tell the cache this rank's shard order: the rest of the epoch once (so
+        it can evict by farthest next use, not LRU), and, within ANNOUNCE_BATCHES
+        of the epoch's end, the whole next epoch too (prefetch across the seam)."""
         if self._announcer is None:
             return
-        if epoch == self._announced_epoch and consumed <= self._announced_until:
-            return  # still inside the span announced last time
-        span = ANNOUNCE_BATCHES * self.global_batch
+        end = self.plan.steps * self.global_batch
+        if epoch != self._announced_epoch:
+            self._send_plan(seq, epoch, consumed, end)
+            self._announced_epoch = epoch
+        near_end = end - consumed <= ANNOUNCE_BATCHES * self.global_batch
+        if near_end and self._announced_next != epoch + 1:
+            sizes = [s.samples for s in self.index.shards]
+            self._send_plan(order.epoch_sequence(sizes, self.seed, epoch + 1, self.window), epoch + 1, 0, end)
+            self._announced_next = epoch + 1
+
+    def _send_plan(self, seq, epoch: int, consumed: int, end: int) -> None:
+        if consumed >= end:
+            return
         mine = np.concatenate([order.rank_batch(seq, c, self.global_batch, self.rank, self.world)
-                               for c in range(consumed, min(consumed + span, self.plan.steps * self.global_batch),
-                                              self.global_batch)])
+                               for c in range(consumed, end, self.global_batch)])
         shards = order.upcoming_shards(mine, 0, len(mine), self._starts, self._names)
         try:
             self._announcer.announce(shards, rank=self.rank, epoch=epoch)
         except Exception as exc:  # noqa: BLE001 - the cache is an accelerator; training goes on without it
             log.warning("cache announce failed (%s); continuing without prefetch hints", exc)
-        self._announced_epoch, self._announced_until = epoch, consumed + span - self.global_batch
 
     # -- iteration -------------------------------------------------------------
     def _start(self) -> None:
@@ -119,7 +130,7 @@ class ShardLoader:
             self._announcer = cand if hasattr(cand, "announce") else None
             if self._announcer is None:
                 close_source(cand)
-        self._announced_epoch, self._announced_until = -1, -1
+        self._announced_epoch, self._announced_next = -1, -1
         plans, pool = self._plans(), self._pool
         inflight: list[tuple[int, dict]] = []
         counter = iter(range(1 << 62))

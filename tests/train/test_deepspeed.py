@@ -11,7 +11,7 @@ import pytest
 # The launch helpers sit beside this file; put it on sys.path explicitly so the import works under
 # pytest's default (prepend) and --import-mode=importlib alike.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_launch import deepspeed_launch, launch, torchrun  # noqa: E402
+from tests.train.train_launch import deepspeed_launch, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3"]
