@@ -148,7 +148,7 @@ def plot(doc: dict, path: Path) -> Path | None:
     p3 = next((r for r in doc["rows"] if r["id"] == "P3/share" and r["status"] == "ok"), None)
     if not p1 and p3 is None:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     if p1:
         xs = range(len(p1))
         series = [("baseline", p1, "baseline (PyAV on the fly)"), ("ours", p1, "LoongForge, RGB out")]
@@ -164,10 +164,11 @@ def plot(doc: dict, path: Path) -> Path | None:
         ax1.set_yscale("log")
         ax1.set_ylabel("samples/s (log)")
         ax1.set_title("P1 loader throughput")
-        ax1.legend(loc="lower right", fontsize="small")
+        ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(series), fontsize="small")
     if p3 is not None:
         vals = [p3["baseline"]["median"] * 100, p3["ours"]["median"] * 100]
-        ax2.bar(["baseline", "LoongForge"], vals, color=["tab:blue", "tab:orange"])
+        bars = ax2.bar(["baseline", "LoongForge"], vals, color=["tab:blue", "tab:orange"])
+        ax2.bar_label(bars, labels=[f"{v:.1f}%" for v in vals])
         ax2.axhline(5, color="gray", linestyle="--", label="goal: 5%")
         ax2.set_ylabel("data-wait share of step time (%)")
         ax2.set_title("P3 data-bound training (tiny model)")
