@@ -31,10 +31,10 @@ trap cleanup EXIT INT TERM
 step() { printf '\n== %s\n' "$*"; }
 
 step "1/6 generate sample data"
-loongforge sample-data "$OUT/dataset" --episodes 4
+loongforge sample-data "$OUT/dataset" --episodes 8
 
 step "2/6 preprocess (Beam, local runner)"
-loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2
+loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 1MB
 
 step "3/6 inspect + verify"
 loongforge inspect "$OUT/shards" --verify
@@ -58,7 +58,7 @@ fi
 step "5/6 train tiny recipe, $RANKS ranks, $STEPS steps (${DS_ACCELERATOR:-cuda})"
 "${LAUNCH[@]}" "$(python -c 'import loongforge.train.launch as m; print(m.__file__)')" \
   --data "$OUT/shards" --run-dir "$OUT/run" --recipe tiny --steps "$STEPS" \
-  --cache-socket "$SOCK" --workers 1
+  --cache-socket "$SOCK" --workers 1 --no-ds-breakdown
 
 step "6/6 step-time breakdown"
 loongforge profile "$OUT/run"
