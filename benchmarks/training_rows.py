@@ -14,6 +14,7 @@ import numpy as np
 from loongforge.benchmarks import loongforge_path as lf
 from loongforge.benchmarks.baseline import LeRobotVideoDataset, make_baseline_loader
 from loongforge.benchmarks.context import Context
+from loongforge.benchmarks.loader_rows import conversion_rate
 from loongforge.benchmarks.measure import Stat, endless, ratio
 from loongforge.benchmarks.rows import Row
 
@@ -184,11 +185,20 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"ShardLoader ({ctx.source_label})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]
     wait_ratio = ratio(wait_s["baseline"], wait_s["ours"])
+    share_row = Row(id="P3/share", title="Data-wait share of step time, tiny model", unit="share", params=params,
+                    **labels, baseline=share["baseline"], ours=share["ours"],
+                    ratio=ratio(share["ours"], share["baseline"]), goal=f"LoongForge < {P3_GOAL:.0%}",
+                    goal_met=share["ours"].median < P3_GOAL,
+                    extra={"compute_s_per_step": compute, "phases_s_per_step": phases})
+    if not share_row.goal_met:
+        conv_s = ctx.cfg.batch_size / conversion_rate(ctx)
+        share_row.extra["cpu_rgb_conversion_s_per_batch"] = conv_s
+        share_row.notes.append(
+            f"goal missed; LoongForge waits {wait_s['ours'].median * 1e3:.1f} ms/step (phases in extra); the CPU "
+            f"NV12->RGB conversion of one batch alone takes {conv_s * 1e3:.1f} ms here and runs in the loader's "
+            f"prefetch thread on the core the model uses (on a GPU it runs on device)")
     return [
-        Row(id="P3/share", title="Data-wait share of step time, tiny model", unit="share", params=params, **labels,
-            baseline=share["baseline"], ours=share["ours"], ratio=ratio(share["ours"], share["baseline"]),
-            goal=f"LoongForge < {P3_GOAL:.0%}", goal_met=share["ours"].median < P3_GOAL,
-            extra={"compute_s_per_step": compute, "phases_s_per_step": phases}),
+        share_row,
         Row(id="P3/step", title="Step time, tiny model", unit="s/step", params=params, **labels,
             baseline=step_s["baseline"], ours=step_s["ours"], ratio=ratio(step_s["baseline"], step_s["ours"]),
             ratio_note="baseline / LoongForge (speed-up)"),
