@@ -34,7 +34,7 @@ class BenchConfig:
     batch_size: int = 8
     workers: tuple[int, ...] = (0, 1, 2)
     repeats: int = 3
-    baseline_batches: int = 8  # timed batches per baseline measurement (it is slow)
+    baseline_batches: int = 12  # timed batches per baseline measurement (it is slow)
     ours_batches: int = 60  # timed batches per LoongForge measurement
     warmup_batches: int = 1  # not timed: worker start-up and first-touch costs
     train_steps: int = 12  # P3 timed steps per loader
