@@ -102,7 +102,8 @@ class ShardLoader:
             return
         end = self.plan.steps * self.global_batch
         if epoch != self._announced_epoch:
-            self._send_plan(seq, epoch, consumed, end)
+            if self._announced_next != epoch:  # else sent whole near the last epoch's end
+                self._send_plan(seq, epoch, consumed, end)
             self._announced_epoch = epoch
         near_end = end - consumed <= ANNOUNCE_BATCHES * self.global_batch
         if near_end and self._announced_next != epoch + 1:
