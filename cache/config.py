@@ -9,41 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket as _socket
 import tomllib
 from dataclasses import dataclass, fields
 
+from loongforge.shared.units import format_size as format_bytes
+from loongforge.shared.units import parse_size as parse_bytes
 from loongforge.shared.errors import ConfigError
 from loongforge.shared.index import ShardIndex
 
 ENV_PREFIX = "LOONGFORGE_CACHE_"
 SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: str | int, field: str = "size") -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000, 4096 -> 4096."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field}: expected a size like '2GiB', got {value!r}")
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"{field}: cannot parse size {value!r}; use e.g. '512MiB', '2GiB', '20GB' or bytes")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
-
-
 def default_socket_path() -> str:
     """$LOONGFORGE_CACHE_SOCKET, else the per-user runtime dir, else /tmp."""
     if os.environ.get(SOCKET_ENV):

@@ -10,26 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import dataclass, fields
 
 from loongforge.shared.errors import ConfigError
+from loongforge.shared.units import parse_size
 
 RESIZE_MODES = ("resize", "crop")
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 OUTPUT_FIELDS = ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames", "height", "width",
                  "resize_mode", "shard_size", "zstd_level")
-
-
-def parse_size(text: str | int) -> int:
-    """'64MB', '512k', '1GiB', 1048576 -> bytes (binary units: shard sizes are memory-sized)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ConfigError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB), e.g. 64MB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def default_workers() -> int:
@@ -72,7 +60,7 @@ class PreprocessConfig:
         if self.resize_mode not in RESIZE_MODES:
             raise ConfigError(f"resize_mode={self.resize_mode!r}: choose one of {RESIZE_MODES}")
         if self.shard_size < 1 << 16:
-            raise ConfigError(f"shard_size={self.shard_size}: must be at least 64KB")
+            raise ConfigError(f"shard_size={self.shard_size}: must be at least 64KiB")
         if not 1 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level={self.zstd_level}: must be in 1..22")
         if self.workers < 0:
@@ -106,7 +94,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
     parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
                         help="resize: scale to HxW; crop: centre-crop to the aspect, then scale")
-    parser.add_argument("--shard-size", default="64MB", help="target shard size, e.g. 64MB, 1GB (64MB)")
+    parser.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB, 1GB (SI units are powers of 1000, IEC powers of 1024; default 64MiB)")
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
     parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
 
@@ -115,5 +103,5 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     return PreprocessConfig(input=args.input, output=args.output, frames_per_sample=args.frames_per_sample,
                             stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
                             min_frames=args.min_frames, height=args.height, width=args.width,
-                            resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size),
+                            resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size, "--shard-size"),
                             zstd_level=args.zstd_level, workers=args.workers)

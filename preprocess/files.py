@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
@@ -87,28 +86,3 @@ def remove_file(path: str) -> None:
     fs, p = _fs(path)
     if fs.exists(p):
         fs.rm(p)
-
-
-@contextmanager
-def write_atomic(path: str) -> Iterator[BinaryIO]:
-    """Stream a file into place: local = temp file + fsync + rename; object
-    stores = one upload on close (a PUT is already all-or-nothing)."""
-    if not storage.is_local(path):
-        fs, p = _fs(path)
-        with fs.open(p, "wb") as f:
-            yield f
-        return
-    path = _local(path)
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -61,7 +61,7 @@ def staging_path(output: str, episode: int) -> str:
 def stage_samples(path: str, samples: Iterable[Sample], zstd_level: int) -> tuple[StagedSample, ...]:
     """Pack samples one at a time into a staging file (atomic); return their ranges."""
     staged, pos = [], 0
-    with files.write_atomic(path) as f:
+    with storage.open_atomic(path) as f:
         for sample in samples:
             frag = pack_sample(sample, zstd_level=zstd_level)
             f.write(frag)

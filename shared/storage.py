@@ -10,6 +10,9 @@ import hashlib
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 from loongforge.shared.errors import IntegrityError
 
@@ -62,30 +65,38 @@ def publish_mode(tmp: str) -> None:
     os.chmod(tmp, 0o644 & ~umask)
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write to a temp name beside the target, fsync, then rename into place."""
-    if is_local(path):
-        path = _local(path)
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            publish_mode(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return
-    import fsspec
+@contextmanager
+def open_atomic(path: str) -> Iterator[BinaryIO]:
+    """Stream a file into place. Local: temp file beside the target, fsync,
+    then rename (readers see the old file or the whole new one, never half).
+    Object stores: one upload on close (a PUT is already all-or-nothing)."""
+    if not is_local(path):
+        import fsspec
 
-    # Object stores have no rename; a single PUT is already all-or-nothing.
-    fs, p = fsspec.core.url_to_fs(path)
-    fs.pipe_file(p, data)
+        fs, p = fsspec.core.url_to_fs(path)
+        with fs.open(p, "wb") as f:
+            yield f
+        return
+    path = _local(path)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        publish_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    with open_atomic(path) as f:
+        f.write(data)
 
 
 def sha256_of(data: bytes | memoryview) -> str:

@@ -4,8 +4,6 @@ it atomically. Used by the preprocess job and by test/benchmark factories."""
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 
 from loongforge.shared import paths, storage
 from loongforge.shared.format import END_OF_ARCHIVE
@@ -37,24 +35,7 @@ def layout_shard(name: str, fragments: list[tuple[str, int, bytes]]) -> tuple[Sh
 def write_shard(root: str, name: str, fragments: list[tuple[str, int, bytes]]) -> ShardEntry:
     """Write a shard under `root` (local or fsspec URL) atomically; return its entry."""
     entry, chunks = layout_shard(name, fragments)
-    path = paths.join(root, name)
-    if not storage.is_local(path):
-        storage.write_bytes_atomic(path, b"".join(chunks))
-        return entry
-    path = path[len("file://"):] if path.startswith("file://") else path
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".tar")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        storage.publish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with storage.open_atomic(paths.join(root, name)) as f:
+        for chunk in chunks:
+            f.write(chunk)
     return entry

@@ -4,8 +4,8 @@ from loongforge.preprocess.config import PreprocessConfig, parse_size
 from loongforge.shared.errors import ConfigError
 
 
-@pytest.mark.parametrize("text,want", [("64MB", 64 << 20), ("512k", 512 << 10), ("1GiB", 1 << 30), ("1000", 1000),
-                                       (4096, 4096), ("1.5MB", 3 << 19)])
+@pytest.mark.parametrize("text,want", [("64MB", 64 * 10**6), ("64MiB", 64 << 20), ("512k", 512_000),
+                                       ("1GiB", 1 << 30), ("1000", 1000), (4096, 4096), ("1.5MiB", 3 << 19)])
 def test_parse_size(text, want):
     assert parse_size(text) == want
 
