@@ -128,20 +128,7 @@ def cmd_stop(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m loongforge.cache ...` == `loongforge cache ...`, without
     importing the other services (a cache node has neither torch nor beam)."""
-    import logging
+    from loongforge.cli import main as cli_main
 
-    from loongforge.shared.errors import LoongForgeError
-
-    parser = argparse.ArgumentParser(prog="loongforge")  # usage reads "loongforge cache ..."
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    args = parser.parse_args(["cache", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        return int(args.func(args) or 0)
-    except LoongForgeError as exc:
-        print(f"loongforge cache: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    args = sys.argv[1:] if argv is None else argv
+    return cli_main(["cache", *args], services=(("loongforge.cache.cli", "cache"),))

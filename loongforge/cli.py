@@ -25,12 +25,12 @@ SERVICES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(services=SERVICES) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loongforge", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"loongforge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name, extra in SERVICES:
+    for module_name, extra in services:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, services=SERVICES) -> int:
+    """`services` narrows which service CLIs are imported (a cache node's
+    `python -m loongforge.cache` imports only the cache)."""
+    parser = build_parser(services)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
