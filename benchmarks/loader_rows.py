@@ -37,9 +37,13 @@ def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True) -> 
         return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches).samples_per_s
 
 
-def conversion_rate(ctx: Context, min_seconds: float = 0.5) -> float:
+def conversion_rate(ctx: Context, batches: int = 15) -> float:
     """samples/s of the CPU NV12 -> normalized RGB conversion alone (what the
-    prefetch thread does per batch with rgb=True; on a GPU it runs on device)."""
+    prefetch thread does per batch with rgb=True; on a GPU it runs on device).
+    From the median batch time: a 2-thread op on a shared 2-core box has
+    outliers whenever another process takes a core, and they are not its cost."""
+    import statistics
+
     import torch
 
     from loongforge.train.colorspace import nv12_to_input
@@ -47,18 +51,14 @@ def conversion_rate(ctx: Context, min_seconds: float = 0.5) -> float:
     ds = ctx.prep.index.dataset
     b, k = ctx.cfg.batch_size, ds.frames_per_sample
     frames = [torch.randint(0, 256, (b, k, ds.height * 3 // 2, ds.width), dtype=torch.uint8) for _ in ds.slots]
-
-    def batch():
+    times = []
+    for i in range(3 + batches):  # 3 untimed: the allocator's first touches of the output buffers
+        t0 = time.perf_counter()
         for f in frames:
             nv12_to_input(f, ds.color_matrix, ds.color_range, mean=0.5, std=0.25)
-
-    for _ in range(3):  # the allocator's first touches of the output buffers are not the steady state
-        batch()
-    done, t0 = 0, time.perf_counter()
-    while done < 5 * b or time.perf_counter() - t0 < min_seconds:
-        batch()
-        done += b
-    return done / (time.perf_counter() - t0)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return b / statistics.median(times)
 
 
 def p1_rows(ctx: Context) -> list[Row]:
