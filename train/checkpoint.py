@@ -8,9 +8,10 @@ Layout under RUN_DIR/checkpoints/:
     latest                        tag name; written LAST, atomically, by rank 0
 A crash mid-save leaves `latest` on the previous complete checkpoint.
 
-Trust: our own torch.load uses weights_only=True, but DeepSpeed's
-load_checkpoint (0.19) unpickles its model/optimizer files with
-weights_only=False. Only resume from run directories you wrote.
+Trust: every load is weights_only. DeepSpeed's load_checkpoint (0.19) calls
+torch.load(weights_only=False) itself, so `load` runs it under
+TORCH_FORCE_WEIGHTS_ONLY_LOAD with only the few DeepSpeed value types its
+checkpoints hold allowlisted: a tampered checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -27,6 +29,31 @@ from loongforge.shared.storage import write_bytes_atomic
 log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 1
 SIDECAR = "loongforge.json"
+
+
+def _deepspeed_value_types() -> list:
+    """Plain-data classes DeepSpeed pickles into its optimizer states."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def weights_only_loads():
+    """Make every torch.load inside (DeepSpeed's included) weights_only=True."""
+    key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    old = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        with torch.serialization.safe_globals(_deepspeed_value_types()):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def ckpt_root(run_dir: str) -> str:
@@ -97,8 +124,15 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
     if not same_world:
         log.warning("resuming %s on %d ranks (saved on %d): model weights and data order are kept, the "
                     "partitioned ZeRO optimizer state is re-initialized", tag, world, doc["world"])
-    path, _ = engine.load_checkpoint(ckpt_root(run_dir), tag=tag, load_optimizer_states=same_world,
-                                     load_lr_scheduler_states=same_world, load_module_only=not same_world)
+    try:
+        with weights_only_loads():
+            path, _ = engine.load_checkpoint(ckpt_root(run_dir), tag=tag, load_optimizer_states=same_world,
+                                             load_lr_scheduler_states=same_world, load_module_only=not same_world)
+    except Exception as exc:  # pickle.UnpicklingError among them: name the checkpoint, keep the cause
+        if "Weights only load failed" in str(exc):
+            raise CheckpointError(f"checkpoint {tag} holds objects outside the weights-only allowlist; refusing "
+                                  f"to unpickle them ({str(exc).splitlines()[-1][:300]})") from exc
+        raise
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {ckpt_root(run_dir)}")
     rng_path = os.path.join(ckpt_root(run_dir), tag, f"rng_rank{rank}.pt")
