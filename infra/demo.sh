@@ -49,12 +49,13 @@ CACHE_PID=$!
 for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
 [ -S "$SOCK" ] || { echo "cache daemon did not start; see $OUT/cache.log"; cat "$OUT/cache.log"; exit 1; }
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  LAUNCH=(deepspeed --num_gpus "$RANKS")
+GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+if [ "$GPUS" -gt 0 ] && python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  [ "$GPUS" -lt "$RANKS" ] && RANKS=$GPUS   # one rank per GPU
 else
-  export DS_ACCELERATOR=cpu
-  LAUNCH=(deepspeed --num_gpus "$RANKS")
+  export DS_ACCELERATOR=cpu                 # gloo ranks on the CPU
 fi
+LAUNCH=(deepspeed --num_gpus "$RANKS")
 step "5/6 train tiny recipe, $RANKS ranks, $STEPS steps (${DS_ACCELERATOR:-cuda})"
 "${LAUNCH[@]}" "$(python -c 'import loongforge.train.launch as m; print(m.__file__)')" \
   --data "$OUT/shards" --run-dir "$OUT/run" --recipe tiny --steps "$STEPS" \
