@@ -85,9 +85,10 @@ def p1_rows(ctx: Context) -> list[Row]:
             row.extra["cpu_rgb_conversion_samples_per_s"] = conv
             row.notes.append(
                 f"goal missed; ablation in the same run (row P1/w{w}-nv12): with NV12 output (RGB conversion left "
-                f"to the GPU, as deployed) LoongForge gives {n.median:,.0f} samples/s = {ratio(n, b).median:.1f}x; the CPU "
-                f"NV12->RGB float conversion alone (train.colorspace.nv12_to_input, one batch after another) "
-                f"runs {conv:,.0f} samples/s: the main-process prefetch thread that does it caps the RGB figure")
+                f"to the GPU, as deployed) LoongForge gives {n.median:,.0f} samples/s = {ratio(n, b).median:.1f}x, so the "
+                f"CPU RGB output costs the gap ({n.median:,.0f} -> {o.median:,.0f}); that conversion "
+                f"(train.colorspace.nv12_to_input) runs in the main-process prefetch thread, sharing {w} worker(s)' "
+                f"cores; alone, on an otherwise idle process, it does {conv:,.0f} samples/s")
         rn = ratio(n, b)
         nv12_row = Row(
             id=f"P1/w{w}-nv12", title=f"Loader samples/s, {w} worker{'s' if w != 1 else ''}, NV12 out (as deployed)",
