@@ -132,3 +132,25 @@ def test_format_md_stdlib_reader_works(synthetic_root):
     exec(code, ns)
     assert ns["nv12"].shape == (index.dataset.frames_per_sample, 24, 16)
     assert ns["meta"]["episode"] == 0 and ns["state"].dtype == np.float32
+
+
+@pytest.mark.parametrize("arr", [np.arange(12, dtype=np.float32).reshape(3, 4), np.asfortranarray(np.ones((3, 5))),
+                                 np.zeros((0, 2), np.float32), np.arange(3, dtype=np.int64)])
+def test_npy_header_cache_matches_np_load(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    data = buf.getvalue()
+    for _ in range(2):  # first call fills the header cache, second one uses it
+        got = fmt._load_npy(memoryview(data), "x.npy")
+        assert got.dtype == arr.dtype and got.shape == arr.shape and np.array_equal(got, arr)
+        assert got.flags.writeable  # a copy, not a view into the (read-only) shard map
+    if arr.size:
+        with pytest.raises(FormatError):
+            fmt._load_npy(memoryview(data[:-3]), "x.npy")
+
+
+def test_object_npy_is_refused():
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(FormatError, match="not a valid .npy"):
+        fmt._load_npy(memoryview(buf.getvalue()), "x.npy")
