@@ -17,7 +17,8 @@ from loongforge.cache.client import CacheClient
 from loongforge.cache.protocol import Connection
 from loongforge.shared.errors import CacheUnavailableError, IntegrityError, ShardNotFoundError, UnsafePathError
 
-from tests.cache.cache_helpers import counter, free_port, settled, wait_for
+from tests.cache.cache_helpers import counter, settled, wait_for
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 SHARD = 50 * 1024  # synthetic_root shards are ~49 KiB; budgets below are multiples of this
