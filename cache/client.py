@@ -15,7 +15,6 @@ import time
 
 from loongforge.cache.config import default_socket_path
 from loongforge.cache.protocol import Connection, ProtocolError
-from loongforge.shared import paths
 from loongforge.shared.errors import CacheError, CacheUnavailableError, IntegrityError, ShardNotFoundError
 from loongforge.shared.index import ShardIndex
 from loongforge.shared.source import OriginSource
@@ -152,8 +151,7 @@ class CacheClient:
         return view[offset: offset + length]
 
     def _check(self, name: str):
-        paths.check_relative(name)  # UnsafePathError before anything leaves the process
-        try:
+        try:  # index.shard raises UnsafePathError for traversal before anything leaves the process
             return self.index.shard(name)
         except KeyError:
             raise ShardNotFoundError(f"shard {name!r} is not in the index of {self.root}") from None

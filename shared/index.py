@@ -138,12 +138,18 @@ class ShardIndex:
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shards)
 
+    @cached_property
+    def _by_name(self) -> dict[str, ShardEntry]:
+        return {s.name: s for s in self.shards}
+
     def shard(self, name: str) -> ShardEntry:
-        paths.check_relative(name)
-        for s in self.shards:
-            if s.name == name:
-                return s
-        raise KeyError(f"shard {name!r} is not in the index")
+        """Entry by name. Called per sample read (cache client, origin), so a
+        dict lookup; a name that is not a key is checked for traversal, then refused."""
+        entry = self._by_name.get(name)
+        if entry is None:
+            paths.check_relative(name)
+            raise KeyError(f"shard {name!r} is not in the index")
+        return entry
 
     def locate(self, sample: int) -> tuple[int, int]:
         """Global sample number -> (shard number, sample number inside it)."""
