@@ -264,20 +264,31 @@ class Coordinator:
         ttl_ms = int(self.cfg.lock_ttl_s * 1000)
         while time.monotonic() < deadline:
             if not self.available():
+                self.metrics.inc("origin_reads", "uncoordinated")
                 return from_origin(), "origin", ""  # uncoordinated: <= 1 origin read per node
             try:
                 acquired, *holders = self.scripts["acquire"](keys=[lock_key, dir_key], args=[token, ttl_ms, "0"])
-                for addr in self.live_peers(holders):
-                    try:
-                        return from_peer(addr), "peer", ""
-                    except Exception as exc:  # noqa: BLE001 - any peer failure: try the next source
-                        log.warning("peer %s could not serve %s (%s); trying another source", addr, shard, exc)
-                if not acquired:
+                reason = "lock"
+                if holders:
+                    peers = self.live_peers(holders)
+                    reason = "peer_failed" if peers else "no_live_holder"
+                    for addr in peers:
+                        try:
+                            return from_peer(addr), "peer", ""
+                        except Exception as exc:  # noqa: BLE001 - any peer failure: try the next source
+                            log.warning("peer %s could not serve %s (%s); trying another source", addr, shard, exc)
+                    if not peers:
+                        log.debug("directory lists %s for %s but none is live with a peer address", holders, shard)
+                if not acquired and holders:
+                    # Every listed holder failed us: take the lock despite them. Never force when there
+                    # were no holders: the lock owner may publish between the two calls, and a forced
+                    # take would then read origin a second time.
                     acquired, *_ = self.scripts["acquire"](keys=[lock_key, dir_key], args=[token, ttl_ms, "1"])
             except self._redis.RedisError as exc:
                 self._failed("fill", exc)
                 continue
             if acquired:
+                self.metrics.inc("origin_reads", reason)
                 with _KeepAlive(self, lock_key, token, ttl_ms):
                     try:
                         return from_origin(), "origin", token

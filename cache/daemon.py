@@ -123,9 +123,14 @@ class Daemon:
         return {"stopping": True}  # the handler shuts down once this reply is sent
 
     def stats(self) -> dict:
+        # Store state first, counters second: work is counted before it leaves the store's queues, so a
+        # reply that says `ssd_pending: 0` also counts every write-through that finished (read in the
+        # other order, a write could finish in between and be missing from the counters).
+        store = self.store.snapshot()
+        counters = self.metrics.snapshot()
         return {"node": self.cfg.node_id, "endpoint": self.cfg.endpoint, "origin": self.cfg.origin,
                 "uptime_s": round(time.time() - self.started, 3), "redis": self.coord.snapshot(),
-                "counters": self.metrics.snapshot(), **self.store.snapshot()}
+                "counters": counters, **store}
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:

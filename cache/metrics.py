@@ -23,6 +23,8 @@ _COUNTERS = {
     "rejected": ("Requests rejected", "reason"),
     "prefetches": ("Shards filled ahead of the read by the prefetcher", "tier"),
     "redis_errors": ("Redis operations that failed (the daemon kept serving)", "op"),
+    "origin_reads": ("Origin reads, by why coordination allowed one (lock, no_live_holder, peer_failed, "
+                     "uncoordinated)", "reason"),
 }
 
 

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,15 +39,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, KeyError):
             self.send_error(400, "not a shard of this index")
             return
-        f = None
-        with store.lock:
-            for tier in (store.ram, store.ssd):
-                if name in tier:
-                    try:
-                        f = open(tier.path(name), "rb")  # an open fd survives a later unlink
-                        break
-                    except FileNotFoundError:
-                        continue
+        f = _open_held(store, name)
         if f is None:
             self.send_error(404, "not held here")
             return
@@ -60,6 +53,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         log.debug("peer %s: " + fmt, self.client_address[0], *args)
+
+
+def _open_held(store, name: str, pending_wait_s: float = 5.0):
+    """An open file of `name` from RAM, else SSD; None if this node does not
+    hold it. A shard whose RAM copy was evicted while its SSD write-through is
+    still pending counts as held: wait (bounded) for the write to land."""
+    deadline = time.monotonic() + pending_wait_s
+    while True:
+        with store.lock:
+            for tier in (store.ram, store.ssd):
+                if name in tier:
+                    try:
+                        return open(tier.path(name), "rb")  # an open fd survives a later unlink
+                    except FileNotFoundError:
+                        continue
+            pending = name in store.ssd.reserved
+        if not pending or time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
 
 
 class PeerServer:

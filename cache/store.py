@@ -214,13 +214,19 @@ class Store:
     def _write_through(self, name: str, data: bytes, prefetch: bool) -> None:
         with self.lock:
             self.ssd.reserved.pop(name, None)
+        placed = False
         try:
-            self._place(self.ssd, name, data, prefetch)
+            placed = self._place(self.ssd, name, data, prefetch)
         except Exception:  # noqa: BLE001 - SSD is an optimisation; RAM still serves the shard
             log.exception("ssd write-through of %s failed", name)
         finally:
             with self.lock:
                 self.ssd_pending -= 1
+                gone = not placed and name not in self.ram and name not in self.ssd
+                if gone:  # RAM evicted it while the write was pending, and the write did not land
+                    self.policy.forget(name)
+            if gone:
+                self.coord.dropped(name)
         self._update_gauges()
 
     def _fetch_remote(self, entry: ShardEntry) -> tuple[bytes, str]:
@@ -288,6 +294,7 @@ class Store:
             with self.lock:
                 tier.reserved.pop(name, None)
                 tier.entries[name] = size
+            log.debug("%s tier: placed %s (%d bytes, %d/%d used)", tier.name, name, size, tier.used, tier.budget)
             return True
         return False
 
@@ -314,9 +321,11 @@ class Store:
             except OSError as exc:
                 log.warning("spilling %s to ssd failed (%s); dropping it", victim, exc)
         tier.remove(victim)
+        log.debug("%s tier: evicted %s", tier.name, victim)
         self.prefetched_at.pop(victim, None) if tier is self.ram else None
         self.metrics.inc("evictions", tier.name)
-        if victim not in self.ram and victim not in self.ssd:
+        if victim not in self.ram and victim not in self.ssd and victim not in self.ssd.reserved:
+            # (a shard whose SSD write-through is pending is still held: it lands there shortly)
             self.policy.forget(victim)
             self.coord.dropped(victim)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from loongforge import __version__
@@ -48,7 +49,10 @@ def main(argv: list[str] | None = None, services=SERVICES) -> int:
     `python -m loongforge.cache` imports only the cache)."""
     parser = build_parser(services)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    level = "DEBUG" if args.verbose else os.environ.get("LOONGFORGE_LOG_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        parser.error(f"LOONGFORGE_LOG_LEVEL={level!r}: use DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -33,7 +33,7 @@ class DaemonProc:
                      "--ram-dir", self.ram_dir, "--ram-budget", ram, "--ssd-dir", self.ssd_dir, "--ssd-budget", ssd,
                      "--node-id", name, "--prefetch-window", "0", "--heartbeat-s", "0.2", "--node-ttl-s", "2",
                      *(("--redis-url", redis_url, "--peer-listen", "127.0.0.1:0") if redis_url else ()), *extra]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG", **(env or {})}
         if "--tcp" in extra:  # --socket and --tcp are exclusive
             self.args = [a for a in self.args if a not in ("--socket", self.socket)]
         self.proc: subprocess.Popen | None = None
