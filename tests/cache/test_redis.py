@@ -88,7 +88,7 @@ def test_lock_holder_dies_mid_fill_a_waiter_takes_over(synthetic_root, redis_ser
     with b.client(timeout=10.0) as c:
         assert bytes(c.read_shard(name)) == _bytes(root, name) and not c.degraded
     waited = time.monotonic() - t0
-    assert waited < 1 + 2.0  # <= lock TTL (1 s) + polling and scheduling slack on a busy box
+    assert waited < 1 + 5.0  # lock TTL (1 s) + slack for a busy 2-core box; fill_timeout_s is 120 s
     assert counter(b.stats(), "fills", "origin") == 1  # bound: 1 + one dead holder (which never finished)
 
 
