@@ -59,6 +59,28 @@ def beam_options(cfg: PreprocessConfig, beam_args: list[str]) -> PipelineOptions
     return PipelineOptions(flags=flags)
 
 
+# What local worker processes log: warnings, plus this job's own progress lines
+# (Beam's harness otherwise prints ~15 INFO lines of gRPC set-up per worker).
+WORKER_LOG_LEVELS = {"default_sdk_harness_log_level": "WARNING",
+                     "sdk_harness_log_level_overrides": {"loongforge": "INFO", "__main__": "ERROR"}}
+
+
+def local_runner(options: PipelineOptions):
+    """The FnApiRunner with worker log levels, when the job runs locally; None
+    (Beam picks the runner from --runner) otherwise. FnApiRunner hands its
+    workers only the options in its provision info, so they go there."""
+    if options.get_all_options().get("runner") != "FnApiRunner":
+        return None
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from google.protobuf import struct_pb2
+
+    worker_options = struct_pb2.Struct()
+    worker_options.update(WORKER_LOG_LEVELS)
+    info = beam_provision_api_pb2.ProvisionInfo(pipeline_options=worker_options)
+    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
+
+
 def resolve_params(cfg: PreprocessConfig, meta: SourceMeta) -> ConvertParams:
     height, width = cfg.height, cfg.width
     if height is None:  # source resolution: the first camera's, per info.json
@@ -112,7 +134,8 @@ def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
     log.info("preprocess %s -> %s: %d episodes, cameras %s", cfg.input, cfg.output, len(episodes),
              [c.key for c in meta.cameras])
     t0 = time.perf_counter()
-    with beam.Pipeline(options=beam_options(cfg, beam_args or [])) as p:
+    options = beam_options(cfg, beam_args or [])
+    with beam.Pipeline(runner=local_runner(options), options=options) as p:
         build_pipeline(p, cfg, meta, episodes)
     return summarize(cfg.output, time.perf_counter() - t0)
 

@@ -52,3 +52,19 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "height=63" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 1
     assert "no index.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # multi-process Beam workers
+def test_local_workers_log_progress_not_harness_chatter(tmp_path):
+    """Worker processes print this job's progress lines and warnings, not the
+    Beam harness's per-worker gRPC set-up at INFO."""
+    import subprocess
+    import sys
+
+    data, out = str(tmp_path / "ds"), str(tmp_path / "shards")
+    assert main(["sample-data", data, "--episodes", "2", "--frames", "8", "8", "--cameras", "front"]) == 0
+    run = subprocess.run([sys.executable, "-m", "loongforge", "preprocess", "--input", data, "--output", out,
+                          "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "loongforge.preprocess.convert:episode 0" in run.stderr and "episode 1" in run.stderr
+    assert "sdk_worker" not in run.stderr and "Pipeline_options" not in run.stderr, run.stderr[-3000:]
