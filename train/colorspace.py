@@ -5,9 +5,12 @@ reference `loongforge.shared.color.nv12_to_rgb`, so a model sees identical
 pixels whether frames were converted on the host or the device. The
 coefficients come from the index (matrix and range), never assumed.
 
-Hot path (every frame of every batch): one output allocation, in-place
-arithmetic, and chroma kept at quarter resolution and broadcast over each 2x2
-luma block (the reference's sample repetition, without materializing it).
+Hot path (every frame of every batch): one output allocation and in-place
+arithmetic. Chroma is repeated along rows to half resolution (w/2 -> w) and
+broadcast over the two luma rows of each pair, so every broadcast runs along
+whole contiguous rows. (Broadcasting quarter-resolution chroma over 2x2
+blocks directly is 1.7-2.1x slower on CPU: its innermost dimension is 2,
+which does not vectorize.)
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ def _rgb_planar(nv12: torch.Tensor, matrix: str, color_range: str) -> torch.Tens
     h = rows * 2 // 3
     if rows * 2 % 3 or h % 2 or w % 2:
         raise FormatError(f"not an NV12 frame shape: {tuple(nv12.shape)}")
-    lead, h2, w2 = nv12.shape[:-2], h // 2, w // 2
+    lead, h2 = nv12.shape[:-2], h // 2
     uv = nv12[..., h:, :]
-    yf = nv12[..., :h, :].to(torch.float32).sub_(c["y0"]).mul_(c["ys"]).view(*lead, h2, 2, w2, 2)
-    cb = uv[..., 0::2].to(torch.float32).sub_(128.0).mul_(c["cs"])[..., :, None, :, None]
-    cr = uv[..., 1::2].to(torch.float32).sub_(128.0).mul_(c["cs"])[..., :, None, :, None]
-    out = torch.empty(*lead, 3, h2, 2, w2, 2, dtype=torch.float32, device=nv12.device)
+    yf = nv12[..., :h, :].to(torch.float32).sub_(c["y0"]).mul_(c["ys"]).view(*lead, h2, 2, w)
+    cb = uv[..., 0::2].to(torch.float32).sub_(128.0).mul_(c["cs"]).repeat_interleave(2, dim=-1)[..., :, None, :]
+    cr = uv[..., 1::2].to(torch.float32).sub_(128.0).mul_(c["cs"]).repeat_interleave(2, dim=-1)[..., :, None, :]
+    out = torch.empty(*lead, 3, h2, 2, w, dtype=torch.float32, device=nv12.device)
     # Same association as the reference: g = (y + g_cb*cb) + g_cr*cr, so results are bit-identical.
-    torch.add(yf, cr * c["r_cr"], out=out[..., 0, :, :, :, :])
-    torch.add(yf, cb * c["g_cb"], out=out[..., 1, :, :, :, :]).add_(cr * c["g_cr"])
-    torch.add(yf, cb * c["b_cb"], out=out[..., 2, :, :, :, :])
+    torch.add(yf, cr * c["r_cr"], out=out[..., 0, :, :, :])
+    torch.add(yf, cb * c["g_cb"], out=out[..., 1, :, :, :]).add_(cr * c["g_cr"])
+    torch.add(yf, cb * c["b_cb"], out=out[..., 2, :, :, :])
     # torch.round and np.rint both round half to even.
     return out.round_().clamp_(0.0, 255.0).view(*lead, 3, h, w)
 
