@@ -294,7 +294,7 @@ class Store:
             with self.lock:
                 tier.reserved.pop(name, None)
                 tier.entries[name] = size
-            log.debug("%s tier: placed %s (%d bytes, %d/%d used)", tier.name, name, size, tier.used, tier.budget)
+            log.debug("%s tier: placed %s (%d bytes)", tier.name, name, size)
             return True
         return False
 
