@@ -28,6 +28,11 @@ class UnsafePathError(LoongForgeError, ValueError):
     """A shard or sample name tries to leave its directory (path traversal)."""
 
 
+class StorageError(LoongForgeError, OSError):
+    """A remote URL (object store, HTTP) could not be read: unreachable, denied,
+    throttled. The message names the URL and what to check."""
+
+
 class SourceDataError(LoongForgeError):
     """Input dataset problem: corrupt video, missing file, length mismatch."""
 

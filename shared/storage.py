@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from loongforge.shared.errors import IntegrityError
+from loongforge.shared.errors import IntegrityError, LoongForgeError, StorageError
 
 HASH_CHUNK = 8 << 20
 
@@ -33,13 +33,18 @@ def read_bytes(path: str, start: int | None = None, length: int | None = None) -
             if start is not None:
                 f.seek(start)
             return f.read() if length is None else f.read(length)
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        data = _read_remote(path, start, length)
+    except (FileNotFoundError, LoongForgeError):
+        raise  # a missing object is the caller's to explain (e.g. "not a shard root")
+    except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own types (botocore, aiohttp, ...)
+        raise StorageError(
+            f"could not read {path}: {type(exc).__name__}: {exc}. Check the URL, the credentials and endpoint "
+            "in the environment (AWS_* for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://) and the network; "
+            "for s3://, AWS_MAX_ATTEMPTS bounds the retries"
+        ) from exc
     if start is None:
-        return fs.cat_file(p)
-    end = None if length is None else start + length
-    data = fs.cat_file(p, start=start, end=end)
+        return data
     if length is not None and len(data) != length:
         # Some HTTP servers ignore Range and send the whole object: slice it,
         # and refuse a short answer rather than hand back the wrong bytes.
@@ -47,6 +52,15 @@ def read_bytes(path: str, start: int | None = None, length: int | None = None) -
             return data[start : start + length]
         raise IntegrityError(f"{path}: asked for {length} bytes at {start}, got {len(data)}: truncated object")
     return data
+
+
+def _read_remote(path: str, start: int | None, length: int | None) -> bytes:
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    if start is None:
+        return fs.cat_file(p)
+    return fs.cat_file(p, start=start, end=None if length is None else start + length)
 
 
 def map_file(path: str) -> memoryview:

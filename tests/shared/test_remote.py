@@ -54,3 +54,17 @@ def test_http_origin_matches_local(http_root):
         assert a.key == b.key
         assert (a.frames["front"] == b.frames["front"]).all()
     assert [s.key for s in ShardReader(url, verify=True)] == [s.key for s in local]
+
+
+def test_unreachable_http_origin_is_a_storage_error_naming_the_url():
+    from tests.conftest import free_port
+
+    from loongforge.shared import storage
+    from loongforge.shared.errors import FormatError, StorageError
+
+    url = f"http://127.0.0.1:{free_port()}/shards"  # nothing listens there
+    with pytest.raises(StorageError, match=r"could not read http://127\.0\.0\.1:\d+/shards/index\.json"):
+        storage.read_bytes(url + "/index.json")
+    with pytest.raises(StorageError) as info:
+        ShardReader(url)
+    assert not isinstance(info.value, FormatError)  # unreachable, not "not a shard root"

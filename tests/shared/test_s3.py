@@ -36,3 +36,23 @@ def test_s3_object_altered_after_indexing_fails_verification(s3_server, syntheti
     assert len(bad) == 1 and bad[0].startswith(shard.name + ": ") and "sha256" in bad[0], bad
     with pytest.raises(IntegrityError):
         storage.verify(storage.read_bytes(f"{url}/{shard.name}"), shard.name, shard.bytes, shard.sha256)
+
+
+def test_unreachable_s3_endpoint_is_a_clear_storage_error(tmp_path):
+    """Own process: s3fs caches its client per process, and this one must see a dead endpoint."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import S3Server, free_port
+
+    env = {**os.environ, **S3Server.ENV, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+           "AWS_MAX_ATTEMPTS": "1"}
+    code = ("from loongforge.shared.errors import StorageError\n"
+            "from loongforge.shared.index import load_index\n"
+            "try:\n    load_index('s3://nowhere/shards')\n"
+            "except StorageError as exc:\n    print('StorageError:', exc)\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "StorageError: could not read s3://nowhere/shards/index.json" in run.stdout
+    assert "AWS_" in run.stdout  # says what to check
