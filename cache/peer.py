@@ -58,20 +58,20 @@ class _Handler(BaseHTTPRequestHandler):
 def _open_held(store, name: str, pending_wait_s: float = 5.0):
     """An open file of `name` from RAM, else SSD; None if this node does not
     hold it. A shard whose RAM copy was evicted while its SSD write-through is
-    still pending counts as held: wait (bounded) for the write to land."""
+    still pending counts as held: wait (bounded) for the write to end."""
     deadline = time.monotonic() + pending_wait_s
-    while True:
-        with store.lock:
+    with store.lock:
+        while True:
             for tier in (store.ram, store.ssd):
                 if name in tier:
                     try:
                         return open(tier.path(name), "rb")  # an open fd survives a later unlink
                     except FileNotFoundError:
                         continue
-            pending = name in store.ssd.reserved
-        if not pending or time.monotonic() > deadline:
-            return None
-        time.sleep(0.01)
+            remaining = deadline - time.monotonic()
+            if name not in store.ssd.reserved or remaining <= 0:
+                return None
+            store.write_done.wait(remaining)
 
 
 class PeerServer:

@@ -40,6 +40,7 @@ class Store:
         self.coord = coord_factory(self.holdings)
         self.ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="ssd-writer")
         self.ssd_pending = 0
+        self.write_done = threading.Condition(self.lock)  # notified when an SSD write-through ends
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
@@ -225,6 +226,7 @@ class Store:
                 gone = not placed and name not in self.ram and name not in self.ssd
                 if gone:  # RAM evicted it while the write was pending, and the write did not land
                     self.policy.forget(name)
+                self.write_done.notify_all()
             if gone:
                 self.coord.dropped(name)
         self._update_gauges()

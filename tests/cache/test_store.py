@@ -7,6 +7,7 @@ import threading
 
 from loongforge.cache.config import CacheConfig
 from loongforge.cache.metrics import Metrics
+from loongforge.cache.peer import _open_held
 from loongforge.cache.store import Store
 
 
@@ -43,8 +44,16 @@ def test_ram_eviction_during_a_pending_write_through_keeps_the_shard_held(synthe
         assert store.get(s1, "reader")["tier"] == "ram"  # RAM (1 shard) evicts s0; its SSD write is pending
         assert s0 not in store.ram and s0 not in store.ssd and store.ssd_pending == 2
         assert store.coord.dropped_shards == []  # still held: the directory must keep listing this node
+        served: list = []
+        peer = threading.Thread(target=lambda: served.append(_open_held(store, s0)))
+        peer.start()  # a peer asks for s0 now: the server must wait for the write, not answer 404
+        peer.join(0.3)
+        assert peer.is_alive() and served == []
     finally:
         gate.set()
         store.close()
+    peer.join(10)
+    with served[0] as f:
+        assert f.read() == open(f"{root}/{s0}", "rb").read()
     assert s0 in store.ssd and s1 in store.ssd
     assert store.coord.dropped_shards == []
