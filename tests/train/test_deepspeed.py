@@ -184,3 +184,64 @@ def test_bad_sample_raise_fails_the_launch_without_hanging(tmp_path):
                     timeout=180)
     assert proc.returncode != 0
     assert "DataWorkerError" in proc.stderr and "bad sample" in proc.stderr
+
+
+def _rank_pid(run_dir: str, rank: int) -> int | None:
+    """PID of the training process with RANK=`rank` whose command line names `run_dir`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if run_dir.encode() in cmd and b"loongforge.train" in cmd and env.get(b"RANK") == str(rank).encode() \
+                and b"torchrun" not in b" ".join(cmd[:2]):
+            return int(pid)
+    return None
+
+
+def test_killed_rank_ends_the_launch_and_resume_continues(train_root, tmp_path):
+    """SIGKILL of one rank mid-run (OOM killer, node loss): the launch must end non-zero instead of
+    leaving its peer blocked in an allreduce, and --resume continues from the last complete checkpoint."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.train.train_launch import VENV_BIN, _port
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    args = ["--data", root, "--run-dir", run_dir, "--zero", "2", "--workers", "1", "--save-every", "4", *COMMON]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), "-m",
+           "loongforge.train", *args, "--steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:  # past the first checkpoint (step 4)
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(_metrics(run_dir)) >= 7:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        victim = _rank_pid(run_dir, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)  # a hang here is the failure this test exists for
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "SIGKILL" in err or "Signal 9" in err, err[-3000:]
+    done = len(_metrics(run_dir))
+    latest = open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
+    assert latest.startswith("step") and int(latest[4:]) % 4 == 0 and int(latest[4:]) <= done
+
+    resumed = torchrun(2, [*args, "--steps", str(done + 3), "--resume"], cwd=str(tmp_path))
+    _ok(resumed)
+    steps = [r["step"] for r in _metrics(run_dir)]
+    assert steps == list(range(done + 3))  # the steps after the checkpoint were redone, none doubled
