@@ -38,7 +38,7 @@ from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import STAGING_DIR, WriteShardFn, plan_shards
 from loongforge.preprocess.stats import NormStatsCombineFn
 from loongforge.shared import paths
-from loongforge.shared.errors import ConfigError
+from loongforge.shared.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 STAGED = "staged"
@@ -135,9 +135,32 @@ def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
              [c.key for c in meta.cameras])
     t0 = time.perf_counter()
     options = beam_options(cfg, beam_args or [])
-    with beam.Pipeline(runner=local_runner(options), options=options) as p:
-        build_pipeline(p, cfg, meta, episodes)
+    try:
+        with beam.Pipeline(runner=local_runner(options), options=options) as p:
+            build_pipeline(p, cfg, meta, episodes)
+    except Exception as exc:
+        err = _output_error(cfg.output, exc)
+        if err is None:
+            raise
+        raise err from exc
     return summarize(cfg.output, time.perf_counter() - t0)
+
+
+_DISK_FULL = ("[Errno 28]", "No space left on device", "[Errno 122]", "Disk quota exceeded")
+
+
+def _output_error(output: str, exc: Exception) -> StorageError | None:
+    """A full disk under the output, as one clear error instead of a worker traceback. Runners
+    re-raise a worker's exception as a RuntimeError holding only its text (the type does not
+    survive the process boundary), so the errno text is what there is to match."""
+    text = str(exc)
+    if not any(marker in text for marker in _DISK_FULL):
+        return None
+    last = text.strip().splitlines()[-1][:300]
+    return StorageError(
+        f"disk full writing under {output} ({last}). Nothing was published: index.json is written last and "
+        "is absent, so readers and the cache refuse this root. Free space or choose another --output and re-run "
+        "(the job is deterministic: same input, same shards)")
 
 
 def run(argv: list[str] | None = None) -> dict:

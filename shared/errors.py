@@ -29,8 +29,9 @@ class UnsafePathError(LoongForgeError, ValueError):
 
 
 class StorageError(LoongForgeError, OSError):
-    """A remote URL (object store, HTTP) could not be read: unreachable, denied,
-    throttled. The message names the URL and what to check."""
+    """Storage failed under us: a remote URL (object store, HTTP) unreachable,
+    denied or throttled, or an output disk full. The message names the place
+    and what to check."""
 
 
 class SourceDataError(LoongForgeError):

@@ -68,3 +68,30 @@ def test_local_workers_log_progress_not_harness_chatter(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "loongforge.preprocess.convert:episode 0" in run.stderr and "episode 1" in run.stderr
     assert "sdk_worker" not in run.stderr and "Pipeline_options" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 256 KiB filesystem, so the job's writes hit a real ENOSPC."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow  # multi-process Beam workers: the error crosses a process boundary
+def test_disk_full_output_is_one_clear_error_and_publishes_nothing(tmp_path, tiny_disk, capsys):
+    data, out = str(tmp_path / "ds"), str(tiny_disk / "shards")
+    assert main(["sample-data", data, "--episodes", "3"]) == 0
+    capsys.readouterr()
+    assert main(["preprocess", "--input", data, "--output", out, "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "loongforge preprocess: error: disk full writing under " + out in err
+    assert "No space left on device" in err and "Nothing was published" in err
+    assert "Traceback" not in err
+    assert not (tiny_disk / "shards" / "index.json").exists()
