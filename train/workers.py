@@ -95,11 +95,15 @@ class DecodePool:
         ctx = get_context(start_method)
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         names, index_json = [s.name for s in self._shms], index.to_json()
-        for wid in range(num_workers):
-            p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
-                            args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results))
-            p.start()
-            self._procs.append(p)
+        try:
+            for wid in range(num_workers):
+                p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
+                                args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results))
+                p.start()
+                self._procs.append(p)
+        except BaseException:
+            self.close()  # the shared-memory slots would outlive this process in /dev/shm otherwise
+            raise
 
     @property
     def free_slots(self) -> int:
@@ -159,9 +163,13 @@ class DecodePool:
     def _check_alive(self) -> None:
         for wid, p in enumerate(self._procs):
             if not p.is_alive():
-                raise DataWorkerError(f"data worker {wid} (pid {p.pid}) died with exit code {p.exitcode}"
-                                      f"{' (killed by signal %d)' % -p.exitcode if (p.exitcode or 0) < 0 else ''}; "
-                                      "check dmesg for the OOM killer or lower --workers")
+                if (p.exitcode or 0) < 0:
+                    why = (f" (killed by signal {-p.exitcode}); check dmesg for the OOM killer or lower --workers")
+                else:  # it raised before our worker loop could report: its traceback went to stderr
+                    why = ("; its traceback is on stderr above. If it died at start: workers are spawned and "
+                           "re-import the main module, so a script that makes a ShardLoader with workers must "
+                           "do so under `if __name__ == '__main__':`")
+                raise DataWorkerError(f"data worker {wid} (pid {p.pid}) died with exit code {p.exitcode}{why}")
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

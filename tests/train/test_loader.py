@@ -135,9 +135,32 @@ def test_killed_worker_is_a_clear_error_not_a_hang(train_root):
                 next(it)
         assert time.monotonic() - t0 < 30
         msg = str(info.value)
-        assert "data worker 1" in msg and "exit code -9" in msg
+        assert "data worker 1" in msg and "exit code -9" in msg and "OOM killer" in msg
     finally:
         loader.close()
+
+
+@pytest.mark.slow
+def test_script_without_main_guard_gets_the_fix_in_the_error(train_root, tmp_path):
+    """The classic spawn trap: workers re-import an unguarded main script, which starts a loader of
+    its own and dies. The trainer's error must say so, and no shared-memory slot may be left behind."""
+    import subprocess
+    import sys
+
+    root, _ = train_root
+    script = tmp_path / "unguarded.py"
+    script.write_text("from loongforge.train.loader import ShardLoader\n"
+                      f"with ShardLoader({root!r}, batch_size=4, num_workers=1, max_steps=2) as loader:\n"
+                      "    for batch in loader:\n"
+                      "        pass\n")
+    before = set(os.listdir("/dev/shm"))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]  # the trainer's own error, after the worker's traceback
+    assert last.startswith("loongforge.shared.errors.DataWorkerError: data worker 0"), run.stderr[-3000:]
+    assert "re-import the main module" in last and "OOM killer" not in last
+    assert "leaked shared_memory" not in run.stderr
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 def _cache_client_or_skip():
