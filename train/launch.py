@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from loongforge.shared.errors import ConfigError, LoongForgeError
@@ -80,9 +82,14 @@ def run_args(args: argparse.Namespace) -> int:
     log = logging.getLogger("loongforge.train")
     logging.getLogger("DeepSpeed").setLevel(getattr(args, "ds_log_level", "WARNING").upper())
     trainer, code = None, 0
+    _terminate_cleanly()
     try:
         trainer = Trainer(config_from_args(args))
         trainer.run()
+    except _Terminated:
+        print("loongforge train: terminated (SIGTERM: the launcher stops this rank because a peer failed, or "
+              "the job was preempted); resume with --resume from the last checkpoint", file=sys.stderr)
+        code = 143
     except ConfigError as exc:
         print(f"loongforge train: config error: {exc}", file=sys.stderr)
         code = 2
@@ -102,6 +109,24 @@ def run_args(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001
             log.warning("process group teardown: %s", exc)
     return code
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `finally` closes the loader (its decode workers and
+    shared-memory slots) instead of the process vanishing mid-step."""
+
+
+def _terminate_cleanly() -> None:
+    # Launchers send SIGTERM to every rank when one fails (deepspeed's to the whole process tree,
+    # torchrun's before SIGKILL after a grace period), and so does a preempting scheduler.
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one teardown; a second TERM must not cut it short
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def _abort_group() -> None:

@@ -1,6 +1,7 @@
 """Real multi-process DeepSpeed on gloo (2 CPU ranks), launched like production:
 torchrun and the deepspeed launcher, via subprocess with a timeout."""
 
+import functools
 import json
 import os
 import shutil
@@ -196,13 +197,15 @@ def _rank_pid(run_dir: str, rank: int) -> int | None:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         except OSError:
             continue
-        if run_dir.encode() in cmd and b"loongforge.train" in cmd and env.get(b"RANK") == str(rank).encode() \
-                and b"torchrun" not in b" ".join(cmd[:2]):
+        # Launchers (torchrun's agent, deepspeed's runner and per-node launcher) carry the same
+        # arguments but set RANK only in their children; decode workers inherit RANK but not the arguments.
+        if run_dir.encode() in cmd and env.get(b"RANK") == str(rank).encode():
             return int(pid)
     return None
 
 
-def test_killed_rank_ends_the_launch_and_resume_continues(train_root, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, tmp_path):
     """SIGKILL of one rank mid-run (OOM killer, node loss): the launch must end non-zero instead of
     leaving its peer blocked in an allreduce, and --resume continues from the last complete checkpoint."""
     import signal
@@ -216,8 +219,13 @@ def test_killed_rank_ends_the_launch_and_resume_continues(train_root, tmp_path):
     args = ["--data", root, "--run-dir", run_dir, "--zero", "2", "--workers", "1", "--save-every", "4", *COMMON]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), "-m",
-           "loongforge.train", *args, "--steps", "100000"]
+    if launcher == "torchrun":
+        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), "-m",
+               "loongforge.train", *args, "--steps", "100000"]
+    else:
+        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), "--module",
+               "loongforge.train", *args, "--steps", "100000"]
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -230,18 +238,85 @@ def test_killed_rank_ends_the_launch_and_resume_continues(train_root, tmp_path):
         victim = _rank_pid(run_dir, 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)  # a hang here is the failure this test exists for
+        out, err = proc.communicate(timeout=120)  # a hang here is the failure this test exists for
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0
-    assert "SIGKILL" in err or "Signal 9" in err, err[-3000:]
+    said = out + err
+    # torchrun names the killed rank; deepspeed's launcher reports the first failed code it polls
+    # (-9 from the victim, or 1 from the peer whose collective broke first).
+    expected = "Signal 9 (SIGKILL)" if launcher == "torchrun" else "exits with return code = "
+    assert expected in said, said[-3000:]
+    # Nothing stays in /dev/shm: the surviving rank (its collective failed, or the launcher's SIGTERM
+    # arrived) closes its loader, and the killed rank's slots go with its resource tracker.
+    time.sleep(1.0)
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} - shm_before == set()
     done = len(_metrics(run_dir))
     latest = open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
     assert latest.startswith("step") and int(latest[4:]) % 4 == 0 and int(latest[4:]) <= done
 
-    resumed = torchrun(2, [*args, "--steps", str(done + 3), "--resume"], cwd=str(tmp_path))
+    relaunch = torchrun if launcher == "torchrun" else functools.partial(deepspeed_launch, module=True)
+    resumed = relaunch(2, [*args, "--steps", str(done + 3), "--resume"], cwd=str(tmp_path))
     _ok(resumed)
     steps = [r["step"] for r in _metrics(run_dir)]
     assert steps == list(range(done + 3))  # the steps after the checkpoint were redone, none doubled
+
+
+def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
+    """SIGTERM (a launcher stopping the survivors, a preempting scheduler) closes the loader and exits
+    143 with a resume hint; the decode workers do not outlive the rank."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.train.train_launch import VENV_BIN
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    proc = subprocess.Popen([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir,
+                             "--steps", "100000", "--workers", "2", *COMMON], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(_metrics(run_dir)) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM" in err and "--resume" in err
+    assert "leaked shared_memory" not in err  # the rank unlinked its slots itself
+    assert len(workers) >= 2  # the two decode workers (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 10
+    while [w for w in workers if _running(w)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [w for w in workers if _running(w)], "children outlived the terminated rank"
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _parent(pid: int) -> int | None:
+    st = _stat(pid)
+    return int(st[1]) if st else None
+
+
+def _running(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")  # an unreaped zombie has exited
