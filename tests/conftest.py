@@ -69,6 +69,18 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 128 KiB filesystem (tmpfs), so writes hit a real ENOSPC. Needs root (CI is)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
 def synthetic_root(tmp_path):
     """A small valid shard root (4 shards x 8 samples, 2 cameras)."""
     from loongforge.shared.synthetic import make_synthetic_root

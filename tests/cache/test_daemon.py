@@ -255,18 +255,6 @@ def test_eviction_uses_the_announced_plan(synthetic_root, daemons):
     assert counter(st, "hits", "ram") == 1 and counter(st, "evictions", "ram") == 1
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 128 KiB filesystem (tmpfs), so writes hit a real ENOSPC."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)], capture_output=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_full_evicts_and_keeps_serving(synthetic_root, daemons, tiny_disk):
     root, index = synthetic_root
     d = daemons(root, index, ssd="1MiB", extra=("--ssd-dir", str(tiny_disk / "ssd")))  # budget > free space

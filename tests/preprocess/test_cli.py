@@ -70,20 +70,6 @@ def test_local_workers_log_progress_not_harness_chatter(tmp_path):
     assert "sdk_worker" not in run.stderr and "Pipeline_options" not in run.stderr, run.stderr[-3000:]
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 256 KiB filesystem, so the job's writes hit a real ENOSPC."""
-    import subprocess
-
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {out.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.slow  # multi-process Beam workers: the error crosses a process boundary
 def test_disk_full_output_is_one_clear_error_and_publishes_nothing(tmp_path, tiny_disk, capsys):
     data, out = str(tmp_path / "ds"), str(tiny_disk / "shards")
