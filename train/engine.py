@@ -128,4 +128,30 @@ def shutdown() -> None:
             torch.distributed.barrier()
         except Exception as exc:  # noqa: BLE001 - a peer may already be gone; still tear down
             log.warning("barrier at shutdown failed: %s", exc)
+        world = torch.distributed.get_world_size()
         torch.distributed.destroy_process_group()
+        release_cpu_shm_buffers(world)
+
+
+# DeepSpeed's CPU shm allreduce (all ranks on one host) maps one ~66 MB /dev/shm segment per rank
+# and never unlinks it (deepspeed/ops/csrc/cpu/comm/shm.cpp, name below): every CPU run would leave
+# 66 MB x ranks of RAM behind. At teardown every rank is past its last collective, or dead, and a
+# segment a peer still maps stays valid after the unlink, so each rank removes all of them.
+_DS_SHM = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def release_cpu_shm_buffers(world: int) -> int:
+    """Unlink this launch's DeepSpeed CPU allreduce segments; returns how many were removed."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return 0
+    removed = 0
+    for rank in range(world):
+        try:
+            os.unlink(_DS_SHM.format(uid=os.getuid(), addr=addr, port=port, rank=rank))
+            removed += 1
+        except FileNotFoundError:
+            pass  # not a CPU run, or a peer removed it first
+        except OSError as exc:
+            log.warning("could not remove DeepSpeed's shm allreduce buffer of rank %d: %s", rank, exc)
+    return removed

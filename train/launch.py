@@ -134,7 +134,11 @@ def _abort_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        from loongforge.train import engine
+
+        world = dist.get_world_size()
         dist.destroy_process_group()
+        engine.release_cpu_shm_buffers(world)
 
 
 def exit_now(code: int) -> None:

@@ -40,6 +40,12 @@ def zero2_run(train_root, tmp_path_factory):
     return run_dir, proc
 
 
+def _shm_files() -> set[str]:
+    """Our decode slots (psm_*) and DeepSpeed's CPU allreduce buffers in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "deepspeed_allreduce_buffer_"))}
+
+
+
 def test_zero2_two_ranks_learns_disjoint_slices(zero2_run, train_root):
     run_dir, proc = zero2_run
     _, index = train_root
@@ -126,9 +132,13 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
 def test_zero3_deepspeed_launcher_with_grad_accum(train_root, tmp_path):
     root, _ = train_root
     run_dir = str(tmp_path / "z3")
+    shm_before = _shm_files()
     proc = deepspeed_launch(2, ["--data", root, "--run-dir", run_dir, "--steps", "4", "--zero", "3",
                                 "--grad-accum", "2", "--no-ds-breakdown", *COMMON], cwd=str(tmp_path))
     _ok(proc)
+    # The deepspeed launcher sets LOCAL_SIZE, so DeepSpeed's CPU shm allreduce made a ~66 MB segment
+    # per rank, which it never unlinks; the trainer's teardown does.
+    assert _shm_files() - shm_before == set()
     assert "bwd_allreduce" not in proc.stdout  # DeepSpeed's per-step timer lines are off
     rows = _metrics(run_dir)
     assert len(rows) == 4 and all(r["world"] == 2 for r in rows)
@@ -225,7 +235,7 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
     else:
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), "--module",
                "loongforge.train", *args, "--steps", "100000"]
-    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+    shm_before = _shm_files()
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -250,9 +260,10 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
     expected = "Signal 9 (SIGKILL)" if launcher == "torchrun" else "exits with return code = "
     assert expected in said, said[-3000:]
     # Nothing stays in /dev/shm: the surviving rank (its collective failed, or the launcher's SIGTERM
-    # arrived) closes its loader, and the killed rank's slots go with its resource tracker.
+    # arrived) closes its loader and removes every rank's DeepSpeed buffer, and the killed rank's
+    # decode slots go with its resource tracker.
     time.sleep(1.0)
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} - shm_before == set()
+    assert _shm_files() - shm_before == set()
     done = len(_metrics(run_dir))
     latest = open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
     assert latest.startswith("step") and int(latest[4:]) % 4 == 0 and int(latest[4:]) <= done
