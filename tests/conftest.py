@@ -20,7 +20,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
+class _ServerProcess:
+    """A server subprocess on a private port: wait until it listens, kill it."""
+
+    port: int
+    proc: subprocess.Popen | None = None
+
+    def _wait_listening(self, timeout: float, what: str, log: Path | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log.read_text()[-2000:] if log else ""
+                raise RuntimeError(f"{what} exited with code {self.proc.returncode} before listening\n{tail}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{what} did not listen on port {self.port} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+class RedisServer(_ServerProcess):
     """A real redis-server process on a private port, stoppable and restartable
     (tests kill it mid-run to check degradation)."""
 
@@ -45,20 +71,8 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
+        self._wait_listening(10, "redis-server")
+        return self
 
 
 @pytest.fixture
@@ -90,7 +104,7 @@ def synthetic_root(tmp_path):
     return str(root), index
 
 
-class S3Server:
+class S3Server(_ServerProcess):
     """A real S3-compatible HTTP endpoint (moto's server) on a private port.
     Code under test reaches it as it would reach AWS: through s3fs/botocore,
     configured only by the standard AWS_* environment variables, which child
@@ -107,26 +121,12 @@ class S3Server:
 
     def start(self) -> "S3Server":
         import sys
-        import urllib.request
 
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                           str(self.port)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto server exited: {self.log.read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"moto server did not answer on {self.endpoint}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        self._wait_listening(30, "moto server", self.log)
+        return self
 
     def bucket(self, name: str) -> str:
         import fsspec

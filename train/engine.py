@@ -121,13 +121,15 @@ def write_ds_config(conf: dict, run_dir: str) -> None:
     write_bytes_atomic(os.path.join(run_dir, "ds_config.json"), json.dumps(conf, indent=2, sort_keys=True).encode())
 
 
-def shutdown() -> None:
-    """destroy_process_group: without it gloo processes sometimes abort at exit."""
+def shutdown(barrier: bool = True) -> None:
+    """destroy_process_group: without it gloo processes sometimes abort at exit. After a failure
+    pass barrier=False: peers may be gone, and a barrier could hang."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        try:
-            torch.distributed.barrier()
-        except Exception as exc:  # noqa: BLE001 - a peer may already be gone; still tear down
-            log.warning("barrier at shutdown failed: %s", exc)
+        if barrier:
+            try:
+                torch.distributed.barrier()
+            except Exception as exc:  # noqa: BLE001 - a peer may already be gone; still tear down
+                log.warning("barrier at shutdown failed: %s", exc)
         world = torch.distributed.get_world_size()
         torch.distributed.destroy_process_group()
         release_cpu_shm_buffers(world)

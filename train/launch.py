@@ -105,7 +105,7 @@ def run_args(args: argparse.Namespace) -> int:
         if trainer is not None:
             trainer.close()
         try:
-            engine.shutdown() if code == 0 else _abort_group()
+            engine.shutdown(barrier=code == 0)
         except Exception as exc:  # noqa: BLE001
             log.warning("process group teardown: %s", exc)
     return code
@@ -127,18 +127,6 @@ def _terminate_cleanly() -> None:
         raise _Terminated()
 
     signal.signal(signal.SIGTERM, on_term)
-
-
-def _abort_group() -> None:
-    # After a failure peers may be gone: a barrier could hang, so skip it.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        from loongforge.train import engine
-
-        world = dist.get_world_size()
-        dist.destroy_process_group()
-        engine.release_cpu_shm_buffers(world)
 
 
 def exit_now(code: int) -> None:

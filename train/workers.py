@@ -164,7 +164,7 @@ class DecodePool:
         for wid, p in enumerate(self._procs):
             if not p.is_alive():
                 if (p.exitcode or 0) < 0:
-                    why = (f" (killed by signal {-p.exitcode}); check dmesg for the OOM killer or lower --workers")
+                    why = f" (killed by signal {-p.exitcode}); check dmesg for the OOM killer or lower --workers"
                 else:  # it raised before our worker loop could report: its traceback went to stderr
                     why = ("; its traceback is on stderr above. If it died at start: workers are spawned and "
                            "re-import the main module, so a script that makes a ShardLoader with workers must "
