@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 from loongforge.cache.client import CacheClient
-from loongforge.cache.config import check_private_dir, default_socket_path
+from loongforge.cache.config import default_socket_path
 from loongforge.cache.protocol import Connection
 from loongforge.shared.errors import CacheError
 
@@ -132,6 +132,8 @@ def test_own_stale_socket_is_replaced(synthetic_root, tmp_path):
 
 
 def test_default_socket_without_runtime_dir_is_in_a_private_dir(tmp_path, monkeypatch):
+    from loongforge.cache.config import check_private_dir
+
     monkeypatch.delenv("LOONGFORGE_CACHE_SOCKET", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
