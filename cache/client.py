@@ -13,6 +13,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 
 from loongforge.cache.config import check_private_dir, default_socket_path, fallback_socket_dir
 from loongforge.cache.protocol import Connection, ProtocolError
@@ -24,6 +25,17 @@ from loongforge.shared.source import OriginSource
 log = logging.getLogger(__name__)
 RETRY_DAEMON_S = 5.0  # while degraded, how often to try the daemon again
 __all__ = ["CacheClient", "default_socket_path"]
+_clients: "weakref.WeakSet[CacheClient]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The lease thread may hold a client's lock at the moment a DataLoader forks; the child has
+    # no such thread, so it would wait on that lock forever. Children start with fresh locks.
+    for client in list(_clients):
+        client._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _map(path: str, entry: ShardEntry, owner_uid: int | None, hashed: set) -> memoryview:
@@ -79,6 +91,7 @@ class CacheClient:
         self._degraded_since: float | None = None
         self._warned = False
         self.counts = {"daemon_reads": 0, "origin_reads": 0, "daemon_errors": 0}
+        _clients.add(self)
 
     @property
     def degraded(self) -> bool:

@@ -28,6 +28,7 @@ class Store:
     def __init__(self, cfg, index: ShardIndex, metrics, coord_factory):
         self.cfg, self.index, self.metrics = cfg, index, metrics
         self.entries = {s.name: s for s in index.shards}
+        self.biggest = max((s.bytes for s in index.shards), default=1)
         self.ram_huge = tmpfs_huge_option(cfg.ram_dir)
         self.ram = Tier("ram", cfg.ram_dir, cfg.ram_budget, huge=self.ram_huge)
         self.ssd = Tier("ssd", cfg.ssd_dir, cfg.ssd_budget)
@@ -137,8 +138,7 @@ class Store:
     def max_open(self) -> int:
         """Maps one client may keep (announced in `hello`): its pins may fill at most half the RAM
         tier, so prefetch and the other readers always find room."""
-        biggest = max((e.bytes for e in self.index.shards), default=1)
-        return max(1, self.ram.budget // 2 // max(1, self.ram.charge(biggest)))
+        return max(1, self.ram.budget // 2 // max(1, self.ram.charge(self.biggest)))
 
     def release(self, name: str, owner: str) -> None:
         with self.lock:

@@ -412,3 +412,36 @@ def test_client_renews_leases_of_open_maps(synthetic_root, daemons):
         other.close()
         assert s[0] in _tier_files(d.ram_dir) and bytes(view) == _origin_bytes(root, s[0])
     wait_for(lambda: d.stats()["pinned"] == 0, what="the closed client's pin to go")
+
+
+def test_forked_worker_reads_while_the_parent_lock_was_held(synthetic_root, daemons):
+    """The lease thread may hold the client's lock when a DataLoader forks: the child must not hang."""
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index)
+    with d.client() as client:
+        client.read_shard(s[0])  # lease thread running from here on
+        held, done_forking = threading.Event(), threading.Event()
+
+        def renewer_mid_request():  # another thread holds the lock, as the lease thread may
+            with client._lock:
+                held.set()
+                done_forking.wait(10)
+
+        threading.Thread(target=renewer_mid_request, daemon=True).start()
+        held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # child: never return into pytest
+            try:
+                os._exit(0 if bytes(client.read_shard(s[1])) == _origin_bytes(root, s[1]) else 1)
+            except BaseException:  # noqa: BLE001
+                os._exit(2)
+        done_forking.set()
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("forked reader hung on the inherited client lock")
+        assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 import redis
@@ -235,8 +236,7 @@ def test_directory_stays_exact_across_restarts_with_wiped_tiers(root8, redis_ser
         _read_all(d, names, ok)
         assert ok == [True] * len(names)
     sa, sb = a.stats(), b.stats()
-    reasons = {**sa["counters"]["origin_reads"], **{k: v + sa["counters"]["origin_reads"].get(k, 0)
-                                                      for k, v in sb["counters"]["origin_reads"].items()}}
+    reasons = Counter(sa["counters"]["origin_reads"]) + Counter(sb["counters"]["origin_reads"])
     assert reasons == {"lock": len(names)}, reasons  # no peer_failed, no no_live_holder
     assert counter(sb, "fills", "peer") == len(names)
     settled(a), settled(b)
