@@ -158,16 +158,19 @@ class Daemon:
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         # Bind first: a second daemon on the same endpoint fails before it touches any tier, and the
-        # socket is created while this is the only thread (see _UnixServer.server_bind). Listen last:
-        # until then a client's connect is refused at once and it reads origin, instead of waiting
-        # in the backlog through the SSD rebuild.
+        # socket is created while this is the only thread (see _UnixServer.server_bind). A unix
+        # socket is bound under a private name and linked to its path only once the daemon listens
+        # and is ready, so "the socket exists" keeps meaning "the daemon serves" (clients and
+        # scripts rely on it; a client that connects earlier is refused at once and reads origin).
         self.server = self._bind()
         try:
             self._start_services()
             self.server.server_activate()
+            if not self.cfg.tcp:
+                _publish_socket(self.server.server_address, self.cfg.socket)
         except BaseException:
             self.server.server_close()
-            self._unlink_socket()
+            _unlink_if_socket(self.server.server_address) if not self.cfg.tcp else None
             raise
 
     def _start_services(self) -> None:
@@ -207,18 +210,14 @@ class Daemon:
             else:
                 os.makedirs(parent, exist_ok=True)
             _clear_stale_socket(path)
-            server = _UnixServer(path, _Handler, False)
+            server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
             server.server_bind()
         server.cache_daemon = self
         return server
 
     def _unlink_socket(self) -> None:
         if not self.cfg.tcp:
-            try:
-                if stat.S_ISSOCK(os.lstat(self.cfg.socket).st_mode):
-                    os.unlink(self.cfg.socket)
-            except FileNotFoundError:
-                pass
+            _unlink_if_socket(self.cfg.socket)
 
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.cfg.heartbeat_s):
@@ -282,3 +281,23 @@ def _clear_stale_socket(path: str) -> None:
     finally:
         probe.close()
     raise CacheError(f"another cache daemon is serving on {path}; stop it (`loongforge cache stop`) or pass --socket")
+
+
+def _publish_socket(bound: str, path: str) -> None:
+    """Give the listening socket its public name. link() fails if the name was taken since the
+    stale check (a daemon started meanwhile): never replace another daemon's socket."""
+    try:
+        os.link(bound, path)
+    except FileExistsError:
+        raise CacheError(f"{path} appeared while this daemon started (another daemon?); "
+                         "stop it (`loongforge cache stop`) or pass --socket") from None
+    finally:
+        _unlink_if_socket(bound)
+
+
+def _unlink_if_socket(path: str) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
