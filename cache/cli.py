@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from loongforge.cache.config import SOCKET_ENV, format_bytes, load_config
@@ -87,11 +88,17 @@ def cmd_stats(args) -> int:
     except OSError as exc:
         print(f"loongforge cache stats: daemon unreachable: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
-    print(render_table(stats))
+    _print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_table(stats))
     return 0
+
+
+def _print(text: str) -> None:
+    """Print, tolerating a reader that stops early (`loongforge cache stats | head -1`)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def render_table(stats: dict) -> str:
@@ -112,6 +119,8 @@ def render_table(stats: dict) -> str:
               + (f"{lead['p50']:.3f}s" if lead["p50"] is not None else "-"),
               f"pinned {stats['pinned']}  in flight {stats['inflight']}  plans {len(stats['plans'])} ranks  "
               f"rejected {sum(c['rejected'].values())}  redis errors {sum(c['redis_errors'].values())}"]
+    if stats["redis"].get("last_error"):
+        lines.append(f"last redis error: {stats['redis']['last_error']}")
     return "\n".join(lines)
 
 

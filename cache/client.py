@@ -10,29 +10,58 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
+import weakref
 
-from loongforge.cache.config import default_socket_path
+from loongforge.cache.config import check_private_dir, default_socket_path, fallback_socket_dir
 from loongforge.cache.protocol import Connection, ProtocolError
+from loongforge.shared import storage
 from loongforge.shared.errors import CacheError, CacheUnavailableError, IntegrityError, ShardNotFoundError
-from loongforge.shared.index import ShardIndex
+from loongforge.shared.index import ShardEntry, ShardIndex
 from loongforge.shared.source import OriginSource
 
 log = logging.getLogger(__name__)
 RETRY_DAEMON_S = 5.0  # while degraded, how often to try the daemon again
 __all__ = ["CacheClient", "default_socket_path"]
+_clients: "weakref.WeakSet[CacheClient]" = weakref.WeakSet()
 
 
-def _map(path: str, size: int) -> memoryview:
+def _after_fork_in_child() -> None:
+    # The lease thread may hold a client's lock at the moment a DataLoader forks; the child has
+    # no such thread, so it would wait on that lock forever. Children start with fresh locks.
+    for client in list(_clients):
+        client._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _map(path: str, entry: ShardEntry, owner_uid: int | None, hashed: set) -> memoryview:
+    """Map a tier file the daemon handed out, after checking it is the daemon's: owned by the
+    daemon's uid (SO_PEERCRED) and writable by no one else. Without a uid to check (TCP), the
+    bytes are hashed against the index on the first map of that file instead."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != size:
-            raise IntegrityError(f"{path}: size differs from the index (replaced under us?)")
-        if size == 0:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.bytes:
+            raise IntegrityError(f"{path}: not a regular file of the index's size (replaced under us?)")
+        if owner_uid is not None and (st.st_uid != owner_uid or st.st_mode & 0o022):
+            raise IntegrityError(f"{path}: owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}, "
+                                 f"expected a file of the daemon (uid {owner_uid}) writable only by it")
+        if entry.bytes == 0:
             return memoryview(b"")
         # MAP_POPULATE pre-faults the tmpfs pages in one go: reading then runs at memcpy speed.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
+        view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
+    if owner_uid is None and (st.st_dev, st.st_ino) not in hashed:
+        try:
+            storage.verify(view, entry.name, entry.bytes, entry.sha256)
+        except IntegrityError:
+            _close_view(view)
+            raise
+        hashed.add((st.st_dev, st.st_ino))
+    return view
 
 
 class CacheClient:
@@ -48,15 +77,21 @@ class CacheClient:
         self._conn: Connection | None = None
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        # Open shard maps, oldest first. Beyond max_open the oldest is released:
-        # its pin goes, but a view the caller still holds stays valid (the
-        # daemon unlinks, never overwrites), so only RAM accounting lags.
+        # Open shard maps, oldest first; their leases are renewed while they stay open. Beyond
+        # max_open the oldest is released: its pin goes, but a view the caller still holds stays
+        # valid (the daemon unlinks, never overwrites), so only RAM accounting lags.
         self._maps: dict[str, memoryview] = {}
-        self.max_open = max_open
+        self.requested_max_open = max_open
+        self.max_open = max_open  # lowered to the daemon's `max_open` (from its RAM budget) on connect
+        self._lease_s = 60.0
+        self._peer_uid: int | None = None
+        self._hashed: set = set()  # (dev, inode) of tier files verified by hash (TCP only)
+        self._renewer: tuple[int, threading.Event] | None = None  # (pid, stop) of the lease thread
         self._rank: int | None = None
         self._degraded_since: float | None = None
         self._warned = False
         self.counts = {"daemon_reads": 0, "origin_reads": 0, "daemon_errors": 0}
+        _clients.add(self)
 
     @property
     def degraded(self) -> bool:
@@ -72,17 +107,41 @@ class CacheClient:
                 raise CacheUnavailableError("cache daemon unreachable (retrying later)")
             try:
                 if self._conn is None:
-                    self._conn = Connection(self.socket_path, self.tcp, self.timeout)
+                    self._connect()
                 reply = self._conn.request(op, **fields)
-            except (OSError, ProtocolError, ValueError) as exc:
+            except (OSError, ProtocolError, ValueError, CacheUnavailableError) as exc:
                 self._drop_conn()
                 self.counts["daemon_errors"] += 1
-                where = f"tcp:{self.tcp}" if self.tcp else f"unix:{self.socket_path}"
-                raise CacheUnavailableError(f"cache daemon at {where}: {type(exc).__name__}: {exc}") from exc
+                raise CacheUnavailableError(self._unreachable(exc)) from exc
             if self.degraded:
                 log.info("cache daemon reachable again; leaving origin fallback")
                 self._degraded_since, self._warned = None, False
             return reply
+
+    def _connect(self) -> None:
+        if not self.tcp and os.path.dirname(os.path.abspath(self.socket_path)) == fallback_socket_dir():
+            try:  # the shared /tmp fallback: only trust a directory no other user could have planted
+                check_private_dir(os.path.dirname(os.path.abspath(self.socket_path)))
+            except CacheError as exc:
+                raise CacheUnavailableError(str(exc)) from None
+        conn = Connection(self.socket_path, self.tcp, self.timeout)
+        try:
+            hello = conn.request("hello")
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._peer_uid = conn, conn.peer_uid
+        self._lease_s = float(hello.get("lease_s", self._lease_s))
+        self.max_open = max(1, min(self.requested_max_open, int(hello.get("max_open", self.requested_max_open))))
+
+    def _unreachable(self, exc: BaseException) -> str:
+        where = f"tcp:{self.tcp}" if self.tcp else f"unix:{self.socket_path}"
+        if isinstance(exc, PermissionError):
+            return (f"cache daemon socket {self.socket_path}: permission denied (EACCES) for uid {os.geteuid()}. "
+                    f"The socket must be group-writable (the daemon sets 0660; run it with UMask=0007) and this "
+                    f"user must be in the socket's group (gid {_gid_of(self.socket_path)}): "
+                    f"see infra/cache/README.md, 'Socket access'")
+        return f"cache daemon at {where}: {type(exc).__name__}: {exc}"
 
     def _drop_conn(self) -> None:
         if self._conn is not None:
@@ -96,7 +155,11 @@ class CacheClient:
         if self._degraded_since is None or time.monotonic() - self._degraded_since >= RETRY_DAEMON_S:
             self._degraded_since = time.monotonic()
         if not self._warned:
-            log.warning("%s; reading shards from origin %s until it is back", exc, self.root)
+            # A permission problem never heals by itself: every read bypasses the cache until an
+            # operator fixes the deployment, so say so loudly.
+            denied = isinstance(exc.__cause__, PermissionError)
+            log.log(logging.ERROR if denied else logging.WARNING, "%s; reading shards from origin %s %s", exc,
+                    self.root, "instead (the cache is bypassed)" if denied else "until it is back")
             self._warned = True
 
     def _origin_source(self) -> OriginSource:
@@ -133,7 +196,7 @@ class CacheClient:
         if reply.get("tier") == "origin" or not reply.get("path"):
             return self._from_origin(name)  # the daemon could not place it (tiers pinned or disk full)
         try:
-            view = _map(reply["path"], entry.bytes)
+            view = _map(reply["path"], entry, self._peer_uid, self._hashed)
         except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
             if not self.fallback:
                 raise CacheError(f"cache daemon handed out {reply['path']} but it is unusable: {exc}") from exc
@@ -142,7 +205,28 @@ class CacheClient:
         with self._lock:
             self._maps[name] = view
             self.counts["daemon_reads"] += 1
+            self._ensure_renewer()
         return view
+
+    def _ensure_renewer(self) -> None:
+        """One lease thread per process (a forked worker starts its own): without renewal a lease
+        lapses after lease_s, the daemon evicts a shard we still map, and the RAM tier's real memory
+        exceeds its budget by every such map."""
+        if self._renewer is not None and self._renewer[0] == os.getpid():
+            return
+        stop = threading.Event()
+        self._renewer = (os.getpid(), stop)
+        threading.Thread(target=self._renew_loop, args=(stop,), daemon=True, name="cache-lease-renew").start()
+
+    def _renew_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self._lease_s / 3):
+            with self._lock:
+                names = list(self._maps)
+            if names:
+                try:
+                    self._request("renew", shards=names)
+                except CacheError:
+                    pass  # daemon gone or degraded: its leases went with it; reads reconnect
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:
         view = self.read_shard(name)
@@ -193,6 +277,9 @@ class CacheClient:
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
+            if self._renewer is not None:
+                self._renewer[1].set()
+                self._renewer = None
             self._drop_conn()
         for view in maps.values():
             _close_view(view)
@@ -213,3 +300,10 @@ def _close_view(view: memoryview) -> None:
             obj.close()
     except BufferError:
         pass
+
+
+def _gid_of(path: str) -> str:
+    try:
+        return str(os.stat(path).st_gid)
+    except OSError:
+        return "?"

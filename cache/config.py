@@ -10,24 +10,50 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket as _socket
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 
 from loongforge.shared.units import format_size as format_bytes
 from loongforge.shared.units import parse_size as parse_bytes
-from loongforge.shared.errors import ConfigError
+from loongforge.shared.errors import CacheError, ConfigError
 from loongforge.shared.index import ShardIndex
 
 ENV_PREFIX = "LOONGFORGE_CACHE_"
 SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
+def fallback_socket_dir() -> str:
+    """Per-user socket directory when there is no XDG_RUNTIME_DIR: `$TMPDIR/loongforge-cache-<uid>`,
+    created 0700 by the daemon and checked by both sides (`check_private_dir`), so another user
+    cannot plant a socket there (a bare /tmp/NAME.sock can be squatted before the daemon starts)."""
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"loongforge-cache-{os.geteuid()}")
+
+
 def default_socket_path() -> str:
-    """$LOONGFORGE_CACHE_SOCKET, else the per-user runtime dir, else /tmp."""
+    """$LOONGFORGE_CACHE_SOCKET, else the per-user runtime dir, else a per-user 0700 dir under /tmp."""
     if os.environ.get(SOCKET_ENV):
         return os.environ[SOCKET_ENV]
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "loongforge-cache.sock")
-    return f"/tmp/loongforge-cache-{os.getuid()}.sock"
+    return os.path.join(fallback_socket_dir(), "cache.sock")
+
+
+def check_private_dir(path: str, create: bool = False) -> None:
+    """`path` is a real directory owned by this user and closed to everyone else (0700), else CacheError."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CacheError(f"socket directory {path} does not exist: is the cache daemon running?") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise CacheError(
+            f"socket directory {path} is not a private directory of uid {os.geteuid()} (owner uid {st.st_uid}, "
+            f"mode {stat.filemode(st.st_mode)}): another user may have planted it. Remove it, or set "
+            f"XDG_RUNTIME_DIR or {SOCKET_ENV} / --socket to a directory only you and the daemon can write")
 
 
 def _default_ssd_dir() -> str:
@@ -36,10 +62,11 @@ def _default_ssd_dir() -> str:
 
 
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
+    """HOST:PORT, with an IPv6 host as `[::1]:7700` or `::1:7700`; brackets are stripped."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"{field}: expected HOST:PORT (e.g. 127.0.0.1:7700), got {value!r}")
-    return host or "127.0.0.1", int(port)
+        raise ConfigError(f"{field}: expected HOST:PORT (e.g. 127.0.0.1:7700 or [::1]:7700), got {value!r}")
+    return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +108,7 @@ class CacheConfig:
         if self.tcp:
             host, _ = parse_hostport(self.tcp, "tcp")
             if host not in ("127.0.0.1", "localhost", "::1"):
-                raise ConfigError(f"tcp: {host!r} is not loopback; the protocol has no auth, bind 127.0.0.1")
+                raise ConfigError(f"tcp: {host!r} is not loopback; the protocol has no auth, bind 127.0.0.1 or [::1]")
         if self.peer_listen:
             parse_hostport(self.peer_listen, "peer_listen")
         if self.ssd_verify not in ("size", "full"):
@@ -102,18 +129,20 @@ class CacheConfig:
     def endpoint(self) -> str:
         return f"tcp:{self.tcp}" if self.tcp else f"unix:{self.socket}"
 
-    def check_index(self, index: ShardIndex) -> None:
-        """A shard bigger than a tier can never be placed there: fail now, not deadlock later."""
+    def check_index(self, index: ShardIndex, charges: dict | None = None) -> None:
+        """A shard bigger than a tier can never be placed there: fail now, not deadlock later.
+        `charges` maps a budget field to its tier's bytes -> pages-charged function (tiers.py)."""
         if not index.shards:
             return
         biggest = max(index.shards, key=lambda s: s.bytes)
         for name in ("ram_budget", "ssd_budget"):
             budget = getattr(self, name)
-            if biggest.bytes > budget:
+            need = (charges or {}).get(name, int)(biggest.bytes)
+            if need > budget:
                 raise ConfigError(
                     f"{name} {format_bytes(budget)} is smaller than shard {biggest.name} "
-                    f"({format_bytes(biggest.bytes)}); raise --{name.replace('_', '-')} to at least "
-                    f"{format_bytes(biggest.bytes)} (a few shards' worth is sensible)")
+                    f"({format_bytes(need)} in whole pages); raise --{name.replace('_', '-')} to at least "
+                    f"{format_bytes(need)} (a few shards' worth is sensible)")
 
 
 _FIELDS = {f.name: f for f in fields(CacheConfig)}

@@ -21,6 +21,7 @@ Single-flight fill (see PROTOCOL.md, "Fill coordination"):
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -86,6 +87,44 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1 - existed
 """
 
+# KEYS[1] = held:<node>
+# ARGV[1] = key prefix, ARGV[2] = node id, ARGV[3..] = every shard the node holds now (RAM or SSD)
+# Makes the directory exact for this node in one step: the node leaves dir:<s> of every shard it
+# no longer holds (RAM wiped at start, SSD entries dropped by the rebuild, evictions while Redis
+# was away) and joins dir:<s> of every shard it holds; held:<node> becomes exactly the list.
+# dir:<s> keys are built from ARGV[1], not passed in KEYS (the old members are only known inside
+# the script): fine on the single Redis instance infra/redis deploys, not on Redis Cluster.
+# Returns {entries removed, entries now held}.
+REGISTER = """
+local keep = {}
+for i = 3, #ARGV do keep[ARGV[i]] = true end
+local removed = 0
+for _, s in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if not keep[s] then
+    redis.call('SREM', ARGV[1] .. 'dir:' .. s, ARGV[2])
+    removed = removed + 1
+  end
+end
+redis.call('DEL', KEYS[1])
+for i = 3, #ARGV do
+  redis.call('SADD', ARGV[1] .. 'dir:' .. ARGV[i], ARGV[2])
+  redis.call('SADD', KEYS[1], ARGV[i])
+end
+return {removed, #ARGV - 2}
+"""
+
+# KEYS[1] = held:<node>, KEYS[2] = node:<id>, KEYS[3] = nodes
+# ARGV[1] = key prefix, ARGV[2] = node id
+# Graceful stop: the node leaves every dir:<s> it is in (keys built from ARGV[1], as in REGISTER),
+# its held set and heartbeat key go, and it leaves `nodes`. Returns the number of entries removed.
+DEREGISTER = """
+local held = redis.call('SMEMBERS', KEYS[1])
+for _, s in ipairs(held) do redis.call('SREM', ARGV[1] .. 'dir:' .. s, ARGV[2]) end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+return #held
+"""
+
 
 class Coordinator:
     """Redis side of one node. `state` is 'disabled' (no URL), 'connected' or 'down'."""
@@ -99,6 +138,11 @@ class Coordinator:
         self.peer_addr: str | None = None
         self.state = "disabled"
         self.registrations = 0
+        self.registered = False  # the directory holds exactly our holdings (set by _register)
+        self.last_error: str | None = None  # shown by `cache stats`
+        self._logged_error: str | None = None  # kind of failure already logged since the last success
+        self._changes = itertools.count()  # bumped by every publish/drop: a registration racing one redoes
+        self._change = 0
         self._failures = 0
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -129,7 +173,8 @@ class Coordinator:
         self.client = redis.from_url(self.cfg.redis_url, **options)
         self.scripts = {name: self.client.register_script(src) for name, src in
                         (("acquire", ACQUIRE), ("extend", EXTEND), ("publish", PUBLISH),
-                         ("release", RELEASE), ("heartbeat", HEARTBEAT))}
+                         ("release", RELEASE), ("heartbeat", HEARTBEAT), ("register", REGISTER),
+                         ("deregister", DEREGISTER))}
         self.state = "down"  # until the first heartbeat succeeds
 
     def available(self) -> bool:
@@ -149,8 +194,9 @@ class Coordinator:
                 return False
             self.state = "connected"
             self._failures = 0
+            self._logged_error = None
             self.metrics.redis_up.set(1)
-            log.info("redis %s reachable again: coordination resumed", self._where())
+            log.info("redis %s reachable: coordination on", self._where())
         return True
 
     def _failed(self, op: str, exc: Exception) -> None:
@@ -158,9 +204,19 @@ class Coordinator:
         self._next_try = time.monotonic() + self._backoff.compute(self._failures)
         self.metrics.inc("redis_errors", op)
         self.metrics.redis_up.set(0)
-        if self.state != "down":
-            log.warning("redis %s unreachable (%s: %s): serving without coordination, reconnecting with backoff",
-                        self._where(), type(exc).__name__, exc)
+        self.last_error = f"{op}: {type(exc).__name__}: {exc}"
+        # Log the first failure of each kind, including the very first one at start (the state
+        # starts as "down", so logging only changes of state would hide a bad password forever).
+        kind = type(exc).__name__
+        if kind != self._logged_error:
+            self._logged_error = kind
+            if isinstance(exc, (self._redis.AuthenticationError, self._redis.exceptions.NoPermissionError)):
+                log.error("redis %s refused this node (%s: %s): fix the user/password in --redis-url or "
+                          "LOONGFORGE_CACHE_REDIS_PASSWORD (ACL user: LOONGFORGE_CACHE_REDIS_USERNAME); serving "
+                          "without coordination until then", self._where(), kind, exc)
+            else:
+                log.warning("redis %s unreachable (%s: %s): serving without coordination, reconnecting with "
+                            "backoff", self._where(), kind, exc)
         self.state = "down"
 
     def _where(self) -> str:
@@ -183,11 +239,8 @@ class Coordinator:
         ttl_ms = int(self.cfg.node_ttl_s * 1000)
         new = self._call("heartbeat", lambda: self.scripts["heartbeat"](
             keys=[self.prefix + f"node:{self.node}", self.prefix + "nodes"], args=[self.node, info, ttl_ms]))
-        if new:
-            self.registrations += 1
-            held = self.holdings()
-            log.info("registered node %s in redis (%d shards published)", self.node, len(held))
-            self._call("republish", lambda: self._publish_many(held))
+        if new is not None and (new or not self.registered):
+            self._register()  # first contact since start, or Redis lost our keys (restart, expiry)
         with self._lock:
             hot, self._hot = self._hot, {}
         if hot:
@@ -198,13 +251,25 @@ class Coordinator:
                 pipe.execute()
             self._call("hot", flush)
 
-    def _publish_many(self, shards: list[str]) -> None:
-        pipe = self.client.pipeline(transaction=True)  # MULTI/EXEC: directory and held-set agree
-        for s in shards:
-            pipe.sadd(self.prefix + f"dir:{s}", self.node)
-        if shards:
-            pipe.sadd(self.prefix + f"held:{self.node}", *shards)
-        pipe.execute()
+    def _register(self) -> None:
+        """Replace this node's directory entries with its holdings. A publish or drop that runs
+        between reading the holdings and the script could be undone by it, so redo if one did."""
+        for _ in range(5):
+            seen = self._change
+            held = self.holdings()
+            out = self._call("register", lambda: self.scripts["register"](
+                keys=[self.prefix + f"held:{self.node}"], args=[self.prefix, self.node, *held]))
+            if out is None:
+                return  # Redis failed: the next successful heartbeat registers again
+            if self._change == seen:
+                break
+        self.registered = True
+        self.registrations += 1
+        log.info("registered node %s in redis: %d shards published, %d stale entries removed",
+                 self.node, out[1], out[0])
+
+    def _changed(self) -> None:
+        self._change = next(self._changes)
 
     def touch(self, shard: str) -> None:
         with self._lock:
@@ -212,6 +277,8 @@ class Coordinator:
 
     def dropped(self, shard: str) -> None:
         """This node no longer holds `shard` in any tier."""
+        self._changed()
+
         def run():
             pipe = self.client.pipeline(transaction=True)
             pipe.srem(self.prefix + f"dir:{shard}", self.node)
@@ -229,12 +296,10 @@ class Coordinator:
         self._call("announce", run)
 
     def deregister(self) -> None:
-        def run():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(self.prefix + f"node:{self.node}")
-            pipe.srem(self.prefix + "nodes", self.node)
-            pipe.execute()
-        self._call("deregister", run)
+        """Graceful stop: leave the directory, so no peer asks this node for a shard after it is gone."""
+        self._call("deregister", lambda: self.scripts["deregister"](
+            keys=[self.prefix + f"held:{self.node}", self.prefix + f"node:{self.node}", self.prefix + "nodes"],
+            args=[self.prefix, self.node]))
 
     def live_peers(self, nodes: list[str]) -> list[str]:
         """Peer addresses of live nodes among `nodes` (excluding this one)."""
@@ -251,8 +316,8 @@ class Coordinator:
         return addrs
 
     def snapshot(self) -> dict:
-        return {"state": self.state, "node": self.node, "peer": self.peer_addr,
-                "registrations": self.registrations, "failures": self._failures, "prefix": self.prefix}
+        return {"state": self.state, "node": self.node, "peer": self.peer_addr, "registrations": self.registrations,
+                "failures": self._failures, "last_error": self.last_error, "prefix": self.prefix}
 
     # -- single-flight fill ---------------------------------------------------
     def fill(self, shard: str, from_origin: Callable[[], bytes], from_peer: Callable[[str], bytes],
@@ -302,6 +367,7 @@ class Coordinator:
         """After placing the bytes: join the directory and release the lock atomically."""
         lock_key = self.prefix + f"lock:{shard}"
         if published:
+            self._changed()
             self._call("publish", lambda: self.scripts["publish"](
                 keys=[lock_key, self.prefix + f"dir:{shard}", self.prefix + f"held:{self.node}"],
                 args=[token, self.node, shard]))

@@ -15,11 +15,12 @@ import os
 import signal
 import socket
 import socketserver
+import stat
 import threading
 import time
 
 from loongforge.cache import protocol
-from loongforge.cache.config import CacheConfig, parse_hostport
+from loongforge.cache.config import CacheConfig, check_private_dir, fallback_socket_dir, parse_hostport
 from loongforge.cache.coord import Coordinator
 from loongforge.cache.metrics import Metrics
 from loongforge.cache.store import Store
@@ -28,6 +29,7 @@ from loongforge.shared.index import load_index
 
 log = logging.getLogger(__name__)
 _owner_ids = itertools.count(1)
+SOCKET_MODE = 0o660
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -56,17 +58,31 @@ class _Handler(socketserver.StreamRequestHandler):
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
+    def server_bind(self):
+        # Trainers connect as members of the daemon's group: the socket must be 0660 whatever the
+        # umask (0755 under 022 refuses them). Bind under umask 077 so the path is never open to
+        # others, then widen to the group. Safe to touch the process umask: no other thread exists yet.
+        old = os.umask(0o077)
+        try:
+            super().server_bind()
+        finally:
+            os.umask(old)
+        os.chmod(self.server_address, SOCKET_MODE)
+
 
 class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
 
+class _TCP6Server(_TCPServer):
+    address_family = socket.AF_INET6
+
+
 class Daemon:
     def __init__(self, cfg: CacheConfig):
         self.cfg = cfg
         self.index = load_index(cfg.origin)
-        cfg.check_index(self.index)
         namespace = hashlib.sha256(self.index.to_json()).hexdigest()[:16]  # one key space per dataset
         self.metrics = Metrics(cfg.node_id)
         self.store = Store(cfg, self.index, self.metrics,
@@ -99,11 +115,18 @@ class Daemon:
 
     def op_hello(self, req, owner):
         return {"node": self.cfg.node_id, "protocol": protocol.PROTOCOL_VERSION, "origin": self.cfg.origin,
-                "shards": len(self.index.shards)}
+                "shards": len(self.index.shards), "ram_budget": self.cfg.ram_budget,
+                "max_open": self.store.max_open(), "lease_s": self.cfg.lease_s}
 
     def op_get(self, req, owner):
         rank = req.get("rank")
         return self.store.get(str(req["shard"]), owner, int(rank) if rank is not None else None)
+
+    def op_renew(self, req, owner):
+        shards = req["shards"]
+        if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
+            raise protocol.ProtocolError("renew: shards must be a list of shard names")
+        return {"renewed": self.store.renew(shards, owner), "lease_s": self.cfg.lease_s}
 
     def op_release(self, req, owner):
         self.store.release(str(req["shard"]), owner)
@@ -134,6 +157,23 @@ class Daemon:
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
+        # Bind first: a second daemon on the same endpoint fails before it touches any tier, and the
+        # socket is created while this is the only thread (see _UnixServer.server_bind). A unix
+        # socket is bound under a private name and linked to its path only once the daemon listens
+        # and is ready, so "the socket exists" keeps meaning "the daemon serves" (clients and
+        # scripts rely on it; a client that connects earlier is refused at once and reads origin).
+        self.server = self._bind()
+        try:
+            self._start_services()
+            self.server.server_activate()
+            if not self.cfg.tcp:
+                _publish_socket(self.server.server_address, self.cfg.socket)
+        except BaseException:
+            self.server.server_close()
+            _unlink_if_socket(self.server.server_address) if not self.cfg.tcp else None
+            raise
+
+    def _start_services(self) -> None:
         self.store.open()
         if self.cfg.peer_listen:
             from loongforge.cache.peer import PeerServer
@@ -156,29 +196,28 @@ class Daemon:
         threads.append(threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat"))
         for t in threads:
             t.start()
-        self.server = self._bind()
 
     def _bind(self):
         if self.cfg.tcp:
-            _, addr = protocol.parse_endpoint(None, self.cfg.tcp)
-            server = _TCPServer(addr, _Handler)
+            family, addr = protocol.parse_endpoint(None, self.cfg.tcp)
+            server = (_TCP6Server if family == socket.AF_INET6 else _TCPServer)(addr, _Handler, False)
+            server.server_bind()
         else:
             path = self.cfg.socket
-            if os.path.exists(path):
-                probe = socket.socket(socket.AF_UNIX)
-                probe.settimeout(1.0)
-                try:
-                    probe.connect(path)
-                    raise CacheError(f"another cache daemon is serving on {path}; "
-                                     "stop it (`loongforge cache stop`) or pass --socket")
-                except OSError:
-                    os.unlink(path)  # stale socket of a dead daemon
-                finally:
-                    probe.close()
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            server = _UnixServer(path, _Handler)
+            parent = os.path.dirname(os.path.abspath(path))
+            if parent == fallback_socket_dir():
+                check_private_dir(parent, create=True)
+            else:
+                os.makedirs(parent, exist_ok=True)
+            _clear_stale_socket(path)
+            server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
+            server.server_bind()
         server.cache_daemon = self
         return server
+
+    def _unlink_socket(self) -> None:
+        if not self.cfg.tcp:
+            _unlink_if_socket(self.cfg.socket)
 
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.cfg.heartbeat_s):
@@ -190,8 +229,9 @@ class Daemon:
     def serve_forever(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: threading.Thread(target=self.shutdown, daemon=True).start())
-        where = self.cfg.endpoint if not self.cfg.tcp else f"tcp:{self.server.server_address[0]}:" \
-                                                          f"{self.server.server_address[1]}"
+        host, port = self.server.server_address[:2] if self.cfg.tcp else (None, None)
+        where = self.cfg.endpoint if not self.cfg.tcp else f"tcp:[{host}]:{port}" if ":" in host else \
+            f"tcp:{host}:{port}"
         line = f"cache daemon ready on {where} (node {self.cfg.node_id}, redis {self.coord.state}" + \
                (f", peer {self.coord.peer_addr}" if self.peer else "") + ")"
         log.info(line)
@@ -208,8 +248,7 @@ class Daemon:
 
     def _cleanup(self) -> None:
         self.server.server_close()
-        if not self.cfg.tcp and os.path.exists(self.cfg.socket):
-            os.unlink(self.cfg.socket)
+        self._unlink_socket()
         if self.peer:
             self.peer.stop()
         if self.metrics_server:
@@ -217,3 +256,48 @@ class Daemon:
         self.coord.deregister()
         self.store.close()
         log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s", self.cfg.ssd_dir)
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove the socket a dead daemon of this user left behind; refuse anything else at `path`
+    (a regular file, someone else's socket, a live daemon): unlinking it would be data loss or a
+    takeover of another user's endpoint."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise CacheError(f"{path} exists and is not a socket of uid {os.geteuid()} ({stat.filemode(st.st_mode)}, "
+                         f"owner uid {st.st_uid}): refusing to replace it; remove it if it is yours, or pass --socket")
+    probe = socket.socket(socket.AF_UNIX)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: the socket of a dead daemon
+        return
+    except OSError as exc:
+        raise CacheError(f"{path}: cannot tell whether a daemon serves it ({exc}); remove it or pass --socket") from exc
+    finally:
+        probe.close()
+    raise CacheError(f"another cache daemon is serving on {path}; stop it (`loongforge cache stop`) or pass --socket")
+
+
+def _publish_socket(bound: str, path: str) -> None:
+    """Give the listening socket its public name. link() fails if the name was taken since the
+    stale check (a daemon started meanwhile): never replace another daemon's socket."""
+    try:
+        os.link(bound, path)
+    except FileExistsError:
+        raise CacheError(f"{path} appeared while this daemon started (another daemon?); "
+                         "stop it (`loongforge cache stop`) or pass --socket") from None
+    finally:
+        _unlink_if_socket(bound)
+
+
+def _unlink_if_socket(path: str) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 
 from loongforge.shared import errors
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 16 << 20  # an announce of ~200k shard names; anything longer is rejected
-OPS = ("hello", "get", "release", "announce", "stats", "stop")
+OPS = ("hello", "get", "renew", "release", "announce", "stats", "stop")
 
 # Errors the daemon may report, mapped back to the same classes on the client.
 _ERRORS = {cls.__name__: cls for cls in (
@@ -55,7 +56,8 @@ def parse_endpoint(socket_path: str | None, tcp: str | None) -> tuple[int, objec
     """(address family, address) for socket.connect / servers."""
     if tcp:
         host, _, port = tcp.rpartition(":")
-        return socket.AF_INET, (host or "127.0.0.1", int(port))
+        host = host.removeprefix("[").removesuffix("]") or "127.0.0.1"
+        return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))
     return socket.AF_UNIX, socket_path
 
 
@@ -74,6 +76,12 @@ class Connection:
             raise
         self.rfile = self.sock.makefile("rb")
         self._next_id = 0
+        # The daemon's uid as the kernel reports it (unix sockets only): tier files it hands out must
+        # be owned by it. None over TCP, where the client verifies the bytes instead.
+        self.peer_uid: int | None = None
+        if family == socket.AF_UNIX and hasattr(socket, "SO_PEERCRED"):
+            creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            self.peer_uid = struct.unpack("3i", creds)[1]
 
     def request(self, op: str, **fields) -> dict:
         self._next_id += 1

@@ -28,8 +28,11 @@ class Store:
     def __init__(self, cfg, index: ShardIndex, metrics, coord_factory):
         self.cfg, self.index, self.metrics = cfg, index, metrics
         self.entries = {s.name: s for s in index.shards}
-        self.ram = Tier("ram", cfg.ram_dir, cfg.ram_budget)
+        self.biggest = max((s.bytes for s in index.shards), default=1)
+        self.ram_huge = tmpfs_huge_option(cfg.ram_dir)
+        self.ram = Tier("ram", cfg.ram_dir, cfg.ram_budget, huge=self.ram_huge)
         self.ssd = Tier("ssd", cfg.ssd_dir, cfg.ssd_budget)
+        cfg.check_index(index, charges={"ram_budget": self.ram.charge, "ssd_budget": self.ssd.charge})
         self.plans = PlanBook()
         self.policy = Policy(self.plans)
         self.lock = threading.RLock()
@@ -48,7 +51,7 @@ class Store:
             tier.open_dir()
         self.ram.wipe()  # RAM files of a previous run: not ours to trust, cheap to refill
         self.ram.open_dir()
-        huge = tmpfs_huge_option(self.ram.root)
+        huge = self.ram_huge
         if huge is None:
             log.warning("ram tier %s is not on tmpfs: it is a disk tier in disguise; use /dev/shm or a tmpfs",
                         self.ram.root)
@@ -69,7 +72,7 @@ class Store:
     def close(self) -> None:
         self.ssd_writer.shutdown(wait=True)  # pending write-throughs finish: SSD stays complete
         with self.lock:
-            self.ram.wipe()
+            self.ram.remove_dir()  # the README promises the RAM tier is gone after a graceful stop
 
     def holdings(self) -> list[str]:
         with self.lock:
@@ -117,6 +120,25 @@ class Store:
     def _pin(self, name: str, owner: str, tier: str) -> None:
         """Pin the copy the reader maps (RAM or SSD); the other tier's copy stays evictable."""
         self.leases.setdefault(name, {})[owner] = (time.monotonic() + self.cfg.lease_s, tier)
+
+    def renew(self, names: list[str], owner: str) -> int:
+        """A reader still maps `names`: extend its leases (re-pin after a reconnect). Returns how many."""
+        for name in names:
+            self.entry(name)
+        renewed = 0
+        with self.lock:
+            for name in names:
+                lease = self.leases.get(name, {}).get(owner)
+                tier = lease[1] if lease else "ram" if name in self.ram else "ssd" if name in self.ssd else None
+                if tier is not None:
+                    self._pin(name, owner, tier)
+                    renewed += 1
+        return renewed
+
+    def max_open(self) -> int:
+        """Maps one client may keep (announced in `hello`): its pins may fill at most half the RAM
+        tier, so prefetch and the other readers always find room."""
+        return max(1, self.ram.budget // 2 // max(1, self.ram.charge(self.biggest)))
 
     def release(self, name: str, owner: str) -> None:
         with self.lock:
@@ -192,6 +214,9 @@ class Store:
                 data = None
                 with self.lock:
                     self.ssd.remove(name)
+                    gone = name not in self.ram
+                if gone:  # refilled below and re-published; until then nobody should ask us for it
+                    self.coord.dropped(name)
         if data is None:
             self.metrics.inc("misses", "ssd")
             data, token = self._fetch_remote(entry)
@@ -267,7 +292,7 @@ class Store:
 
     def _place(self, tier: Tier, name: str, data, prefetch: bool) -> bool:
         """Write `name` into `tier`, evicting per policy. False if it cannot go there."""
-        size = len(data)
+        size = tier.charge(len(data))
         for attempt in range(2):
             with self.lock:
                 if name in tier or name in tier.reserved:
@@ -347,7 +372,7 @@ class Store:
 
     def _admissible(self, name: str, protect: set[str]) -> bool:
         """Dry run of _make_room(prefetch=True): would Belady admit `name` into RAM?"""
-        need = self.ram.used + self.entries[name].bytes - self.ram.budget
+        need = self.ram.used + self.ram.charge(self.entries[name].bytes) - self.ram.budget
         ranked = sorted((s for s in self.ram.entries if s not in protect), key=self.policy.rank_key, reverse=True)
         for victim in ranked:
             if need <= 0:

@@ -25,17 +25,45 @@ log = logging.getLogger(__name__)
 TIER_FORMAT = "loongforge-cache-tier"
 TIER_VERSION = 1
 MARKER = "CACHE_FORMAT.json"
+LOCK = ".lock"
+# Trainer workers read tier files as members of the daemon's group; nobody else may (shard data is
+# not public, and a world-readable /dev/shm tier is readable by every account on the node).
+FILE_MODE, DIR_MODE = 0o640, 0o750
+BASE_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def huge_page_size() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Hugepagesize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2 << 20
 
 
 class Tier:
-    def __init__(self, name: str, root: str, budget: int):
+    def __init__(self, name: str, root: str, budget: int, huge: str | None = None):
         self.name = name
         self.root = os.path.abspath(root)
         self.data_dir = os.path.join(self.root, "data")  # everything under it is ours to delete
         self.budget = budget
-        self.entries: dict[str, int] = {}  # shard -> bytes, complete and verified
-        self.reserved: dict[str, int] = {}  # shard -> bytes, being written
+        # Memory and disk are spent in pages, not file bytes: a 49 KiB shard takes 52 KiB of tmpfs.
+        # `huge` is the tmpfs `huge=` option of a RAM tier (tmpfs_huge_option), None for a disk tier.
+        self.huge_page = huge_page_size() if huge in ("huge=always", "huge=within_size") else 0
+        self.huge_always = huge == "huge=always"
+        self.entries: dict[str, int] = {}  # shard -> bytes charged (whole pages), complete and verified
+        self.reserved: dict[str, int] = {}  # shard -> bytes charged, being written
         self._lock_fd: int | None = None  # flock held for the daemon's lifetime
+
+    def charge(self, size: int) -> int:
+        """Bytes of memory/disk a file of `size` bytes occupies in this tier."""
+        hp = self.huge_page
+        if hp and self.huge_always:
+            return -(-size // hp) * hp
+        whole = size - size % hp if hp else 0  # within_size: huge pages only where they fit inside i_size
+        return whole + -(-(size - whole) // BASE_PAGE) * BASE_PAGE
 
     @property
     def used(self) -> int:
@@ -50,9 +78,11 @@ class Tier:
     def open_dir(self) -> None:
         """Create the directory, or check the on-disk format of an existing one,
         and lock it: two daemons sharing a tier would delete each other's files."""
-        os.makedirs(self.data_dir, exist_ok=True)
+        os.makedirs(self.data_dir, mode=DIR_MODE, exist_ok=True)
+        for d in (self.root, self.data_dir):
+            os.chmod(d, DIR_MODE)
         if self._lock_fd is None:
-            fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -72,6 +102,20 @@ class Tier:
                                   f"{TIER_FORMAT} v{TIER_VERSION}: delete the directory or point elsewhere")
         else:
             storage.write_bytes_atomic(marker, json.dumps({"format": TIER_FORMAT, "version": TIER_VERSION}).encode())
+            os.chmod(marker, FILE_MODE)
+
+    def remove_dir(self) -> None:
+        """Graceful stop of a RAM tier: files, format marker and lock go; the root too if now empty."""
+        self.wipe()
+        _unlink(os.path.join(self.root, MARKER))
+        if self._lock_fd is not None:
+            _unlink(os.path.join(self.root, LOCK))  # unlink while we still hold the flock, then let go
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        try:
+            os.rmdir(self.root)
+        except OSError:
+            pass  # something else lives there (a shared mount point): leave it
 
     def wipe(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)
@@ -102,19 +146,19 @@ class Tier:
                     _unlink(full_path)
                     dropped.append(rel)
                     continue
-                self.entries[rel] = size
+                self.entries[rel] = self.charge(size)
                 kept.append(rel)
         return kept, dropped
 
     def write(self, shard: str, data) -> str:
         """Temp file + rename; raises OSError (ENOSPC included) with nothing left behind."""
         target = self.path(shard)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.makedirs(os.path.dirname(target), mode=DIR_MODE, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.chmod(tmp, 0o644)  # trainer workers may run as another user in the group
+            os.chmod(tmp, FILE_MODE)  # trainer workers may run as another user in the daemon's group
             os.replace(tmp, target)
         except BaseException:
             _unlink(tmp)

@@ -49,6 +49,9 @@ class CacheUnavailableError(CacheError):
 class ShardNotFoundError(CacheError, KeyError):
     """A shard name is not in the index."""
 
+    def __str__(self) -> str:  # KeyError's str() is the repr of its key: quotes around the whole message
+        return str(self.args[0]) if self.args else ""
+
 
 class TrainError(LoongForgeError):
     """Trainer failure: data worker died, bad checkpoint, bad layout."""

@@ -40,12 +40,13 @@ class DaemonProc:
 
     def start(self, timeout: float = 20.0) -> "DaemonProc":
         log = open(self.log_path, "a")
+        offset = log.tell()  # a restarted daemon appends: only a READY line of this run counts
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if READY in self.log_path.read_text() and ("--tcp" in self.args or os.path.exists(self.socket)):
+            if READY in self.log_path.read_text()[offset:] and ("--tcp" in self.args or os.path.exists(self.socket)):
                 return self
             if self.proc.poll() is not None:
                 break

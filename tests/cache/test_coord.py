@@ -72,8 +72,27 @@ def test_a_holder_without_a_live_node_key_counts_as_gone(redis_server):
     a, b = _node(redis_server.url, "node-a"), _node(redis_server.url, "node-b")
     shard = "shards/s2.tar"
     a.finish(shard, "", published=True)
-    a.deregister()  # node key gone: A died or expired
+    a.client.delete(a.prefix + "node:node-a")  # node key expired: A died without deregistering
     data, source, _ = b.fill(shard, from_origin=lambda: b"o", from_peer=lambda addr: b"p",
                              deadline=time.monotonic() + 5)
     assert source == "origin"
     assert b.metrics.snapshot()["origin_reads"] == {"no_live_holder": 1}
+
+
+def test_deregister_and_registration_make_the_directory_exact(redis_server):
+    """Graceful stop leaves every dir:<s>; a (re)registration replaces the node's entries with
+    exactly what it holds (a restart that lost its RAM tier and part of its SSD)."""
+    holdings = ["shards/s0.tar", "shards/s1.tar", "shards/s2.tar"]
+    cfg = CacheConfig(origin="/unused", redis_url=redis_server.url, node_id="node-a", fill_timeout_s=5.0)
+    a = Coordinator(cfg, "ns-test", Metrics("node-a"), holdings=lambda: list(holdings))
+    a.heartbeat()
+    r = a.client
+    assert all(r.smembers(a.prefix + f"dir:{s}") == {"node-a"} for s in holdings)
+    a.deregister()
+    assert not any(r.exists(a.prefix + f"dir:{s}") for s in holdings) and not r.exists(a.prefix + "held:node-a")
+    a.heartbeat()  # a new process on the same node id: first registration replaces
+    assert r.smembers(a.prefix + "held:node-a") == set(holdings)
+    restarted = Coordinator(cfg, "ns-test", Metrics("node-a"), holdings=lambda: ["shards/s1.tar"])
+    restarted.heartbeat()  # node key still alive (killed within node_ttl_s): must register anyway
+    assert r.smembers(a.prefix + "held:node-a") == {"shards/s1.tar"}
+    assert [s for s in holdings if r.sismember(a.prefix + f"dir:{s}", "node-a")] == ["shards/s1.tar"]

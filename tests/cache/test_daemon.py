@@ -328,3 +328,120 @@ def test_corrupt_origin_is_a_clear_error_not_cached(synthetic_root, daemons):
     st = settled(d)
     assert counter(st, "corrupt", "origin") == 1 and st["tiers"]["ram"]["shards"] == 0
     assert st["tiers"]["ssd"]["shards"] == 0
+
+
+def test_shard_not_found_message_is_not_quoted(synthetic_root, daemons):
+    root, index = synthetic_root
+    d = daemons(root, index)
+    conn = Connection(d.socket, None, 10.0)
+    with pytest.raises(ShardNotFoundError) as over_the_wire:
+        conn.request("get", shard="shards/shard-999999.tar")
+    conn.close()
+    with d.client() as client, pytest.raises(ShardNotFoundError) as in_client:
+        client.read_shard("shards/shard-999999.tar")
+    for exc in (over_the_wire.value, in_client.value):
+        assert str(exc).startswith("shard 'shards/shard-999999.tar' is not in the index"), str(exc)
+
+
+def test_cli_stats_into_a_closed_pipe_is_quiet(synthetic_root, daemons):
+    """`loongforge cache stats | head -1`: the reader leaves before the table is written."""
+    root, index = synthetic_root
+    d = daemons(root, index)
+    for extra in ((), ("--json",)):
+        proc = subprocess.Popen([sys.executable, "-m", "loongforge.cache", "stats", "--socket", d.socket, *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # long before the interpreter is up: its print hits EPIPE
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=30) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_graceful_stop_removes_the_whole_ram_tier(synthetic_root, daemons):
+    root, index = synthetic_root
+    d = daemons(root, index)
+    with d.client() as client:
+        client.read_shard(index.shards[0].name)
+    assert os.path.exists(os.path.join(d.ram_dir, "CACHE_FORMAT.json"))
+    assert d.stop() == 0
+    assert not os.path.exists(d.ram_dir)  # marker and .lock too, as the README promises
+    assert os.path.exists(os.path.join(d.ssd_dir, "CACHE_FORMAT.json"))  # SSD kept
+    d.start()  # and a restart recreates it
+    assert os.path.exists(os.path.join(d.ram_dir, "CACHE_FORMAT.json"))
+
+
+def test_tier_usage_is_counted_in_pages(synthetic_root, daemons):
+    root, index = synthetic_root
+    page = os.sysconf("SC_PAGE_SIZE")
+    sizes = [e.bytes for e in index.shards[:2]]
+    assert all(b % page for b in sizes)  # otherwise this test could not tell pages from bytes
+    pages = [-(-b // page) * page for b in sizes]
+    d = daemons(root, index, ram=str(sum(sizes)))  # fits the files' bytes, not their pages
+    with d.client(max_open=1) as client:
+        for e in index.shards[:2]:
+            client.read_shard(e.name)
+    st = settled(d)
+    assert st["tiers"]["ram"]["used"] == pages[1] and st["tiers"]["ram"]["shards"] == 1  # the first was evicted
+    assert st["tiers"]["ssd"]["used"] == sum(pages)
+    assert st["tiers"]["ram"]["used"] <= st["tiers"]["ram"]["budget"]
+
+
+def test_max_open_follows_the_ram_budget(synthetic_root, daemons):
+    """A 2-shard RAM tier: a client that kept 16 maps pinned both slots and the third shard went to SSD."""
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)))
+    with d.client() as client:  # max_open left at its default (16)
+        for name in s[:3]:
+            assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
+        assert client.max_open == 1
+    st = d.stats()
+    assert counter(st, "bytes_served", "ssd") == 0 and counter(st, "bytes_served", "ram") > 0
+
+
+def test_client_renews_leases_of_open_maps(synthetic_root, daemons):
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)), extra=("--lease-s", "1"))
+    with d.client() as holder:
+        view = holder.read_shard(s[0])
+        time.sleep(2.5)  # over two leases: only renewal keeps s0 pinned
+        assert d.stats()["pinned"] == 1
+        other = Connection(d.socket, None, 10.0)
+        for name in s[1:]:  # each of these would evict the LRU shard, s0, if it were not pinned
+            other.request("get", shard=name)
+            other.request("release", shard=name)
+        other.close()
+        assert s[0] in _tier_files(d.ram_dir) and bytes(view) == _origin_bytes(root, s[0])
+    wait_for(lambda: d.stats()["pinned"] == 0, what="the closed client's pin to go")
+
+
+def test_forked_worker_reads_while_the_parent_lock_was_held(synthetic_root, daemons):
+    """The lease thread may hold the client's lock when a DataLoader forks: the child must not hang."""
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    d = daemons(root, index)
+    with d.client() as client:
+        client.read_shard(s[0])  # lease thread running from here on
+        held, done_forking = threading.Event(), threading.Event()
+
+        def renewer_mid_request():  # another thread holds the lock, as the lease thread may
+            with client._lock:
+                held.set()
+                done_forking.wait(10)
+
+        threading.Thread(target=renewer_mid_request, daemon=True).start()
+        held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # child: never return into pytest
+            try:
+                os._exit(0 if bytes(client.read_shard(s[1])) == _origin_bytes(root, s[1]) else 1)
+            except BaseException:  # noqa: BLE001
+                os._exit(2)
+        done_forking.set()
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("forked reader hung on the inherited client lock")
+        assert os.waitstatus_to_exitcode(done[1]) == 0

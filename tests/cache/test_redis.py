@@ -6,12 +6,15 @@ import os
 import shutil
 import subprocess
 import signal
+import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 import redis
-from tests.cache.cache_helpers import counter, wait_for
+from tests.cache.cache_helpers import counter, settled, wait_for
+from tests.conftest import free_port
 
 from loongforge.shared.synthetic import make_synthetic_root
 
@@ -129,9 +132,18 @@ def test_redis_password_acl_user_and_wrong_password(synthetic_root, tmp_path, re
         for d in (by_password, by_acl):
             wait_for(lambda d=d: d.stats()["redis"]["state"] == "connected", what=f"{d.name} auth")
         assert admin.exists(by_acl.stats()["redis"]["prefix"].encode() + b"node:node-u")
+        missing = daemons(root, index, "node-m", redis_url=f"redis://127.0.0.1:{server.port}/0")
         with wrong.client(timeout=5.0) as c:  # auth failure degrades, never stops serving
             assert bytes(c.read_shard(index.shards[0].name)) == _bytes(root, index.shards[0].name)
-        assert wrong.stats()["redis"]["state"] == "down"
+        for d, says in ((wrong, "invalid username-password"), (missing, "AuthenticationError")):
+            st = d.stats()
+            assert st["redis"]["state"] == "down" and says in st["redis"]["last_error"], st["redis"]
+            # logged once, at start, as an ERROR that names where the password goes
+            errors = [ln for ln in d.log().splitlines() if " ERROR loongforge.cache.coord" in ln]
+            assert len(errors) == 1 and "--redis-url" in errors[0] and "LOONGFORGE_CACHE_REDIS_PASSWORD" in errors[0]
+        table = subprocess.run([sys.executable, "-m", "loongforge.cache", "stats", "--socket", wrong.socket],
+                               capture_output=True, text=True, timeout=30)
+        assert "last redis error" in table.stdout and "AuthenticationError" in table.stdout
     finally:
         server.stop()
 
@@ -178,3 +190,54 @@ def _tls_ping(url, ca) -> bool:
         return redis.Redis.from_url(url, ssl_ca_certs=ca, socket_timeout=0.5).ping()
     except redis.RedisError:
         return False
+
+
+def test_redis_unreachable_at_start_is_logged_and_shown(synthetic_root, daemons):
+    root, index = synthetic_root
+    d = daemons(root, index, redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    st = d.stats()
+    assert st["redis"]["state"] == "down" and "Connection refused" in st["redis"]["last_error"], st["redis"]
+    warnings = [ln for ln in d.log().splitlines() if " WARNING loongforge.cache.coord" in ln]
+    assert len(warnings) == 1 and "Connection refused" in warnings[0]
+
+
+def _dir(r, prefix, names) -> dict:
+    return {n: r.smembers(prefix + f"dir:{n}") for n in names}
+
+
+def test_directory_stays_exact_across_restarts_with_wiped_tiers(root8, redis_server, daemons):
+    """Both nodes hold everything; one is killed, the other stopped, both lose their SSD. After the
+    restart nobody may be asked for a shard it no longer holds: every origin read is a `lock` read."""
+    root, index = root8
+    names = [s.name for s in index.shards]
+    a = daemons(root, index, "node-a", redis_url=redis_server.url)
+    b = daemons(root, index, "node-b", redis_url=redis_server.url)
+    for d in (a, b):
+        wait_for(lambda d=d: d.stats()["redis"]["state"] == "connected", what=f"{d.name} redis")
+        ok: list = []
+        _read_all(d, names, ok)
+        assert ok == [True] * len(names)
+        settled(d)
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    prefix = a.stats()["redis"]["prefix"]
+    assert _dir(r, prefix, names) == {n: {"node-a", "node-b"} for n in names}
+    assert b.stop() == 0  # graceful: deregisters
+    assert _dir(r, prefix, names) == {n: {"node-a"} for n in names}
+    a.stop(signal.SIGKILL)  # no deregistration: its entries stay until it registers again
+    for d in (a, b):
+        shutil.rmtree(d.ssd_dir)
+    a.start()
+    b.start()
+    for d in (a, b):
+        wait_for(lambda d=d: d.stats()["redis"]["registrations"] >= 1, what=f"{d.name} registration")
+    assert _dir(r, prefix, names) == {n: set() for n in names}
+    for d in (a, b):
+        ok = []
+        _read_all(d, names, ok)
+        assert ok == [True] * len(names)
+    sa, sb = a.stats(), b.stats()
+    reasons = Counter(sa["counters"]["origin_reads"]) + Counter(sb["counters"]["origin_reads"])
+    assert reasons == {"lock": len(names)}, reasons  # no peer_failed, no no_live_holder
+    assert counter(sb, "fills", "peer") == len(names)
+    settled(a), settled(b)
+    assert _dir(r, prefix, names) == {n: {"node-a", "node-b"} for n in names}

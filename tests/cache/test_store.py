@@ -57,3 +57,16 @@ def test_ram_eviction_during_a_pending_write_through_keeps_the_shard_held(synthe
         assert f.read() == open(f"{root}/{s0}", "rb").read()
     assert s0 in store.ssd and s1 in store.ssd
     assert store.coord.dropped_shards == []
+
+
+def test_tier_charges_whole_pages(tmp_path):
+    from loongforge.cache.tiers import BASE_PAGE, Tier, huge_page_size
+
+    hp = huge_page_size()
+    small = Tier("ram", str(tmp_path / "a"), 1 << 30)  # 4 KiB pages (huge=never, or not tmpfs)
+    assert [small.charge(n) for n in (0, 1, BASE_PAGE, BASE_PAGE + 1)] == [0, BASE_PAGE, BASE_PAGE, 2 * BASE_PAGE]
+    always = Tier("ram", str(tmp_path / "b"), 1 << 30, huge="huge=always")
+    assert always.charge(1) == hp and always.charge(hp + 1) == 2 * hp
+    within = Tier("ram", str(tmp_path / "c"), 1 << 30, huge="huge=within_size")
+    assert within.charge(100) == BASE_PAGE  # a huge page must fit inside i_size
+    assert within.charge(hp + 1) == hp + BASE_PAGE
