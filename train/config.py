@@ -145,6 +145,8 @@ class RunConfig:
     log_every: int = 1
     profile_steps: tuple[int, int] | None = None  # [a, b) steps traced with torch.profiler
     device: str = "auto"  # auto = cuda if available else cpu
+    eval_every: int = 0  # validation flow loss + action MSE every N steps (needs a split); 0 = never
+    eval_samples: int = 32  # the fixed, evenly spaced validation subset it scores
 
     def __post_init__(self):
         _need(bool(self.run_dir), "run.run_dir", "give --run-dir")
@@ -155,6 +157,8 @@ class RunConfig:
             a, b = self.profile_steps
             _need(0 <= a < b, "run.profile_steps", "use a:b with 0 <= a < b (steps counted from 0)")
         _need(self.device in ("auto", "cpu", "cuda"), "run.device", "use auto, cpu or cuda")
+        _need(self.eval_every >= 0 and self.eval_samples >= 1, "run.eval_every",
+              "eval_every must be >= 0 (0 = never) and eval_samples >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
