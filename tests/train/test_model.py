@@ -149,3 +149,21 @@ def test_config_errors_name_the_field(tmp_path):
         ModelConfig().dim = 8
     with pytest.raises(ConfigError, match="model.attention"):
         VLAModel(ModelConfig(attention="flash"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inference_on_cuda_matches_cpu_and_is_deterministic(train_root):
+    root, index = train_root
+    cfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2)
+    torch.manual_seed(0)
+    model = VLAModel(cfg).eval()
+    batch = _batch(root, index)
+    want = model.predict_discrete(batch)
+    gpu = model.to("cuda")
+    dev = {k: ({s: f.cuda() for s, f in v.items()} if isinstance(v, dict) else v.cuda()) for k, v in batch.items()}
+    a = gpu.predict_action(dev, steps=4, seed=7)
+    assert torch.equal(a, gpu.predict_action(dev, steps=4, seed=7)) and a.device.type == "cuda"
+    torch.testing.assert_close(gpu.predict_discrete(dev).cpu(), want, atol=2 * 6.0 / 31, rtol=0)
+    out = gpu.to(torch.bfloat16)(dev, torch.randn(a.shape, device="cuda"), torch.rand(a.shape[0], device="cuda"))
+    assert torch.isfinite(out["loss"])
