@@ -8,8 +8,6 @@ into model batches on the device. `val_metrics` is what `--eval-every N` logs: t
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import numpy as np
 import torch
 
@@ -65,23 +63,33 @@ class ValSet:
         return out
 
 
-def _gathered(model):
-    """ZeRO-3 partitions parameters; inference outside the engine's forward needs them whole."""
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        import deepspeed
+def _plain(model):
+    """ZeRO-3 partitions parameters and its hooks release them after each forward, so inference
+    outside the engine's forward cannot run on the engine's module: gather the weights (a collective:
+    every rank evaluates) into a plain replica. Other stages hold whole parameters: used as is."""
+    params = list(model.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return model
+    import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(model.parameters()))
-    return nullcontext()
+    from loongforge.train.model import VLAModel
+
+    with deepspeed.zero.GatheredParameters(params):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    replica = VLAModel(model.cfg)
+    replica.load_state_dict(state)
+    return replica.to(device=params[0].device, dtype=next(iter(state.values())).dtype)
 
 
 def val_metrics(model, valset: ValSet, *, seed: int = 0, steps: int = 4) -> dict:
     """Validation flow loss and action MSE (normalised units) of `model` (a VLAModel)."""
-    was_training = model.training
+    was_training, engine_module = model.training, model
+    model = _plain(model)
     model.eval()
     flow, mse, n = 0.0, 0.0, 0.0
     g = torch.Generator().manual_seed(seed)
     try:
-        with _gathered(model), torch.no_grad():
+        with torch.no_grad():
             for i, batch in enumerate(valset.batches):
                 shape = batch["action"].shape
                 noise, u = torch.randn(shape, generator=g), torch.rand(shape[0], generator=g)
@@ -93,6 +101,6 @@ def val_metrics(model, valset: ValSet, *, seed: int = 0, steps: int = 4) -> dict
                 mse += float((err * w).sum())
                 n += float(w.sum())
     finally:
-        model.train(was_training)
+        engine_module.train(was_training)
     n = max(n, 1.0)
     return {"val_flow_loss": flow / n, "val_action_mse": mse / n}

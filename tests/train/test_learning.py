@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 240
+STEPS = 120  # val action MSE 0.51 vs 2.29 (mean) and 4.84 (repeat-last) at 120 steps
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +126,13 @@ def test_policy_takes_raw_observations(trained, split_root):
 
 
 def test_zero3_checkpoint_loads_as_a_policy(split_root, tmp_path):
+    """ZeRO-3 partitions the parameters: --eval-every gathers them, Policy consolidates the shards."""
     root, index = split_root
     run_dir = str(tmp_path / "z3")
     proc = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "2", "--zero", "3", "--batch-size", "8",
-                        "--recipe", "tiny", "--no-ds-breakdown"], cwd=str(tmp_path))
+                        "--recipe", "tiny", "--eval-every", "1", "--no-ds-breakdown"], cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all(np.isfinite(r["val_action_mse"]) for r in _metrics(run_dir))
     from loongforge.train.policy import Policy
 
     policy = Policy.load(run_dir, root)
