@@ -1,6 +1,6 @@
 """P3: data-bound training. The `tiny` recipe's model trains in one process
 from each loader; the share of step time spent blocked on the next batch is
-the data wait. The model is kept cheap (a large patch) so data dominates, as it
+the data wait. The model is kept cheap (one vision token per frame) so data dominates, as it
 does on a GPU where the step takes milliseconds.
 """
 
@@ -65,9 +65,9 @@ def make_step(index, seed: int):
     from loongforge.train.recipes import resolve
 
     ds = index.dataset
-    # patch = the full frame side: one patch per frame keeps the step cheap (GPU-like).
-    cfg = resolve("tiny", index, max_text_tokens=TEXT_TOKENS, max_frames=ds.frames_per_sample,
-                  patch=min(ds.height, ds.width) if ds.height == ds.width else 16)
+    # One vision token per frame (frames resized on the device to 2 patches a side) keeps the step
+    # cheap (GPU-like) whatever the frame size.
+    cfg = resolve("tiny", index, max_text_tokens=TEXT_TOKENS, max_frames=ds.frames_per_sample, vision_tokens=1)
     torch.manual_seed(seed)
     model = VLAModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -180,7 +180,7 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
     params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
-              "patch": model_cfg.patch, "ours_source": ctx.source_label, "processes": 1,
+              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens, "ours_source": ctx.source_label, "processes": 1,
               "torch_threads": torch.get_num_threads()}
     labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"ShardLoader ({ctx.source_label})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]

@@ -6,7 +6,7 @@
 #   3 inspect and hash-verify the shards
 #   4 start a private Redis and the cache daemon
 #   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache
-#   6 print the step-time breakdown and write the chart
+#   6 print the step-time breakdown and write the chart; open-loop eval on held-out episodes
 #   7 shut everything down (also on failure or Ctrl-C)
 set -euo pipefail
 OUT=${DEMO_OUT:-demo-out}
@@ -34,7 +34,8 @@ step "1/6 generate sample data"
 loongforge sample-data "$OUT/dataset" --episodes 8
 
 step "2/6 preprocess (Beam, local runner)"
-loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 1MB
+loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 1MB \
+  --val-episodes 25%
 
 step "3/6 inspect + verify"
 loongforge inspect "$OUT/shards" --verify
@@ -59,10 +60,13 @@ LAUNCH=(deepspeed --num_gpus "$RANKS")
 step "5/6 train tiny recipe, $RANKS ranks, $STEPS steps (${DS_ACCELERATOR:-cuda})"
 "${LAUNCH[@]}" "$(python -c 'import loongforge.train.launch as m; print(m.__file__)')" \
   --data "$OUT/shards" --run-dir "$OUT/run" --recipe tiny --steps "$STEPS" \
-  --cache-socket "$SOCK" --workers 1 --no-ds-breakdown
+  --cache-socket "$SOCK" --workers 1 --no-ds-breakdown --eval-every "$STEPS"
 
 step "6/6 step-time breakdown"
 loongforge profile "$OUT/run"
 loongforge cache stats --socket "$SOCK"
+
+step "open-loop eval on the held-out episodes"
+loongforge eval "$OUT/run" --data "$OUT/shards"
 echo
 echo "demo finished: shards in $OUT/shards, run in $OUT/run"

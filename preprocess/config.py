@@ -42,6 +42,7 @@ class PreprocessConfig:
     shard_size: int = 64 << 20
     zstd_level: int = 3
     workers: int = 0  # 0 = one per core
+    val_episodes: str = ""  # validation split: "10%" or "3,7" (shared/split.py); "" = no split
 
     def __post_init__(self):
         for name in ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames"):
@@ -65,6 +66,9 @@ class PreprocessConfig:
             raise ConfigError(f"zstd_level={self.zstd_level}: must be in 1..22")
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers}: must be >= 0 (0 = one per core)")
+        from loongforge.shared.split import parse_val_spec
+
+        parse_val_spec(self.val_episodes)  # raises ConfigError on a bad spec, before any work
         if not self.input or not self.output:
             raise ConfigError("input and output: both are required (--input DATASET --output SHARDS)")
         if self.output.rstrip("/") == self.input.rstrip("/"):
@@ -97,6 +101,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB, 1GB (SI units are powers of 1000, IEC powers of 1024; default 64MiB)")
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
     parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
+    parser.add_argument("--val-episodes", default="", metavar="SPEC",
+                        help="hold out episodes for validation: a percentage (10%%) or ids (3,7); default none")
 
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
@@ -104,4 +110,5 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
                             min_frames=args.min_frames, height=args.height, width=args.width,
                             resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size, "--shard-size"),
-                            zstd_level=args.zstd_level, workers=args.workers)
+                            zstd_level=args.zstd_level, workers=args.workers,
+                            val_episodes=getattr(args, "val_episodes", "") or "")

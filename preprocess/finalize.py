@@ -21,6 +21,7 @@ from loongforge.preprocess.discover import SourceMeta
 from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
 from loongforge.shared import paths, storage
 from loongforge.shared.index import CameraInfo, DatasetInfo, ShardEntry, ShardIndex, save_index
+from loongforge.shared.split import choose_val_episodes
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, 
     failed_sorted = tuple(sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"])))
     return ShardIndex(dataset=dataset, shards=tuple(sorted(entries, key=lambda e: e.name)),
                       params={**cfg.output_params(), "height": params.height, "width": params.width},
-                      failed=failed_sorted, episodes=len(staged), created_by=f"loongforge.preprocess {__version__}")
+                      failed=failed_sorted, episodes=len(staged),
+                      val_episodes=choose_val_episodes(cfg.val_episodes, [e.episode for e in staged]),
+                      created_by=f"loongforge.preprocess {__version__}")
 
 
 def _remove_stale_shards(output: str, index: ShardIndex) -> None:

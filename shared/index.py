@@ -108,6 +108,7 @@ class ShardIndex:
     params: dict = field(default_factory=dict)  # the job parameters that made these shards
     failed: tuple[dict, ...] = ()  # {"episode", "camera", "reason"} per failed record
     episodes: int = 0
+    val_episodes: tuple[int, ...] = ()  # validation split by episode (shared/split.py); () = all train
     format_version: int = FORMAT_VERSION
     created_by: str = ""
 
@@ -187,6 +188,8 @@ class ShardIndex:
             "shards": [asdict(s) for s in self.shards],
             "failed": list(self.failed),
         }
+        if self.val_episodes:  # absent when unsplit, so older indexes keep their bytes
+            doc["split"] = {"val_episodes": list(self.val_episodes)}
         # sort_keys + fixed separators: equal indexes are equal bytes.
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
@@ -204,7 +207,8 @@ class ShardIndex:
                 "re-run `loongforge preprocess` to rewrite the shards"
             raise FormatVersionError(
                 f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
-        known = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed"}
+        known = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed",
+                 "split"}
         for key in sorted(set(doc) - known):
             log.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
         try:
@@ -222,6 +226,7 @@ class ShardIndex:
                 params=doc.get("params", {}),
                 failed=tuple(doc.get("failed", ())),
                 episodes=int(doc.get("episodes", 0)),
+                val_episodes=tuple(int(e) for e in doc.get("split", {}).get("val_episodes", ())),
                 format_version=version,
                 created_by=doc.get("created_by", ""),
             )

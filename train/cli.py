@@ -16,6 +16,17 @@ def register(subparsers) -> None:
     q.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     q.add_argument("--no-chart", action="store_true", help="skip profile.png / profile.html")
     q.set_defaults(func=_profile)
+    e = subparsers.add_parser("eval", help="open-loop evaluation of a trained run over validation episodes: "
+                                           "MSE/MAE per action group vs baselines, plots, eval.json")
+    e.add_argument("run_dir", metavar="RUN", help="run directory (holds checkpoints/)")
+    e.add_argument("--data", required=True, metavar="SHARDS", help="shard root (its index has the split and stats)")
+    e.add_argument("--episodes", type=int, nargs="+", default=None, help="episode ids (default: validation split)")
+    e.add_argument("--out", default=None, help="output directory (default: RUN/eval)")
+    e.add_argument("--steps", type=int, default=4, help="Euler steps of the flow (4, as GR00T)")
+    e.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    e.set_defaults(func=_eval)
 
 
 def _train(args) -> int:
@@ -36,4 +47,26 @@ def _profile(args) -> int:
         html = report.write_html(b, args.run_dir)
         if not args.json:
             print(f"chart: {png}\nhtml:  {html}")
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+    import os
+
+    import torch
+
+    from loongforge.train.openloop import format_table, run_eval
+    from loongforge.train.policy import Policy
+
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    policy = Policy.load(args.run_dir, args.data, tag=args.tag, device=device)
+    out = args.out or os.path.join(args.run_dir, "eval")
+    summary = run_eval(policy, args.data, out, episodes=args.episodes, steps=args.steps)
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(f"open-loop eval, {len(summary['episodes'])} episodes (dataset units):")
+        print(format_table(summary))
+        print(f"summary: {os.path.join(out, 'eval.json')}  plots: {out}/episode_*.png")
     return 0

@@ -8,6 +8,7 @@ written by hand.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from loongforge.shared.errors import ConfigError
@@ -15,6 +16,7 @@ from loongforge.shared.errors import ConfigError
 BAD_SAMPLE_POLICIES = ("skip", "raise")
 TAIL_POLICIES = ("drop",)  # see order.py: padding would duplicate samples within an epoch
 ATTENTION_BACKENDS = ("sdpa", "flash")
+TIME_SCHEDULES = ("beta", "uniform")
 
 
 def _need(cond: bool, field_name: str, msg: str) -> None:
@@ -60,10 +62,14 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     dim: int = 64
-    depth: int = 2
+    depth: int = 2  # vision-language trunk blocks
+    head_depth: int = 2  # action head (DiT) blocks, cross- and self-attention interleaved
+    bin_depth: int = 2  # discrete head blocks
     heads: int = 4
     mlp_ratio: float = 4.0
     patch: int = 8
+    vision_tokens: int = 16  # per frame and camera (a square); frames are resized to 2*sqrt(this)*patch
+    time_schedule: str = "beta"  # flow time: "beta" (GR00T: Beta(1.5, 1), noisy t favoured) or "uniform"
     vocab: int = 259  # 256 bytes + pad/bos/eos: a byte-level tokenizer needs no download
     action_bins: int = 64
     action_clip: float = 3.0  # normalized actions are clipped to +-clip before binning
@@ -84,9 +90,12 @@ class ModelConfig:
         _need(self.dim > 0 and self.heads > 0 and self.dim % self.heads == 0, "model.dim",
               f"must be a positive multiple of model.heads ({self.heads})")
         _need(self.depth >= 1, "model.depth", "must be >= 1")
-        h, w = self.image_size
-        _need(self.patch >= 1 and h % self.patch == 0 and w % self.patch == 0, "model.patch",
-              f"must divide the frame size {h}x{w}; pick a divisor or resize in preprocess")
+        _need(self.patch >= 1, "model.patch", "must be >= 1")
+        _need(self.vision_tokens >= 1 and math.isqrt(self.vision_tokens) ** 2 == self.vision_tokens,
+              "model.vision_tokens", "must be a perfect square (16, 64, ...): tokens form a square grid")
+        _need(self.head_depth >= 1 and self.bin_depth >= 1, "model.head_depth",
+              "head_depth and bin_depth must be >= 1")
+        _need(self.time_schedule in TIME_SCHEDULES, "model.time_schedule", f"use one of {TIME_SCHEDULES}")
         _need(self.action_bins >= 2, "model.action_bins", "must be >= 2")
         _need(self.attention in ATTENTION_BACKENDS, "model.attention", f"use one of {ATTENTION_BACKENDS}")
         _need(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
@@ -136,6 +145,8 @@ class RunConfig:
     log_every: int = 1
     profile_steps: tuple[int, int] | None = None  # [a, b) steps traced with torch.profiler
     device: str = "auto"  # auto = cuda if available else cpu
+    eval_every: int = 0  # validation flow loss + action MSE every N steps (needs a split); 0 = never
+    eval_samples: int = 32  # the fixed, evenly spaced validation subset it scores
 
     def __post_init__(self):
         _need(bool(self.run_dir), "run.run_dir", "give --run-dir")
@@ -146,6 +157,8 @@ class RunConfig:
             a, b = self.profile_steps
             _need(0 <= a < b, "run.profile_steps", "use a:b with 0 <= a < b (steps counted from 0)")
         _need(self.device in ("auto", "cpu", "cuda"), "run.device", "use auto, cpu or cuda")
+        _need(self.eval_every >= 0 and self.eval_samples >= 1, "run.eval_every",
+              "eval_every must be >= 0 (0 = never) and eval_samples >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,6 +53,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=0, help="log validation flow loss and action MSE every N "
+                   "steps (the index's --val-episodes split); 0 = never")
     p.add_argument("--ds-log-level", default="WARNING", help="level of DeepSpeed's logger (INFO: its setup chatter)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -70,7 +72,8 @@ def config_from_args(a: argparse.Namespace):
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
-                      log_every=a.log_every, profile_steps=a.profile_steps, device=a.device),
+                      log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
+                      eval_every=a.eval_every),
     )
 
 

@@ -42,13 +42,17 @@ class ShardLoader:
                  device: str | torch.device = "cpu", rgb: bool = True, shuffle_window: int = 64,
                  frame_buckets: tuple[int, ...] = (), max_text_tokens: int = 32, bad_samples: str = "skip",
                  prefetch: int = 2, max_steps: int | None = None, timeout_s: float = 120.0,
-                 start_method: str = "spawn", image_mean: float = 0.5, image_std: float = 0.25):
+                 start_method: str = "spawn", image_mean: float = 0.5, image_std: float = 0.25,
+                 subset: np.ndarray | None = None):
         self.index = index if index is not None else load_index(root)
         self.source_spec = source or SourceSpec(root=root)
         self.rank, self.world, self.seed = rank, world, seed
         self.global_batch = batch_size
         order.rank_positions(batch_size, rank, world)  # validates divisibility now, not mid-run
-        self.plan = order.plan_epoch(self.index.num_samples, batch_size)
+        # subset: bool per global sample (the training split); None = every sample.
+        self.subset = None if subset is None else np.asarray(subset, bool)
+        self.plan = order.plan_epoch(self.index.num_samples if self.subset is None else int(self.subset.sum()),
+                                     batch_size)
         self.window = shuffle_window
         max_frames = max(max(s.frames) for s in self.index.shards)
         self.buckets = tuple(frame_buckets) or default_buckets(max_frames)
@@ -76,7 +80,7 @@ class ShardLoader:
     def sequence(self, epoch: int) -> np.ndarray:
         if self._seq_cache is None or self._seq_cache[0] != epoch:
             sizes = [s.samples for s in self.index.shards]
-            self._seq_cache = (epoch, order.epoch_sequence(sizes, self.seed, epoch, self.window))
+            self._seq_cache = (epoch, order.epoch_sequence(sizes, self.seed, epoch, self.window, keep=self.subset))
         return self._seq_cache[1]
 
     def _plans(self):

@@ -51,8 +51,10 @@ def shard_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_shards)
 
 
-def epoch_sequence(shard_sizes: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
-    """Global sample numbers (index order) in this epoch's training order; int64, a permutation."""
+def epoch_sequence(shard_sizes: Sequence[int], seed: int, epoch: int, window: int,
+                   keep: np.ndarray | None = None) -> np.ndarray:
+    """Global sample numbers (index order) in this epoch's training order; int64, a permutation
+    (of the samples where `keep` is True: the training split, when the index has one)."""
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     perm = shard_order(len(sizes), seed, epoch)
@@ -63,6 +65,9 @@ def epoch_sequence(shard_sizes: Sequence[int], seed: int, epoch: int, window: in
         keys = np.random.default_rng([seed, epoch, 1]).random(len(seq))
         block = np.arange(len(seq)) // window
         seq = seq[np.lexsort((keys, block))]
+    if keep is not None:
+        # After the shuffle, so the split leaves the order of the kept samples and its locality alone.
+        seq = seq[np.asarray(keep, bool)[seq]]
     return seq
 
 

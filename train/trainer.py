@@ -7,6 +7,7 @@ with every resource closed on every exit path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,9 +15,11 @@ import time
 import numpy as np
 import torch
 
+from loongforge.shared import split
 from loongforge.shared.index import load_index
 from loongforge.train import checkpoint, engine as eng, recipes
 from loongforge.train.config import TrainConfig
+from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel, count_parameters
@@ -57,7 +60,8 @@ class Trainer:
             device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
             max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
             timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
-            image_std=d.image_std)
+            image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
+        self.valset = self._valset()
         self.step = 0
         if cfg.run.resume:
             self._resume()
@@ -68,6 +72,16 @@ class Trainer:
             eng.write_ds_config(self.ds_conf, cfg.run.run_dir)
             log.info("model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
                      self.world, self.device, cfg.parallel.zero_stage)
+
+    def _valset(self):
+        """The fixed validation subset --eval-every scores (None when off)."""
+        run, d = self.cfg.run, self.cfg.data
+        if not run.eval_every:
+            return None
+        ids = val_sample_ids(self.index, run.eval_samples)  # raises ConfigError without a split
+        return ValSet(d.root, self.index, ids, batch_size=min(8, len(ids)), text_len=d.max_text_tokens,
+                      device=self.device, image_mean=d.image_mean, image_std=d.image_std,
+                      source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))
 
     def _resume(self) -> None:
         tag = checkpoint.latest_tag(self.cfg.run.run_dir)
@@ -92,6 +106,8 @@ class Trainer:
                 trace.before(self.step)
                 record = self._one_step(it, timer)
                 trace.after(self.step)
+                if self.valset is not None and (self.step + 1) % run.eval_every == 0:
+                    record.update(val_metrics(self.engine.module, self.valset, seed=self.cfg.data.seed))
                 self.metrics.write(record)
                 self.step += 1
                 if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
@@ -149,7 +165,11 @@ class Trainer:
         checkpoint.save(self.engine, self.cfg.run.run_dir, step=self.step, loader_state=self.loader.state_dict(),
                         rank=self.rank, world=self.world,
                         extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
-                               "global_batch_size": self.cfg.data.global_batch_size})
+                               "global_batch_size": self.cfg.data.global_batch_size,
+                               # What Policy.load needs to rebuild the model and its input transform.
+                               "model": dataclasses.asdict(self.model_cfg),
+                               "data": {"image_mean": self.cfg.data.image_mean, "image_std": self.cfg.data.image_std,
+                                        "max_text_tokens": self.cfg.data.max_text_tokens}})
 
     def close(self) -> None:
         for closer in (self.loader.close, self.metrics.close):

@@ -1,62 +1,55 @@
 import torch
 
-from loongforge.train.mask import build_mask, prefix_valid
+from loongforge.train.mask import (causal_mask, cross_mask, key_valid, vl_segments, vl_self_mask,
+                                   vl_valid_lengths)
 
 
-def dense_reference(frame_mask, task_mask, cameras, patches, n_action):
-    """The rules written as loops, token by token, independent of mask.py."""
+def reference_valid(frame_mask, task_mask, cameras, tokens):
+    """Token validity written as loops over the documented layout, independent of mask.py."""
     b, k = frame_mask.shape
-    L = task_mask.shape[1]
-    kinds, valid = [], []
+    rows = []
     for i in range(b):
-        row_kind, row_valid = [], []
+        row = []
         for _c in range(cameras):
             for f in range(k):
-                for _p in range(patches):
-                    row_kind.append("prefix")
-                    row_valid.append(bool(frame_mask[i, f]))
-        for f in range(k):
-            row_kind.append("prefix")
-            row_valid.append(bool(frame_mask[i, f]))
-        for t in range(L):
-            row_kind.append("prefix")
-            row_valid.append(bool(task_mask[i, t]))
-        for _a in range(n_action):
-            row_kind.append("action")
-            row_valid.append(True)
-        kinds.append(row_kind)
-        valid.append(row_valid)
-    n = len(kinds[0])
-    out = torch.zeros(b, 1, n, n, dtype=torch.bool)
-    for i in range(b):
-        for q in range(n):
-            for kk in range(n):
-                if not valid[i][q]:
-                    ok = q == kk
-                elif kinds[i][q] == "prefix":
-                    ok = kinds[i][kk] == "prefix" and valid[i][kk]
-                else:
-                    ok = valid[i][kk] and (kinds[i][kk] == "prefix" or kk <= q)
-                out[i, 0, q, kk] = ok
-    return out
+                row += [bool(frame_mask[i, f])] * tokens
+        row += [bool(frame_mask[i, f]) for f in range(k)]
+        row += [bool(v) for v in task_mask[i]]
+        rows.append(row)
+    return torch.tensor(rows)
 
 
-def test_mask_equals_loop_reference():
+def test_segments_give_the_token_validity_and_masks():
     frame_mask = torch.tensor([[True, True, False], [True, False, False]])
     task_mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
-    cams, patches, h = 2, 3, 4
-    got = build_mask(prefix_valid(frame_mask, task_mask, cameras=cams, patches=patches), h)
-    want = dense_reference(frame_mask, task_mask, cams, patches, h)
-    assert got.shape == want.shape
-    assert torch.equal(got, want)
+    cams, tokens = 2, 3
+    segs = vl_segments(cameras=cams, frames=3, tokens_per_frame=tokens, text_len=4)
+    assert [s.length for s in segs] == [9, 9, 3, 4]
+    lengths = vl_valid_lengths(frame_mask, task_mask, cameras=cams, tokens_per_frame=tokens)
+    assert lengths.tolist() == [[6, 6, 2, 3], [3, 3, 1, 1]]  # the varlen table: no N x N tensor
+    valid = key_valid(segs, lengths)
+    want = reference_valid(frame_mask, task_mask, cams, tokens)
+    assert torch.equal(valid, want)
+    m = vl_self_mask(valid)
+    n = valid.shape[1]
+    for i in range(2):
+        for q in range(n):
+            expect = want[i] if want[i, q] else torch.nn.functional.one_hot(torch.tensor(q), n).bool()
+            assert torch.equal(m[i, 0, q], expect)
+    assert torch.equal(cross_mask(valid)[:, 0, 0], want)
 
 
 def test_no_nan_rows_with_sdpa():
-    frame_mask = torch.tensor([[True, False]])
-    task_mask = torch.tensor([[True, False]])
-    mask = build_mask(prefix_valid(frame_mask, task_mask, cameras=1, patches=2), 3)
-    n = mask.shape[-1]
-    q = torch.randn(1, 2, n, 8)
-    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-    assert torch.isfinite(out).all()
-    assert mask.any(-1).all()  # every query attends to at least one key
+    valid = torch.tensor([[True, False, False], [False, False, False]])  # second: a bad sample
+    for mask, nq in ((vl_self_mask(valid), 3), (cross_mask(valid), 5)):
+        q = torch.randn(2, 2, nq, 8)
+        kv = torch.randn(2, 2, 3, 8)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+        assert torch.isfinite(out).all()
+        assert mask.any(-1).all()
+
+
+def test_causal_mask():
+    m = causal_mask(4, "cpu")
+    assert m[2].tolist() == [True, True, True, False]
+    assert m.sum() == 10
