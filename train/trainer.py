@@ -19,7 +19,7 @@ from loongforge.train import checkpoint, engine as eng, recipes
 from loongforge.train.config import TrainConfig
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
-from loongforge.train.model import VLAModel, count_parameters
+from loongforge.train.model import VLAModel
 from loongforge.train.profiler import StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
 
@@ -46,9 +46,9 @@ class Trainer:
         self.model_cfg = recipes.resolve(cfg.recipe, self.index, max_text_tokens=d.max_text_tokens,
                                          max_frames=max(max_frames, *(d.frame_buckets or (0,))),
                                          **_model_overrides(cfg))
-        model = VLAModel(self.model_cfg)
-        self.params = count_parameters(model)
-        self.engine, self.ds_conf = eng.build_engine(model, cfg, world=self.world, device=self.device)
+        self.engine, self.ds_conf, model = eng.build_engine(lambda: VLAModel(self.model_cfg), cfg,
+                                                            world=self.world, device=self.device)
+        self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
             d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
