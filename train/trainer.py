@@ -14,9 +14,8 @@ import time
 import numpy as np
 import torch
 
-from loongforge.shared.index import load_index
 from loongforge.train import checkpoint, engine as eng, recipes
-from loongforge.train.config import TrainConfig
+from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
@@ -34,18 +33,24 @@ def noise_for(seed: int, step: int, micro: int, rank: int, shape, device) -> tup
     return torch.randn(shape, generator=g, device=device), torch.rand(shape[0], generator=g, device=device)
 
 
+def model_config(cfg: TrainConfig, index) -> ModelConfig:
+    d = cfg.data
+    max_frames = max(max(s.frames) for s in index.shards)
+    return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
+                           max_frames=max(max_frames, *(d.frame_buckets or (0,))), **_model_overrides(cfg))
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        from loongforge.train.preflight import preflight
+
         self.cfg = cfg
         self.device = eng.pick_device(cfg.run.device)
+        checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
         self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
-        self.index = load_index(cfg.data.root)
+        self.index, self.model_cfg = checked.index, checked.model_cfg
         d = cfg.data
-        max_frames = max(max(s.frames) for s in self.index.shards)
-        self.model_cfg = recipes.resolve(cfg.recipe, self.index, max_text_tokens=d.max_text_tokens,
-                                         max_frames=max(max_frames, *(d.frame_buckets or (0,))),
-                                         **_model_overrides(cfg))
         self.engine, self.ds_conf, model = eng.build_engine(lambda: VLAModel(self.model_cfg), cfg,
                                                             world=self.world, device=self.device)
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
