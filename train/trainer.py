@@ -19,7 +19,7 @@ from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
-from loongforge.train.profiler import StepTimer, TraceWindow
+from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
 
 log = logging.getLogger(__name__)
@@ -91,25 +91,29 @@ class Trainer:
         start = self.step
         timer = StepTimer(self.device)
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
+        late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
         it = iter(self.loader)
         try:
             while self.step < run.steps:
                 trace.before(self.step)
-                record = self._one_step(it, timer)
+                timing, record = self._one_step(it, timer, sync=trace.active)
+                record["warmup"] = self.step == start  # first step of this process: report skips it
                 trace.after(self.step)
-                self.metrics.write(record)
+                late.push(timing, record)
                 self.step += 1
                 if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
+                    late.flush()
                     self.save()
+            late.flush()
             if self.step > start:
                 self.save()
         finally:
             trace.close()
 
-    def _one_step(self, it, timer: StepTimer) -> dict:
+    def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
         e, accum = self.engine, self.cfg.parallel.grad_accum
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
-        timer.begin()
+        timer.begin(sync=sync)
         losses, ids = [], []
         for micro in range(accum):
             with timer.phase("data_wait"):
@@ -127,9 +131,9 @@ class Trainer:
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
-        rec = timer.end(comm)
-        rec.update(epoch=meta["epoch"], epoch_pos=meta["consumed"])  # where this step's batch came from
-        return self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+        timing = timer.stop(comm)
+        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"]}  # where this step's batch came from
+        return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
         """One all_gather per step for the log line: every rank's losses and sample ids."""
