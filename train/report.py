@@ -85,7 +85,7 @@ def _segment(run_dir: str, rows: list[dict], traces: list[dict]) -> dict:
     step = mean("step_s")
     gpu_steps = [s for t in mine if t["kind"] == "gpu" for s in t["steps"]]
     if gpu_steps:
-        table, comm_src, gpu_note = _gpu_table(gpu_steps, step)
+        table, comm_src, gpu_note = _gpu_table(gpu_steps, step, rows[0].get("world", 1))
     else:
         table, comm_src = _host_table(use, mean, mine, step)
         gpu_note = ""
@@ -117,7 +117,7 @@ def _host_table(use, mean, traces, step) -> tuple[dict, str]:
             "launch/dispatch overhead": mean("overhead_s"), "compute": max(0.0, busy - comm)}, comm_src
 
 
-def _gpu_table(trace_steps: list[dict], step: float) -> tuple[dict, str, str]:
+def _gpu_table(trace_steps: list[dict], step: float, world: int) -> tuple[dict, str, str]:
     total = sum(s["step_s"] for s in trace_steps)
     separable = all(s["peer_wait_s"] is not None for s in trace_steps)
     table = {}
@@ -126,7 +126,8 @@ def _gpu_table(trace_steps: list[dict], step: float) -> tuple[dict, str, str]:
             continue
         table[name] = step * sum(s[GPU_KEYS[name]] or 0.0 for s in trace_steps) / total
     overlapped = 100.0 * sum(s["comm_overlapped_s"] for s in trace_steps) / total
-    note = GPU_FOOTNOTE.format(n=len(trace_steps), overlapped=overlapped, peers=PEERS_YES if separable else PEERS_NO)
+    peers = PEERS_YES if separable else ("" if world == 1 else PEERS_NO)  # one rank: no peer to wait on
+    note = GPU_FOOTNOTE.format(n=len(trace_steps), overlapped=overlapped, peers=peers)
     return table, "exposed NCCL kernel time from the profiler traces", note
 
 
