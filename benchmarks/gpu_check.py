@@ -64,12 +64,12 @@ def gpu_tests(out_dir: str, timeout: float) -> dict:
     return res
 
 
-def train_run(recipe: str, data: str, work: str, steps: int, timeout: float) -> dict:
+def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda") -> dict:
     run_dir = os.path.join(work, recipe)
     a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up, 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
                             "--recipe", recipe, "--steps", str(steps), "--batch-size", "16", "--workers", "2",
-                            "--device", "cuda", "--profile-steps", f"{a}:{b}", "--no-ds-breakdown"], timeout)
+                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown"], timeout)
     res = {"recipe": recipe, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
     report = {"started": stamp, "environment": env, "runs": []}
     t0 = time.monotonic()
-    report["tests"] = {"ok": True, "skipped_by_flag": True} if a.skip_tests else gpu_tests(a.out, 150)
+    report["tests"] = {"ok": True, "skipped_by_flag": True} if a.skip_tests else gpu_tests(a.out, 180)
     with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
         from loongforge.shared.synthetic import make_synthetic_root
 

@@ -124,3 +124,17 @@ def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
 
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path):
+    """The gpu-check script's run + profile + checks, driven on CPU: it must complete and flag
+    exactly what only a GPU provides (so its first GPU run does not die on its own plumbing)."""
+    from loongforge.benchmarks import gpu_check
+
+    root, _ = train_root
+    res = gpu_check.train_run("tiny", root, str(tmp_path), 6, 240, device="cpu")
+    assert res["exit_code"] == 0, res.get("log_tail")
+    assert res["optimizer"]["params"]["torch_adam"] is True and res["timers"] == ["host"]
+    assert res["breakdown"]["traces"] and "step-time breakdown" in res["table"]
+    assert not res["ok"] and len(res["problems"]) == 2  # no CUDA-event timing, no GPU trace
