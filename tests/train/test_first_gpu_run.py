@@ -138,3 +138,27 @@ def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path):
     assert res["optimizer"]["params"]["torch_adam"] is True and res["timers"] == ["host"]
     assert res["breakdown"]["traces"] and "step-time breakdown" in res["table"]
     assert not res["ok"] and len(res["problems"]) == 2  # no CUDA-event timing, no GPU trace
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_run_times_with_events_and_profiles_from_kernels(train_root, tmp_path):
+    """One rank on CUDA: torch AdamW (no op build), CUDA-event timers (synced only in the trace
+    window), and a profile whose table comes from the kernel timeline."""
+    root, _ = train_root
+    run_dir = tmp_path / "run"
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(run_dir), "--steps", "8",
+                   "--device", "cuda", "--profile-steps", "3:6", "--workers", "2", "--batch-size", "8",
+                   "--zero", "3"], cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    conf = json.loads((run_dir / "ds_config.json").read_text())
+    assert conf["optimizer"]["params"].get("torch_adam") or engine.fused_adam_prebuilt()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["timer"] for r in rows] == ["cuda_events"] * 3 + ["cuda_events_synced"] * 3 + ["cuda_events"] * 2
+    assert all(0 < r["forward_s"] <= r["step_s"] for r in rows)
+    prof = launch([sys.executable, "-m", "loongforge", "profile", str(run_dir), "--json", "--no-chart"],
+                  cwd=str(tmp_path), timeout=120)
+    b = json.loads(prof.stdout)
+    assert b["traces"][0]["kind"] == "gpu" and len(b["traces"][0]["launch_overhead_s"]) == 3
+    assert sum(b["percent"].values()) == pytest.approx(100.0, abs=0.5)
