@@ -215,20 +215,24 @@ def _iv(e: dict) -> tuple[float, float]:
 def _parse(path: str) -> dict:
     """A trace's steps and, per step, its kernel / collective / data-wait intervals (microseconds)."""
     events = load_trace(path)
-    marks = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    # Host-side marks only: kineto repeats each record_function on the GPU timeline ("gpu_user_annotation").
+    host = [e for e in events if str(e.get("cat", "")).lower() in ("cpu_op", "user_annotation", "")]
+    marks = sorted((e for e in host if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
     steps = [(int(e["name"].split("#", 1)[1]), *_iv(e)) for e in marks]
     kernels = [e for e in events if str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
     comm_k = sorted(_iv(e) for e in kernels if COMM_KERNEL.search(e["name"]))
-    compute_k = [_iv(e) for e in kernels if not COMM_KERNEL.search(e["name"])]
-    comm_c = [_iv(e) for e in events
-              if str(e.get("cat", "")).lower() in ("cpu_op", "user_annotation", "") and COMM_CPU.search(e["name"])]
+    # Compute = SM kernels. Copies run on copy engines (the prefetch's H2D overlaps by design), so a
+    # copy alone does not make the step busy.
+    compute_k = [_iv(e) for e in kernels
+                 if str(e.get("cat", "")).lower() == "kernel" and not COMM_KERNEL.search(e["name"])]
+    comm_c = [_iv(e) for e in host if COMM_CPU.search(e["name"])]
     names = sorted({e["name"] for e in events if COMM_CPU.search(e["name"]) or
                     (e in kernels and COMM_KERNEL.search(e["name"]))})
     if not steps and events:
         steps = [(-1, min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events))]
     return {"path": path, "kind": "gpu" if kernels else "cpu", "steps": steps, "comm_k": comm_k,
             "compute_k": compute_k, "comm_c": comm_c, "names": names,
-            "data": [_iv(e) for e in events if e["name"] == f"{MARK_PREFIX}data_wait"],
+            "data": [_iv(e) for e in host if e["name"] == f"{MARK_PREFIX}data_wait"],
             "count": len(comm_k) + len(comm_c)}
 
 

@@ -60,7 +60,9 @@ def _x(name, ts, dur, cat):
 def test_two_rank_gpu_traces(tmp_path):
     """Rank 1 waited on data (its data-wait mark), so rank 0's all-reduce spun until it arrived."""
     steps = [_x("ProfilerStep#4", 0, 1000, "user_annotation")]
-    r0 = steps + [_x("sgemm", 0, 400, "kernel"), _x("ncclDevKernel_AllReduce", 400, 500, "kernel")]
+    r0 = steps + [_x("sgemm", 0, 400, "kernel"), _x("ncclDevKernel_AllReduce", 400, 500, "kernel"),
+                  _x("ProfilerStep#4", 0, 900, "gpu_user_annotation"),  # kineto's GPU-side copy of the mark
+                  _x("Memcpy HtoD (Pinned -> Device)", 900, 50, "gpu_memcpy")]  # a copy engine, not compute
     r1 = steps + [_x("loongforge:data_wait", 0, 300, "user_annotation"), _x("sgemm", 300, 400, "kernel"),
                   _x("ncclDevKernel_AllReduce", 700, 200, "kernel")]
     paths = []
