@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s {r.get('problems') or ''}")
         print(r.get("table") or r.get("log_tail", ""))
     t = report["tests"]
-    print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps({k: t.get(k) for k in ('tests', 'failures', 'errors', 'skipped')})}")
+    counts = {k: t.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps(counts)}")
     if not t["ok"]:
         print(t.get("log_tail", ""))
     print(f"gpu-check {'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s: {base}.json, {base}.txt")

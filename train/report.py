@@ -4,7 +4,8 @@ Categories (the baseline's): data wait, communication, launch/dispatch
 overhead, compute (and, on GPU when every rank's trace is here, waiting on
 peers); mean seconds per step and % of the mean step, over the steps after
 warm-up. One table per segment: a run resumed with another rank count has a
-segment per rank count, and the first step of every launch is warm-up. Sources: RUN_DIR/metrics.jsonl (host timers, every step)
+segment per rank count, and the first step of every launch is warm-up.
+Sources: RUN_DIR/metrics.jsonl (host timers or CUDA events, every step)
 and, when present, RUN_DIR/traces/rank*.json (torch.profiler chrome traces).
 """
 
