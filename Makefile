@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test bench bench-quick clean
+.PHONY: setup redis demo test bench bench-quick clean gpu-check
 
 setup: $(STAMP) redis
 
@@ -38,6 +38,16 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/loongforge bench --quick
+
+# GPU box: the same pin, CUDA build. On Linux x86-64 pip's default index (PyPI) serves the CUDA
+# build of torch==2.13.0, so a fresh box needs no override; a venv that holds a CPU build
+# (a CPU index or wheelhouse, like ours) is switched to the build from GPU_TORCH_INDEX first.
+GPU_TORCH_INDEX ?= https://download.pytorch.org/whl/cu128
+gpu-check: setup
+	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || { \
+	  echo "torch in $(VENV) is a CPU build: installing $(TORCH) from $(GPU_TORCH_INDEX)"; \
+	  $(BIN)/pip install -q --force-reinstall '$(TORCH)' --index-url $(GPU_TORCH_INDEX); }
+	$(BIN)/python -m loongforge.benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -50,9 +51,7 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": 1e-8,
-                                                  "weight_decay": o.weight_decay,
-                                                  # The fused CPU Adam op costs a ~40 s g++ build; torch's is fine here.
-                                                  **({"torch_adam": True} if not cuda else {})}},
+                                                  "weight_decay": o.weight_decay, **_adam_impl(cuda)}},
         "wall_clock_breakdown": p.wall_clock_breakdown,
         # Enabled so deepspeed.comm times every collective (see comm_seconds). On CUDA the logger
         # synchronizes after each op, which would serialize overlap_comm: there NCCL time comes from traces.
@@ -63,6 +62,25 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
         conf["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
                                                             "warmup_num_steps": o.warmup_steps}}
     return conf
+
+
+def _adam_impl(cuda: bool) -> dict:
+    """Which AdamW DeepSpeed builds. Never one that needs an op compiled at run time: its CPU Adam
+    costs a ~40 s g++ build, and on CUDA its FusedAdam JIT-builds with nvcc + CUDA_HOME + ninja,
+    which pip's torch does not ship (a fresh GPU box fails, or compiles for minutes). torch's own
+    AdamW (`torch_adam`; fused kernel on CUDA) needs no build. A DeepSpeed installed with the op
+    prebuilt (DS_BUILD_FUSED_ADAM=1) keeps its FusedAdam."""
+    if cuda and fused_adam_prebuilt():
+        return {}
+    return {"torch_adam": True, **({"fused": True} if cuda else {})}
+
+
+def fused_adam_prebuilt() -> bool:
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get("fused_adam"))
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
@@ -88,13 +106,37 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, *, world: int, device: torch.device):
+def construct_model(make_model: Callable[[], torch.nn.Module], conf: dict, *, data_parallel_group=None,
+                    mpu=None) -> torch.nn.Module:
+    """Build the model the way the ZeRO stage needs. Stage 3: inside deepspeed.zero.Init, which
+    partitions each module's parameters as soon as the module is constructed, so no rank ever
+    materialises the full fp32 model (~6.4 GB per rank for the 1.6b recipe). The one place that
+    constructs it: a parallel plan passes its own data-parallel group / mpu here."""
+    if conf["zero_optimization"]["stage"] != 3:
+        return make_model()
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=conf, data_parallel_group=data_parallel_group, mpu=mpu):
+        return make_model()
+
+
+def param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(full, local) parameter elements: under ZeRO-3 `p.numel()` is 0 and `ds_numel` is the full size."""
+    full = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    local = sum(int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    return full, local
+
+
+def build_engine(make_model: Callable[[], torch.nn.Module], cfg: TrainConfig, *, world: int,
+                 device: torch.device):
+    """(engine, ds config, model): the model is constructed here (see construct_model)."""
     import deepspeed
 
     conf = ds_config(cfg, world=world, device=device)
+    model = construct_model(make_model, conf)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
                                            config=conf)
-    return engine, conf
+    return engine, conf, model
 
 
 def comm_seconds() -> float:

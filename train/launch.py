@@ -56,6 +56,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="log validation flow loss and action MSE every N "
                    "steps (the index's --val-episodes split); 0 = never")
     p.add_argument("--ds-log-level", default="WARNING", help="level of DeepSpeed's logger (INFO: its setup chatter)")
+    p.add_argument("--check-config", action="store_true", help="validate recipe, batch divisibility (for "
+                   "WORLD_SIZE ranks) and the data root, then exit: 0 ok, 2 config error; no process group. "
+                   "The launch scripts run it in the launcher process first")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -84,6 +87,8 @@ def run_args(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("loongforge.train")
     logging.getLogger("DeepSpeed").setLevel(getattr(args, "ds_log_level", "WARNING").upper())
+    if getattr(args, "check_config", False):
+        return check_config(args)
     trainer, code = None, 0
     _terminate_cleanly()
     try:
@@ -112,6 +117,23 @@ def run_args(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001
             log.warning("process group teardown: %s", exc)
     return code
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """`--check-config`: the rank's preflight, alone, in the calling process (exit 0 or 2)."""
+    from loongforge.train.preflight import preflight
+
+    try:
+        checked = preflight(config_from_args(args))
+    except ConfigError as exc:
+        print(f"loongforge train: config error: {exc}", file=sys.stderr)
+        return 2
+    except LoongForgeError as exc:
+        print(f"loongforge train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"loongforge train: config ok: recipe {args.recipe}, {checked.world} ranks, micro batch "
+          f"{checked.ds_config['train_micro_batch_size_per_gpu']}, {checked.index.num_samples} samples")
+    return 0
 
 
 class _Terminated(BaseException):

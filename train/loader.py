@@ -27,7 +27,7 @@ from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.shared.index import ShardIndex, load_index
 from loongforge.train import order
 from loongforge.train.batch import BatchLayout, bucket_for, default_buckets
-from loongforge.train.prefetch import Prefetcher
+from loongforge.train.prefetch import Prefetcher, resolve_device
 from loongforge.train.sources import SourceSpec, close_source, make_source
 from loongforge.train.workers import DecodePool
 
@@ -60,7 +60,7 @@ class ShardLoader:
             raise ConfigError(f"data.frame_buckets: largest bucket {self.buckets[-1]} < longest window "
                               f"{max_frames} frames in the index; add {max_frames}")
         self.layout = BatchLayout.from_index(self.index, batch_size // world, max_text_tokens, self.buckets[-1])
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
         self._pool_args = dict(num_workers=num_workers, slots=max(2, num_workers * 2 + 1), policy=bad_samples,
                                timeout_s=timeout_s, start_method=start_method)
@@ -200,6 +200,10 @@ class ShardLoader:
         self.steps_done, self.dropped = int(state["steps_done"]), int(state["dropped"])
 
     def _stop_pipeline(self) -> None:
+        # Order matters: wake the prefetch thread out of pool.get first, then join it, and only
+        # then free the pool (its slots may be under the thread's copy until the join returns).
+        if self._pool is not None:
+            self._pool.interrupt()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

@@ -14,6 +14,7 @@ depth=0 runs everything synchronously in the caller (debugging, num_workers=0).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ from loongforge.shared.errors import DataWorkerError
 from loongforge.train.colorspace import nv12_to_input
 
 _END = object()
+JOIN_TIMEOUT_S = 30.0  # only reached if pull() cannot be interrupted; normally the join takes < 0.2 s
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,15 +46,27 @@ class _Failure:
         self.exc = exc
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A device with an index: a bare "cuda" means the caller's current device.
+
+    torch.cuda.set_device / Stream need an index, and the current device is per
+    thread (the prefetch thread's default would be cuda:0, not the rank's GPU),
+    so the index is fixed here, in the thread that made the loader."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Prefetcher:
     def __init__(self, pull: Callable[[], tuple[dict, dict[str, np.ndarray], Callable[[], None]]], *,
                  device: torch.device, matrix: str, color_range: str, mean: float, std: float,
                  rgb: bool = True, depth: int = 2, timeout_s: float = 300.0):
-        self.pull, self.device, self.depth, self.timeout_s = pull, device, depth, timeout_s
+        self.pull, self.device, self.depth, self.timeout_s = pull, resolve_device(device), depth, timeout_s
         self.conv = dict(matrix=matrix, color_range=color_range, mean=mean, std=std)
         self.rgb = rgb
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         # depth+2 pinned sets: `depth` queued, one being consumed, one being filled.
         self._pinned: list[dict[str, torch.Tensor]] = [{} for _ in range(depth + 2)] if self.cuda else []
         self._set_events = [None] * len(self._pinned)
@@ -165,14 +180,18 @@ class Prefetcher:
         return staged
 
     def close(self) -> None:
+        """Signal, unblock, join. The owner interrupts a pull() blocked in the pool first
+        (ShardLoader does); a full queue is unblocked here, since _put polls _stop."""
         self._stop.set()
         if self._thread is not None:
-            while True:  # unblock a producer waiting on a full queue
+            while True:  # a producer waiting on a full queue sees _stop within 0.1 s
                 try:
                     self._q.get_nowait()
                 except queue.Empty:
                     break
-            self._thread.join(timeout=10.0)
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+            if self._thread.is_alive():  # a pull() that nothing can interrupt (inline decode of a huge batch)
+                log.error("prefetch thread still running %.0f s after close(); abandoning it", JOIN_TIMEOUT_S)
             self._thread = None
 
 

@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.shared.index import load_index
 from loongforge.train import checkpoint, engine as eng, recipes
-from loongforge.train.config import TrainConfig
+from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
-from loongforge.train.model import VLAModel, count_parameters
-from loongforge.train.profiler import StepTimer, TraceWindow
+from loongforge.train.model import VLAModel
+from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
 
 log = logging.getLogger(__name__)
@@ -37,21 +36,27 @@ def noise_for(seed: int, step: int, micro: int, rank: int, shape, device) -> tup
     return torch.randn(shape, generator=g, device=device), torch.rand(shape[0], generator=g, device=device)
 
 
+def model_config(cfg: TrainConfig, index) -> ModelConfig:
+    d = cfg.data
+    max_frames = max(max(s.frames) for s in index.shards)
+    return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
+                           max_frames=max(max_frames, *(d.frame_buckets or (0,))), **_model_overrides(cfg))
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        from loongforge.train.preflight import preflight
+
         self.cfg = cfg
         self.device = eng.pick_device(cfg.run.device)
+        checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
         self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
-        self.index = load_index(cfg.data.root)
+        self.index, self.model_cfg = checked.index, checked.model_cfg
         d = cfg.data
-        max_frames = max(max(s.frames) for s in self.index.shards)
-        self.model_cfg = recipes.resolve(cfg.recipe, self.index, max_text_tokens=d.max_text_tokens,
-                                         max_frames=max(max_frames, *(d.frame_buckets or (0,))),
-                                         **_model_overrides(cfg))
-        model = VLAModel(self.model_cfg)
-        self.params = count_parameters(model)
-        self.engine, self.ds_conf = eng.build_engine(model, cfg, world=self.world, device=self.device)
+        self.engine, self.ds_conf, model = eng.build_engine(lambda: VLAModel(self.model_cfg), cfg,
+                                                            world=self.world, device=self.device)
+        self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
             d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
@@ -100,27 +105,31 @@ class Trainer:
         start = self.step
         timer = StepTimer(self.device)
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
+        late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
         it = iter(self.loader)
         try:
             while self.step < run.steps:
                 trace.before(self.step)
-                record = self._one_step(it, timer)
+                timing, record = self._one_step(it, timer, sync=trace.active)
+                record["warmup"] = self.step == start  # first step of this process: report skips it
                 trace.after(self.step)
                 if self.valset is not None and (self.step + 1) % run.eval_every == 0:
                     record.update(val_metrics(self.engine.module, self.valset, seed=self.cfg.data.seed))
-                self.metrics.write(record)
+                late.push(timing, record)
                 self.step += 1
                 if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
+                    late.flush()
                     self.save()
+            late.flush()
             if self.step > start:
                 self.save()
         finally:
             trace.close()
 
-    def _one_step(self, it, timer: StepTimer) -> dict:
+    def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
         e, accum = self.engine, self.cfg.parallel.grad_accum
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
-        timer.begin()
+        timer.begin(sync=sync)
         losses, ids = [], []
         for micro in range(accum):
             with timer.phase("data_wait"):
@@ -138,9 +147,9 @@ class Trainer:
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
-        rec = timer.end(comm)
-        rec.update(epoch=meta["epoch"], epoch_pos=meta["consumed"])  # where this step's batch came from
-        return self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+        timing = timer.stop(comm)
+        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"]}  # where this step's batch came from
+        return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
         """One all_gather per step for the log line: every rank's losses and sample ids."""

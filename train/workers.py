@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import threading
 import time
 import traceback
 from multiprocessing import get_context
@@ -30,6 +31,11 @@ from loongforge.train.sources import SourceSpec, close_source, make_source
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
+CLOSE_GRACE_S = 0.5  # how long close() lets workers finish their batch before killing them
+
+
+class PoolClosedError(DataWorkerError):
+    """get() was interrupted because the pool is closing (never seen by a caller that closes it)."""
 
 
 def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes, layout: BatchLayout,
@@ -84,6 +90,7 @@ class DecodePool:
         self._pending: dict[int, tuple] = {}  # inline mode: seq -> task
         self._shms: list[SharedMemory] = []
         self._procs = []
+        self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
         if num_workers == 0:
             self._bufs = [np.empty(layout.nbytes, np.uint8) for _ in range(slots)]
             self._norm = Norm.from_index(index)
@@ -136,6 +143,8 @@ class DecodePool:
         # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
         self._check_alive()
         while seq not in self._done:
+            if self._closing.is_set():
+                raise PoolClosedError("decode pool is closing")
             try:
                 kind, wid, rseq, payload = self._results.get(timeout=POLL_S)
             except queue.Empty:
@@ -174,7 +183,12 @@ class DecodePool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def interrupt(self) -> None:
+        """Make a get() blocked in another thread raise PoolClosedError within POLL_S (close() first step)."""
+        self._closing.set()
+
     def close(self) -> None:
+        self._closing.set()
         if self._source is not None:
             close_source(self._source)
             self._source = None
@@ -183,10 +197,14 @@ class DecodePool:
                 self._tasks.put_nowait(None)
             except Exception:  # noqa: BLE001 - queue may be broken if a worker died mid-put
                 break
+        # One shared deadline, not one per worker: a worker stuck in a read (slow origin, stopped
+        # process) is killed, so close() is bounded by ~CLOSE_GRACE_S whatever the workers do.
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for p in self._procs:
-            p.join(timeout=2.0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # SIGKILL: also ends a stopped process, where SIGTERM would stay pending
                 p.join(timeout=2.0)
         self._procs = []
         self._bufs = []

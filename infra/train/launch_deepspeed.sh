@@ -23,5 +23,12 @@ if [ -z "$GPUS" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}   # CPU/gloo: DeepSpeed cannot detect a device count
   ARGS+=(--num_gpus 1)
 fi
+# Config errors exit 2 here, before the launcher starts any rank (ranks would exit 2 too, later).
+if [ -n "$HOSTFILE" ]; then
+  WORLD=$(awk '!/^ *#/ && match($0, /slots=[0-9]+/) {n += substr($0, RSTART + 6, RLENGTH - 6)} END {print n + 0}' "$HOSTFILE")
+elif [ -n "$GPUS" ]; then WORLD=$GPUS
+elif command -v nvidia-smi >/dev/null 2>&1; then WORLD=$(nvidia-smi -L | wc -l)
+else WORLD=1; fi
+WORLD_SIZE=$WORLD "${PYTHON:-python}" -m loongforge.train --check-config "$@"
 # --module: each rank runs `python -m loongforge.train` (the same entry torchrun uses).
 exec deepspeed "${ARGS[@]}" --module loongforge.train "$@"

@@ -11,5 +11,8 @@ NPROC=${NPROC:-$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L | wc -l 
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 command -v nvidia-smi >/dev/null 2>&1 || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# Config errors (unknown recipe, batch not divisible by the ranks, no index under --data) exit 2
+# here, in seconds, before any rank or process group: torchrun itself returns 1 for any failed rank.
+WORLD_SIZE=$((NNODES * NPROC)) "${PYTHON:-python}" -m loongforge.train --check-config "$@"
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" -m loongforge.train "$@"

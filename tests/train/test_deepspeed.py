@@ -127,6 +127,11 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
         two = [x for pair in zip(*a["sample_ids"]) for x in pair]  # position p went to rank p % 2
         assert b["sample_ids"][0] == two
         assert b["loss"] == b["loss"] and b["loss"] < 100  # finite
+    from loongforge.train import report
+
+    segs = report.breakdown(resumed)["segments"]  # one table per rank count, each without its warm-up
+    assert [(s["world"], s["first_step"], s["last_step"]) for s in segs] == [(2, 0, 4), (1, 5, 19)]
+    assert segs[0]["warmup_steps"] == [0] and segs[1]["warmup_steps"] == [5] and segs[1]["steps"] == 14
 
 
 def test_zero3_deepspeed_launcher_with_grad_accum(train_root, tmp_path):

@@ -27,7 +27,9 @@ def test_gpu_trace_nccl_kernels_and_idle(tmp_path):
     t = analyze_trace(str(path))
     assert t["kind"] == "gpu"
     s0, s1 = t["steps"]
-    assert s0["comm_s"] == pytest.approx(200e-6) and s1["comm_s"] == pytest.approx(100e-6)
+    # Exposed communication only: the 50 us of the all-reduce under the sgemm is overlapped, not a wait.
+    assert s0["comm_s"] == pytest.approx(150e-6) and s1["comm_s"] == pytest.approx(100e-6)
+    assert s0["comm_overlapped_s"] == pytest.approx(50e-6)
     assert s0["gpu_busy_s"] == pytest.approx(450e-6) and s0["gpu_idle_s"] == pytest.approx(550e-6)
     assert s1["gpu_idle_s"] == pytest.approx(500e-6)
     assert "ncclDevKernel_AllReduce_Sum_f32_RING_LL" in t["comm_events"]
@@ -64,8 +66,8 @@ def test_checkpoint_sidecar_and_latest_pointer_are_checked(tmp_path):
 
 
 def test_report_uses_nccl_trace_when_host_did_not_time_comm(tmp_path):
-    """A CUDA run logs comm_s=None (host timing would serialize overlap_comm); the table then takes
-    communication from the trace's NCCL kernels as a fraction of the step."""
+    """A CUDA run logs comm_s=None (host timing would serialize overlap_comm); the table then comes
+    from the trace's step partition (kernel intervals), as fractions of the mean step."""
     from loongforge.train import report
 
     rows = [{"v": 1, "step": i, "step_s": 0.1, "data_wait_s": 0.01, "forward_s": 0.03, "backward_s": 0.04,
@@ -74,13 +76,16 @@ def test_report_uses_nccl_trace_when_host_did_not_time_comm(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "traces").mkdir()
     events = [_x("ProfilerStep#1", 0, 1000, "user_annotation"), _x("sgemm", 0, 500, "kernel"),
-              _x("ncclDevKernel_AllReduce", 600, 250, "kernel")]
+              _x("ncclDevKernel_AllReduce", 600, 250, "kernel"), _x("loongforge:data_wait", 500, 40, "user_annotation")]
     (tmp_path / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": events}))
     b = report.breakdown(str(tmp_path))
     assert b["table"]["communication"] == pytest.approx(0.025)  # 25% of a 0.1 s step
-    assert b["table"]["compute"] == pytest.approx(0.08 - 0.025)
-    assert b["table"]["data wait"] == pytest.approx(0.01) and b["table"]["launch/dispatch overhead"] == pytest.approx(0.01)
-    assert "NCCL kernel time" in b["footnote"]
+    assert b["table"]["compute"] == pytest.approx(0.05)
+    assert b["table"]["data wait"] == pytest.approx(0.004)  # GPU idle while the host waited on data
+    assert b["table"]["launch/dispatch overhead"] == pytest.approx(0.021)  # the rest of the GPU idle time
+    assert sum(b["percent"].values()) == pytest.approx(100.0)
+    assert "waiting on peers" not in b["table"] and "NOT separable" in b["footnote"]  # one rank's trace only
+    assert "exposed NCCL kernel time" in b["footnote"]
     assert "gpu" in report.format_table(b)
     (tmp_path / "traces" / "rank0.json").unlink()
     assert "NOT measured" in report.breakdown(str(tmp_path))["footnote"]

@@ -1,0 +1,141 @@
+"""`make gpu-check`: everything only a GPU can check, in one short run (< 4 min on one H200).
+
+    python -m loongforge.benchmarks.gpu_check [--out benchmarks/results/gpu] [--steps 20]
+
+1. every CUDA-only test: `pytest -m gpu tests` (the marker, not a list, so new GPU tests join);
+2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
+   `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...);
+3. writes OUT/gpu-check-<date>.json (tests, both breakdowns, the GPU, torch, CUDA) and
+   OUT/gpu-check-<date>.txt (the two profile tables). Exit 0 only if every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ("tiny", "small")
+
+
+def _run(cmd: list[str], timeout: float, **kw) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("DS_ACCELERATOR", None)  # a CPU override would hide the GPU
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+        return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        return 124, out + f"\n[gpu-check] timed out after {timeout:.0f} s", time.monotonic() - t0
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if env["cuda_available"]:
+        env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                   capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+    return env
+
+
+def gpu_tests(out_dir: str, timeout: float) -> dict:
+    junit = os.path.join(out_dir, "gpu-tests.xml")
+    code, log, took = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                            f"--junitxml={junit}", "tests"], timeout)
+    res = {"exit_code": code, "seconds": round(took, 1), "log_tail": log[-4000:]}
+    if os.path.exists(junit):
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        res.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+        res["cases"] = [{"name": f"{c.get('classname')}::{c.get('name')}",
+                         "result": next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), "passed")}
+                        for c in suite.iter("testcase")]
+        os.unlink(junit)
+    res["ok"] = code == 0 and res.get("tests", 0) > 0
+    return res
+
+
+def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda") -> dict:
+    run_dir = os.path.join(work, recipe)
+    a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up, 3 traced steps
+    code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
+                            "--recipe", recipe, "--steps", str(steps), "--batch-size", "16", "--workers", "2",
+                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown"], timeout)
+    res = {"recipe": recipe, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
+    if code != 0:
+        return {**res, "ok": False, "log_tail": log[-4000:]}
+    pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], 120)
+    tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"], 120)
+    with open(os.path.join(run_dir, "ds_config.json")) as f:
+        optimizer = json.load(f)["optimizer"]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        timers = sorted({json.loads(line).get("timer") for line in f if line.strip()} - {None})
+    problems = []
+    if pcode or tcode:
+        problems.append(f"loongforge profile failed: {(pout + table)[-2000:]}")
+    from loongforge.train.engine import fused_adam_prebuilt
+
+    if not optimizer["params"].get("torch_adam") and not fused_adam_prebuilt():
+        problems.append(f"optimizer {optimizer} would need a DeepSpeed op build")
+    if "cuda_events" not in timers:
+        problems.append(f"metrics timers {timers}: no CUDA-event timing")
+    breakdown = json.loads(pout) if pcode == 0 else None
+    if breakdown is not None and not any(t["kind"] == "gpu" for t in breakdown["traces"]):
+        problems.append("the profile has no GPU trace (no kernels recorded)")
+    return {**res, "ok": not problems, "problems": problems, "optimizer": optimizer, "timers": timers,
+            "breakdown": breakdown, "table": table if tcode == 0 else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--skip-tests", action="store_true", help="only the two training runs")
+    a = p.parse_args(argv)
+    env = environment()
+    if not env["cuda_available"]:
+        print(f"gpu-check: torch {env['torch']} sees no CUDA device (torch.version.cuda={env['cuda']}). On a GPU "
+              "box: `make gpu-check` installs the CUDA build (see README, GPU check).", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    report = {"started": stamp, "environment": env, "runs": []}
+    t0 = time.monotonic()
+    report["tests"] = {"ok": True, "skipped_by_flag": True} if a.skip_tests else gpu_tests(a.out, 180)
+    with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
+        from loongforge.shared.synthetic import make_synthetic_root
+
+        data = os.path.join(work, "shards")
+        make_synthetic_root(data, shards=4, samples_per_shard=64, frames=2, height=96, width=96)
+        for recipe in RECIPES:
+            report["runs"].append(train_run(recipe, data, work, a.steps, 150))
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"])
+    base = os.path.join(a.out, f"gpu-check-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    with open(base + ".txt", "w") as f:
+        f.write("\n\n".join(f"== {r['recipe']} ==\n{r.get('table') or r.get('log_tail', '')}" for r in report["runs"]))
+    for r in report["runs"]:
+        print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s {r.get('problems') or ''}")
+        print(r.get("table") or r.get("log_tail", ""))
+    t = report["tests"]
+    counts = {k: t.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps(counts)}")
+    if not t["ok"]:
+        print(t.get("log_tail", ""))
+    print(f"gpu-check {'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s: {base}.json, {base}.txt")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""One rank of test_zero3_ranks_hold_a_partition: builds the tiny model through
+engine.construct_model under ZeRO-3 and writes its parameter counts to ARGV[2]."""
+
+import json
+import os
+import sys
+
+import torch
+
+from loongforge.shared.index import load_index
+from loongforge.train import engine, recipes
+from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+from loongforge.train.model import VLAModel
+
+
+def main(root: str, out_dir: str) -> None:
+    rank, world = engine.init_distributed(torch.device("cpu"), 120.0)
+    index = load_index(root)
+    model_cfg = recipes.resolve("small", index, max_text_tokens=32, max_frames=2)
+    cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=8), run=RunConfig(run_dir=out_dir),
+                      parallel=ParallelConfig(zero_stage=3, precision="fp32"), recipe="small")
+    conf = engine.ds_config(cfg, world=world, device=torch.device("cpu"))
+    model = engine.construct_model(lambda: VLAModel(model_cfg), conf)
+    full, local = engine.param_counts(model)
+    materialised = sum(p.numel() for p in model.parameters())  # ZeRO-3 leaves empty placeholders
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in VLAModel(model_cfg).parameters())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"full": full, "local": local, "materialised": materialised, "reference": reference,
+                   "world": world}, f)
+    engine.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,57 @@
+"""Checks that need no process group: run in each rank before init_distributed,
+and by the launch scripts in the launcher process (`--check-config`).
+
+A bad recipe, a batch that does not divide by ranks x accumulation, or a data
+root without an index must fail in seconds with exit code 2, not after the
+rendezvous and DeepSpeed's start (36-137 s on a loaded node).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
+from loongforge.shared.index import ShardIndex, load_index
+from loongforge.train.config import ModelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Checked:
+    index: ShardIndex
+    model_cfg: ModelConfig
+    world: int
+    ds_config: dict
+
+
+def launch_world() -> int:
+    """The rank count the launcher announced (torchrun and deepspeed both set WORLD_SIZE); 1 alone."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={world}: must be >= 1")
+    return world
+
+
+def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
+    """Everything about the config that can be wrong, checked without a process group."""
+    import torch
+
+    from loongforge.train import engine, recipes
+    from loongforge.train.trainer import model_config
+
+    world = launch_world() if world is None else world
+    if cfg.recipe not in recipes.RECIPES:
+        raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {sorted(recipes.RECIPES)}")
+    # Divisibility only depends on the world and the config; the device does not matter here.
+    conf = engine.ds_config(cfg, world=world, device=torch.device("cpu"))
+    try:
+        index = load_index(cfg.data.root)
+    except FormatError as exc:
+        raise ConfigError(f"data.root: {exc}") from None
+    except (LoongForgeError, OSError) as exc:
+        raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
+                          f"({type(exc).__name__}: {exc}); check --data") from None
+    return Checked(index=index, model_cfg=model_config(cfg, index), world=world, ds_config=conf)
