@@ -217,3 +217,68 @@ def test_flash_fallback_reasons(monkeypatch):
     assert attn.choose("flash", cuda, torch.bfloat16, 64)[1].startswith("flash-attn 2.x varlen")
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert "not importable" in attn.flash_unusable(cuda, torch.bfloat16, 64)[1]
+
+
+# ---- GPU (make gpu-check) -------------------------------------------------------------------------
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _flash_usable() -> bool:
+    return CUDA and attn.flash_unusable(torch.device("cuda", 0), torch.bfloat16, 64)[0] is not None
+
+
+def _check_on_cuda(kernel, dtype, seed=0):
+    """kernel vs the fp32 dense reference on the same (rounded) inputs, forward and gradients."""
+    layout = random_layout(seed, device="cuda")
+    for mask, nq, nk in cases(layout):
+        q, k, v = qkv(seed, 4, 2, nq, nk, 64, dtype=dtype, device="cuda", grad=True)
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        want, wgrads = run(attn.sdpa_dense, mask, *ref)
+        got, grads = run(kernel, mask, q, k, v)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        for g, w in zip(grads, wgrads):
+            torch.testing.assert_close(g.float(), w, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_compiled_matches_sdpa_on_cuda(dtype):
+    _check_on_cuda(lambda q, k, v, m: attn.flex(q, k, v, m, compiled=True), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flash_usable(), reason="needs CUDA sm >= 8.0 and flash-attn")
+def test_flash_matches_sdpa_on_cuda():
+    import flash_attn
+
+    _check_on_cuda(lambda q, k, v, m: attn.flash(q, k, v, m, fa=flash_attn), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_auto_on_cuda_builds_no_dense_mask_and_matches_sdpa(monkeypatch, train_root):
+    from tests.train.test_model import _batch
+
+    from loongforge.train import recipes
+    from loongforge.train.model import VLAModel
+
+    root, index = train_root
+    batch = {k: ({s: f.cuda() for s, f in v.items()} if isinstance(v, dict) else v.cuda())
+             for k, v in _batch(root, index).items()}
+    torch.manual_seed(0)
+    ref = VLAModel(recipes.resolve("small", index, max_text_tokens=32, max_frames=2, attention="sdpa"))
+    model = VLAModel(dataclasses.replace(ref.cfg, attention="auto"))
+    model.load_state_dict(ref.state_dict())
+    ref, model = ref.cuda().to(torch.bfloat16), model.cuda().to(torch.bfloat16)
+    noise = torch.randn(4, ref.cfg.action_horizon, ref.cfg.action_dim, device="cuda")
+    u = torch.rand(4, device="cuda")
+    want = ref(batch, noise, u)["loss"]
+    _no_dense(monkeypatch)
+    got = model(batch, noise, u)["loss"]
+    got.backward()
+    line = next(iter(model.blocks[0].attn.chosen.values()))
+    assert line.startswith("flash-attn" if _flash_usable() else "flex"), line
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
