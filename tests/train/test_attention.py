@@ -282,3 +282,16 @@ def test_auto_on_cuda_builds_no_dense_mask_and_matches_sdpa(monkeypatch, train_r
     assert line.startswith("flash-attn" if _flash_usable() else "flex"), line
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_cli_flag_reaches_the_model_config():
+    import argparse
+
+    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.trainer import _model_overrides
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    cfg = config_from_args(p.parse_args(["--data", "d", "--run-dir", "r", "--attention", "flex"]))
+    assert _model_overrides(cfg) == {"attention": "flex"}
+    assert _model_overrides(config_from_args(p.parse_args(["--data", "d", "--run-dir", "r"]))) == {}
