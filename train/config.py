@@ -15,7 +15,7 @@ from loongforge.shared.errors import ConfigError
 
 BAD_SAMPLE_POLICIES = ("skip", "raise")
 TAIL_POLICIES = ("drop",)  # see order.py: padding would duplicate samples within an epoch
-ATTENTION_BACKENDS = ("sdpa", "flash")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")  # train/attention.py
 TIME_SCHEDULES = ("beta", "uniform")
 
 
@@ -76,7 +76,7 @@ class ModelConfig:
     flow_weight: float = 1.0
     ce_weight: float = 0.1
     dropout: float = 0.0
-    attention: str = "sdpa"
+    attention: str = "auto"  # auto | sdpa | flex | flash: train/attention.py (auto = sdpa on CPU)
     # Filled from the shard index by recipes.resolve(): the model never reads the index itself.
     image_size: tuple[int, int] = (16, 16)
     cameras: int = 2

@@ -47,6 +47,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=_steps_range, default=None, help="a:b torch.profiler trace of steps [a,b)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "flash"),
+                   help="attention kernel for the multimodal mask (train/README.md); the log says which runs")
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
     p.add_argument("--no-overlap-comm", action="store_true")
     p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
@@ -63,13 +65,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace):
-    from loongforge.train.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 
     return TrainConfig(
         recipe=a.recipe,
         data=DataConfig(root=a.data, global_batch_size=a.batch_size, num_workers=a.workers, seed=a.seed,
                         shuffle_window=a.shuffle_window, bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp),
+        model=ModelConfig(attention=getattr(a, "attention", "auto")),
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,

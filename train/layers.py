@@ -3,7 +3,8 @@
 NOTE: a tensor-parallel plan swaps the nn.Linear submodules (`qkv`, `q`, `kv`, `proj`, `fc1`,
 `fc2`) for column/row-parallel ones from outside. That is why each block derives its local
 head count from the projected tensor's width (`q.shape[-1] // head_dim`) instead of storing
-it, and why every attention goes through `attend`, the one place a kernel is chosen.
+it. Every attention goes through one `Attention` object (train/attention.py), the one place a
+kernel is chosen; blocks hand it a mask description from mask.py, never a mask tensor.
 """
 
 from __future__ import annotations
@@ -14,19 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge.shared.errors import ConfigError
+from loongforge.train.attention import Attention
 
 
-def sdpa(q, k, v, mask, dropout_p=0.0):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-
-
-def attention_backend(name: str):
-    # Seam for a later flash-attn backend (GPU extra). It needs a varlen layout: mask.py's
-    # valid-length table is that layout, so the kernel can skip the dense mask.
-    if name == "sdpa":
-        return sdpa
-    raise ConfigError(f"model.attention={name!r} is not implemented yet; use 'sdpa'")
+def attention_backend(name: str) -> Attention:
+    """auto | sdpa | flex | flash; the kernel itself is chosen on the first call (attention.py)."""
+    return Attention(name)
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -10,7 +10,7 @@
   head      self-attention and cross-attention to the vl tokens -> binned action logits
             (cross-entropy). It never reads x_t, nor the action it predicts.
 
-Masks: mask.py (one definition). Layout table: train/README.md.
+Masks: mask.py (one definition); kernels: attention.py. Layout table: train/README.md.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class VLAModel(nn.Module):
         z = z + self.camera_emb[:c, None, None] + self.frame_emb[:k, None]
         return z.reshape(b, c * k * self.cfg.vision_tokens, -1)
 
-    def encode(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Observation -> (vl tokens (B, N, d), key validity (B, N))."""
+    def encode(self, batch: dict) -> tuple[torch.Tensor, masks.VLLayout]:
+        """Observation -> (vl tokens (B, N, d), their layout: segments + valid lengths)."""
         dtype = self.patch_embed.weight.dtype
         frames = [batch["frames"][s].to(dtype) for s in sorted(batch["frames"])]
         state, tokens = batch["state"].to(dtype), batch["task_tokens"]
@@ -93,31 +93,31 @@ class VLAModel(nn.Module):
                                  text_len=tokens.shape[1])
         lengths = masks.vl_valid_lengths(batch["frame_mask"], batch["task_mask"], cameras=len(frames),
                                          tokens_per_frame=self.cfg.vision_tokens)
-        valid = masks.key_valid(segs, lengths)
-        mask = masks.vl_self_mask(valid)
+        layout = masks.VLLayout(segs, lengths)  # masks are built lazily, by the backend that needs them
+        mask = masks.VLSelf(layout)
         for blk in self.blocks:
             seq = blk(seq, mask)
-        return self.vl_norm(seq), valid
+        return self.vl_norm(seq), layout
 
     # ---- heads -------------------------------------------------------------------------------
-    def velocity(self, vl, valid, state, xt, t) -> torch.Tensor:
+    def velocity(self, vl, layout, state, xt, t) -> torch.Tensor:
         """Action head: (B, Ds) current state, (B, H, Da) x_t, (B,) t -> (B, H, Da) velocity."""
         dtype = vl.dtype
         x = torch.cat([self.head_state(state.to(dtype))[:, None], self.action_in(xt.to(dtype))], dim=1)
         x = x + self.action_pos
         cond = self.time_mlp(timestep_embedding(t, self.cfg.dim).to(dtype))
-        cm = masks.cross_mask(valid)
+        cm = masks.VLCross(layout)
         for blk in self.head_blocks:
             x = blk(x, context=vl, self_mask=None, cross_mask=cm, cond=cond)
         return self.velocity_out(self.head_norm(x, cond)[:, 1:]).float()
 
-    def bin_logits(self, vl, valid, prev: torch.Tensor) -> torch.Tensor:
+    def bin_logits(self, vl, layout, prev: torch.Tensor) -> torch.Tensor:
         """Discrete head: (B, H, Da) ground-truth (dequantized) actions -> (B, H, Da, bins) logits.
         Position i reads prev[:, :i] only: the input is shifted by one and the self mask causal."""
         b, h, _ = prev.shape
         shifted = self.bin_in(prev[:, :-1].to(vl.dtype))
         x = torch.cat([self.bin_query.expand(b, 1, -1), shifted], dim=1) + self.bin_pos
-        cm, sm = masks.cross_mask(valid), masks.causal_mask(h, vl.device)
+        cm, sm = masks.VLCross(layout), masks.Causal(h)
         for blk in self.bin_blocks:
             x = blk(x, context=vl, self_mask=sm, cross_mask=cm)
         out = self.bin_out(self.bin_norm(x)).float()
@@ -141,13 +141,13 @@ class VLAModel(nn.Module):
     def forward(self, batch: dict, noise: torch.Tensor, u: torch.Tensor) -> dict[str, torch.Tensor]:
         """noise (B, H, Da) ~ N(0, 1) and u (B,) uniform in [0, 1) come from the caller (seeded per
         sample), so a resumed run draws exactly what an uninterrupted one would. t = flow_time(u)."""
-        vl, valid = self.encode(batch)
+        vl, layout = self.encode(batch)
         x1 = batch["action"].float()
         t = flow_time(u, self.cfg.time_schedule)
         xt = (1.0 - t[:, None, None]) * noise + t[:, None, None] * x1
-        velocity = self.velocity(vl, valid, self.current_state(batch), xt, t)
+        velocity = self.velocity(vl, layout, self.current_state(batch), xt, t)
         target = self.to_bins(x1)
-        logits = self.bin_logits(vl, valid, self.from_bins(target))
+        logits = self.bin_logits(vl, layout, self.from_bins(target))
         return self._losses(velocity, logits, x1 - noise, target, batch)
 
     def _losses(self, velocity, logits, v_target, target, batch) -> dict[str, torch.Tensor]:
@@ -165,26 +165,26 @@ class VLAModel(nn.Module):
     def predict_action(self, batch: dict, steps: int = 4, seed: int = 0) -> torch.Tensor:
         """Euler integration of the flow from Gaussian noise (GR00T: 4 steps) -> (B, H, Da)
         normalized actions. Deterministic given `seed` (and the device)."""
-        vl, valid = self.encode(batch)
+        vl, layout = self.encode(batch)
         state = self.current_state(batch)
         b, h, da = len(state), self.cfg.action_horizon, self.cfg.action_dim
         g = torch.Generator(device=vl.device).manual_seed(seed)
         x = torch.randn((b, h, da), generator=g, device=vl.device)
         for i in range(steps):
             t = torch.full((b,), i / steps, device=vl.device)
-            x = x + self.velocity(vl, valid, state, x, t) / steps
+            x = x + self.velocity(vl, layout, state, x, t) / steps
         return x
 
     @torch.inference_mode()
     def predict_discrete(self, batch: dict) -> torch.Tensor:
         """Greedy decoding of the binned actions, one horizon position at a time -> (B, H, Da)
         normalized actions (bin centres)."""
-        vl, valid = self.encode(batch)
+        vl, layout = self.encode(batch)
         b, h, da = vl.shape[0], self.cfg.action_horizon, self.cfg.action_dim
         bins = torch.zeros((b, h, da), dtype=torch.long, device=vl.device)
         for i in range(h):
             # Positions > i of `bins` are still zeros: the causal mask keeps them out of logit i.
-            bins[:, i] = self.bin_logits(vl, valid, self.from_bins(bins))[:, i].argmax(-1)
+            bins[:, i] = self.bin_logits(vl, layout, self.from_bins(bins))[:, i].argmax(-1)
         return self.from_bins(bins)
 
 
