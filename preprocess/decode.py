@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import SWS_MATRIX, SWS_RANGE, ColorTarget, StreamColor, check_stream, \
-    stream_color
+from loongforge.preprocess.colorspace import SWS_MATRIX, SWS_RANGE, UNTAGGED, ColorTarget, StreamColor, \
+    check_stream, stream_color
 from loongforge.shared.errors import SourceDataError
 
 YUV420 = ("yuv420p", "yuvj420p")  # same planes; yuvj is full range (kept as is, recorded)
@@ -65,12 +65,14 @@ class NV12Converter:
     scaling goes through one reused VideoReformatter (cached swscale context)."""
 
     def __init__(self, src_h: int, src_w: int, height: int | None, width: int | None, resize_mode: str,
-                 color: tuple[StreamColor, ColorTarget] | None = None):
+                 source: StreamColor = UNTAGGED, target: ColorTarget | None = None):
         from av.video.reformatter import VideoReformatter
 
-        self.color = color  # (source, target) when the stream must be converted, else None
-        # Ranges passed to swscale explicitly so scaling never converts range on its own.
-        self.sws_range = SWS_RANGE[color[1].range if color else "limited"]
+        convert = target is not None and (target.matrix, target.range) != (source.matrix, source.range)
+        self.color = (source, target) if convert else None
+        # The range frames are in when they reach scaling/cropping, passed to swscale as
+        # both source and destination so that scaling never converts range on its own.
+        self.sws_range = SWS_RANGE[target.range if convert else source.range]
         self.src = (src_h, src_w)
         self.dst = (height or src_h, width or src_w)
         self.box = crop_box(src_h, src_w, *self.dst) if resize_mode == "crop" else None
@@ -154,8 +156,8 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
                 raise SourceDataError(f"{path}: odd source size {src_h}x{src_w}; NV12 needs even sizes")
             got = stream_color(cc)
             target = color if color is not None else ColorTarget(got.matrix, got.range)
-            convert = NV12Converter(src_h, src_w, height, width, resize_mode,
-                                    (got, target) if check_stream(path, got, target) else None)
+            check_stream(path, got, target)  # refuses another colour unless conversion was asked for
+            convert = NV12Converter(src_h, src_w, height, width, resize_mode, got, target)
             h, w = convert.dst
             out = np.empty((n_frames, h * 3 // 2, w), dtype=np.uint8)
             count = 0

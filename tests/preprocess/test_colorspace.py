@@ -65,6 +65,16 @@ def test_full_range_clip_is_detected_and_kept(mixed_dataset):
     assert y_src.min() < 16 or y_src.max() > 235  # really full range content
 
 
+def test_full_range_clip_keeps_its_range_when_scaled(mixed_dataset):
+    path = _ego(mixed_dataset)
+    with av.open(path) as c:
+        first = next(c.decode(video=0))
+        want = first.reformat(width=16, height=16, format="nv12", src_color_range="JPEG",
+                              dst_color_range="JPEG").to_ndarray()
+    nv12, _ = decode_nv12(path, _rows(mixed_dataset), height=16, width=16)
+    np.testing.assert_array_equal(nv12[0], want)
+
+
 def test_disagreeing_cameras_are_refused(mixed_dataset, tmp_path, run_in_memory):
     with pytest.raises(ConfigError, match=r"disagree on colour range .*ego_view full.*wrist_view limited.*"
                                           r"--color-range"):
