@@ -19,7 +19,7 @@ class ShardSource(Protocol):
     def read_range(self, name: str, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset` of a shard (not hash-verified: a range
         cannot be checked against a whole-shard hash; callers check the
-        sample's CRC-32 with `ShardEntry.check_sample`)."""
+        sample's xxh3 checksum with `ShardEntry.check_sample`)."""
 
 
 class OriginSource:

@@ -4,7 +4,8 @@ it atomically. Used by the preprocess job and by test/benchmark factories."""
 from __future__ import annotations
 
 import hashlib
-import zlib
+
+import xxhash
 
 from loongforge.shared import paths, storage
 from loongforge.shared.format import END_OF_ARCHIVE
@@ -13,16 +14,16 @@ from loongforge.shared.index import ShardEntry
 
 def layout_shard(name: str, fragments: list[tuple[str, int, bytes]]) -> tuple[ShardEntry, list[bytes]]:
     """Plan one shard from (key, frame count, fragment) triples, in order.
-    Returns the index entry and the byte chunks to write (hash and per-sample CRC-32 included)."""
+    Returns the index entry and the byte chunks to write (hash and per-sample xxh3 included)."""
     h = hashlib.sha256()
-    keys, offsets, lengths, frames, crcs, chunks = [], [], [], [], [], []
+    keys, offsets, lengths, frames, digests, chunks = [], [], [], [], [], []
     pos = 0
     for key, n_frames, frag in fragments:
         keys.append(key)
         offsets.append(pos)
         lengths.append(len(frag))
         frames.append(n_frames)
-        crcs.append(zlib.crc32(frag))
+        digests.append(xxhash.xxh3_64_hexdigest(frag))
         chunks.append(frag)
         h.update(frag)
         pos += len(frag)
@@ -31,7 +32,7 @@ def layout_shard(name: str, fragments: list[tuple[str, int, bytes]]) -> tuple[Sh
     pos += len(END_OF_ARCHIVE)
     entry = ShardEntry(name=paths.check_relative(name), bytes=pos, sha256=h.hexdigest(), keys=tuple(keys),
                        offsets=tuple(offsets), lengths=tuple(lengths), frames=tuple(frames),
-                       crc32=tuple(crcs))
+                       xxh3=tuple(digests))
     return entry, chunks
 
 

@@ -1,4 +1,4 @@
-"""Per-sample CRC-32 on the loader's range reads: a flipped byte in a sample is
+"""Per-sample checksum (xxh3) on the loader's range reads: a flipped byte in a sample is
 a bad sample (the configured policy), never a valid one with garbage values."""
 
 import io
@@ -42,28 +42,28 @@ def test_flipped_state_byte_is_a_bad_sample(tmp_path, caplog, workers):
     with ShardLoader(root, batch_size=8, max_steps=1, num_workers=workers) as loader:
         batch = next(iter(loader))
         assert loader.bad_samples == 1
-    assert "IntegrityError" in caplog.text and "crc32" in caplog.text
+    assert "IntegrityError" in caplog.text and "xxh3" in caplog.text
     row = batch["sample_ids"].tolist().index(bad)
     assert not batch["sample_valid"][row] and not batch["frame_mask"][row].any()
     assert int(batch["sample_valid"].sum()) == 7
     assert np.isfinite(batch["state"].numpy()).all()  # the masked row is zeros, not inf
     with ShardLoader(root, batch_size=8, max_steps=1, num_workers=workers, bad_samples="raise") as loader:
-        with pytest.raises(DataWorkerError, match=f"sample {bad}.*crc32"):
+        with pytest.raises(DataWorkerError, match=f"sample {bad}.*xxh3"):
             next(iter(loader))
 
 
 def test_index_without_checksums_still_loads_and_trains(tmp_path):
-    """Indexes written before `sample_crc32` existed: no check, same batches."""
+    """Indexes written before `sample_xxh3` existed: no check, same batches."""
     root = str(tmp_path)
     make_synthetic_root(root, shards=2, samples_per_shard=4)
     with ShardLoader(root, batch_size=8, max_steps=1, num_workers=0, seed=1) as loader:
         want = next(iter(loader))
     path = os.path.join(root, "index.json")
     doc = json.load(open(path))
-    del doc["sample_crc32"]
+    del doc["sample_xxh3"]
     open(path, "w").write(json.dumps(doc, sort_keys=True))
     index = load_index(root)
-    assert all(s.crc32 == () for s in index.shards)
+    assert all(s.xxh3 == () for s in index.shards)
     with ShardLoader(root, batch_size=8, max_steps=1, num_workers=0, seed=1) as loader:
         got = next(iter(loader))
     assert bool(got["sample_valid"].all())
