@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     body, hashes = worker_body(args.shards, args.rounds), hash_vs_zstd(args.shards)
     print(f"worker body over {body['frames']} frames: checked {body['checked_frames_per_cpu_s']:,.0f} frames/CPU-s, "
           f"unchecked {body['unchecked_frames_per_cpu_s']:,.0f}: the checksum adds {body['added_cpu']:+.1%} CPU time")
-    print(f"hashing {hashes['bytes'] / 1e6:.1f} MB of sample ranges: xxh3_64 {hashes['xxh3_gb_per_cpu_s']:.2f} GB/CPU-s "
+    print(f"hashing {hashes['bytes'] / 1e6:.1f} MB of sample ranges: "
+          f"xxh3_64 {hashes['xxh3_gb_per_cpu_s']:.2f} GB/CPU-s "
           f"({hashes['xxh3_over_zstd']:.1%} of their zstd decompression), zlib.crc32 "
           f"{hashes['crc32_gb_per_cpu_s']:.2f} GB/CPU-s ({hashes['crc32_over_zstd']:.1%})")
 

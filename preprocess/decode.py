@@ -91,7 +91,8 @@ class NV12Converter:
             out[h:, 0::2] = _plane(frame, 1, w // 2)
             out[h:, 1::2] = _plane(frame, 2, w // 2)
         else:
-            out[...] = self.reformatter.reformat(frame, width=w, height=h, format="nv12", src_color_range=self.sws_range,
+            out[...] = self.reformatter.reformat(frame, width=w, height=h, format="nv12",
+                                                 src_color_range=self.sws_range,
                                                  dst_color_range=self.sws_range).to_ndarray()
 
     def _convert(self, frame):
