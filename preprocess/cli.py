@@ -12,6 +12,10 @@ import logging
 import sys
 
 QUIRK_CHOICES = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
+# Exit codes of `loongforge preprocess` (README "Exit codes"): 0 done; 1 error, nothing
+# published (LoongForgeError: bad config, unreadable dataset, disk full); 2 usage error
+# (argparse); 3 done and published, but more records failed than --allow-failed permits.
+EXIT_FAILED_RECORDS = 3
 
 
 def register(subparsers) -> None:
@@ -72,8 +76,16 @@ def _preprocess(args: argparse.Namespace) -> int:
     beam_args = [a for a in args.beam_args if a != "--"]
     if args.runner:
         beam_args.append(f"--runner={args.runner}")
-    summary = run_job(config_from_args(args), beam_args)
+    cfg = config_from_args(args)
+    summary = run_job(cfg, beam_args)
+    allowed = cfg.failed_allowed(summary["input_episodes"])
+    summary["failed_allowed"] = allowed
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
+    if summary["failed"] > allowed:
+        print(f"loongforge preprocess: {summary['failed']} record(s) failed, {allowed} allowed (--allow-failed "
+              f"{cfg.allow_failed}): exit {EXIT_FAILED_RECORDS}. The shards and index of the rest are written; "
+              "failed.jsonl lists what failed", file=sys.stderr)
+        return EXIT_FAILED_RECORDS
     return 0
 
 

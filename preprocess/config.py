@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, fields
 
 from loongforge.shared.errors import ConfigError
@@ -17,7 +18,11 @@ from loongforge.shared.units import parse_size
 
 RESIZE_MODES = ("resize", "crop")
 OUTPUT_FIELDS = ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames", "height", "width",
-                 "resize_mode", "shard_size", "zstd_level")
+                 "resize_mode", "shard_size", "zstd_level",
+                 "color_range", "color_matrix")
+FINGERPRINT_MODES = ("stat", "content")  # stat: size + mtime of every input file; content: their sha256
+COLOR_RANGE_CHOICES = ("auto", "limited", "full")  # auto: keep the sources' range, refuse if they disagree
+COLOR_MATRIX_CHOICES = ("auto", "bt601", "bt709")
 
 
 def default_workers() -> int:
@@ -35,7 +40,7 @@ class PreprocessConfig:
     stride: int = 4  # first frames of consecutive windows are `stride` frames apart
     frame_step: int = 1  # D: frames inside a window are D source frames apart
     action_horizon: int = 16  # H action rows from the window's last frame
-    min_frames: int = 2  # shortest tail window kept (< K makes frame counts vary)
+    min_frames: int | None = None  # shortest tail window kept (< K makes frame counts vary); None = min(2, K)
     height: int | None = None  # None = source resolution
     width: int | None = None
     resize_mode: str = "resize"
@@ -43,8 +48,16 @@ class PreprocessConfig:
     zstd_level: int = 3
     workers: int = 0  # 0 = one per core
     val_episodes: str = ""  # validation split: "10%" or "3,7" (shared/split.py); "" = no split
+    allow_failed: str = "0"  # failed records accepted before the exit code says failure: "N" or "P%" of episodes
+    fingerprint: str = "stat"  # how source.fingerprint covers the input files (FINGERPRINT_MODES)
+    color_range: str = "auto"  # output range; anything but "auto" converts every stream to it
+    color_matrix: str = "auto"  # output matrix; anything but "auto" converts every stream to it
+    progress_s: float = 10.0  # local runner: a progress line every this many seconds (0 = off)
 
     def __post_init__(self):
+        if self.min_frames is None:  # K=1 (one frame per sample) must work without a flag
+            object.__setattr__(self, "min_frames", min(2, self.frames_per_sample)
+                               if isinstance(self.frames_per_sample, int) else 2)
         for name in ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -69,6 +82,15 @@ class PreprocessConfig:
         from loongforge.shared.split import parse_val_spec
 
         parse_val_spec(self.val_episodes)  # raises ConfigError on a bad spec, before any work
+        self.failed_allowed(1)  # validates allow_failed
+        if self.fingerprint not in FINGERPRINT_MODES:
+            raise ConfigError(f"fingerprint={self.fingerprint!r}: choose one of {FINGERPRINT_MODES}")
+        if self.color_range not in COLOR_RANGE_CHOICES:
+            raise ConfigError(f"color_range={self.color_range!r}: choose one of {COLOR_RANGE_CHOICES}")
+        if self.color_matrix not in COLOR_MATRIX_CHOICES:
+            raise ConfigError(f"color_matrix={self.color_matrix!r}: choose one of {COLOR_MATRIX_CHOICES}")
+        if self.progress_s < 0:
+            raise ConfigError(f"progress_s={self.progress_s}: must be >= 0 (0 = no progress lines)")
         if not self.input or not self.output:
             raise ConfigError("input and output: both are required (--input DATASET --output SHARDS)")
         if self.output.rstrip("/") == self.input.rstrip("/"):
@@ -77,6 +99,17 @@ class PreprocessConfig:
     @property
     def num_workers(self) -> int:
         return self.workers or default_workers()
+
+    def failed_allowed(self, episodes: int) -> int:
+        """How many failed records still count as success, for a job over `episodes` episodes."""
+        text = str(self.allow_failed).strip()
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)%", text)
+        if m and float(m.group(1)) <= 100:
+            return int(float(m.group(1)) / 100 * episodes)  # floor: 5% of 10 episodes allows 0
+        if text.isdigit():
+            return int(text)
+        raise ConfigError(f"allow_failed={self.allow_failed!r}: give a count N (e.g. 3) or a percentage of "
+                          "episodes P% (e.g. 5%), at most 100%")
 
     def output_params(self) -> dict:
         return {name: getattr(self, name) for name in OUTPUT_FIELDS}
@@ -93,7 +126,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, default=4, metavar="S", help="frames between window starts (4)")
     parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="frames between window frames (1)")
     parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
-    parser.add_argument("--min-frames", type=int, default=2, metavar="M", help="shortest tail window kept (2)")
+    parser.add_argument("--min-frames", type=int, default=None, metavar="M",
+                        help="shortest tail window kept (default min(2, K))")
     parser.add_argument("--height", type=int, default=None, help="output height (default: source)")
     parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
     parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
@@ -103,6 +137,19 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
     parser.add_argument("--val-episodes", default="", metavar="SPEC",
                         help="hold out episodes for validation: a percentage (10%%) or ids (3,7); default none")
+    parser.add_argument("--allow-failed", default="0", metavar="N|P%",
+                        help="failed records (episodes) tolerated before the exit code is 3: a count or a "
+                        "percentage of episodes, e.g. 2 or 5%% (default 0)")
+    parser.add_argument("--fingerprint", choices=FINGERPRINT_MODES, default="stat",
+                        help="source.fingerprint over every input file's size+mtime (stat, default) or its "
+                        "content hash (content: reads every byte once more)")
+    parser.add_argument("--color-range", choices=COLOR_RANGE_CHOICES, default="auto",
+                        help="auto: keep the sources' range (refuse if cameras disagree); limited|full: convert "
+                        "every stream to it")
+    parser.add_argument("--color-matrix", choices=COLOR_MATRIX_CHOICES, default="auto",
+                        help="auto: keep the sources' matrix (refuse if cameras disagree); bt601|bt709: convert")
+    parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
+                        help="local runner: a progress line every S seconds (0 = off; 10)")
 
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
@@ -111,4 +158,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             min_frames=args.min_frames, height=args.height, width=args.width,
                             resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size, "--shard-size"),
                             zstd_level=args.zstd_level, workers=args.workers,
-                            val_episodes=getattr(args, "val_episodes", "") or "")
+                            val_episodes=getattr(args, "val_episodes", "") or "",
+                            allow_failed=args.allow_failed, fingerprint=args.fingerprint,
+                            color_range=args.color_range, color_matrix=args.color_matrix,
+                            progress_s=args.progress_s)

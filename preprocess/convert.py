@@ -9,6 +9,7 @@ output (episode, camera, reason) plus a counter, and the other episodes go on.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -17,13 +18,14 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from loongforge.preprocess import files
+from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.episode import read_episode
 from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, stage_samples, staging_path
 from loongforge.preprocess.stats import episode_moments
 from loongforge.preprocess.window import cut_samples, plan_windows
-from loongforge.shared import paths
+from loongforge.shared import paths, storage
 from loongforge.shared.errors import FormatError, SourceDataError
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class ConvertParams:
     action_horizon: int
     min_frames: int
     zstd_level: int
+    color: ColorTarget | None = None  # the dataset's colour (launcher probe); None: each stream keeps its own
 
 
 def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
@@ -67,6 +70,11 @@ class ConvertEpisodeFn(beam.DoFn):
         self.failed.inc()
         record = failure(spec.index, camera, str(exc), self.meta.uri)
         log.warning("episode %d failed: %s", spec.index, record["reason"])
+        try:  # best effort: only the local progress line reads it
+            storage.write_bytes_atomic(staging_path(self.params.output, spec.index, ".failed"),
+                                       json.dumps(record).encode())
+        except OSError as err:
+            log.debug("episode %d: no failure marker (%s)", spec.index, err)
         return beam.pvalue.TaggedOutput(FAILED, record)
 
     def _read_inputs(self, spec: EpisodeSpec):
@@ -82,9 +90,9 @@ class ConvertEpisodeFn(beam.DoFn):
             frames, videos, source_bytes = {}, [], files.size(spec.parquet)
             for camera, path in spec.videos:
                 frames[paths.camera_slot(camera)], info = decode_nv12(
-                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode)
+                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode, color=p.color)
                 source_bytes += files.size(path)
-                videos.append((camera, info.height, info.width, info.codec, info.color_matrix))
+                videos.append((camera, info.height, info.width, info.codec, info.color_matrix, info.color_range))
         except (SourceDataError, FormatError) as exc:
             raise _Failed(camera, exc) from exc
         except Exception as exc:  # noqa: BLE001 - a reader/decoder bug on one input must not kill the job

@@ -7,8 +7,8 @@ would re-decode from the previous keyframe every time, which at GOP 100+ costs
 
 Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
 (no matrix or range conversion), so the NV12 carries the source's colour
-matrix, limited range. Untagged streams are BT.601 (what swscale also assumes
-for RGB conversion), BT.709-tagged streams are recorded as such.
+matrix and range (detected per stream, colorspace.py). Only when the job asks
+for another colour (--color-range/--color-matrix) is a stream converted.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from loongforge.preprocess import files
+from loongforge.preprocess.colorspace import SWS_MATRIX, SWS_RANGE, UNTAGGED, ColorTarget, StreamColor, \
+    check_stream, stream_color
 from loongforge.shared.errors import SourceDataError
 
-AVCOL_SPC_BT709 = 1  # FFmpeg's AVColorSpace value for BT.709
+YUV420 = ("yuv420p", "yuvj420p")  # same planes; yuvj is full range (kept as is, recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +31,9 @@ class VideoInfo:
     width: int
     codec: str
     pix_fmt: str
-    color_matrix: str  # bt601 | bt709
+    color_matrix: str  # bt601 | bt709, of the source stream
     frames: int  # decoded
+    color_range: str = "limited"  # of the source stream
 
 
 def crop_box(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[int, int, int, int]:
@@ -61,9 +64,15 @@ class NV12Converter:
     So: same-size yuv420p is repacked in numpy (two plane copies, exact), and
     scaling goes through one reused VideoReformatter (cached swscale context)."""
 
-    def __init__(self, src_h: int, src_w: int, height: int | None, width: int | None, resize_mode: str):
+    def __init__(self, src_h: int, src_w: int, height: int | None, width: int | None, resize_mode: str,
+                 source: StreamColor = UNTAGGED, target: ColorTarget | None = None):
         from av.video.reformatter import VideoReformatter
 
+        convert = target is not None and (target.matrix, target.range) != (source.matrix, source.range)
+        self.color = (source, target) if convert else None
+        # The range frames are in when they reach scaling/cropping, passed to swscale as
+        # both source and destination so that scaling never converts range on its own.
+        self.sws_range = SWS_RANGE[target.range if convert else source.range]
         self.src = (src_h, src_w)
         self.dst = (height or src_h, width or src_w)
         self.box = crop_box(src_h, src_w, *self.dst) if resize_mode == "crop" else None
@@ -73,20 +82,37 @@ class NV12Converter:
 
     def __call__(self, frame, out: np.ndarray) -> None:
         h, w = self.dst
+        if self.color is not None:
+            frame = self._convert(frame)
         if self.box is not None:
             self._crop(frame, out)
-        elif self.src == self.dst and frame.format.name == "yuv420p":
+        elif self.src == self.dst and frame.format.name in YUV420:
             out[:h] = _plane(frame, 0, w)
             out[h:, 0::2] = _plane(frame, 1, w // 2)
             out[h:, 1::2] = _plane(frame, 2, w // 2)
         else:
-            out[...] = self.reformatter.reformat(frame, width=w, height=h, format="nv12").to_ndarray()
+            out[...] = self.reformatter.reformat(frame, width=w, height=h, format="nv12",
+                                                 src_color_range=self.sws_range,
+                                                 dst_color_range=self.sws_range).to_ndarray()
+
+    def _convert(self, frame):
+        """Source colour -> target colour at source size, as yuv420p (swscale).
+        A matrix change goes through RGB (swscale applies matrices only there)."""
+        src, dst = self.color
+        if src.matrix != dst.matrix:
+            frame = self.reformatter.reformat(frame, format="rgb24", src_colorspace=SWS_MATRIX[src.matrix],
+                                              src_color_range=SWS_RANGE[src.range])
+            return self.reformatter.reformat(frame, format="yuv420p", dst_colorspace=SWS_MATRIX[dst.matrix],
+                                             dst_color_range=SWS_RANGE[dst.range])
+        return self.reformatter.reformat(frame, format="yuv420p", src_color_range=SWS_RANGE[src.range],
+                                         dst_color_range=SWS_RANGE[dst.range])
 
     def _crop(self, frame, out: np.ndarray) -> None:
         import av
 
-        if frame.format.name != "yuv420p":
-            frame = self.reformatter.reformat(frame, format="yuv420p")
+        if frame.format.name not in YUV420:
+            frame = self.reformatter.reformat(frame, format="yuv420p", src_color_range=self.sws_range,
+                                              dst_color_range=self.sws_range)
         src_w = self.src[1]
         y0, x0, ch, cw = self.box
         yc = _plane(frame, 0, src_w)[y0 : y0 + ch, x0 : x0 + cw]
@@ -100,15 +126,19 @@ class NV12Converter:
             return
         i420 = np.concatenate((yc.reshape(-1), uc.reshape(-1), vc.reshape(-1))).reshape(ch * 3 // 2, cw)
         cropped = av.VideoFrame.from_ndarray(i420, format="yuv420p")
-        out[...] = self.reformatter.reformat(cropped, width=w, height=h, format="nv12").to_ndarray()
+        out[...] = self.reformatter.reformat(cropped, width=w, height=h, format="nv12", src_color_range=self.sws_range,
+                                             dst_color_range=self.sws_range).to_ndarray()
 
 
 def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: int | None = None,
-                resize_mode: str = "resize", threads: int = 1) -> tuple[np.ndarray, VideoInfo]:
+                resize_mode: str = "resize", threads: int = 1,
+                color: ColorTarget | None = None) -> tuple[np.ndarray, VideoInfo]:
     """Decode exactly `n_frames` frames of the first video stream into NV12.
+    `color`: the dataset's colour; None keeps the stream's own (and records it).
 
-    Raises SourceDataError when the file is missing or unreadable, or holds a
-    different number of frames than `n_frames` (the parquet's row count)."""
+    Raises SourceDataError when the file is missing or unreadable, holds a
+    different number of frames than `n_frames` (the parquet's row count), or
+    is in another colour than `color` when `color` does not ask to convert."""
     import av
 
     try:
@@ -125,7 +155,10 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
             src_h, src_w = cc.height, cc.width
             if src_h % 2 or src_w % 2:
                 raise SourceDataError(f"{path}: odd source size {src_h}x{src_w}; NV12 needs even sizes")
-            convert = NV12Converter(src_h, src_w, height, width, resize_mode)
+            got = stream_color(cc)
+            target = color if color is not None else ColorTarget(got.matrix, got.range)
+            check_stream(path, got, target)  # refuses another colour unless conversion was asked for
+            convert = NV12Converter(src_h, src_w, height, width, resize_mode, got, target)
             h, w = convert.dst
             out = np.empty((n_frames, h * 3 // 2, w), dtype=np.uint8)
             count = 0
@@ -135,9 +168,8 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
                     raise SourceDataError(f"{path}: length mismatch: video has {total} frames, parquet {n_frames} rows")
                 convert(frame, out[count])
                 count += 1
-            matrix = "bt709" if cc.colorspace == AVCOL_SPC_BT709 else "bt601"
             info = VideoInfo(height=src_h, width=src_w, codec=cc.name, pix_fmt=str(cc.pix_fmt),
-                             color_matrix=matrix, frames=count)
+                             color_matrix=got.matrix, frames=count, color_range=got.range)
     except FileNotFoundError:
         raise SourceDataError(f"{path}: video file missing") from None
     except av.FFmpegError as exc:

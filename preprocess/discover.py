@@ -126,8 +126,25 @@ def _check_counts(info: dict, n_found: int, warn) -> None:
             warn(f"split {split!r} = {spec} goes beyond the {n_found} episodes found; ignoring splits")
 
 
-def discover(root: str) -> tuple[SourceMeta, list[EpisodeSpec]]:
-    """Dataset metadata and every episode, sorted by episode index."""
+def fingerprint_inputs(root: str, raw_meta: dict[str, bytes], stats: dict[str, tuple[int, str]],
+                       mode: str = "stat") -> str:
+    """sha256 over the meta/ files' content and every data/ and videos/ file:
+    its size and mtime (mode "stat": a changed or truncated video changes it,
+    for one listing call) or its content hash (mode "content": survives a copy
+    to another place or store, costs a full read)."""
+    h = hashlib.sha256()
+    for name in sorted(raw_meta):
+        h.update(f"{name}\0{len(raw_meta[name])}\0".encode() + raw_meta[name])
+    for rel in sorted(stats):
+        size, mtime = stats[rel]
+        what = files.sha256_file(files.join(root, rel)) if mode == "content" else mtime
+        h.update(f"{rel}\0{size}\0{what}\n".encode())
+    return h.hexdigest()
+
+
+def discover(root: str, fingerprint: str = "stat") -> tuple[SourceMeta, list[EpisodeSpec]]:
+    """Dataset metadata and every episode, sorted by episode index. `fingerprint`:
+    "stat" or "content" (see fingerprint_inputs)."""
     root = root.rstrip("/")
     warnings: list[str] = []
 
@@ -140,7 +157,8 @@ def discover(root: str) -> tuple[SourceMeta, list[EpisodeSpec]]:
     data_tpl = info.get("data_path", DEFAULT_DATA_PATH)
     video_tpl = info.get("video_path", DEFAULT_VIDEO_PATH)
     chunks_size = int(info.get("chunks_size") or 1000)
-    listing = files.list_files(root, "videos") | files.list_files(root, "data")
+    stats = {**files.stat_files(root, "videos"), **files.stat_files(root, "data")}
+    listing = set(stats)
     if "episodes.jsonl" in raw:
         rows = _jsonl(raw["episodes.jsonl"], "meta/episodes.jsonl")
     else:
@@ -164,14 +182,11 @@ def discover(root: str) -> tuple[SourceMeta, list[EpisodeSpec]]:
         warn("no meta/modality.json; the index's modality will be empty")
     feats = info.get("features", {})
     state, action = feats.get("observation.state", {}), feats.get("action", {})
-    fingerprint = hashlib.sha256()
-    for name in sorted(raw):
-        fingerprint.update(f"{name}\0{len(raw[name])}\0".encode() + raw[name])
     meta = SourceMeta(
         uri=root, codebase_version=str(info.get("codebase_version", "")), robot_type=str(info.get("robot_type", "")),
         fps=float(info.get("fps", 0)), cameras=tuple(cams),
         state_dim=int((state.get("shape") or [0])[0]), action_dim=int((action.get("shape") or [0])[0]),
         state_names=_names(state), action_names=_names(action), tasks=tasks,
         modality=json.loads(raw["modality.json"]) if "modality.json" in raw else {},
-        fingerprint=fingerprint.hexdigest(), warnings=tuple(warnings))
+        fingerprint=fingerprint_inputs(root, raw, stats, fingerprint), warnings=tuple(warnings))
     return meta, episodes

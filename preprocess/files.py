@@ -67,6 +67,43 @@ def list_files(root: str, under: str) -> set[str]:
     return {f[len(prefix):] for f in fs.find(p) if f.startswith(prefix)}
 
 
+_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "mtime_ns")  # fsspec backends differ
+
+
+def stat_files(root: str, under: str) -> dict[str, tuple[int, str]]:
+    """Every file below root/under -> (size, modification time as text), keyed
+    like list_files (one listing call). Backends without a time give ""."""
+    base = join(root, under)
+    if storage.is_local(base):
+        local_root = _local(root).rstrip("/")
+        out = {}
+        for dirpath, _, names in os.walk(_local(base)):
+            rel = os.path.relpath(dirpath, local_root).replace(os.sep, "/")
+            for n in names:
+                st = os.stat(os.path.join(dirpath, n))
+                out[f"{rel}/{n}"] = (st.st_size, str(st.st_mtime_ns))
+        return out
+    fs, p = _fs(base)
+    _, root_p = _fs(root)
+    prefix = root_p.rstrip("/") + "/"
+    out = {}
+    for name, info in fs.find(p, detail=True).items():
+        if name.startswith(prefix):
+            when = next((info[k] for k in _MTIME_KEYS if info.get(k) is not None), "")
+            out[name[len(prefix):]] = (int(info.get("size") or 0), str(when))
+    return out
+
+
+def sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open_read(path) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def remove_tree(path: str) -> None:
     if storage.is_local(path):
         shutil.rmtree(_local(path), ignore_errors=True)

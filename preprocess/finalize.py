@@ -15,6 +15,7 @@ import apache_beam as beam
 
 from loongforge import __version__
 from loongforge.preprocess import files
+from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.convert import ConvertParams
 from loongforge.preprocess.discover import SourceMeta
@@ -26,36 +27,45 @@ from loongforge.shared.split import choose_val_episodes
 log = logging.getLogger(__name__)
 
 
-def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[tuple[CameraInfo, ...], str]:
+def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
     """Camera infos from the decoded streams (first converted episode), falling
-    back to info.json when nothing converted; plus the colour matrix."""
-    seen = {key: (h, w, codec, matrix) for key, h, w, codec, matrix in (staged[0].videos if staged else ())}
-    matrices = {v[4] for ep in staged for v in ep.videos}
-    if len(matrices) > 1:
-        log.warning("cameras/episodes disagree on the colour matrix %s; recording %s", sorted(matrices),
-                    seen and next(iter(seen.values()))[3])
+    back to info.json when nothing converted."""
+    seen = {key: (h, w, codec) for key, h, w, codec, *_ in (staged[0].videos if staged else ())}
     cams = []
     for cam in meta.cameras:
-        h, w, codec, _ = seen.get(cam.key, (cam.height, cam.width, cam.codec, "bt601"))
+        h, w, codec = seen.get(cam.key, (cam.height, cam.width, cam.codec))
         cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec))
-    matrix = next(iter(seen.values()))[3] if seen else "bt601"
-    return tuple(cams), matrix
+    return tuple(cams)
+
+
+def _source_colors(staged: list[StagedEpisode]) -> dict:
+    """camera key -> the matrices and ranges its source streams were in (what
+    the NV12 was converted from, when the job converted)."""
+    out: dict[str, dict[str, set]] = {}
+    for ep in staged:
+        for key, _, _, _, matrix, rng in ep.videos:
+            seen = out.setdefault(key, {"matrix": set(), "range": set()})
+            seen["matrix"].add(matrix)
+            seen["range"].add(rng)
+    return {key: {k: sorted(v) for k, v in seen.items()} for key, seen in sorted(out.items())}
 
 
 def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, entries: list[ShardEntry],
                 failed: list[dict], stats: dict, staged: list[StagedEpisode]) -> ShardIndex:
     staged = sorted(staged, key=lambda e: e.episode)
-    cameras, matrix = _cameras(meta, staged)
+    cameras = _cameras(meta, staged)
+    color = params.color or (ColorTarget(*staged[0].videos[0][4:6]) if staged and staged[0].videos else ColorTarget())
     state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
     action_dim = meta.action_dim or len(stats.get("action", {}).get("mean", ()))
     source = {
         "uri": meta.uri, "codebase_version": meta.codebase_version, "robot_type": meta.robot_type,
-        "fingerprint": meta.fingerprint, "warnings": list(meta.warnings),
+        "fingerprint": meta.fingerprint, "fingerprint_mode": cfg.fingerprint, "warnings": list(meta.warnings),
+        "color": _source_colors(staged),
         "bytes": sum(e.source_bytes for e in staged), "frames": sum(e.source_frames for e in staged),
     }
     dataset = DatasetInfo(
-        fps=meta.fps, height=params.height, width=params.width, cameras=cameras, color_matrix=matrix,
-        color_range="limited", state_dim=state_dim, action_dim=action_dim, action_horizon=cfg.action_horizon,
+        fps=meta.fps, height=params.height, width=params.width, cameras=cameras, color_matrix=color.matrix,
+        color_range=color.range, state_dim=state_dim, action_dim=action_dim, action_horizon=cfg.action_horizon,
         frames_per_sample=cfg.frames_per_sample, state_names=meta.state_names, action_names=meta.action_names,
         modality=meta.modality, stats=stats, source=source,
         tasks={str(k): v for k, v in sorted(meta.tasks.items())})

@@ -44,7 +44,7 @@ class StagedEpisode:
     samples: tuple[StagedSample, ...]
     source_frames: int  # rows of the episode (= frames per camera)
     source_bytes: int  # parquet + mp4 bytes read
-    videos: tuple[tuple[str, int, int, str, str], ...]  # (camera key, src h, src w, codec, colour matrix)
+    videos: tuple[tuple[str, int, int, str, str, str], ...]  # (camera key, src h, src w, codec, matrix, range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +54,10 @@ class ShardPlan:
     items: tuple[tuple[str, StagedSample], ...]  # (staging file, sample), in shard order
 
 
-def staging_path(output: str, episode: int) -> str:
-    return files.join(output, STAGING_DIR, f"episode_{episode:06d}.bin")
+def staging_path(output: str, episode: int, suffix: str = ".bin") -> str:
+    """`.bin`: the episode's packed samples; `.failed`: a marker that it failed
+    (both count as finished for the local runner's progress line)."""
+    return files.join(output, STAGING_DIR, f"episode_{episode:06d}{suffix}")
 
 
 def stage_samples(path: str, samples: Iterable[Sample], zstd_level: int) -> tuple[StagedSample, ...]:

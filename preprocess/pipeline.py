@@ -21,6 +21,7 @@ pack: staging file] -> plan shards (metadata only) -> write shards -> stats
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -30,12 +31,14 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge.preprocess import files
+from loongforge.preprocess.colorspace import ColorTarget, probe_colors, resolve_colors
 from loongforge.preprocess.config import PreprocessConfig, add_job_arguments, config_from_args
 from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.preprocess.finalize import FinalizeFn
 from loongforge.preprocess.report import summarize
-from loongforge.preprocess.pack import STAGING_DIR, WriteShardFn, plan_shards
+from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
+from loongforge.preprocess.progress import ProgressMonitor
 from loongforge.preprocess.stats import NormStatsCombineFn
 from loongforge.shared import paths
 from loongforge.shared.errors import ConfigError, StorageError
@@ -81,7 +84,7 @@ def local_runner(options: PipelineOptions):
     return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
 
 
-def resolve_params(cfg: PreprocessConfig, meta: SourceMeta) -> ConvertParams:
+def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None) -> ConvertParams:
     height, width = cfg.height, cfg.width
     if height is None:  # source resolution: the first camera's, per info.json
         height, width = meta.cameras[0].height, meta.cameras[0].width
@@ -89,11 +92,13 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta) -> ConvertParams:
             raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
     return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
                          frames_per_sample=cfg.frames_per_sample, stride=cfg.stride, frame_step=cfg.frame_step,
-                         action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level)
+                         action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level,
+                         color=color)
 
 
-def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec]):
-    params = resolve_params(cfg, meta)
+def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
+                   color: ColorTarget | None = None):
+    params = resolve_params(cfg, meta, color)
     # The Reshuffles are fusion breaks: without them a runner may fuse the heavy
     # per-episode (per-shard) work with the one-element Create (plan) and run it
     # all on one worker.
@@ -129,21 +134,50 @@ def prepare_output(output: str) -> None:
 
 def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
     """Run the job to completion; returns the summary (index numbers + timing)."""
-    meta, episodes = discover(cfg.input)
+    meta, episodes = discover(cfg.input, cfg.fingerprint)
+    # Before any work: cameras in different colours need a decision (--color-range/--color-matrix).
+    color = resolve_colors(probe_colors(episodes), cfg.color_range, cfg.color_matrix)
     prepare_output(cfg.output)
-    log.info("preprocess %s -> %s: %d episodes, cameras %s", cfg.input, cfg.output, len(episodes),
-             [c.key for c in meta.cameras])
+    log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
+             [c.key for c in meta.cameras], color.matrix, color.range)
     t0 = time.perf_counter()
     options = beam_options(cfg, beam_args or [])
+    runner = local_runner(options)
+    monitor = ProgressMonitor(cfg.output, {e.index: e.length for e in episodes}, len(meta.cameras),
+                              cfg.progress_s) if runner is not None and cfg.progress_s > 0 else None
+    p = beam.Pipeline(runner=runner, options=options)
+    build_pipeline(p, cfg, meta, episodes, color)
     try:
-        with beam.Pipeline(runner=local_runner(options), options=options) as p:
-            build_pipeline(p, cfg, meta, episodes)
+        with monitor if monitor is not None else contextlib.nullcontext():
+            result = p.run()
+            result.wait_until_finish()
     except Exception as exc:
         err = _output_error(cfg.output, exc)
         if err is None:
             raise
         raise err from exc
-    return summarize(cfg.output, time.perf_counter() - t0)
+    summary = summarize(cfg.output, time.perf_counter() - t0)
+    summary["input_episodes"] = len(episodes)
+    summary["counters"] = job_counters(result)
+    if monitor is not None:
+        monitor.finish(summary["episodes"], summary["failed"], summary["source_frames"] * len(meta.cameras))
+    return summary
+
+
+def job_counters(result) -> dict[str, int]:
+    """This job's Beam counters (METRICS_NS), summed over steps; {} where the
+    runner does not report them."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    try:
+        found = result.metrics().query(MetricsFilter().with_namespace(METRICS_NS))["counters"]
+    except (AttributeError, NotImplementedError, KeyError):
+        return {}
+    out: dict[str, int] = {}
+    for r in found:
+        value = r.committed if r.committed is not None else r.attempted
+        out[r.key.metric.name] = out.get(r.key.metric.name, 0) + int(value or 0)
+    return dict(sorted(out.items()))
 
 
 _DISK_FULL = ("[Errno 28]", "No space left on device", "[Errno 122]", "Disk quota exceeded")
@@ -167,10 +201,16 @@ def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m loongforge.preprocess.pipeline", description=__doc__.splitlines()[0])
     add_job_arguments(parser)
     args, beam_args = parser.parse_known_args(argv)
-    return run_job(config_from_args(args), beam_args)
+    cfg = config_from_args(args)
+    summary = run_job(cfg, beam_args)
+    summary["failed_allowed"] = cfg.failed_allowed(summary["input_episodes"])
+    return summary
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     summary = run(sys.argv[1:])
     print(summary)
+    from loongforge.preprocess.cli import EXIT_FAILED_RECORDS  # the same exit codes as `loongforge preprocess`
+
+    sys.exit(EXIT_FAILED_RECORDS if summary["failed"] > summary["failed_allowed"] else 0)

@@ -41,6 +41,7 @@ class ShardReader:
             view = memoryview(buf)[entry.offsets[local] : entry.offsets[local] + entry.lengths[local]]
         else:
             view = self.source.read_range(entry.name, entry.offsets[local], entry.lengths[local])
+        entry.check_sample(local, view)
         return SampleParts(view)
 
     def __getitem__(self, number: int) -> Sample:
@@ -51,9 +52,10 @@ class ShardReader:
         ds = self.index.dataset
         for entry in self.index.shards:
             buf = self.source.read_shard(entry.name) if self.verify_hashes else None
-            for off, length in zip(entry.offsets, entry.lengths):
+            for local, (off, length) in enumerate(zip(entry.offsets, entry.lengths)):
                 view = memoryview(buf)[off : off + length] if buf is not None else \
                     self.source.read_range(entry.name, off, length)
+                entry.check_sample(local, view)
                 yield SampleParts(view).decode(ds.height, ds.width, ds.slots)
 
     def rgb(self, sample: Sample, slot: str) -> np.ndarray:

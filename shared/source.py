@@ -18,7 +18,8 @@ class ShardSource(Protocol):
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset` of a shard (not hash-verified: a range
-        cannot be checked against a whole-shard hash)."""
+        cannot be checked against a whole-shard hash; callers check the
+        sample's xxh3 checksum with `ShardEntry.check_sample`)."""
 
 
 class OriginSource:

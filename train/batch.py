@@ -142,7 +142,9 @@ def fill_batch(source, index: ShardIndex, layout: BatchLayout, norm: Norm, array
 
 def _fill_row(source, index, layout, norm, arrays, row, shard_no, local) -> None:
     entry = index.shards[shard_no]
-    parts = SampleParts(source.read_range(entry.name, entry.offsets[local], entry.lengths[local]))
+    data = source.read_range(entry.name, entry.offsets[local], entry.lengths[local])
+    entry.check_sample(local, data)  # IntegrityError -> the bad-sample policy (skip counts it, raise stops)
+    parts = SampleParts(data)
     k = int(parts.meta["num_frames"])
     kb = arrays["frame_mask"].shape[1]
     if k > kb or k != entry.frames[local]:

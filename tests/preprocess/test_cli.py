@@ -40,7 +40,7 @@ def test_in_memory_runner_options_pass_through(tmp_path, capsys):
                  "--quirks", "corrupt_video"]) == 0
     rc = main(["preprocess", "--input", data, "--output", out, "--json", "--",
                "--direct_running_mode=in_memory", "--direct_num_workers=1"])
-    assert rc == 0
+    assert rc == 3  # a record failed and --allow-failed is 0; the summary still prints
     summary = json.loads(capsys.readouterr().out)
     assert summary["failed"] == 1 and summary["samples"] == 0 and summary["episodes"] == 0
     assert "unreadable" in summary["failed_records"][0]["reason"]
@@ -81,3 +81,22 @@ def test_disk_full_output_is_one_clear_error_and_publishes_nothing(tmp_path, tin
     assert "No space left on device" in err and "Nothing was published" in err
     assert "Traceback" not in err
     assert not (tiny_disk / "shards" / "index.json").exists()
+
+
+@pytest.mark.parametrize("allow, rc", [("0", 3), ("2", 0), ("25%", 3), ("50%", 0)])
+def test_failed_records_set_the_exit_code(quirky_dataset, tmp_path, capsys, allow, rc):
+    """The quirky dataset: 4 episodes, 2 fail (corrupt video, length mismatch)."""
+    out = str(tmp_path / "shards")
+    got = main(["preprocess", "--input", quirky_dataset, "--output", out, "--allow-failed", allow, "--",
+                "--direct_running_mode=in_memory", "--direct_num_workers=1"])
+    captured = capsys.readouterr()
+    assert got == rc
+    assert "episodes   2 converted, 2 failed" in captured.out  # the summary prints either way
+    assert (Path(out) / "index.json").exists()
+    assert ("exit 3" in captured.err) == (rc == 3)
+
+
+def test_allow_failed_is_validated(tmp_path, capsys):
+    assert main(["preprocess", "--input", str(tmp_path), "--output", str(tmp_path / "o"),
+                 "--allow-failed", "lots"]) == 1
+    assert "allow_failed='lots'" in capsys.readouterr().err

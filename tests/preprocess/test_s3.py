@@ -10,7 +10,7 @@ import fsspec
 from loongforge.shared.index import load_index
 from loongforge.shared.reader import ShardReader
 
-PARAMS = dict(frames_per_sample=4, stride=3, action_horizon=6, shard_size=1 << 16)
+PARAMS = dict(frames_per_sample=4, stride=3, action_horizon=6, shard_size=1 << 16, fingerprint="content")
 
 
 def test_s3_in_s3_out_equals_the_local_run(s3_server, sample_dataset, tmp_path, run_in_memory):
@@ -26,7 +26,7 @@ def test_s3_in_s3_out_equals_the_local_run(s3_server, sample_dataset, tmp_path, 
     # Byte-identical shards whichever storage the job read and wrote.
     assert [(s.name, s.sha256, s.bytes) for s in remote.shards] == [(s.name, s.sha256, s.bytes) for s in here.shards]
     assert remote.dataset.source["uri"] == src
-    assert remote.dataset.source["fingerprint"] == here.dataset.source["fingerprint"]  # content, not location
+    assert remote.dataset.source["fingerprint"] == here.dataset.source["fingerprint"]  # content mode: not location
     fs = fsspec.filesystem("s3")
     written = sorted(p.removeprefix(out.removeprefix("s3://") + "/") for p in fs.find(out))
     expected = sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())

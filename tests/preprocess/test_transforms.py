@@ -52,8 +52,11 @@ def test_convert_episode_fn_stages_windows_and_tags_failures(quirky_dataset, tmp
                                        (3, "observation.images.ego_view", True)]), label="CheckFailed")
         counts = out[STATS] | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count))
         assert_that(counts, equal_to([(0, lengths[0]), (2, lengths[2])]), label="CheckStats")
-    staged = sorted((tmp_path / "_staging").iterdir())
+    staged = sorted(f for f in (tmp_path / "_staging").iterdir() if f.suffix == ".bin")
     assert [f.name for f in staged] == ["episode_000000.bin", "episode_000002.bin"]
+    # Failed episodes leave a marker (the local runner's progress line counts both kinds).
+    assert sorted(f.name for f in (tmp_path / "_staging").glob("*.failed")) == [
+        "episode_000001.failed", "episode_000003.failed"]
     # A staging file is packed fragments back to back: a plain tar once terminated.
     with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
         names = tar.getnames()

@@ -98,3 +98,70 @@ def test_published_files_are_world_readable(synthetic_root):
     root, index = synthetic_root
     for name in ("index.json", index.shards[0].name):
         assert os.stat(os.path.join(root, name)).st_mode & 0o044 == 0o044
+
+
+def _flip_payload_byte(root, entry, local):
+    path = os.path.join(root, entry.name)
+    data = bytearray(open(path, "rb").read())
+    data[entry.offsets[local] + 512 + 3] ^= 0x01  # inside the first member's data (meta.json stays JSON)
+    open(path, "wb").write(bytes(data))
+
+
+def test_every_sample_has_a_checksum_and_range_reads_check_it(synthetic_root):
+    import xxhash
+
+    root, index = synthetic_root
+    raw = open(os.path.join(root, index.shards[0].name), "rb").read()
+    e = index.shards[0]
+    assert [xxhash.xxh3_64_hexdigest(raw[o:o + n]) for o, n in zip(e.offsets, e.lengths)] == list(e.xxh3)
+    assert ShardIndex.from_json(index.to_json()).shards[0].xxh3 == e.xxh3
+    _flip_payload_byte(root, index.shards[2], 5)
+    reader = ShardReader(root)  # no whole-shard verification: only the range is read
+    reader[index.shard_start(2) + 4]  # neighbours still read
+    with pytest.raises(IntegrityError, match="xxh3"):
+        reader[index.shard_start(2) + 5]
+    with pytest.raises(IntegrityError, match="xxh3"):
+        list(reader)
+
+
+def test_index_without_checksums_loads_and_reads(synthetic_root, caplog):
+    root, index = synthetic_root
+    doc = json.load(open(os.path.join(root, "index.json")))
+    del doc["sample_xxh3"]
+    old = ShardIndex.from_json(json.dumps(doc))
+    assert "ignoring unknown key" not in caplog.text
+    assert all(s.xxh3 == () for s in old.shards)
+    assert "sample_xxh3" not in json.loads(old.to_json())
+    assert ShardReader(root, index=old)[3].key == index.shards[0].keys[3]
+
+
+def test_checksum_count_must_match_samples(synthetic_root):
+    root, _ = synthetic_root
+    doc = json.load(open(os.path.join(root, "index.json")))
+    name = doc["shards"][0]["name"]
+    doc["sample_xxh3"][name] = doc["sample_xxh3"][name][:-1]
+    with pytest.raises(FormatError, match="checksums"):
+        ShardIndex.from_json(json.dumps(doc))
+
+
+def test_locate_does_not_rescan_shards(synthetic_root, monkeypatch):
+    """num_samples (and totals) are computed once: locate runs per sample read."""
+    from loongforge.shared.index import ShardEntry
+
+    root, _ = synthetic_root
+    index = load_index(root)
+    calls = {"n": 0}
+    original = ShardEntry.samples
+
+    def counting(self):
+        calls["n"] += 1
+        return original.fget(self)
+
+    monkeypatch.setattr(ShardEntry, "samples", property(counting))
+    index.locate(0)
+    index.summary()
+    first = calls["n"]
+    for n in range(index.num_samples):
+        index.locate(n)
+        index.summary()
+    assert calls["n"] == first

@@ -1,0 +1,97 @@
+"""Job options from the outside review: one frame per sample, an input
+fingerprint that sees the videos, progress on the local runner, Beam counters."""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loongforge.preprocess.config import PreprocessConfig
+from loongforge.preprocess.discover import discover
+from loongforge.preprocess.progress import ProgressMonitor
+from loongforge.shared.index import load_index
+from loongforge.shared.reader import ShardReader
+
+
+@pytest.mark.parametrize("k, want", [(1, 1), (2, 2), (4, 2)])
+def test_min_frames_defaults_to_min_2_k(k, want):
+    assert PreprocessConfig(input="in", output="out", frames_per_sample=k, stride=1).min_frames == want
+    assert PreprocessConfig(input="in", output="out", frames_per_sample=4, min_frames=3).min_frames == 3
+
+
+def test_one_frame_per_sample_every_timestep(sample_dataset, tmp_path, run_in_memory):
+    """The GR00T N1.x setting: `--frames-per-sample 1 --stride 1` (no --min-frames)."""
+    from loongforge.cli import build_parser
+    from loongforge.preprocess.config import config_from_args
+
+    out = str(tmp_path / "k1")
+    args = build_parser().parse_args(["preprocess", "--input", sample_dataset, "--output", out,
+                                      "--frames-per-sample", "1", "--stride", "1"])
+    cfg = config_from_args(args)
+    assert cfg.min_frames == 1
+    summary = run_in_memory(sample_dataset, out, frames_per_sample=1, stride=1)
+    _, episodes = discover(sample_dataset)
+    assert summary["failed"] == 0 and summary["samples"] == sum(e.length for e in episodes)
+    index = load_index(out)
+    assert {k for s in index.shards for k in s.frames} == {1} and index.params["min_frames"] == 1
+
+
+def _copy(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)  # copy2: sizes and mtimes preserved
+    return dst
+
+
+def test_fingerprint_sees_changed_and_truncated_videos(sample_dataset, tmp_path):
+    root = _copy(sample_dataset, tmp_path / "ds")
+    base = discover(str(root))[0].fingerprint
+    assert discover(str(root))[0].fingerprint == base  # stable
+    video = sorted(root.rglob("*.mp4"))[1]
+    st = video.stat()
+    # Same size, same mtime, one byte changed: only the content mode sees it.
+    data = bytearray(video.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    video.write_bytes(bytes(data))
+    os.utime(video, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert discover(str(root))[0].fingerprint == base
+    content = discover(str(root), "content")[0].fingerprint
+    assert content != discover(str(_copy(sample_dataset, tmp_path / "pristine")), "content")[0].fingerprint
+    # Truncated (new size) or touched (new mtime): the default mode sees both.
+    video.write_bytes(bytes(data[:-100]))
+    os.utime(video, ns=(st.st_atime_ns, st.st_mtime_ns))
+    truncated = discover(str(root))[0].fingerprint
+    assert truncated != base
+    os.utime(video, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert discover(str(root))[0].fingerprint not in (base, truncated)
+
+
+def test_progress_line_counts_staging_files(tmp_path):
+    staging = tmp_path / "_staging"
+    staging.mkdir()
+    now = [100.0]
+    lines: list[str] = []
+    mon = ProgressMonitor(str(tmp_path), {0: 50, 1: 70, 2: 30, 3: -1}, cameras=2, interval_s=60,
+                          emit=lines.append, clock=lambda: now[0])
+    assert mon.snapshot().line() == "progress: 0/4 episodes (0 failed)"
+    (staging / "episode_000000.bin").write_bytes(b"x")
+    (staging / "episode_000002.failed").write_bytes(b"{}")
+    (staging / ".tmp-abc-episode_000001.bin").write_bytes(b"")  # an atomic write in flight: not done
+    now[0] = 110.0
+    assert mon.snapshot().line() == "progress: 2/4 episodes (1 failed), 10 frames/s, ETA 00:00:10"
+    shutil.rmtree(staging)  # finalize removed it: the last line comes from the job's totals
+    mon.finish(converted=3, failed=1, frames=300)
+    assert lines[-1] == "progress: 4/4 episodes (1 failed), 30 frames/s, done in 10.0 s"
+
+
+def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, caplog, run_in_memory):
+    with caplog.at_level(logging.INFO, logger="loongforge.preprocess.progress"):
+        summary = run_in_memory(sample_dataset, str(tmp_path / "out"), progress_s=0.05)
+    lines = [r.getMessage() for r in caplog.records if r.name == "loongforge.preprocess.progress"]
+    assert len(lines) >= 2 and all("/3 episodes" in line for line in lines)
+    assert lines[-1].startswith("progress: 3/3 episodes (0 failed)") and "done in" in lines[-1]
+    counters = summary["counters"]
+    assert counters["episodes_converted"] == 3 and counters.get("episodes_failed", 0) == 0
+    assert counters["samples"] == summary["samples"] and counters["shards_written"] == summary["shards"]
+    assert counters["frames_decoded"] == summary["source_frames"] * 2
+    assert len(ShardReader(str(tmp_path / "out"))) == summary["samples"]
