@@ -20,6 +20,8 @@ on NCCL it is only the launch cost and the profiler trace gives the kernel time.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import time
 from collections import defaultdict
 
@@ -139,11 +141,20 @@ def broadcast(t: torch.Tensor, src: int, group):
     return _call("broadcast", _nbytes(t), (t,), {"src": src, "group": group})
 
 
-def _patched(op: str):
+_INPUT = {"all_reduce": "tensor", "broadcast": "tensor", "all_gather": "tensor",
+          "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input", "all_to_all_single": "input"}
+
+
+def _patched(op: str, fn):
+    sig = inspect.signature(_ORIG[op])
+
     def wrapper(*args, **kwargs):
-        tensor = args[1] if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                                   "all_gather") else args[0]
-        return _call(op, _nbytes(tensor), args, kwargs)
+        bound = sig.bind_partial(*args, **kwargs).arguments  # DeepSpeed passes tensor=..., others positionally
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if _COUNTER is not None:
+            _COUNTER.record(op, bound.get("group"), _nbytes(bound[_INPUT[op]]), time.perf_counter() - t0)
+        return out
 
     wrapper.__name__ = op
     return wrapper
@@ -152,12 +163,18 @@ def _patched(op: str):
 @contextlib.contextmanager
 def patch_torch_distributed(counter: CommCounter):
     """Also count collectives that other code (DeepSpeed) issues through torch.distributed."""
-    saved = {op: getattr(dist, op) for op in _ORIG}
-    for op in _ORIG:
-        setattr(dist, op, _patched(op))
+    saved = [(dist, op, op, getattr(dist, op)) for op in _ORIG]  # (object, attribute, op, original)
+    # DeepSpeed's backend binds two of them at init (deepspeed/comm/torch.py); patch those too.
+    cdb = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    for attr, op in (("all_gather_function", "all_gather_into_tensor"),
+                     ("reduce_scatter_function", "reduce_scatter_tensor")):
+        if cdb is not None and getattr(cdb, attr, None) is _ORIG[op]:
+            saved.append((cdb, attr, op, _ORIG[op]))
+    for obj, attr, op, fn in saved:
+        setattr(obj, attr, _patched(op, fn))
     try:
         with counting(counter):
             yield counter
     finally:
-        for op, fn in saved.items():
-            setattr(dist, op, fn)
+        for obj, attr, _op, fn in saved:
+            setattr(obj, attr, fn)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loongforge.shared.errors import ConfigError
 from loongforge.train.parallel.mappings import all_to_all, gather_from, scatter_to
 
 
@@ -118,6 +119,9 @@ class SequenceParallel:
     def attention(self, inner):
         def sp_attention(q, k, v, mask, dropout_p=0.0):
             n, s = self.layout.n_local, self.size
+            if q.shape[1] % s:
+                raise ConfigError(f"parallel.sp={s}: {q.shape[1]} local attention heads do not split {s} ways; "
+                                  "choose heads as a multiple of tp*sp")
             qkv = torch.stack([q, k, v])  # (3, B, H, n_local + Nr, Dh): one all-to-all, not three
             video = all_to_all(qkv[:, :, :, :n], 2, 3, self.group)  # (3, B, H/S, S*n_local, Dh)
             rep = scatter_to(qkv[:, :, :, n:], 2, self.group)  # (3, B, H/S, Nr, Dh)
