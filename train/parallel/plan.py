@@ -16,6 +16,8 @@ Groups (each rank is in exactly one of each kind):
     sp_dp     same tp         ZeRO shards parameters/grads/optimizer state here:
                               SP ranks see different tokens of the same sample,
                               so their gradients must be summed like DP's.
+                              (zero_shard="sp": ZeRO inside sp only, hybrid
+                              sharding, DP replicas synced by compression.py.)
 DeepSpeed reads these through `ParallelState` (its `mpu` interface). The mpu
 deliberately has no `initialize_sequence_parallel`: DeepSpeed takes its presence
 as "Ulysses-only mpu" and then drops the model-parallel (TP) group from the
@@ -36,12 +38,19 @@ from loongforge.train.parallel import comm
 class ParallelPlan:
     tp: int = 1  # tensor-parallel degree (heads and MLP hidden are split T ways)
     sp: int = 1  # sequence-parallel degree over video tokens (Ulysses: heads split S ways in attention)
+    # What ZeRO shards over (the mpu's sequence-data-parallel group): "sp_dp" = every rank of one
+    # TP coordinate; "sp" = hybrid sharding, ZeRO inside the SP group and the DP replicas synced
+    # by the top-k compressor (compression.py), which ZeRO's own reduce path cannot host.
+    zero_shard: str = "sp_dp"
 
     def __post_init__(self):
         if self.tp < 1:
             raise ConfigError(f"parallel.tp={self.tp}: must be >= 1")
         if self.sp < 1:
             raise ConfigError(f"parallel.sp={self.sp}: must be >= 1")
+        if self.zero_shard not in ("sp_dp", "sp"):
+            raise ConfigError(f"parallel.zero_shard={self.zero_shard!r}: use 'sp_dp' (ZeRO over SP x DP) or 'sp' "
+                              "(ZeRO inside SP, compressed sync across DP replicas)")
 
     def dp(self, world: int) -> int:
         if world % (self.tp * self.sp):
@@ -145,14 +154,15 @@ class ParallelState:
     def get_sequence_parallel_world_size(self) -> int:
         return self.size("sp")
 
+    # ZeRO partitions and reduces over this group (engine.py: seq_data_parallel_group).
     def get_sequence_data_parallel_group(self):
-        return self._groups["sp_dp"]
+        return self._groups[self.plan.zero_shard]
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.rank_in("sp_dp")
+        return self.rank_in(self.plan.zero_shard)
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.size("sp_dp")
+        return self.size(self.plan.zero_shard)
 
 
 _STATE: ParallelState | None = None

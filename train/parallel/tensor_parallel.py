@@ -117,12 +117,13 @@ def gather_tp_tensor(p: nn.Parameter, t: torch.Tensor, group) -> torch.Tensor:
         return t
     w = dist.get_world_size(group)
     parts = [torch.empty_like(t) for _ in range(w)]
-    idx = [torch.empty_like(p.tp_index) for _ in range(w)]
+    mine = p.tp_index.to(t.device)  # NCCL gathers device tensors only
+    idx = [torch.empty_like(mine) for _ in range(w)]
     dist.all_gather(parts, t.contiguous(), group=group)
-    dist.all_gather(idx, p.tp_index, group=group)
+    dist.all_gather(idx, mine, group=group)
     shape = list(t.shape)
     shape[p.partition_dim] = p.tp_full_size
     full = torch.zeros(shape, dtype=t.dtype, device=t.device)
     for part, i in zip(parts, idx):
-        full.index_copy_(p.partition_dim, i.to(t.device), part)
+        full.index_copy_(p.partition_dim, i, part)
     return full

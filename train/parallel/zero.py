@@ -34,7 +34,21 @@ def zero_loss_scale(zero_config: dict, state) -> float:
 
 
 def partition_zero3(model, state) -> None:
-    """Partition an already built (TP-swapped) model for ZeRO-3 over the sp_dp group."""
+    """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp)."""
     import deepspeed
 
-    deepspeed.zero.Init(module=model, data_parallel_group=state.group("sp_dp"), mpu=state)
+    deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
+
+
+def compressed_dp_sync(model, compressor) -> None:
+    """Hybrid sharding's replica sync, between engine.backward() and engine.step(): ZeRO-3
+    (zero_shard="sp") has reduced the gradients inside the shard group; each rank now holds
+    its gradient partition, which the compressor averages with the same partition on the
+    other DP replicas (top-k + error feedback, or dense where the cost model says so)."""
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [safe_get_local_grad(p) for p in params]
+    compressor.reduce_(grads)
+    for p, g in zip(params, grads):
+        safe_set_local_grad(p, g)

@@ -1,7 +1,8 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 with the plan's mpu, TP x SP on 4 real gloo ranks:
+"""DeepSpeed ZeRO-2 and ZeRO-3 with the plan's mpu, TP x SP on 4 real gloo ranks,
+and hybrid sharding (ZeRO-3 inside SP, compressed sync across 2 DP replicas):
 the gathered gradients, the global gradient norm and the parameters after two
 optimizer steps equal the single-process reference; DeepSpeed's own collectives
-are counted on the sp_dp group (patch_torch_distributed)."""
+are counted on the shard group (patch_torch_distributed)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from loongforge.shared.errors import ConfigError
 from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel, apply_sequence_parallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor
-from loongforge.train.parallel.zero import partition_zero3, zero_loss_scale
+from loongforge.train.parallel.compression import CompressionConfig, TopKCompressor
+from loongforge.train.parallel.zero import compressed_dp_sync, partition_zero3, zero_loss_scale
 from tests.train.parallel.dist_helpers import TinyModel, make_batch, run_ranks
 
 LR, STEPS = 0.1, 2
@@ -43,7 +45,11 @@ def _zero_worker(rank: int, world: int, tp: int, sp: int, stage: int) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    state = plan.initialize(plan.ParallelPlan(tp=tp, sp=sp), verbose=False)
+    state = plan.initialize(plan.ParallelPlan(tp=tp, sp=sp, zero_shard="sp" if stage == "hybrid" else "sp_dp"),
+                            verbose=False)
+    compressor = None
+    if stage == "hybrid":  # ZeRO-3 inside SP, DP replicas synced by the compressor (exact at density 1)
+        stage, compressor = 3, TopKCompressor(CompressionConfig(density=1.0, mode="sparse"), state.group("dp"))
     torch.manual_seed(0)
     ref = TinyModel()
     model = copy.deepcopy(ref)
@@ -62,6 +68,8 @@ def _zero_worker(rank: int, world: int, tp: int, sp: int, stage: int) -> None:
         xl, maskl = seqp.split(x[mine], n_video, mask[mine])
         with comm.patch_torch_distributed(counter):
             engine.backward(engine(xl, maskl, target[mine]) * scale)
+            if compressor is not None:
+                compressed_dp_sync(model, compressor)
             counter.step()
         for (name, p), pr in zip(model.named_parameters(), ref.parameters(), strict=True):
             full = gather_tp_tensor(p, safe_get_full_grad(p), tp_group)
@@ -75,16 +83,35 @@ def _zero_worker(rank: int, world: int, tp: int, sp: int, stage: int) -> None:
         for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
             assert _rel(gather_tp_tensor(p, safe_get_full_fp32_param(p), tp_group), pr) < 1e-5, (stage, name)
     groups = counter.by_group()
-    assert groups["sp_dp"]["wire_bytes"] > 0  # ZeRO's gradient reduction runs over sp_dp
+    shard = state.plan.zero_shard
+    assert groups[shard]["wire_bytes"] > 0  # ZeRO's gradient reduction runs over its shard group
+    if compressor is not None:
+        _check_default_compression_bytes(engine, model, seqp, state, scale)
     if rank == 0:
         print(f"ZeRO-{stage} tp={tp} sp={sp}\n{counter.report()}", flush=True)
     plan.destroy()
 
 
+def _check_default_compression_bytes(engine, model, seqp, state, scale) -> None:
+    """One more step with the default compressor: what crosses the DP group is ~1/3 of dense."""
+    counter = comm.CommCounter()
+    compressor = TopKCompressor(CompressionConfig(), state.group("dp"))
+    x, mask, target, n_video = make_batch(9)
+    per, dp = 4 // state.size("dp"), state.rank_in("dp")
+    xl, maskl = seqp.split(x[dp * per:(dp + 1) * per], n_video, mask[dp * per:(dp + 1) * per])
+    engine.backward(engine(xl, maskl, target[dp * per:(dp + 1) * per]) * scale)
+    with comm.counting(counter):
+        compressed_dp_sync(model, compressor)
+    engine.step()
+    assert counter.wire[("dp", "all_gather_into_tensor")] == compressor.sent_bytes > 0
+    assert compressor.sent_bytes <= compressor.dense_equivalent / 3 + 1e-6
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "hybrid"])
 def test_zero_with_tp_sp_matches_single_process(stage):
-    run_ranks(_zero_worker, 4, 2, 2, stage, timeout=400)
+    tp, sp = (1, 2) if stage == "hybrid" else (2, 2)  # hybrid: 2 SP x 2 DP replicas
+    run_ranks(_zero_worker, 4, tp, sp, stage, timeout=400)
 
 
 def test_zero3_refuses_reduce_scatter_off():
