@@ -1,4 +1,4 @@
-"""8-process layouts run only in `make parallel-full` (LOONGFORGE_PARALLEL_FULL=1):
+"""8-process layouts and ZeRO-2 x TP x SP run only in `make parallel-full` (LOONGFORGE_PARALLEL_FULL=1):
 the CI box has 2 cores and `make test` keeps to at most 4 processes."""
 
 from __future__ import annotations
