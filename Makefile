@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test bench bench-quick clean gpu-check
+.PHONY: setup redis demo test bench bench-quick parallel-full clean gpu-check
 
 setup: $(STAMP) redis
 
@@ -32,6 +32,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The 8-process TP x SP x DP correctness layouts (too heavy for `make test` on 2 cores).
+parallel-full: setup
+	LOONGFORGE_PARALLEL_FULL=1 $(BIN)/python -m pytest -q -m parallel_full tests/train/parallel $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/loongforge bench
