@@ -111,10 +111,16 @@ def summarize(results: list[dict]) -> dict:
         out[m] = {"stall_per_save_s": statistics.median((r["loop_s"] - base) / n for r in rs),
                   "blocking_per_save_s": statistics.median(b for r in rs for b in r["blocking_s"]),
                   "saves": n, "ckpt_bytes": rs[0]["ckpt_bytes"]}
-    out["async_over_sync_stall"] = out["async"]["stall_per_save_s"] / max(out["sync"]["stall_per_save_s"], 1e-9)
+    # Under a loaded machine the loop-time difference can be below the noise (even negative): no ratio then.
+    sync_stall = out["sync"]["stall_per_save_s"]
+    out["async_over_sync_stall"] = out["async"]["stall_per_save_s"] / sync_stall if sync_stall > 0 else None
     out["async_over_sync_blocking"] = (out["async"]["blocking_per_save_s"]
                                        / max(out["sync"]["blocking_per_save_s"], 1e-9))
     return out
+
+
+def _x(v) -> str:
+    return "n/a (below the load noise)" if v is None else f"{v:.2f}x"
 
 
 def main(argv=None) -> int:
@@ -150,7 +156,7 @@ def main(argv=None) -> int:
     print(f"| mode | step-loop stall per save (s) | blocking per save (s) | checkpoint MB |\n|---|---|---|---|\n"
           f"| sync  | {s['stall_per_save_s']:.3f} | {s['blocking_per_save_s']:.3f} | {s['ckpt_bytes'] / 1e6:.1f} |\n"
           f"| async | {a['stall_per_save_s']:.3f} | {a['blocking_per_save_s']:.3f} | {a['ckpt_bytes'] / 1e6:.1f} |\n"
-          f"async/sync: stall {summary['async_over_sync_stall']:.2f}x, "
+          f"async/sync: stall {_x(summary['async_over_sync_stall'])}, "
           f"blocking {summary['async_over_sync_blocking']:.2f}x  ({path})")
     for d, v in summary.get("delta", {}).items():
         st = v["save_time_ratio"]

@@ -104,10 +104,17 @@ def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
 def test_disk_full_during_save_training_continues(train_root, tmp_path, tiny_disk):
     """Checkpoints on a real tmpfs with room for one checkpoint of two ranks, not two; a ballast file
     is removed once the first failure is logged, so a later interval succeeds."""
-    root, _ = train_root
-    subprocess.run(["mount", "-o", "remount,size=6m", str(tiny_disk)], check=True)
+    root, index = train_root
+    from loongforge.train import recipes
+
+    # One checkpoint of the tiny model (fp32, ZeRO-2: weights + fp32 partition + two Adam moments) ~ 16 B per
+    # parameter, plus pickle overhead and DeepSpeed's recovery scripts. Room for 2.6 of them; a ballast of 1.2
+    # leaves 1.4: the first save fits, the second does not until the ballast goes.
+    params = recipes.count_params_meta(recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2))
+    ckpt = 17 * params + (200 << 10)
+    subprocess.run(["mount", "-o", f"remount,size={int(2.6 * ckpt) >> 10}k", str(tiny_disk)], check=True)
     with open(tiny_disk / "ballast", "wb") as f:
-        f.write(b"\0" * (2 << 20))
+        f.write(b"\0" * int(1.2 * ckpt))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     os.symlink(tiny_disk, run_dir / "checkpoints")  # metrics.jsonl stays on the big disk
