@@ -243,9 +243,10 @@ def _bitwise_equal_dirs(a, b):
 
 def test_delta_checkpoint_restores_bit_exact_against_a_full_save(train_root, tmp_path):
     """Same 2-rank run twice: deltas (full every 3 saves) and all full. The step-4 delta, restored from the
-    step-2 base, equals the full step-4 save bit for bit; resuming from it continues the run."""
+    step-2 base, equals the full step-4 save bit for bit; resuming from it continues the run exactly.
+    The run's last save (step 5) is always full."""
     root, _ = train_root
-    args = ["--data", root, "--steps", "4", "--zero", "2", "--save-every", "2", *COMMON]
+    args = ["--data", root, "--steps", "5", "--zero", "2", "--save-every", "2", *COMMON]
     delta, full = str(tmp_path / "delta"), str(tmp_path / "full")
     _ok(torchrun(2, [*args, "--run-dir", delta, "--full-every", "3", "--delta-max-ratio", "1.0"],
                  cwd=str(tmp_path), timeout=400))
@@ -260,11 +261,13 @@ def test_delta_checkpoint_restores_bit_exact_against_a_full_save(train_root, tmp
     assert manifest["bases"] == ["step00000002"]
     restored = checkpoint.restore_deltas(delta, "step00000004", manifest["bases"], rank=0, device=None)
     _bitwise_equal_dirs(os.path.join(ck_d, restored), os.path.join(ck_f, "step00000004"))
-    resumed = torchrun(2, ["--data", root, "--run-dir", delta, "--steps", "5", "--zero", "2", "--resume", *COMMON],
+    assert not glob.glob(os.path.join(ck_d, "step00000005", "*.delta"))
+    again = _resume_copy(delta, str(tmp_path / "again"), "step00000004")
+    resumed = torchrun(2, ["--data", root, "--run-dir", again, "--steps", "5", "--zero", "2", "--resume", *COMMON],
                        cwd=str(tmp_path), timeout=400)
     _ok(resumed)
     assert "resumed from step00000004 at step 4" in resumed.stderr
-    assert _latest(delta) == "step00000005"
+    assert _metrics(again)[4]["loss"] == _metrics(full)[4]["loss"]
 
 
 @pytest.mark.gpu
