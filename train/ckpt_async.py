@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import glob
 import hashlib
-import io
 import json
 import logging
 import os

@@ -93,7 +93,7 @@ def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
     done = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "6", "--zero", "2", "--save-every", "2",
                         "--resume", *COMMON], cwd=str(tmp_path), timeout=400)
     _ok(done)
-    assert "resumed from step00000002 at step 2" in done.stderr, [ln for ln in done.stderr.splitlines() if "resum" in ln]
+    assert "resumed from step00000002 at step 2" in done.stderr, [x for x in done.stderr.splitlines() if "resum" in x]
     assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
     assert _latest(run_dir) == "step00000006"
     for tag in ("step00000004", "step00000006"):  # the re-save replaced the killed one's debris
