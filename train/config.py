@@ -147,9 +147,20 @@ class RunConfig:
     device: str = "auto"  # auto = cuda if available else cpu
     eval_every: int = 0  # validation flow loss + action MSE every N steps (needs a split); 0 = never
     eval_samples: int = 32  # the fixed, evenly spaced validation subset it scores
+    save_async: bool = True  # snapshot to host memory, write in a background thread (checkpoint.py)
+    save_busy: str = "wait"  # a save requested while the previous one is still writing: wait for it, or skip
+    keep_last: int = 0  # published checkpoints kept (0 = all); older ones go after a newer one is published
+    save_mbps: float = 0.0  # write-rate cap of the checkpoint writer in MB/s (0 = none)
+    full_every: int = 0  # a full checkpoint every N saves, XOR+zstd deltas between (0 or 1 = always full)
+    delta_max_ratio: float = 0.5  # a delta above this fraction of a full save is written full instead
 
     def __post_init__(self):
         _need(bool(self.run_dir), "run.run_dir", "give --run-dir")
+        _need(self.save_busy in ("wait", "skip"), "run.save_busy", "use wait or skip (--save-busy)")
+        _need(self.keep_last >= 0, "run.keep_last", "must be >= 0 (0 keeps every checkpoint)")
+        _need(self.save_mbps >= 0, "run.save_mbps", "must be >= 0 (0 = no cap)")
+        _need(self.full_every >= 0, "run.full_every", "must be >= 0 (0 or 1 = every save full)")
+        _need(0 < self.delta_max_ratio <= 1, "run.delta_max_ratio", "must be in (0, 1]")
         _need(self.steps >= 1, "run.steps", "must be >= 1")
         _need(self.save_every >= 0, "run.save_every", "must be >= 0")
         _need(self.log_every >= 1, "run.log_every", "must be >= 1")

@@ -44,6 +44,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tcp", default=None, help="cache daemon HOST:PORT")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    p.add_argument("--sync-save", action="store_true", help="write checkpoints in the step loop (default: "
+                   "snapshot to host memory, write in the background)")
+    p.add_argument("--save-busy", default="wait", choices=("wait", "skip"),
+                   help="a save due while the previous one is still being written: wait for it, or skip this one")
+    p.add_argument("--keep-last", type=int, default=0, help="keep the newest K checkpoints (0 = all)")
+    p.add_argument("--save-mbps", type=float, default=0.0, help="cap the checkpoint write rate, MB/s (0 = none)")
+    p.add_argument("--full-every", type=int, default=0, help="full checkpoint every N saves, XOR+zstd deltas "
+                   "against it in between (0 = every save full)")
+    p.add_argument("--delta-max-ratio", type=float, default=0.5, help="write a save full when its delta would "
+                   "exceed this fraction of a full one")
     p.add_argument("--profile-steps", type=_steps_range, default=None, help="a:b torch.profiler trace of steps [a,b)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
@@ -79,7 +89,9 @@ def config_from_args(a: argparse.Namespace):
                                 dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
-                      eval_every=a.eval_every),
+                      eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,
+                      keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,
+                      delta_max_ratio=a.delta_max_ratio),
     )
 
 

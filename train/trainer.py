@@ -28,12 +28,23 @@ from loongforge.train.sources import SourceSpec
 log = logging.getLogger(__name__)
 
 
-def noise_for(seed: int, step: int, micro: int, rank: int, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flow-matching noise and time as a pure function of (seed, step, micro, rank): a resumed
-    run draws exactly what an uninterrupted one would, without saving generator state."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0]))
-    return torch.randn(shape, generator=g, device=device), torch.rand(shape[0], generator=g, device=device)
+def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-matching noise (B, ...) and the per-sample uniform u (B,) as a pure function of
+    (seed, epoch, global sample id): a sample draws the same values whichever rank, micro batch or
+    step trains it, so a resume on another rank count (or batch layout) sees the same noise.
+
+    A sample is seen once per epoch, so (epoch, id) never repeats a draw. Drawn on the CPU (B tiny
+    generators; the tensors are small) and moved in one copy."""
+    noise = torch.empty(shape, dtype=torch.float32)
+    u = torch.empty(shape[0], dtype=torch.float32)
+    g = torch.Generator()
+    for i, sid in enumerate(np.asarray(sample_ids).tolist()):
+        g.manual_seed(int(np.random.SeedSequence([seed, epoch, int(sid)]).generate_state(1)[0]))
+        noise[i].normal_(generator=g)
+        u[i:i + 1].uniform_(generator=g)
+    if device.type == "cuda":  # pin_memory() draws from torch's caching host allocator: no cudaHostAlloc per step
+        return noise.pin_memory().to(device, non_blocking=True), u.pin_memory().to(device, non_blocking=True)
+    return noise, u
 
 
 def model_config(cfg: TrainConfig, index) -> ModelConfig:
@@ -67,7 +78,14 @@ class Trainer:
             timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
             image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
         self.valset = self._valset()
+        r = cfg.run
+        self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
+                                            device=self.device, background=r.save_async, when_busy=r.save_busy,
+                                            keep_last=r.keep_last, write_mbps=r.save_mbps,
+                                            peer_timeout_s=cfg.parallel.dist_timeout_s, full_every=r.full_every,
+                                            delta_max_ratio=r.delta_max_ratio)
         self.step = 0
+        self.save_stall_s: list[float] = []
         if cfg.run.resume:
             self._resume()
         self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0,
@@ -94,7 +112,7 @@ class Trainer:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
-                              zero_stage=self.cfg.parallel.zero_stage)
+                              zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
@@ -112,6 +130,8 @@ class Trainer:
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
+                if self.save_stall_s:
+                    record["save_s"] = self.save_stall_s.pop()  # the previous step's save, blocking part
                 trace.after(self.step)
                 if self.valset is not None and (self.step + 1) % run.eval_every == 0:
                     record.update(val_metrics(self.engine.module, self.valset, seed=self.cfg.data.seed))
@@ -122,7 +142,7 @@ class Trainer:
                     self.save()
             late.flush()
             if self.step > start:
-                self.save()
+                self.save(final=True)
         finally:
             trace.close()
 
@@ -137,7 +157,7 @@ class Trainer:
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
             shape = batch["action"].shape
-            noise, t = noise_for(self.cfg.data.seed, self.step, micro, self.rank, shape, self.device)
+            noise, t = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], shape, self.device)
             with timer.phase("forward"):
                 out = e(batch, noise, t)
             with timer.phase("backward"):
@@ -170,18 +190,24 @@ class Trainer:
                    bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
 
-    def save(self) -> None:
-        checkpoint.save(self.engine, self.cfg.run.run_dir, step=self.step, loader_state=self.loader.state_dict(),
-                        rank=self.rank, world=self.world,
-                        extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
-                               "global_batch_size": self.cfg.data.global_batch_size,
-                               # What Policy.load needs to rebuild the model and its input transform.
-                               "model": dataclasses.asdict(self.model_cfg),
-                               "data": {"image_mean": self.cfg.data.image_mean, "image_std": self.cfg.data.image_std,
-                                        "max_text_tokens": self.cfg.data.max_text_tokens}})
+    def save(self, final: bool = False) -> str | None:
+        t0 = time.perf_counter()
+        tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final,
+                             extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
+                                    "global_batch_size": self.cfg.data.global_batch_size,
+                                    # What Policy.load needs to rebuild the model and its input transform.
+                                    "model": dataclasses.asdict(self.model_cfg),
+                                    "data": {"image_mean": self.cfg.data.image_mean,
+                                             "image_std": self.cfg.data.image_std,
+                                             "max_text_tokens": self.cfg.data.max_text_tokens}})
+        self.save_stall_s = [time.perf_counter() - t0]  # what the step loop waited for; logged with the next step
+        return tag
 
     def close(self) -> None:
-        for closer in (self.loader.close, self.metrics.close):
+        # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
+        # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
+        # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
+        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close):
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - close the rest, then report

@@ -154,10 +154,11 @@ def test_zero3_deepspeed_launcher_with_grad_accum(train_root, tmp_path):
     assert conf["zero_optimization"]["stage"] == 3 and conf["gradient_accumulation_steps"] == 2
     assert conf["train_micro_batch_size_per_gpu"] == 2 and conf["wall_clock_breakdown"] is False
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "latest"))
-    # ZeRO-3 partitions the parameters themselves: a different rank count must be refused clearly.
+    # ZeRO-3 partitions the parameters themselves: a different rank count goes through a universal checkpoint.
     proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "6",
                    "--zero", "3", "--grad-accum", "2", "--resume", *COMMON], cwd=str(tmp_path))
-    assert proc.returncode == 1 and "CheckpointError" in proc.stderr and "universal checkpoint" in proc.stderr
+    _ok(proc)
+    assert "through a universal checkpoint" in proc.stderr and len(_metrics(run_dir)) == 6
 
 
 def test_config_error_exit_code(train_root, tmp_path):

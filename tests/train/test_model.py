@@ -25,7 +25,7 @@ def test_tiny_forward_backward_and_learns(train_root):
     model = VLAModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = _batch(root, index)
-    noise, t = noise_for(0, 0, 0, 0, batch["action"].shape, torch.device("cpu"))
+    noise, t = noise_for(0, 0, range(batch["action"].shape[0]), batch["action"].shape, torch.device("cpu"))
     losses = []
     for _ in range(15):
         out = model(batch, noise, t)
@@ -44,7 +44,7 @@ def test_padded_frames_do_not_change_the_loss(variable_root):
     model = VLAModel(cfg).eval()
     batch = _batch(root, index, shuffle_window=1, seed=5)
     assert not batch["frame_mask"].all(), "fixture should contain a padded frame"
-    noise, t = noise_for(0, 0, 0, 0, batch["action"].shape, torch.device("cpu"))
+    noise, t = noise_for(0, 0, range(batch["action"].shape[0]), batch["action"].shape, torch.device("cpu"))
     base = model(batch, noise, t)["loss"]
     pad = ~batch["frame_mask"]
     for slot, fr in batch["frames"].items():
