@@ -172,3 +172,18 @@ def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root):
     proc = subprocess.run([str(VENV_BIN / "loongforge"), "eval", str(tmp_path / "nope"), "--data", root],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "checkpoint" in proc.stderr
+
+
+def test_eval_never_reads_the_ground_truth(trained, learn_root):
+    """The bar above cannot be met by leaking: the open-loop predictions (flow and discrete decoding)
+    of the trained model do not change when the batch's ground-truth actions are replaced."""
+    from loongforge.train.evaluate import ValSet, val_sample_ids
+    from loongforge.train.policy import Policy
+
+    root, index = learn_root
+    policy = Policy.load(trained, root)
+    batch = ValSet(root, index, val_sample_ids(index, limit=8), device="cpu").batches[0]
+    scrambled = {**batch, "action": torch.randn_like(batch["action"]) * 10}
+    model = policy.model
+    assert torch.equal(model.predict_action(batch, seed=3), model.predict_action(scrambled, seed=3))
+    assert torch.equal(model.predict_discrete(batch), model.predict_discrete(scrambled))
