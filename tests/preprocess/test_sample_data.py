@@ -168,3 +168,14 @@ def test_learnable_task_is_deterministic_and_varies_per_episode(tmp_path):
     assert not np.allclose(s[0][:10], s[1][:10])
     with pytest.raises(ConfigError, match="task"):
         generate_dataset(tmp_path / "x", task="nope")
+
+
+def test_cli_task_flag_reaches_the_generator(tmp_path):
+    from loongforge.cli import main
+
+    args = ["--episodes", "1", "--frames", "8", "8", "--cameras", "front"]
+    assert main(["sample-data", str(tmp_path / "cli"), "--task", "learnable", *args]) == 0
+    lib = generate_dataset(tmp_path / "lib", episodes=1, frames=(8, 8), cameras=("front",), task="learnable")
+    assert _tree_hash(tmp_path / "cli") == _tree_hash(lib)
+    plain = generate_dataset(tmp_path / "plain", episodes=1, frames=(8, 8), cameras=("front",))
+    assert _tree_hash(plain) != _tree_hash(lib)
