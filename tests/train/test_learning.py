@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 240  # measured: see the report in test_policy_beats_baselines_and_untrained_model
+STEPS = 240  # val MSE 0.026 vs 0.209 (mean) and 0.409 (repeat-last) at 240 steps; ~1 min of training idle
 BAR = 0.5  # the policy's MSE must be below BAR x the better baseline's
 
 
