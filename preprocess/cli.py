@@ -57,6 +57,8 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--quirks", nargs="*", choices=QUIRK_CHOICES, default=None,
                    help="inject real-world defects into the dataset")
+    s.add_argument("--task", choices=("default", "learnable"), default=None,
+                   help="learnable: actions are an exact function of state and frame content (for eval checks)")
     s.set_defaults(func=_sample_data)
 
 
@@ -110,7 +112,8 @@ def _sample_data(args: argparse.Namespace) -> int:
              "height": args.size[0] if args.size else None, "width": args.size[1] if args.size else None,
              "fps": args.fps, "cameras": tuple(args.cameras) if args.cameras else None,
              "state_dim": args.state_dim, "action_dim": args.action_dim, "gop": args.gop, "crf": args.crf,
-             "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None}
+             "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None,
+             "task": args.task}
     root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
     print(f"wrote LeRobot v2.0 dataset ({args.preset}) to {root}", file=sys.stderr)
     return 0

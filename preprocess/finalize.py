@@ -20,6 +20,7 @@ from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.convert import ConvertParams
 from loongforge.preprocess.discover import SourceMeta
 from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
+from loongforge.preprocess.stats import norm_stats
 from loongforge.shared import paths, storage
 from loongforge.shared.index import CameraInfo, DatasetInfo, ShardEntry, ShardIndex, save_index
 from loongforge.shared.split import choose_val_episodes
@@ -51,8 +52,15 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
 
 
 def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, entries: list[ShardEntry],
-                failed: list[dict], stats: dict, staged: list[StagedEpisode]) -> ShardIndex:
+                failed: list[dict], moments: dict, staged: list[StagedEpisode]) -> ShardIndex:
+    """`moments`: EpisodeMomentsFn's per-episode partials; the stats use the training episodes only."""
     staged = sorted(staged, key=lambda e: e.episode)
+    val_episodes = choose_val_episodes(cfg.val_episodes, [e.episode for e in staged])
+    stats = norm_stats(moments, exclude=val_episodes)
+    if moments and not stats:
+        log.warning("val_episodes %s hold every converted episode: normalisation stats fall back to all of "
+                    "them, and nothing is left to train on", list(val_episodes))
+        stats = norm_stats(moments)
     cameras = _cameras(meta, staged)
     color = params.color or (ColorTarget(*staged[0].videos[0][4:6]) if staged and staged[0].videos else ColorTarget())
     state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
@@ -73,7 +81,7 @@ def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, 
     return ShardIndex(dataset=dataset, shards=tuple(sorted(entries, key=lambda e: e.name)),
                       params={**cfg.output_params(), "height": params.height, "width": params.width},
                       failed=failed_sorted, episodes=len(staged),
-                      val_episodes=choose_val_episodes(cfg.val_episodes, [e.episode for e in staged]),
+                      val_episodes=val_episodes,
                       created_by=f"loongforge.preprocess {__version__}")
 
 

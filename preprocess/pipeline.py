@@ -39,7 +39,7 @@ from loongforge.preprocess.finalize import FinalizeFn
 from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
 from loongforge.preprocess.progress import ProgressMonitor
-from loongforge.preprocess.stats import NormStatsCombineFn
+from loongforge.preprocess.stats import EpisodeMomentsFn
 from loongforge.shared import paths
 from loongforge.shared.errors import ConfigError, StorageError
 
@@ -116,7 +116,7 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
         | "SpreadShards" >> beam.Reshuffle()
         | "WriteShards" >> beam.ParDo(WriteShardFn(cfg.output))
     )
-    stats = converted[STATS] | "NormStats" >> beam.CombineGlobally(NormStatsCombineFn())
+    stats = converted[STATS] | "EpisodeMoments" >> beam.CombineGlobally(EpisodeMomentsFn())  # merged in finalize
     return (
         p
         | "Once" >> beam.Create([None])

@@ -2,12 +2,18 @@
 
     generate_dataset("data/sample")                           # 3 episodes, 2 cameras, 64x64
     generate_dataset("data/gr1", **PRESETS["gr00t-like"])     # 256x256, 44-D, metadata quirks
+    generate_dataset("data/learn", task="learnable")          # actions = f(state, frame content)
 
 Videos are real H.264 (libx264, yuv420p) encoded through PyAV, with moving
 content (drifting gradient, a moving square, a scrolling noise texture), so
 decoders, resizers and zstd see realistic, non-trivial frames. Encoding is
 single-threaded, which makes x264 output (and so the whole tree) a pure
 function of the arguments.
+
+`task="learnable"` makes a dataset a policy can be scored on (sample_learnable.py):
+the action chunk is an exact function of the current state and of what the
+frames show, with per-episode variety, so predict-the-mean and repeat-last
+baselines do poorly and a model that learned something beats them.
 
 `quirks` inject what real datasets get wrong:
   missing_camera     info.json lists a camera that has no video files at all
@@ -25,9 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from loongforge.preprocess.sample_learnable import learnable_episode, learnable_frames
 from loongforge.shared import color
 from loongforge.shared.errors import ConfigError
 
+TASK_MODES = ("default", "learnable")
 QUIRKS = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
 DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
 VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
@@ -143,16 +151,18 @@ def encode_mp4(path: str | Path, rgb: np.ndarray, *, fps: int, gop: int, crf: in
     os.replace(tmp, path)
 
 
-def _episode_table(ep: int, n: int, first_index: int, task_index: int, fps: int, state_dim: int,
-                   action_dim: int, rng: np.random.Generator):
-    import pyarrow as pa
-
+def _trajectory(n: int, state_dim: int, action_dim: int, rng: np.random.Generator):
     t = np.arange(n + 1, dtype=np.float32)[:, None]
     freq = rng.uniform(0.02, 0.2, size=(1, max(state_dim, action_dim))).astype(np.float32)
     phase = rng.uniform(0, 2 * np.pi, size=(1, max(state_dim, action_dim))).astype(np.float32)
     traj = np.sin(t * freq + phase).astype(np.float32)
-    state = traj[:n, :state_dim]
-    action = traj[1 : n + 1, :action_dim]  # the action is where the state goes next
+    return traj[:n, :state_dim], traj[1 : n + 1, :action_dim]  # the action is where the state goes next
+
+
+def _episode_table(ep: int, first_index: int, task_index: int, fps: int, state: np.ndarray, action: np.ndarray):
+    import pyarrow as pa
+
+    n = len(state)
 
     def fixed_list(a):
         return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), pa.float32()), a.shape[1])
@@ -212,13 +222,15 @@ def _write_jsonl(path: Path, rows) -> None:
 def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 60), height: int = 64,
                      width: int = 64, fps: int = 20, cameras: tuple[str, ...] = ("ego_view", "wrist_view"),
                      state_dim: int = 8, action_dim: int = 8, gop: int = 10, crf: int = 23, seed: int = 0,
-                     quirks: tuple[str, ...] = (), robot_type: str = "sim_arm") -> Path:
+                     quirks: tuple[str, ...] = (), robot_type: str = "sim_arm", task: str = "default") -> Path:
     """Write a LeRobot v2.0 dataset under `root` and return its path."""
     import pyarrow.parquet as pq
 
     unknown = sorted(set(quirks) - set(QUIRKS))
     if unknown:
         raise ConfigError(f"quirks {unknown}: unknown; choose from {QUIRKS}")
+    if task not in TASK_MODES:
+        raise ConfigError(f"task {task!r}: unknown; choose from {TASK_MODES}")
     if episodes < 1 or frames[0] < 2 or frames[1] < frames[0]:
         raise ConfigError(f"episodes={episodes}, frames={frames}: need episodes >= 1 and 2 <= A <= B")
     if height % 2 or width % 2 or gop < 1:
@@ -233,14 +245,21 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
     for ep, n in enumerate(lengths):
         chunk = ep // CHUNKS_SIZE
         task_index = ep % n_tasks
-        table = _episode_table(ep, n, first, task_index, fps, state_dim, action_dim, rng)
+        if task == "learnable":
+            state, action, cue = learnable_episode(n, state_dim, action_dim, rng)
+        else:
+            state, action = _trajectory(n, state_dim, action_dim, rng)
+        table = _episode_table(ep, first, task_index, fps, state, action)
         parquet = root / DATA_PATH.format(episode_chunk=chunk, episode_index=ep)
         parquet.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, parquet)
         first += n
         for c, cam in enumerate(cameras):
             n_video = max(1, n - 5) if ep == short_ep else n
-            rgb = _frames_rgb(n_video, height, width, phase=ep * 0.7 + c * 1.3, rng=rng)
+            if task == "learnable":
+                rgb = learnable_frames(cue[:n_video], height, width, camera=c)
+            else:
+                rgb = _frames_rgb(n_video, height, width, phase=ep * 0.7 + c * 1.3, rng=rng)
             mp4 = root / VIDEO_PATH.format(episode_chunk=chunk, video_key=f"observation.images.{cam}",
                                            episode_index=ep)
             encode_mp4(mp4, rgb, fps=fps, gop=gop, crf=crf)

@@ -1,5 +1,10 @@
 """Normalisation statistics (mean/std/min/max of state and action over every
-frame of every converted episode), computed inside the pipeline.
+frame of the TRAINING episodes), computed inside the pipeline.
+
+The pipeline collects one partial per converted episode (`EpisodeMomentsFn`);
+finalize decides the validation split and merges the partials of the other
+episodes only (`norm_stats`): statistics that saw the validation episodes would
+leak them into training through the normalisation.
 
 Determinism: Beam combines partial results in whatever order bundles finish,
 and float merges are not associative, so merging in arrival order would make
@@ -51,8 +56,24 @@ def episode_moments(episode: int, state: np.ndarray, action: np.ndarray) -> tupl
     return episode, {"state": Moments.of(state), "action": Moments.of(action)}
 
 
-class NormStatsCombineFn(beam.CombineFn):
-    """(episode, {"state": Moments, "action": Moments}) -> {"state": {...}, "action": {...}}."""
+def norm_stats(per_episode: dict, exclude=()) -> dict:
+    """{episode: {"state": Moments, "action": Moments}} -> {"state": {...}, "action": {...}} over the
+    episodes not in `exclude`, merged in episode order (deterministic bytes)."""
+    skip = {int(e) for e in exclude}
+    out = {}
+    for name in ("state", "action"):
+        total = None
+        for episode in sorted(e for e in per_episode if int(e) not in skip):
+            part = per_episode[episode][name]
+            total = part if total is None else total.merge(part)
+        if total is not None:
+            out[name] = total.summary()
+    return out
+
+
+class EpisodeMomentsFn(beam.CombineFn):
+    """(episode, {"state": Moments, "action": Moments}) -> {episode: {...}}: the partials, kept apart
+    until the split is known."""
 
     def create_accumulator(self) -> dict:
         return {}
@@ -69,12 +90,11 @@ class NormStatsCombineFn(beam.CombineFn):
         return merged
 
     def extract_output(self, acc: dict) -> dict:
-        out = {}
-        for name in ("state", "action"):
-            total = None
-            for episode in sorted(acc):
-                part = acc[episode][name]
-                total = part if total is None else total.merge(part)
-            if total is not None:
-                out[name] = total.summary()
-        return out
+        return dict(sorted(acc.items()))
+
+
+class NormStatsCombineFn(EpisodeMomentsFn):
+    """(episode, {"state": Moments, "action": Moments}) -> {"state": {...}, "action": {...}} over all."""
+
+    def extract_output(self, acc: dict) -> dict:
+        return norm_stats(acc)
