@@ -55,6 +55,10 @@ def test_config_validation_names_the_field():
         BenchConfig(workers=())
     q = BenchConfig.quick_preset()
     assert q.quick and q.gop >= 100 and q.with_overrides(repeats=None).repeats == q.repeats
+    # P1 sweeps the GOP: LeRobot's default 2, a mid value and the long one the shards come from.
+    assert BenchConfig().gops == (2, 20, 250) and BenchConfig().gop == 250 and q.gops == (2, 20, 100)
+    with pytest.raises(ConfigError, match="bench.gops"):
+        BenchConfig(gop=250, gops=(2, 20))
 
 
 def _doc():
@@ -64,9 +68,11 @@ def _doc():
     share = Row(id="P3/share", title="Data-wait share", unit="share", baseline=Stat.of([0.6]),
                 ours=Stat.of([0.02]), goal="< 5%", goal_met=True)
     missing = Row.unavailable("P4", "Cold start", "cache daemon missing")
+    rgb = Row(id="P1/g2/w0", title="float RGB", unit="samples/s", params={"workers": 0, "gop": 2},
+              baseline=Stat.of([1.0]), ours=Stat.of([3.0]), ratio=Stat.of([3.0]), goal="reported (CPU-only path)")
     return {"started": "2026-01-01T00:00:00+00:00", "config": BenchConfig().to_dict(),
             "machine": {"cpu_model": "Test CPU", "cores_usable": 2, "host": "h"},
-            "rows": [r.to_dict() for r in (ok, share, missing)],
+            "rows": [r.to_dict() for r in (ok, share, missing, rgb)],
             "components": [{"id": "C-cache/hit", "title": "hit rate", "status": "ok", "raw": {"lru": 0.5}},
                            {"id": "C-preprocess", "title": "x", "status": "not available: not written", "raw": {}}]}
 
@@ -77,6 +83,7 @@ def test_markdown_table_shows_every_row_its_spread_and_unavailability():
     assert "60.0%" in text and "2.0%" in text
     assert "not available: cache daemon missing" in text
     assert "lru=0.500" in text and "not available: not written" in text
+    assert "| reported (CPU-only path) |" in text  # a figure beside the goals is not judged
 
 
 def test_plot_and_json_are_written(tmp_path):
