@@ -17,7 +17,7 @@ QUICK_GOPS, WORKERS = (2, 20, 100), (0, 1, 2)
 P1_CELLS = {f"P1/g{g}/w{w}{s}" for g in QUICK_GOPS for w in WORKERS for s in ("", "-nv12", "-threaded")}
 EXPECTED_ROWS = P1_CELLS | {"P1/rgb-conversion", "P1/worst", "P1/torchcodec", "P2/w1", "P2/w2", "P3/share", "P3/step",
                             "P3/wait", "P4", "P5/transcode", "P5/break-even"}
-QUICK_BUDGET_S = 240  # the bench promises < 2 min; the margin absorbs a loaded CI machine
+QUICK_BUDGET_S = 600  # ~3 min quiet (3 GOPs x 3 worker counts x 4 passes); the margin absorbs a loaded machine
 
 
 @pytest.fixture(scope="module")
