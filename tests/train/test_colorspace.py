@@ -75,3 +75,15 @@ def test_cuda_matches_reference():
     nv12 = np.random.default_rng(2).integers(0, 256, size=(4, 24, 16), dtype=np.uint8)
     got = nv12_to_rgb(torch.from_numpy(nv12).cuda(), "bt601", "limited").cpu().numpy()
     assert np.array_equal(got, color.nv12_to_rgb(nv12, "bt601", "limited"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_input_matches_the_cpu_one_within_one_lsb():
+    # The prefetcher converts on the device (one chunk, CPU scalars as 0-dim tensors): same transform.
+    nv12 = torch.from_numpy(np.random.default_rng(5).integers(0, 256, size=(3, 2, 48, 32), dtype=np.uint8))
+    kw = dict(mean=0.45, std=0.22)
+    got = nv12_to_input(nv12.cuda(), "bt709", "limited", **kw)
+    assert got.device.type == "cuda"
+    want = nv12_to_input_reference(nv12, "bt709", "limited", **kw)
+    assert float((got.cpu() - want).abs().max()) <= 1 / 255 / 0.22 + 1e-5
