@@ -22,7 +22,8 @@ def _gops(text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--gops {text!r}: give comma-separated keyframe intervals, e.g. 2,20,250") from None
+        raise argparse.ArgumentTypeError(
+            f"--gops {text!r}: give comma-separated keyframe intervals, e.g. 2,20,250") from None
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"--gops {text!r}: intervals must be >= 1")
     return vals

@@ -42,7 +42,8 @@ def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobo
     roots = generate_gops(cfg, tmp_path, lerobot_root)
     assert set(roots) == {2, 100} and roots[100] == str(lerobot_root)
     short = LeRobotVideoDataset(roots[2], [Window(0, (0,))], action_horizon=4)
-    a, b = decode_all(short.video_file(0, CAM)), decode_all(LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4).video_file(0, CAM))
+    long_ = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    a, b = decode_all(short.video_file(0, CAM)), decode_all(long_.video_file(0, CAM))
     assert a.shape == b.shape
     # Same source pixels: frame 0 is a keyframe in both encodings (later frames differ by
     # each encoding's losses, large at 32x32).
