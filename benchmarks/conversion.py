@@ -6,7 +6,8 @@ run, interleaved batch by batch, on batches of the bench's own shape.
 On a CPU-only run this conversion bounds the float RGB rows of P1: it runs in
 the loader's main-process prefetch thread (on a GPU it runs on device).
 Rates are frames per CPU-second of the converting process with one intra-op
-thread: the cost per busy core, which another job taking a core on a shared
+thread (as the loader's prefetch thread runs it: colorspace.serial_cpu_ops_in_this_thread):
+the cost per busy core, which another job taking a core on a shared
 machine does not change the way it changes a wall-clock rate. The wall-clock
 rates are kept in the row's `extra`.
 """

@@ -15,7 +15,10 @@ rows. (Broadcasting quarter-resolution chroma over 2x2 blocks directly is
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import glob
+import os
 import sys
 
 import torch
@@ -128,3 +131,41 @@ def nv12_to_input_reference(nv12: torch.Tensor, matrix: str, color_range: str, *
     in-place x - 255*mean, * 1/(255*std)). Kept as the equivalence reference and the bench's 'old' row."""
     rgb = _rgb_planar(nv12, matrix, color_range)
     return rgb.sub_(mean * 255.0).mul_(1.0 / (255.0 * std)).to(dtype)
+
+
+def serial_cpu_ops_in_this_thread() -> bool:
+    """Make torch's CPU ops run serially in the calling thread only; True if they now do.
+
+    The loader's prefetch thread converts frames while decode workers and the
+    model's thread hold the other cores. With torch's intra-op pool every op of
+    that thread is an OpenMP parallel region whose barrier waits for a pool
+    thread that is often not scheduled: measured on a busy 2-core machine, a
+    2-worker ShardLoader with RGB out ran at 5.3 samples/s (unfused) / 0.8
+    (fused) with 2 intra-op threads and 24 / 20 serial. `torch.set_num_threads`
+    cannot fix it from this thread: it is process-wide (MKL included, so the
+    model's GEMMs would lose their threads). OpenMP's own `omp_set_num_threads`
+    sets the calling thread's ICV only, which is what torch's parallel_for reads.
+    """
+    torch.get_num_threads()  # torch's lazy per-thread init first: it would overwrite the ICV set below
+    lib = _openmp()
+    if lib is None:
+        return torch.get_num_threads() == 1
+    lib.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1
+
+
+@functools.lru_cache(maxsize=1)
+def _openmp():
+    """The OpenMP runtime torch itself loaded (pip wheels ship lib/libgomp; conda builds may use libiomp5)."""
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in sorted(glob.glob(os.path.join(libdir, "libgomp*")) + glob.glob(os.path.join(libdir, "libiomp*"))):
+        try:
+            return ctypes.CDLL(path)  # already loaded by torch: the same instance, not a second runtime
+        except OSError:
+            continue
+    try:
+        lib = ctypes.CDLL(None)  # a system OpenMP torch linked against
+        lib.omp_set_num_threads  # noqa: B018 - raises AttributeError if absent
+        return lib
+    except (OSError, AttributeError):
+        return None
