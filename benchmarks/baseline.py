@@ -19,6 +19,10 @@ The tabular part (state/action) is read once per episode up front, which is
 cheaper than LeRobot's per-item Arrow `select`; the baseline is timed at its
 best, so any ratio against it is conservative.
 
+Backend "pyav-threaded" is the same with FFmpeg's own threading switched on
+(`stream.thread_type = "AUTO"`: frame + slice threads), the first thing a user
+tuning the on-the-fly path would try.
+
 The torchcodec backend mirrors LeRobot's `decode_video_frames_torchcodec`
 (approximate seek mode, `get_frames_at(indices)`); `torchcodec_status()`
 says why it cannot run when it cannot.
@@ -34,7 +38,7 @@ import numpy as np
 
 from loongforge.shared.errors import ConfigError, SourceDataError
 
-BACKENDS = ("pyav", "torchcodec")
+BACKENDS = ("pyav", "pyav-threaded", "torchcodec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +49,13 @@ class Window:
     frames: tuple[int, ...]  # source frame indices of the window, ascending
 
 
-def decode_frames_pyav(path: str, timestamps: list[float], tolerance_s: float) -> np.ndarray:
+def decode_frames_pyav(path: str, timestamps: list[float], tolerance_s: float, threaded: bool = False) -> np.ndarray:
     """uint8 (K, H, W, 3) RGB frames nearest to `timestamps` (seconds)."""
-    loaded, loaded_ts = decode_span(path, min(timestamps), max(timestamps))
+    loaded, loaded_ts = decode_span(path, min(timestamps), max(timestamps), threaded=threaded)
     return _nearest(path, loaded, loaded_ts, timestamps, tolerance_s)
 
 
-def decode_span(path: str, first: float, last: float) -> tuple[list[np.ndarray], list[float]]:
+def decode_span(path: str, first: float, last: float, threaded: bool = False) -> tuple[list[np.ndarray], list[float]]:
     """Every frame from the keyframe at or before `first` through the first frame
     at or after `last`, each converted to RGB, with its pts in seconds."""
     import av
@@ -60,6 +64,8 @@ def decode_span(path: str, first: float, last: float) -> tuple[list[np.ndarray],
     try:
         with av.open(path) as container:
             stream = container.streams.video[0]
+            if threaded:
+                stream.thread_type = "AUTO"  # thread_count 0 = FFmpeg picks one per usable core
             # backward=True, any_frame=False: land on the keyframe at or before `first`.
             container.seek(int(first / stream.time_base), stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
@@ -86,15 +92,20 @@ def _nearest(path, loaded, loaded_ts, timestamps, tolerance_s) -> np.ndarray:
 
 
 def torchcodec_status() -> str | None:
-    """None if torchcodec decodes on this machine, else the reason it cannot."""
+    """None if torchcodec decodes on this machine, else the reason it cannot, with
+    the innermost loader error (the missing library), not only the wrapper's."""
     try:
         from torchcodec.decoders import VideoDecoder  # noqa: F401
     except ImportError as exc:
-        # Tried on our CPU machines: pip's torchcodec wheel leaves torch alone but
-        # cannot load without CUDA torch libraries and system FFmpeg (README).
-        return f"torchcodec not installed ({exc.name or exc}); its PyPI wheel needs CUDA torch + FFmpeg libs"
+        return (f"torchcodec not installed ({exc.name or exc}); every PyPI release for torch 2.13 is a CUDA "
+                "build (0.17.0+cu130 needs libtorch_cuda.so, libnvrtc.so.13): see benchmarks/README.md")
     except Exception as exc:  # noqa: BLE001 - a wheel that imports but cannot load its libs lands here
-        return f"torchcodec cannot load its libraries: {str(exc).splitlines()[0][:160]}"
+        root = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        first = str(exc).splitlines()[0][:160]
+        cause = "" if root is exc else f": {type(root).__name__}: {str(root).splitlines()[0][:160]}"
+        return f"torchcodec cannot load its libraries ({first}){cause}"
     return None
 
 
@@ -160,7 +171,7 @@ class LeRobotVideoDataset:
         path = self.video_file(episode, camera)
         if self.backend == "torchcodec":
             return decode_frames_torchcodec(path, timestamps, self.tolerance_s, self.fps)
-        return decode_frames_pyav(path, timestamps, self.tolerance_s)
+        return decode_frames_pyav(path, timestamps, self.tolerance_s, threaded=self.backend == "pyav-threaded")
 
     def __getitem__(self, i: int) -> dict:
         import torch

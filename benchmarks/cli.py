@@ -18,11 +18,24 @@ def _workers(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _gops(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--gops {text!r}: give comma-separated keyframe intervals, e.g. 2,20,250") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"--gops {text!r}: intervals must be >= 1")
+    return vals
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat (< 2 min; what CI runs)")
     p.add_argument("--repeats", type=int, help="repeats per figure (median and min-max reported); "
                                                "default 3, 1 with --quick")
     p.add_argument("--workers", type=_workers, help="loader worker counts to compare (default 0,1,2)")
+    p.add_argument("--gops", type=_gops, help="P1's keyframe intervals, e.g. 2,20,250 (default 2,20,250; "
+                                                "2,20,100 with --quick); the largest is the source GOP of the shards")
     p.add_argument("--batch-size", type=int, help="samples per batch, both loaders (default 8, 4 with --quick)")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
     p.add_argument("--workdir", type=Path, help="keep the generated dataset and shards here (default: a temp dir); "
@@ -38,7 +51,9 @@ def handle(args: argparse.Namespace) -> int:
     from loongforge.benchmarks.run import DEFAULT_OUT, run
 
     base = BenchConfig.quick_preset() if args.quick else BenchConfig()
-    cfg = base.with_overrides(repeats=args.repeats, workers=args.workers, batch_size=args.batch_size,
+    gop = max(args.gops) if args.gops else None
+    cfg = base.with_overrides(repeats=args.repeats, workers=args.workers, batch_size=args.batch_size, gops=args.gops,
+                              gop=gop,
                               components=False if args.no_components else None)
     doc, path = run(cfg, out_dir=args.out or DEFAULT_OUT, workdir=args.workdir, plot=not args.no_plot)
     print(markdown_table(doc))

@@ -18,9 +18,10 @@ class Context:
     source_label: str
     measured: dict = field(default_factory=dict)  # figures later rows reuse (P5 uses P1's)
 
-    def baseline_dataset(self, backend: str = "pyav") -> LeRobotVideoDataset:
+    def baseline_dataset(self, backend: str = "pyav", gop: int | None = None) -> LeRobotVideoDataset:
         cams = tuple(f"observation.images.{c}" for c in self.cfg.cameras)
-        return LeRobotVideoDataset(self.prep.dataset, list(self.prep.windows), backend=backend,
+        root = self.prep.gop_datasets.get(gop, self.prep.dataset) if gop is not None else self.prep.dataset
+        return LeRobotVideoDataset(root, list(self.prep.windows), backend=backend,
                                    action_horizon=self.prep.index.dataset.action_horizon, cameras=cams)
 
     def window_params(self) -> dict:
@@ -28,3 +29,10 @@ class Context:
         return {"frames_per_sample": ds.frames_per_sample, "cameras": list(ds.slots),
                 "resolution": [ds.height, ds.width], "batch_size": self.cfg.batch_size,
                 "samples": self.prep.index.num_samples, "gop": self.cfg.gop}
+
+    def p1_params(self, gop: int, workers: int) -> dict:
+        """What every P1 row of one (GOP, workers) cell shares, so rows compare like with like."""
+        return {**self.window_params(), "gop": gop, "workers": workers, "baseline_batches": self.cfg.baseline_batches,
+                "ours_batches": self.cfg.ours_batches, "warmup_batches": self.cfg.warmup_batches,
+                "repeats": self.cfg.repeats, "ours_source": self.source_label,
+                "ours_shards_from_gop": self.cfg.gop, "pinned_cores": self.cfg.pin_cores}

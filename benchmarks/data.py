@@ -4,6 +4,12 @@ Both loaders read the same dataset: the baseline reads the mp4 + parquet tree,
 LoongForge reads the shards `loongforge preprocess` made from it. The
 baseline's windows are taken from the shards' own sample metadata, so both
 loaders serve exactly the same (episode, frames) windows.
+
+For P1's GOP axis the same dataset is generated again at each other keyframe
+interval (same seed: same episodes, lengths, pixels and parquet; only the
+H.264 keyframe spacing differs). LoongForge's shards are made once, from the
+`cfg.gop` dataset: a shard holds decoded frames, so the source's GOP changes
+nothing it reads.
 """
 
 from __future__ import annotations
@@ -34,17 +40,34 @@ class Prepared:
     index: ShardIndex
     windows: tuple[Window, ...]  # sample i of the index, as (episode, frames)
     source_frames: int  # video frames in the dataset, all cameras
+    gop_datasets: dict  # keyframe interval -> LeRobot root encoded with it (cfg.gop -> `dataset`)
     generate_s: float
     transcode_s: float  # wall time of the whole `loongforge preprocess` job
     transcode_workers: int
 
 
-def generate(cfg: BenchConfig, root: Path) -> Path:
+def generate(cfg: BenchConfig, root: Path, gop: int | None = None) -> Path:
     from loongforge.preprocess.sample_data import generate_dataset
 
     return Path(generate_dataset(root, episodes=cfg.episodes, frames=cfg.episode_frames, height=cfg.height,
                                  width=cfg.width, fps=cfg.fps, cameras=cfg.cameras, state_dim=cfg.state_dim,
-                                 action_dim=cfg.action_dim, gop=cfg.gop, seed=cfg.seed))
+                                 action_dim=cfg.action_dim, gop=cfg.gop if gop is None else gop, seed=cfg.seed))
+
+
+def generate_gops(cfg: BenchConfig, workdir: Path, dataset: Path) -> dict[int, str]:
+    """The main dataset re-encoded at every other GOP of the sweep; refuses a
+    copy whose episodes differ (the windows would no longer be the same)."""
+    out = {cfg.gop: str(dataset)}
+    episodes = (dataset / "meta" / "episodes.jsonl").read_text()
+    for gop in cfg.gops:
+        if gop == cfg.gop:
+            continue
+        root = generate(cfg, workdir / f"lerobot-gop{gop}", gop)
+        if (root / "meta" / "episodes.jsonl").read_text() != episodes:
+            raise LoongForgeError(f"the GOP {gop} dataset has other episodes than the GOP {cfg.gop} one: "
+                                  "sample_data.generate_dataset must not draw randomness per GOP")
+        out[gop] = str(root)
+    return out
 
 
 def preprocess_argv(cfg: BenchConfig, dataset: Path, out: Path) -> list[str]:
@@ -101,6 +124,7 @@ def prepare(cfg: BenchConfig, workdir: Path) -> Prepared:
         raise ConfigError(f"bench: the shards hold {index.num_samples} samples, fewer than two batches of "
                           f"{cfg.batch_size}; generate more episodes or lower --batch-size")
     log.info("shards: %s", index.summary())
+    gop_datasets = generate_gops(cfg, workdir, dataset)
     return Prepared(dataset=str(dataset), shards=str(shards), index=index, windows=windows_of(str(shards), index),
-                    source_frames=count_source_frames(dataset, len(cfg.cameras)), generate_s=generate_s,
-                    transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers)
+                    source_frames=count_source_frames(dataset, len(cfg.cameras)), gop_datasets=gop_datasets,
+                    generate_s=generate_s, transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers)

@@ -1,6 +1,5 @@
-"""P1 (loader samples/s, LoongForge vs the on-the-fly baseline) and P2
-(LoongForge frames/s per worker vs the zstd limit, with a profile of the
-decode path when the goal is missed)."""
+"""P2 (LoongForge frames/s per worker vs the zstd limit, with a profile of the
+decode path when the goal is missed). P1 lives in p1_rows.py."""
 
 from __future__ import annotations
 
@@ -11,113 +10,13 @@ import pstats
 import time
 
 from loongforge.benchmarks import loongforge_path as lf
-from loongforge.benchmarks.baseline import make_baseline_loader, torchcodec_status
 from loongforge.benchmarks.context import Context
-from loongforge.benchmarks.measure import Stat, endless, ratio, time_pass
+from loongforge.benchmarks.measure import Stat, ratio
+from loongforge.benchmarks.p1_rows import ours_pass
 from loongforge.benchmarks.rows import Row
 
 log = logging.getLogger(__name__)
-P1_GOAL = 20.0
 P2_GOAL = 0.60
-
-
-def baseline_pass(ctx: Context, workers: int, batches: int, backend: str = "pyav") -> float:
-    loader = make_baseline_loader(ctx.baseline_dataset(backend), batch_size=ctx.cfg.batch_size, num_workers=workers,
-                                  seed=ctx.cfg.seed)
-    stream = endless(lambda: loader)
-    try:
-        return time_pass(stream, warmup=ctx.cfg.warmup_batches, timed=batches).samples_per_s
-    finally:
-        stream.close()  # shuts the DataLoader's workers down now, not at garbage collection
-
-
-def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True) -> float:
-    with lf.opened(lf.make_loader(ctx.prep.shards, ctx.prep.index, ctx.cfg, workers=workers,
-                                  socket=ctx.socket, rgb=rgb)) as loader:
-        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches).samples_per_s
-
-
-def conversion_rate(ctx: Context, batches: int = 15) -> float:
-    """samples/s of the CPU NV12 -> normalized RGB conversion alone (what the
-    prefetch thread does per batch with rgb=True; on a GPU it runs on device).
-    From the median batch time: a 2-thread op on a shared 2-core box has
-    outliers whenever another process takes a core, and they are not its cost."""
-    import statistics
-
-    import torch
-
-    from loongforge.train.colorspace import nv12_to_input
-
-    ds = ctx.prep.index.dataset
-    b, k = ctx.cfg.batch_size, ds.frames_per_sample
-    frames = [torch.randint(0, 256, (b, k, ds.height * 3 // 2, ds.width), dtype=torch.uint8) for _ in ds.slots]
-    times = []
-    for i in range(3 + batches):  # 3 untimed: the allocator's first touches of the output buffers
-        t0 = time.perf_counter()
-        for f in frames:
-            nv12_to_input(f, ds.color_matrix, ds.color_range, mean=0.5, std=0.25)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return b / statistics.median(times)
-
-
-def p1_rows(ctx: Context) -> list[Row]:
-    rows = []
-    for w in ctx.cfg.workers:
-        base, ours, nv12 = [], [], []
-        for _ in range(ctx.cfg.repeats):  # interleaved, so machine noise hits all alike
-            base.append(baseline_pass(ctx, w, ctx.cfg.baseline_batches))
-            ours.append(ours_pass(ctx, w, ctx.cfg.ours_batches))
-            nv12.append(ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False))
-        b, o, n = Stat.of(base), Stat.of(ours), Stat.of(nv12)
-        ctx.measured[("p1", w)] = (b, o)
-        r = ratio(o, b)
-        row = Row(
-            id=f"P1/w{w}", title=f"Loader samples/s, {w} worker{'s' if w != 1 else ''}", unit="samples/s",
-            params={**ctx.window_params(), "workers": w, "baseline_batches": ctx.cfg.baseline_batches,
-                    "ours_batches": ctx.cfg.ours_batches, "warmup_batches": ctx.cfg.warmup_batches,
-                    "repeats": ctx.cfg.repeats, "ours_source": ctx.source_label, "output": "float RGB, normalized"},
-            baseline_label="PyAV on-the-fly (LeRobot-style DataLoader)", ours_label=f"ShardLoader ({ctx.source_label})",
-            baseline=b, ours=o, ratio=r, goal=f">= {P1_GOAL:.0f}x", goal_met=r.median >= P1_GOAL,
-            extra={})
-        if not row.goal_met:
-            conv = conversion_rate(ctx)
-            row.extra["cpu_rgb_conversion_samples_per_s"] = conv
-            row.notes.append(
-                f"goal missed; ablation in the same run (row P1/w{w}-nv12): with NV12 output (RGB conversion left "
-                f"to the GPU, as deployed) LoongForge gives {n.median:,.0f} samples/s = {ratio(n, b).median:.1f}x, so the "
-                f"CPU RGB output costs the gap ({n.median:,.0f} -> {o.median:,.0f}); that conversion "
-                f"(train.colorspace.nv12_to_input) runs in the main-process prefetch thread, sharing {w} worker(s)' "
-                f"cores; alone, on an otherwise idle process, it does {conv:,.0f} samples/s")
-        rn = ratio(n, b)
-        nv12_row = Row(
-            id=f"P1/w{w}-nv12", title=f"Loader samples/s, {w} worker{'s' if w != 1 else ''}, NV12 out (as deployed)",
-            unit="samples/s", params={**row.params, "output": "NV12 uint8; the GPU converts to RGB on device"},
-            baseline_label=row.baseline_label, ours_label=row.ours_label + ", rgb=False", baseline=b, ours=n,
-            ratio=rn, goal=row.goal, goal_met=rn.median >= P1_GOAL)
-        rows += [row, nv12_row]
-        log.info("P1 w=%d baseline %.1f ours %.1f (nv12 %.1f) samples/s (%.1fx)", w, b.median, o.median,
-                 n.median, r.median)
-    rows.append(torchcodec_row(ctx))
-    return rows
-
-
-def torchcodec_row(ctx: Context) -> Row:
-    """The same baseline with LeRobot's torchcodec backend, where torchcodec runs."""
-    w = max(ctx.cfg.workers)
-    title = f"Loader samples/s, torchcodec baseline, {w} workers"
-    reason = torchcodec_status()
-    if reason is not None or ("p1", w) not in ctx.measured:
-        return Row.unavailable("P1/torchcodec", title, reason or f"P1 at {w} workers not measured",
-                               unit="samples/s")
-    base = Stat.of(baseline_pass(ctx, w, ctx.cfg.baseline_batches, backend="torchcodec")
-                   for _ in range(ctx.cfg.repeats))
-    ours = ctx.measured[("p1", w)][1]
-    r = ratio(ours, base)
-    return Row(id="P1/torchcodec", title=title, unit="samples/s",
-               params={**ctx.window_params(), "workers": w, "repeats": ctx.cfg.repeats, "backend": "torchcodec"},
-               baseline_label="torchcodec on-the-fly (LeRobot-style DataLoader)", ours_label="ShardLoader (P1 figure)",
-               baseline=base, ours=ours, ratio=r, goal=f">= {P1_GOAL:.0f}x", goal_met=r.median >= P1_GOAL)
 
 
 def fill_profile(ctx: Context, batches: int = 40) -> dict:
@@ -185,7 +84,7 @@ def p2_rows(ctx: Context) -> list[Row]:
     for _ in range(ctx.cfg.repeats):  # the limit is re-measured beside the loader: load drifts on a shared box
         limits.append(lf.zstd_limit(ctx.prep.shards, ctx.prep.index))
         for w in counts:
-            per_worker[w].append(ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False) * per_sample / w)
+            per_worker[w].append(ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False).samples_per_s * per_sample / w)
     limit = Stat.of(limits)
     for w in counts:
         o = Stat.of(per_worker[w])

@@ -49,11 +49,21 @@ class PassTiming:
     samples: int = 0
     seconds: float = 0.0
     startup_s: float = 0.0  # from iter() to the first warm-up batch
+    cpu_s: float = 0.0  # CPU seconds of the process tree over the timed batches (0 without a meter)
     wait_s: list[float] = field(default_factory=list)  # per timed batch: time blocked in next()
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def samples_per_cpu_s(self) -> float:
+        """Samples per CPU-second: samples/s per busy core, however many cores the pass spread over."""
+        return self.samples / self.cpu_s if self.cpu_s > 0 else 0.0
+
+    @property
+    def busy_cores(self) -> float:
+        return self.cpu_s / self.seconds if self.seconds > 0 else 0.0
 
 
 def batch_size_of(batch) -> int:
@@ -79,14 +89,17 @@ def endless(make_iter: Callable[[], Iterable]) -> Iterator:
 
 
 def time_pass(batches: Iterator, *, warmup: int, timed: int,
-              on_batch: Callable[[object], None] | None = None) -> PassTiming:
+              on_batch: Callable[[object], None] | None = None, meter=None) -> PassTiming:
     """Pull `warmup` then `timed` batches from `batches`; `on_batch` runs on each
-    timed batch after the wait (the model step in a training loop)."""
+    timed batch after the wait (the model step in a training loop). `meter`
+    (a cores.CpuMeter) counts CPU seconds over the timed batches only."""
     out = PassTiming()
     t0 = time.perf_counter()
     for _ in range(warmup):
         next(batches)
     out.startup_s = time.perf_counter() - t0
+    if meter is not None:
+        meter.start()
     start = time.perf_counter()
     for _ in range(timed):
         t = time.perf_counter()
@@ -96,4 +109,6 @@ def time_pass(batches: Iterator, *, warmup: int, timed: int,
         if on_batch is not None:
             on_batch(batch)
     out.seconds = time.perf_counter() - start
+    if meter is not None:
+        out.cpu_s = meter.stop()
     return out

@@ -27,7 +27,8 @@ from loongforge.benchmarks.config import BenchConfig
 from loongforge.benchmarks.daemon import CacheDaemon
 from loongforge.benchmarks.data import prepare
 from loongforge.benchmarks.context import Context
-from loongforge.benchmarks.loader_rows import p1_rows, p2_rows
+from loongforge.benchmarks.loader_rows import p2_rows
+from loongforge.benchmarks.p1_rows import p1_rows
 from loongforge.benchmarks.onetime_rows import p4_rows, p5_rows
 from loongforge.benchmarks.rows import Row, component_row
 from loongforge.shared.errors import ConfigError

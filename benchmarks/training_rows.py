@@ -14,7 +14,7 @@ import numpy as np
 from loongforge.benchmarks import loongforge_path as lf
 from loongforge.benchmarks.baseline import LeRobotVideoDataset, make_baseline_loader
 from loongforge.benchmarks.context import Context
-from loongforge.benchmarks.loader_rows import conversion_rate
+from loongforge.benchmarks.conversion import conversion_rate
 from loongforge.benchmarks.measure import Stat, endless, ratio
 from loongforge.benchmarks.rows import Row
 

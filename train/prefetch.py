@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from loongforge.shared.errors import DataWorkerError
-from loongforge.train.colorspace import nv12_to_input
+from loongforge.train.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
 
 _END = object()
 JOIN_TIMEOUT_S = 30.0  # only reached if pull() cannot be interrupted; normally the join takes < 0.2 s
@@ -83,6 +83,8 @@ class Prefetcher:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)  # the current device is per thread; default would be cuda:0
+            elif self.rgb:
+                serial_cpu_ops_in_this_thread()  # one pipeline stage: the workers and the model hold the other cores
             while not self._stop.is_set():
                 staged = self._stage_next()
                 if staged is None:

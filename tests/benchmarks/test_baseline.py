@@ -24,6 +24,36 @@ def test_pyav_seek_decode_matches_sequential_decode(lerobot_root, decode_all, fr
     np.testing.assert_array_equal(got, truth)
 
 
+@pytest.mark.parametrize("frames", [(0, 1, 2, 3), (96, 98, 100, 102), (120, 121, 122, 123)])
+def test_threaded_pyav_decodes_the_same_frames(lerobot_root, decode_all, frames):
+    # The second baseline (thread_type="AUTO"): FFmpeg's frame threads must not change what a window holds.
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames)], action_horizon=4, backend="pyav-threaded")
+    path = ds.video_file(0, CAM)
+    np.testing.assert_array_equal(ds.decode(0, CAM, [f / ds.fps for f in frames]), decode_all(path)[list(frames)])
+
+
+def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobot_root, decode_all, tmp_path):
+    # P1's GOP axis regenerates the dataset per GOP; only the keyframe spacing may change.
+    from loongforge.benchmarks.data import generate_gops
+    from loongforge.benchmarks.config import BenchConfig
+    from loongforge.benchmarks.p1_rows import decoded_per_window
+
+    cfg = BenchConfig(episodes=2, episode_frames=(150, 160), height=32, width=32, gop=100, gops=(2, 100), seed=3)
+    roots = generate_gops(cfg, tmp_path, lerobot_root)
+    assert set(roots) == {2, 100} and roots[100] == str(lerobot_root)
+    short = LeRobotVideoDataset(roots[2], [Window(0, (0,))], action_horizon=4)
+    long_ = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    a, b = decode_all(short.video_file(0, CAM)), decode_all(long_.video_file(0, CAM))
+    assert a.shape == b.shape
+    # Same source pixels: frame 0 is a keyframe in both encodings (later frames differ by
+    # each encoding's losses, large at 32x32).
+    assert float(np.abs(a[0].astype(np.int16) - b[0]).mean()) < 1.0
+    first, ts = decode_span(short.video_file(0, CAM), 121 / short.fps, 123 / short.fps)
+    assert ts[0] == pytest.approx(120 / short.fps)  # GOP 2: the seek lands one frame back, not on 100
+    windows = [Window(0, (121, 122, 123)), Window(0, (100, 101, 102))]
+    assert decoded_per_window(windows, 2) == 3.5 and decoded_per_window(windows, 100) == (24 + 3) / 2
+
+
 @pytest.mark.parametrize("first, keyframe", [(80, 0), (100, 100), (120, 100), (146, 100)])
 def test_seek_lands_on_the_keyframe_before_the_window(lerobot_root, first, keyframe):
     # GOP 100: keyframes at frames 0 and 100. Decoding starts there, as in

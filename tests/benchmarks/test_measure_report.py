@@ -55,6 +55,10 @@ def test_config_validation_names_the_field():
         BenchConfig(workers=())
     q = BenchConfig.quick_preset()
     assert q.quick and q.gop >= 100 and q.with_overrides(repeats=None).repeats == q.repeats
+    # P1 sweeps the GOP: LeRobot's default 2, a mid value and the long one the shards come from.
+    assert BenchConfig().gops == (2, 20, 250) and BenchConfig().gop == 250 and q.gops == (2, 20, 100)
+    with pytest.raises(ConfigError, match="bench.gops"):
+        BenchConfig(gop=250, gops=(2, 20))
 
 
 def _doc():
@@ -64,9 +68,11 @@ def _doc():
     share = Row(id="P3/share", title="Data-wait share", unit="share", baseline=Stat.of([0.6]),
                 ours=Stat.of([0.02]), goal="< 5%", goal_met=True)
     missing = Row.unavailable("P4", "Cold start", "cache daemon missing")
+    rgb = Row(id="P1/g2/w0", title="float RGB", unit="samples/s", params={"workers": 0, "gop": 2},
+              baseline=Stat.of([1.0]), ours=Stat.of([3.0]), ratio=Stat.of([3.0]), goal="reported (CPU-only path)")
     return {"started": "2026-01-01T00:00:00+00:00", "config": BenchConfig().to_dict(),
             "machine": {"cpu_model": "Test CPU", "cores_usable": 2, "host": "h"},
-            "rows": [r.to_dict() for r in (ok, share, missing)],
+            "rows": [r.to_dict() for r in (ok, share, missing, rgb)],
             "components": [{"id": "C-cache/hit", "title": "hit rate", "status": "ok", "raw": {"lru": 0.5}},
                            {"id": "C-preprocess", "title": "x", "status": "not available: not written", "raw": {}}]}
 
@@ -77,6 +83,7 @@ def test_markdown_table_shows_every_row_its_spread_and_unavailability():
     assert "60.0%" in text and "2.0%" in text
     assert "not available: cache daemon missing" in text
     assert "lru=0.500" in text and "not available: not written" in text
+    assert "| reported (CPU-only path) |" in text  # a figure beside the goals is not judged
 
 
 def test_plot_and_json_are_written(tmp_path):
@@ -105,3 +112,31 @@ def test_workdir_with_foreign_files_is_never_wiped(tmp_path):
     with pytest.raises(ConfigError, match="not made by"):
         _claim_workdir(foreign)
     assert (foreign / "thesis.tex").read_text() == "precious"
+
+
+def _nv12_row(busy: float) -> Row:
+    r = Row(id="P1/g2/w2-nv12", title="t", unit="samples/s", params={"gop": 2, "workers": 2, "cores": 2,
+                                                                      "baseline_decoded_frames_per_window": 4.0},
+            baseline=Stat.of([100.0]), ours=Stat.of([1000.0]), ratio=Stat.of([10.0]), goal=">= 20x", goal_met=False,
+            extra={"ours_busy_cores": Stat.of([busy]), "baseline_busy_cores": Stat.of([2.0]),
+                   "ratio_per_cpu_s": Stat.of([12.0]), "baseline_samples_per_cpu_s": Stat.of([50.0]),
+                   "ours_samples_per_cpu_s": Stat.of([600.0])})
+    return r
+
+
+def test_a_missed_p1_goal_names_what_bounded_loongforge():
+    from types import SimpleNamespace
+
+    from loongforge.benchmarks.p1_rows import _explain, goal_for
+
+    assert (goal_for(2), goal_for(20), goal_for(250)) == (20.0, 20.0, 50.0)
+    ds = SimpleNamespace(frames_per_sample=4, slots=("a", "b"))
+    prof = {"frames_per_s": 8000.0, "stage_share": {"zstd decompress": 0.7, "tar + meta parse": 0.2, "other": 0.1}}
+    ctx = SimpleNamespace(measured={"fill_profile": prof}, prep=SimpleNamespace(index=SimpleNamespace(dataset=ds)))
+    waiting = _nv12_row(busy=0.5)
+    _explain(ctx, waiting)  # half a core busy of 2 pinned: it waited, whatever its body costs
+    assert "not CPU-bound" in waiting.notes[0] and "4.0 frames per window" in waiting.notes[0]
+    bound = _nv12_row(busy=1.9)
+    _explain(ctx, bound)  # cores busy: the worker body's profiled rate and stages are the bottleneck
+    assert "CPU-bound" in bound.notes[0] and "1,000 samples/s on one core" in bound.notes[0]
+    assert "zstd decompress 70%" in bound.notes[0] and bound.extra["worker_body_samples_per_s"] == 1000.0

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from loongforge.shared import color
-from loongforge.train.colorspace import nv12_to_input, nv12_to_rgb
+from loongforge.train.colorspace import nv12_to_input, nv12_to_input_reference, nv12_to_rgb
 
 
 @pytest.mark.parametrize("matrix", ["bt601", "bt709"])
@@ -23,7 +23,50 @@ def test_model_input_is_reference_rgb_normalized():
     ref = color.nv12_to_rgb(nv12, "bt709", "limited").astype(np.float32)  # (2, 8, 8, 3)
     x = nv12_to_input(torch.from_numpy(nv12), "bt709", "limited", mean=0.5, std=0.25).numpy()
     assert x.shape == (2, 3, 8, 8)
-    np.testing.assert_allclose(x, (np.moveaxis(ref, -1, -3) / 255.0 - 0.5) / 0.25, rtol=0, atol=1e-5)
+    # 1 LSB of RGB is 1/255/std = 0.0157 here; a differing pixel (~1e-6 of them) is exactly one LSB off.
+    np.testing.assert_allclose(x, (np.moveaxis(ref, -1, -3) / 255.0 - 0.5) / 0.25, rtol=0, atol=1e-5 + 1 / 255 / 0.25)
+
+
+def _every_yuv_triple(frames_per_chunk: int):
+    """All 2^24 (Y, Cb, Cr) as NV12 256x256 frames: each 2x2 block holds one (Cb, Cr) and 4 of the
+    256 Y values, so 64 blocks cover one chroma pair; 16,384 blocks per frame, 256 frames in all."""
+    block = np.arange(1 << 22)
+    cbcr, ys = block // 64, (block % 64) * 4
+    for f0 in range(0, 256, frames_per_chunk):
+        b = block[f0 * 16384:(f0 + frames_per_chunk) * 16384]
+        n = len(b) // 16384
+        y = (ys[b][:, None] + np.arange(4)).reshape(n, 128, 128, 2, 2).transpose(0, 1, 3, 2, 4).reshape(n, 256, 256)
+        uv = np.stack((cbcr[b] >> 8, cbcr[b] & 0xFF), axis=-1).reshape(n, 128, 256)
+        yield np.concatenate((y, uv), axis=1).astype(np.uint8)
+
+
+def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(matrix="bt601", rng_="limited"):
+    # Every input once for the default matrix (the other three are covered by the random test below).
+    # mean=0, std=1/255 makes the model input the rounded RGB itself, so LSBs compare directly.
+    off, checked = 0, 0
+    for nv12 in _every_yuv_triple(32):
+        ref = np.moveaxis(color.nv12_to_rgb(nv12, matrix, rng_), -1, -3).astype(np.int16)
+        got = nv12_to_input(torch.from_numpy(nv12), matrix, rng_, mean=0.0, std=1 / 255).numpy()
+        diff = np.abs(got - ref)
+        assert float(diff.max()) <= 1.0 + 1e-3, "more than 1 LSB away from shared.color"
+        off += int((diff > 0.5).sum())
+        checked += diff.size
+    assert checked == 3 << 24
+    assert off / checked < 1e-4, f"{off} of {checked} channel values differ by 1 LSB"
+
+
+def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes():
+    # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) frames per chunk), bf16 output.
+    nv12 = torch.from_numpy(np.random.default_rng(4).integers(0, 256, size=(5, 7, 96, 64), dtype=np.uint8))
+    kw = dict(mean=0.45, std=0.22)
+    for matrix, rng_ in (("bt601", "limited"), ("bt601", "full"), ("bt709", "limited"), ("bt709", "full")):
+        got = nv12_to_input(nv12, matrix, rng_, **kw)
+        want = nv12_to_input_reference(nv12, matrix, rng_, **kw)
+        assert got.shape == want.shape == (5, 7, 3, 64, 64) and got.is_contiguous()
+        assert float((got - want).abs().max()) <= 1 / 255 / 0.22 + 1e-5
+    assert nv12_to_input(nv12, "bt601", "limited", dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
+    with pytest.raises(Exception, match="NV12"):
+        nv12_to_input(nv12[..., :95, :], "bt601", "limited", **kw)
 
 
 @pytest.mark.gpu
@@ -32,3 +75,15 @@ def test_cuda_matches_reference():
     nv12 = np.random.default_rng(2).integers(0, 256, size=(4, 24, 16), dtype=np.uint8)
     got = nv12_to_rgb(torch.from_numpy(nv12).cuda(), "bt601", "limited").cpu().numpy()
     assert np.array_equal(got, color.nv12_to_rgb(nv12, "bt601", "limited"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_input_matches_the_cpu_one_within_one_lsb():
+    # The prefetcher converts on the device (one chunk, CPU scalars as 0-dim tensors): same transform.
+    nv12 = torch.from_numpy(np.random.default_rng(5).integers(0, 256, size=(3, 2, 48, 32), dtype=np.uint8))
+    kw = dict(mean=0.45, std=0.22)
+    got = nv12_to_input(nv12.cuda(), "bt709", "limited", **kw)
+    assert got.device.type == "cuda"
+    want = nv12_to_input_reference(nv12, "bt709", "limited", **kw)
+    assert float((got.cpu() - want).abs().max()) <= 1 / 255 / 0.22 + 1e-5
