@@ -77,6 +77,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-warmup-steps", type=int, default=0, help="blend BF16 -> FP8 over N steps")
     p.add_argument("--fp8-warmup-mode", default="blend", choices=("blend", "switch"))
     p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    p.add_argument("--fp8-min-features", type=int, default=256, help="GEMMs with a smaller dim stay BF16")
     p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
                    "micro-batch x ranks x --grad-accum (overrides --batch-size)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -97,7 +98,8 @@ def config_from_args(a: argparse.Namespace):
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
-                            fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe),
+                            fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
+                            fp8_min_features=a.fp8_min_features),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
                       eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,

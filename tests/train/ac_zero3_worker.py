@@ -7,12 +7,10 @@ import sys
 import torch
 
 
-def grads(root, run_dir, every):
-    import deepspeed
-
+def build(root, run_dir, memory, depth=3):
     from loongforge.shared.index import load_index
     from loongforge.train import engine as eng, recipes
-    from loongforge.train.config import DataConfig, MemoryConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
     from loongforge.train.model import VLAModel
     from loongforge.train.policies import apply_memory_policies
     from loongforge.train.trainer import noise_for
@@ -20,21 +18,55 @@ def grads(root, run_dir, every):
 
     rank = torch.distributed.get_rank()
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4), run=RunConfig(run_dir=run_dir),
-                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False),
-                      memory=MemoryConfig(ac_every=every), recipe="tiny")
+                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False), memory=memory,
+                      recipe="tiny")
     index = load_index(root)
-    mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=3)
+    mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth)
     torch.manual_seed(0)
     model = VLAModel(mcfg)
     names = [n for n, _ in model.named_parameters()]
     policies = apply_memory_policies(model, cfg, torch.device("cpu"))
-    assert len(policies.checkpointed) == (0 if every == 0 else len(range(0, 3, every)))
     e, _ = eng.build_engine(model, cfg, world=2, device=torch.device("cpu"))
     batch = _one_batch(root, index, torch.device("cpu"))
     batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
              for k, b in batch.items()}  # each rank its own samples
     noise, t = noise_for(0, 0, 0, rank, batch["action"].shape, "cpu")
-    e.backward(e(batch, noise, t)["loss"])
+    return e, policies, names, (batch, noise, t)
+
+
+def fp8_losses(root, run_dir, fp8):
+    from loongforge.train.config import MemoryConfig
+
+    mem = MemoryConfig(ac_every=1, fp8=fp8, fp8_warmup_steps=2, fp8_min_features=16)
+    e, policies, _, args = build(root, run_dir, mem, depth=4)
+    assert len(policies.fp8_linears) == (8 if fp8 else 0), policies.fp8_linears  # blocks 1, 2: 4 linears each
+    losses = []
+    for step in range(4):
+        policies.on_step(step)
+        loss = e(*args)["loss"]
+        e.backward(loss)
+        e.step()
+        losses.append(loss.item())
+    e.destroy()
+    return losses
+
+
+def main_fp8(root, run_dir):
+    ref, got = fp8_losses(root, run_dir, False), fp8_losses(root, run_dir, True)
+    assert all(v == v and abs(v) < 1e6 for v in got), got
+    assert got[0] == ref[0], (got, ref)  # warm-up step 0 runs the high-precision path
+    assert got[3] != ref[3], (got, ref)  # after the warm-up the GEMMs are FP8
+    print("FP8-ZERO3-OK", got, ref, flush=True)
+
+
+def grads(root, run_dir, every):
+    import deepspeed
+
+    from loongforge.train.config import MemoryConfig
+
+    e, policies, names, args = build(root, run_dir, MemoryConfig(ac_every=every))
+    assert len(policies.checkpointed) == (0 if every == 0 else len(range(0, 3, every)))
+    e.backward(e(*args)["loss"])
     out = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in zip(names, e.module.parameters())}
     e.destroy()
     return out
@@ -45,12 +77,15 @@ def main():
 
     root, run_dir = sys.argv[1], sys.argv[2]
     eng.init_distributed(torch.device("cpu"))
-    ref = grads(root, run_dir, 0)
-    for every in (1, 2):
-        got = grads(root, run_dir, every)
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"every={every} {n}")
-    print("AC-ZERO3-OK", flush=True)
+    if sys.argv[3:] == ["fp8"]:
+        main_fp8(root, run_dir)
+    else:
+        ref = grads(root, run_dir, 0)
+        for every in (1, 2):
+            got = grads(root, run_dir, every)
+            for n in ref:
+                torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"every={every} {n}")
+        print("AC-ZERO3-OK", flush=True)
     eng.shutdown()
     os._exit(0)
 
