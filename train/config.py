@@ -146,6 +146,7 @@ class MemoryConfig:
     fp8_warmup_mode: str = "blend"  # blend | switch
     fp8_recipe: str = "tensorwise"  # torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp
     fp8_min_features: int = 256  # GEMMs with a smaller in/out dim stay in high precision
+    fuse: str = "auto"  # torch.compile of block forwards (fusion.py): auto = CUDA with ZeRO < 3 | on | off
 
     def __post_init__(self):
         _need(self.ac_every >= 0, "memory.ac_every", "must be >= 0 (0 = off); see `loongforge tune ac`")
@@ -154,6 +155,7 @@ class MemoryConfig:
         _need(self.fp8_recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "memory.fp8_recipe",
               "use tensorwise, rowwise or rowwise_with_gw_hp")
         _need(self.fp8_min_features >= 16, "memory.fp8_min_features", "must be >= 16")
+        _need(self.fuse in ("auto", "on", "off"), "memory.fuse", "use auto, on or off")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -80,8 +80,11 @@ def apply_ac(model: nn.Module, every: int, probe: SavedBytesProbe | None = None)
 def remove_ac(model: nn.Module) -> None:
     for mod in model.modules():
         if _INNER in mod.__dict__:
-            del mod.__dict__[_INNER]
-            del mod.__dict__["forward"]
+            inner, was_override = mod.__dict__.pop(_INNER)
+            if was_override:  # e.g. fusion.py's compiled forward: put it back
+                mod.__dict__["forward"] = inner
+            else:
+                del mod.__dict__["forward"]
 
 
 def checkpointed(model: nn.Module) -> list[nn.Module]:
@@ -89,7 +92,8 @@ def checkpointed(model: nn.Module) -> list[nn.Module]:
 
 
 def _checkpoint_forward(mod: nn.Module, probe: SavedBytesProbe | None) -> None:
-    inner = mod.forward  # bound class forward; the block's hooks stay on its __call__
+    inner = mod.forward  # class forward (or fusion's compiled one); the block's hooks stay on its __call__
+    was_override = "forward" in mod.__dict__
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -98,7 +102,7 @@ def _checkpoint_forward(mod: nn.Module, probe: SavedBytesProbe | None) -> None:
             return probe.run(inner, args, kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    mod.__dict__[_INNER] = inner
+    mod.__dict__[_INNER] = (inner, was_override)
     mod.__dict__["forward"] = forward
 
 

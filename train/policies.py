@@ -2,7 +2,8 @@
 
 `apply_memory_policies(model, cfg, device)` runs between building the model
 and deepspeed.initialize: FP8 swaps linears (same parameters, so ZeRO sees
-them as before), then activation checkpointing wraps block forwards. The
+them as before), fusion compiles block forwards (CUDA, ZeRO < 3), then
+activation checkpointing wraps them. The
 trainer calls `on_step(step)` at the top of every optimizer step (the FP8
 warm-up schedule). The model file knows nothing of either.
 """
@@ -20,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class MemoryPolicies:
-    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None):
-        self.checkpointed, self.fp8_linears, self.warmup = checkpointed, fp8_linears, warmup
+    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=()):
+        self.checkpointed, self.fp8_linears, self.warmup, self.fused = checkpointed, fp8_linears, warmup, list(fused)
 
     def on_step(self, step: int) -> None:
         if self.warmup is not None:
@@ -29,6 +30,7 @@ class MemoryPolicies:
 
 
 def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.device) -> MemoryPolicies:
+    from loongforge.train.fusion import apply_fusion, fusion_wanted
     from loongforge.train.memory import apply_ac
 
     m = cfg.memory
@@ -40,8 +42,12 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
         warmup = Fp8Warmup(model, m.fp8_warmup_steps, m.fp8_warmup_mode)
         log.info("fp8 (%s): %d linears converted, warm-up %d steps (%s)", m.fp8_recipe, len(fp8),
                  m.fp8_warmup_steps, m.fp8_warmup_mode)
+    fused = []
+    if fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
+        fused = apply_fusion(model)  # before AC: the checkpoint wraps the compiled forward
+        log.info("fusion: torch.compile of %d block forwards", len(fused))
     ckpt = apply_ac(model, m.ac_every)
     if m.ac_every:
         log.info("activation checkpointing every %d blocks: %d blocks (%s)", m.ac_every, len(ckpt),
                  ", ".join(ckpt[:4]) + (" ..." if len(ckpt) > 4 else ""))
-    return MemoryPolicies(ckpt, fp8, warmup)
+    return MemoryPolicies(ckpt, fp8, warmup, fused)
