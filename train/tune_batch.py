@@ -41,17 +41,27 @@ def fits(w, probe, micro: int, frames: int, budget: int) -> tuple[bool, int]:
     return row["cuda_peak_bytes"] <= budget, row["cuda_peak_bytes"]
 
 
-def largest_fit(check, limit: int) -> tuple[int, int]:
-    """Largest m in [1, limit] with check(m) true, assuming monotone; (0, -1) when even 1 fails.
-    Returns (m, measured bytes at m). check(m) -> (ok, bytes)."""
+def largest_fit(check, limit: int, guess: int | None = None) -> tuple[int, int]:
+    """Largest m in [1, limit] with check(m) true, assuming monotone; (0, bytes) when even 1 fails.
+    check(m) -> (ok, bytes). Without a guess the bracket grows by doubling; with one (tune_batch's
+    affine estimate) it starts there and gallops by 1, 2, 4, ... so the search never allocates
+    much beyond the budget. Then bisection inside the bracket. Returns (m, bytes at m)."""
     ok, used = check(1)
     if not ok:
         return 0, used
     lo, lo_bytes, hi = 1, used, None
+    if guess is not None and 1 < guess <= limit:
+        ok, used = check(guess)
+        if ok:
+            lo, lo_bytes = guess, used
+        else:
+            hi = guess
+    step = 1
     while hi is None:
-        m = min(lo * 2, limit)
+        m = min(lo * 2 if guess is None else lo + step, limit)
         if m == lo:
             return lo, lo_bytes
+        step *= 2
         ok, used = check(m)
         if ok:
             lo, lo_bytes = m, used
@@ -67,6 +77,14 @@ def largest_fit(check, limit: int) -> tuple[int, int]:
     return lo, lo_bytes
 
 
+def affine_guess(b1: int, b2: int, budget: int, limit: int) -> int | None:
+    """Activation bytes grow ~linearly with the micro-batch: b(m) ~ b1 + (m - 1)(b2 - b1)."""
+    slope = b2 - b1
+    if b1 <= 0 or slope <= 0:
+        return None
+    return max(1, min(limit, 1 + (budget - b1) // slope))
+
+
 def tune_batch(w, budget: int, *, ac_every: int = 0, limit: int = 256, frame_counts=None) -> dict:
     from loongforge.train.batch import default_buckets
     from loongforge.train.memory import SavedBytesProbe, apply_ac
@@ -76,7 +94,11 @@ def tune_batch(w, budget: int, *, ac_every: int = 0, limit: int = 256, frame_cou
     apply_ac(w.model, ac_every, probe=probe)
     rows = []
     for k in frame_counts or default_buckets(w.max_frames):
-        m, used = largest_fit(lambda micro: fits(w, probe, micro, k, budget), limit)
+        check = lambda micro: fits(w, probe, micro, k, budget)  # noqa: E731
+        guess = None
+        if w.device.type != "cuda" and limit >= 2:  # CPU: bytes are exact, so extrapolate from 1 and 2
+            guess = affine_guess(check(1)[1], check(2)[1], budget, limit)
+        m, used = largest_fit(check, limit, guess)
         rows.append({"frames": k, "micro_batch": m, "bytes": used, "at_limit": m == limit})
         log.info("frames %d: micro-batch %d (%d bytes)", k, m, used)
     apply_ac(w.model, 0)

@@ -178,3 +178,16 @@ def test_ac_under_zero3_two_ranks_gradients_equal(train_root, tmp_path):
     proc = torchrun_script(2, worker, [root, str(tmp_path / "run")], cwd=str(tmp_path), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("AC-ZERO3-OK") == 2, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_trainer_applies_ac_before_the_engine(train_root, tmp_path):
+    """The real entry point with --ac-every: one rank, 2 steps, the policy log line, a loss."""
+    root, _ = train_root
+    run_dir = tmp_path / "run"
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(run_dir),
+                   "--steps", "2", "--batch-size", "4", "--ac-every", "1", "--zero", "3"], cwd=str(tmp_path), timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "activation checkpointing every 1 blocks: 2 blocks (blocks.0, blocks.1)" in proc.stderr
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] == r["loss"] for r in rows)

@@ -25,6 +25,18 @@ def test_largest_fit_search(edge, limit, want):
     m, used = tune_batch.largest_fit(check, limit)
     assert m == want and (used == m * 10 or m == 0)
     assert len(calls) <= 2 * limit.bit_length() + 1 and len(set(calls)) == len(calls)  # no repeated probe
+    for guess in (2, want, want + 1, 30, limit):  # any guess: same answer, probes stay near it
+        calls.clear()
+        assert tune_batch.largest_fit(check, limit, guess)[0] == want
+        assert len(set(calls)) == len(calls)
+        if guess == want and 1 < want < limit:
+            assert max(calls) == want + 1  # a right guess costs one probe above the edge
+
+
+def test_affine_guess():
+    assert tune_batch.affine_guess(100, 150, 1000, 256) == 19  # 100 + 18 * 50 = 1000
+    assert tune_batch.affine_guess(100, 150, 10_000, 64) == 64 and tune_batch.affine_guess(100, 150, 50, 64) == 1
+    assert tune_batch.affine_guess(100, 100, 1000, 64) is None
 
 
 @pytest.fixture(scope="module")
