@@ -188,8 +188,7 @@ def test_gpu_fp8_training_tracks_bf16_after_warmup():
             precision.convert_fp8(m, min_features=256, device=dev)
             w = precision.Fp8Warmup(m, steps=5)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        batch, noise, t = _inputs(m.cpu(), b=8)
-        m.to(dev)
+        batch, noise, t = _inputs(m, b=8)  # CPU tensors from the config, moved below
         move = lambda x: {k: move(v) for k, v in x.items()} if isinstance(x, dict) else x.to(dev)  # noqa: E731
         batch, noise, t = move(batch), noise.to(dev), t.to(dev)
         out = []
