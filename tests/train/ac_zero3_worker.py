@@ -72,6 +72,49 @@ def grads(root, run_dir, every):
     return out
 
 
+class ScaleBlock(torch.nn.Module):
+    """A block with a direct parameter (as adaLN / layer-scale blocks have): ZeRO-3 gathers it by
+    the block's own hooks, which run outside the checkpointed region."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = torch.nn.Parameter(torch.full((d,), 0.5))
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, d=16, depth=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ScaleBlock(d) for _ in range(depth)])
+
+    def forward(self, x):
+        for blk in self.layers:
+            x = blk(x)
+        return x.square().mean()
+
+
+def toy_grads(every):
+    import deepspeed
+
+    from loongforge.train.memory import apply_ac
+
+    torch.manual_seed(0)
+    model = Toy()
+    names = [n for n, _ in model.named_parameters()]
+    apply_ac(model, every)
+    conf = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    e, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    e.backward(e(x))
+    out = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in zip(names, e.module.parameters())}
+    e.destroy()
+    return out
+
+
 def main():
     from loongforge.train import engine as eng
 
@@ -85,6 +128,11 @@ def main():
             got = grads(root, run_dir, every)
             for n in ref:
                 torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"every={every} {n}")
+        ref = toy_grads(0)
+        got = toy_grads(1)
+        assert ref["layers.0.gamma"].abs().sum() > 0
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"toy {n}")
         print("AC-ZERO3-OK", flush=True)
     eng.shutdown()
     os._exit(0)

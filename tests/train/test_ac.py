@@ -172,7 +172,8 @@ def test_tune_ac_cli_prints_table_and_json(train_root, tmp_path):
 @pytest.mark.slow
 def test_ac_under_zero3_two_ranks_gradients_equal(train_root, tmp_path):
     """2 gloo ranks, DeepSpeed ZeRO-3, the trainer's build path (apply_memory_policies then the
-    engine): full gradients with --ac-every 1 and 2 equal those without AC."""
+    engine): full gradients with --ac-every 1 and 2 equal those without AC; also for blocks
+    holding a parameter of their own (layer scale / adaLN style)."""
     root, _ = train_root
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ac_zero3_worker.py")
     proc = torchrun_script(2, worker, [root, str(tmp_path / "run")], cwd=str(tmp_path), timeout=400)
