@@ -123,3 +123,26 @@ def test_tune_batch_cli(train_root, tmp_path):
     assert doc["kind"] == "batch" and doc["ac_every"] == 2 and 1 <= doc["micro_batch"] <= 32
     assert f"micro-batch {doc['micro_batch']} at 2 frames" in proc.stdout
     assert tune_batch.load_plan(str(out))["micro_batch"] == doc["micro_batch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_buckets_settle_allocator_after_warmup(train_root):
+    """A small fixed set of length buckets: after one pass over them, further steps allocate no
+    new CUDA segments (torch.cuda.memory_stats)."""
+    import torch
+
+    from loongforge.train.memory import SavedBytesProbe
+    from loongforge.train.tune import Workload, measure_step
+
+    w = Workload("tiny", train_root[0], 4, device="cuda")
+    try:
+        probe = SavedBytesProbe(w.model)
+        segments = []
+        for _ in range(4):
+            for frames in (1, 2):
+                measure_step(w, probe, 4, frames)
+            segments.append(torch.cuda.memory_stats()["segment.all.allocated"])
+        assert segments[1] == segments[2] == segments[3], segments
+    finally:
+        w.close()
