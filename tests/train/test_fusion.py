@@ -50,7 +50,8 @@ def test_fused_equals_eager_and_composes_with_ac():
     torch._dynamo.reset()
     ref, args = _model_and_inputs()
     m = copy.deepcopy(ref)
-    assert fusion.apply_fusion(m, backend="aot_eager") == ["blocks.0", "blocks.1", "blocks.2"]
+    assert fusion.apply_fusion(m, backend="aot_eager") == [  # every block list of the model
+        "blocks.0", "blocks.1", "blocks.2", "head_blocks.0", "head_blocks.1", "bin_blocks.0", "bin_blocks.1"]
     compiled = m.blocks[0].forward
     want_loss, want = _loss_and_grads(ref, args)
     for every in (0, 1):  # fused alone, then AC wrapping the compiled forwards

@@ -60,7 +60,7 @@ def test_filter_converts_inner_blocks_only_same_params_and_names():
     assert {n.split(".", 2)[1] for n in names} == {"1", "2"}
     inner = [n for n, mod in m.named_modules() if isinstance(mod, nn.Linear) and n.startswith(("blocks.1.", "blocks.2."))]
     assert sorted(names) == sorted(inner)  # every linear of the inner blocks (dims are multiples of 16)
-    assert not isinstance(m.velocity_head, Float8Linear) and not isinstance(m.blocks[0].qkv, Float8Linear)
+    assert not isinstance(m.velocity_out, Float8Linear) and not isinstance(m.blocks[0].qkv, Float8Linear)
     assert list(m.state_dict()) == keys  # a BF16 checkpoint loads unchanged
     assert all(p is params[n] for n, p in m.named_parameters())  # ZeRO sees the same tensors
 
@@ -72,7 +72,7 @@ def test_filter_skips_small_and_unaligned_gemms():
     assert keep(m.blocks[1].qkv, "blocks.1.qkv")
     assert not keep(nn.Linear(64, 72), "blocks.1.qkv")  # 72 % 16 != 0
     assert not keep(nn.Linear(64, 8), "blocks.1.qkv")  # below the size floor
-    assert not keep(m.bin_head, "bin_head") and not keep(m.blocks[3].proj, "blocks.3.proj")
+    assert not keep(m.bin_out, "bin_out") and not keep(m.blocks[3].proj, "blocks.3.proj")
     assert not keep(nn.LayerNorm(64), "blocks.1.ln1")
 
 
