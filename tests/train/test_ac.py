@@ -190,6 +190,6 @@ def test_trainer_applies_ac_before_the_engine(train_root, tmp_path):
     proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(run_dir),
                    "--steps", "2", "--batch-size", "4", "--ac-every", "1", "--zero", "3"], cwd=str(tmp_path), timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "activation checkpointing every 1 blocks: 2 blocks (blocks.0, blocks.1)" in proc.stderr
+    assert "activation checkpointing every 1 blocks: 6 blocks (blocks.0, blocks.1, head_blocks.0" in proc.stderr
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] == r["loss"] for r in rows)
