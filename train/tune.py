@@ -84,7 +84,7 @@ class Workload:
 
         b = _cap_frames(self.base, frames) if frames else self.base
         b = _tile(b, micro)
-        noise, t = noise_for(0, 0, 0, 0, b["action"].shape, self.device)
+        noise, t = noise_for(0, 0, range(b["action"].shape[0]), b["action"].shape, self.device)
         return b, noise, t
 
     def loss(self, batch, noise, t):

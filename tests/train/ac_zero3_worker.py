@@ -36,7 +36,8 @@ def build(root, run_dir, memory, depth=3):
     batch = _one_batch(root, index, torch.device("cpu"))
     batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
              for k, b in batch.items()}  # each rank its own samples
-    noise, t = noise_for(0, 0, 0, rank, batch["action"].shape, "cpu")
+    n = batch["action"].shape[0]
+    noise, t = noise_for(0, 0, range(rank, 2 * n, 2), batch["action"].shape, torch.device("cpu"))
     return e, policies, names, (batch, noise, t)
 
 

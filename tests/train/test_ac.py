@@ -84,7 +84,7 @@ def _vla(train_root, depth, dropout=0.0):
     torch.manual_seed(0)
     model = VLAModel(cfg).train()
     batch = _one_batch(root, index, torch.device("cpu"))
-    noise, t = noise_for(0, 0, 0, 0, batch["action"].shape, "cpu")
+    noise, t = noise_for(0, 0, range(batch["action"].shape[0]), batch["action"].shape, torch.device("cpu"))
     return model, (batch, noise, t)
 
 
