@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=_eval)
+    from loongforge.train.tune import register as register_tune
+
+    register_tune(subparsers)
 
 
 def _train(args) -> int:

@@ -137,6 +137,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryConfig:
+    """Applied from outside the model by policies.apply_memory_policies (memory.py, precision.py)."""
+
+    ac_every: int = 0  # checkpoint blocks 0, N, 2N, ... of each block list; 0 = off (`loongforge tune ac`)
+    fp8: bool = False  # torchao Float8Linear for inner-block GEMMs (CUDA capability >= 8.9)
+    fp8_warmup_steps: int = 0  # blend high precision -> FP8 over this many steps from the (re)start
+    fp8_warmup_mode: str = "blend"  # blend | switch
+    fp8_recipe: str = "tensorwise"  # torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp
+    fp8_min_features: int = 256  # GEMMs with a smaller in/out dim stay in high precision
+    fuse: str = "auto"  # torch.compile of block forwards (fusion.py): auto = CUDA with ZeRO < 3 | on | off
+
+    def __post_init__(self):
+        _need(self.ac_every >= 0, "memory.ac_every", "must be >= 0 (0 = off); see `loongforge tune ac`")
+        _need(self.fp8_warmup_steps >= 0, "memory.fp8_warmup_steps", "must be >= 0")
+        _need(self.fp8_warmup_mode in ("blend", "switch"), "memory.fp8_warmup_mode", "use blend or switch")
+        _need(self.fp8_recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "memory.fp8_recipe",
+              "use tensorwise, rowwise or rowwise_with_gw_hp")
+        _need(self.fp8_min_features >= 16, "memory.fp8_min_features", "must be >= 16")
+        _need(self.fuse in ("auto", "on", "off"), "memory.fuse", "use auto, on or off")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     run_dir: str
     steps: int = 10
@@ -178,6 +200,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     run: RunConfig
     recipe: str = "tiny"
 

@@ -71,15 +71,27 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-config", action="store_true", help="validate recipe, batch divisibility (for "
                    "WORLD_SIZE ranks) and the data root, then exit: 0 ok, 2 config error; no process group. "
                    "The launch scripts run it in the launcher process first")
+    p.add_argument("--ac-every", type=int, default=0, help="activation checkpointing of every Nth block "
+                   "(0 = off; `loongforge tune ac` measures the choice)")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears via torchao (CUDA capability >= 8.9)")
+    p.add_argument("--fp8-warmup-steps", type=int, default=0, help="blend BF16 -> FP8 over N steps")
+    p.add_argument("--fp8-warmup-mode", default="blend", choices=("blend", "switch"))
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    p.add_argument("--fp8-min-features", type=int, default=256, help="GEMMs with a smaller dim stay BF16")
+    p.add_argument("--fuse", default="auto", choices=("auto", "on", "off"), help="torch.compile of the "
+                   "transformer blocks (fused norm/residual/dropout); auto = on CUDA with ZeRO < 3")
+    p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
+                   "micro-batch x ranks x --grad-accum (overrides --batch-size)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def config_from_args(a: argparse.Namespace):
-    from loongforge.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.config import (DataConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                         RunConfig, TrainConfig)
 
     return TrainConfig(
         recipe=a.recipe,
-        data=DataConfig(root=a.data, global_batch_size=a.batch_size, num_workers=a.workers, seed=a.seed,
+        data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
                         shuffle_window=a.shuffle_window, bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp),
         model=ModelConfig(attention=getattr(a, "attention", "auto")),
@@ -87,12 +99,24 @@ def config_from_args(a: argparse.Namespace):
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
+        memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
+                            fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
+                            fp8_min_features=a.fp8_min_features, fuse=a.fuse),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
                       eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,
                       keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,
                       delta_max_ratio=a.delta_max_ratio),
     )
+
+
+def _global_batch(a: argparse.Namespace) -> int:
+    if not getattr(a, "batch_plan", None):
+        return a.batch_size
+    from loongforge.train.tune_batch import load_plan
+
+    # WORLD_SIZE is set by torchrun / the deepspeed launcher before this process starts.
+    return load_plan(a.batch_plan)["micro_batch"] * int(os.environ.get("WORLD_SIZE", "1")) * a.grad_accum
 
 
 def run_args(args: argparse.Namespace) -> int:

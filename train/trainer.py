@@ -22,6 +22,7 @@ from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
+from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
 
@@ -65,8 +66,14 @@ class Trainer:
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.index, self.model_cfg = checked.index, checked.model_cfg
         d = cfg.data
-        self.engine, self.ds_conf, model = eng.build_engine(lambda: VLAModel(self.model_cfg), cfg,
-                                                            world=self.world, device=self.device)
+        self.policies = None
+
+        def make_model():  # FP8 swap, fusion, AC: applied from outside, before the engine
+            model = VLAModel(self.model_cfg)
+            self.policies = apply_memory_policies(model, cfg, self.device)
+            return model
+
+        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device)
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
@@ -149,6 +156,7 @@ class Trainer:
     def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
         e, accum = self.engine, self.cfg.parallel.grad_accum
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
+        self.policies.on_step(self.step)
         timer.begin(sync=sync)
         losses, ids = [], []
         for micro in range(accum):

@@ -43,3 +43,9 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_script(nproc: int, script: str, args: list[str], *, cwd: str, timeout: float = 240):
+    """torchrun of a test worker script (a file path), for checks below the trainer's entry point."""
+    return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
+                   script, *args], cwd=cwd, timeout=timeout)

@@ -1,0 +1,150 @@
+"""Worker of test_ac.py's ZeRO-3 test (run by torchrun, 2 ranks): gradients with and without
+activation checkpointing, built exactly as the trainer builds (policies, then the engine)."""
+
+import os
+import sys
+
+import torch
+
+
+def build(root, run_dir, memory, depth=3):
+    from loongforge.shared.index import load_index
+    from loongforge.train import engine as eng, recipes
+    from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.model import VLAModel
+    from loongforge.train.policies import apply_memory_policies
+    from loongforge.train.trainer import noise_for
+    from loongforge.train.tune import _one_batch
+
+    rank = torch.distributed.get_rank()
+    cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4), run=RunConfig(run_dir=run_dir),
+                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False), memory=memory,
+                      recipe="tiny")
+    index = load_index(root)
+    mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth)
+    torch.manual_seed(0)
+    built = {}
+
+    def make_model():  # as Trainer: built (under zero.Init for ZeRO-3), then the policies, then the engine
+        model = VLAModel(mcfg)
+        built["names"] = [n for n, _ in model.named_parameters()]
+        built["policies"] = apply_memory_policies(model, cfg, torch.device("cpu"))
+        return model
+
+    e, _, _ = eng.build_engine(make_model, cfg, world=2, device=torch.device("cpu"))
+    names, policies = built["names"], built["policies"]
+    batch = _one_batch(root, index, torch.device("cpu"))
+    batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
+             for k, b in batch.items()}  # each rank its own samples
+    n = batch["action"].shape[0]
+    noise, t = noise_for(0, 0, range(rank, 2 * n, 2), batch["action"].shape, torch.device("cpu"))
+    return e, policies, names, (batch, noise, t)
+
+
+def fp8_losses(root, run_dir, fp8):
+    from loongforge.train.config import MemoryConfig
+
+    mem = MemoryConfig(ac_every=1, fp8=fp8, fp8_warmup_steps=2, fp8_min_features=16)
+    e, policies, _, args = build(root, run_dir, mem, depth=4)
+    # trunk blocks 1, 2: qkv, proj, fc1, fc2 each (the 2-block heads have no inner block)
+    assert len(policies.fp8_linears) == (8 if fp8 else 0), policies.fp8_linears
+    losses = []
+    for step in range(4):
+        policies.on_step(step)
+        loss = e(*args)["loss"]
+        e.backward(loss)
+        e.step()
+        losses.append(loss.item())
+    e.destroy()
+    return losses
+
+
+def main_fp8(root, run_dir):
+    ref, got = fp8_losses(root, run_dir, False), fp8_losses(root, run_dir, True)
+    assert all(v == v and abs(v) < 1e6 for v in got), got
+    assert got[0] == ref[0], (got, ref)  # warm-up step 0 runs the high-precision path
+    assert got[3] != ref[3], (got, ref)  # after the warm-up the GEMMs are FP8
+    print("FP8-ZERO3-OK", got, ref, flush=True)
+
+
+def grads(root, run_dir, every):
+    import deepspeed
+
+    from loongforge.train.config import MemoryConfig
+
+    e, policies, names, args = build(root, run_dir, MemoryConfig(ac_every=every))
+    assert ("blocks.0" in policies.checkpointed) == (every > 0) and ("blocks.1" in policies.checkpointed) == (every == 1)
+    e.backward(e(*args)["loss"])
+    out = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in zip(names, e.module.parameters())}
+    e.destroy()
+    return out
+
+
+class ScaleBlock(torch.nn.Module):
+    """A block with a direct parameter (as adaLN / layer-scale blocks have): ZeRO-3 gathers it by
+    the block's own hooks, which run outside the checkpointed region."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = torch.nn.Parameter(torch.full((d,), 0.5))
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, d=16, depth=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ScaleBlock(d) for _ in range(depth)])
+
+    def forward(self, x):
+        for blk in self.layers:
+            x = blk(x)
+        return x.square().mean()
+
+
+def toy_grads(every):
+    import deepspeed
+
+    from loongforge.train.memory import apply_ac
+
+    torch.manual_seed(0)
+    model = Toy()
+    names = [n for n, _ in model.named_parameters()]
+    apply_ac(model, every)
+    conf = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    e, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    e.backward(e(x))
+    out = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in zip(names, e.module.parameters())}
+    e.destroy()
+    return out
+
+
+def main():
+    from loongforge.train import engine as eng
+
+    root, run_dir = sys.argv[1], sys.argv[2]
+    eng.init_distributed(torch.device("cpu"))
+    if sys.argv[3:] == ["fp8"]:
+        main_fp8(root, run_dir)
+    else:
+        ref = grads(root, run_dir, 0)
+        for every in (1, 2):
+            got = grads(root, run_dir, every)
+            for n in ref:
+                torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"every={every} {n}")
+        ref = toy_grads(0)
+        got = toy_grads(1)
+        assert ref["layers.0.gamma"].abs().sum() > 0
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"toy {n}")
+        print("AC-ZERO3-OK", flush=True)
+    eng.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
