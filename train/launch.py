@@ -63,6 +63,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-comm", action="store_true")
     p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
                    "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the trunk's attention and MLP "
+                   "split over TP ranks (train/parallel/); data-parallel size = ranks / (tp * sp)")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (not wired yet: must be 1)")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=0, help="log validation flow loss and action MSE every N "
@@ -98,7 +101,8 @@ def config_from_args(a: argparse.Namespace):
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
-                                dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
+                                dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown,
+                                tp=getattr(a, "tp", 1), sp=getattr(a, "sp", 1)),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
                             fp8_min_features=a.fp8_min_features, fuse=a.fuse),

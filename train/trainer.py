@@ -22,6 +22,7 @@ from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
+from loongforge.train.parallel import wiring
 from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
@@ -63,6 +64,8 @@ class Trainer:
         self.device = eng.pick_device(cfg.run.device)
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
         self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
+        self.par = wiring.initialize(cfg)  # every process group of the TP x SP x DP plan, once
+        self.data_rank, self.data_world = wiring.data_coords(self.par)  # TP ranks of a replica: same batch
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.index, self.model_cfg = checked.index, checked.model_cfg
         d = cfg.data
@@ -73,12 +76,13 @@ class Trainer:
             self.policies = apply_memory_policies(model, cfg, self.device)
             return model
 
-        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device)
+        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
+                                                            state=self.par)
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
             d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
-            rank=self.rank, world=self.world, index=self.index,
+            rank=self.data_rank, world=self.data_world, index=self.index,
             source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
             device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
             max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
@@ -118,6 +122,7 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
+        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
@@ -188,12 +193,12 @@ class Trainer:
             dev_t = mine.to(self.device)
             out = [torch.empty_like(dev_t) for _ in range(self.world)]
             torch.distributed.all_gather(out, dev_t)
-            allr = torch.stack(out).cpu()
+            allr = torch.stack(out).cpu()[wiring.replica_ranks(self.par, self.world)]  # no TP copies
         else:
             allr = mine[None]
         n = len(ids)
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
-                   ce_loss=float(allr[:, 2].mean()), samples=n * self.world,
+                   ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **wiring.layout(self.par),
                    sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
                    bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
@@ -202,6 +207,7 @@ class Trainer:
         t0 = time.perf_counter()
         tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final,
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
+                                    "parallel": wiring.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
                                     # What Policy.load needs to rebuild the model and its input transform.
                                     "model": dataclasses.asdict(self.model_cfg),

@@ -1,0 +1,98 @@
+"""Where the trainer meets the parallel plan: the few calls trainer.py / engine.py /
+preflight.py make, so that those files only gain a line each.
+
+Order of one rank's start (README "Groups and placement"):
+    preflight: check_layout (world % (tp*sp), heads % tp) -> DP size, before any group
+    init_distributed -> initialize (every group, once; placement table on rank 0)
+    build_model: construct (identically seeded full weights) -> apply_tensor_parallel
+                 -> ZeRO-3: partition over the shard group (zero.partition_zero3)
+    deepspeed.initialize(mpu=state)  (engine.build_engine)
+    loader and per-sample noise keyed by the DP coordinate: the T ranks of a TP group
+    read the same batch and draw the same noise (they compute one replica together).
+
+A plain run (tp = sp = 1) still builds its groups (the communication counter names
+them), but DeepSpeed gets no mpu and the model is built exactly as before: that
+path stays byte-identical to the trainer without a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.parallel import plan as plan_mod
+from loongforge.train.parallel.plan import ParallelPlan, ParallelState
+
+
+def plan_of(cfg: TrainConfig) -> ParallelPlan:
+    return ParallelPlan(tp=cfg.parallel.tp, sp=cfg.parallel.sp)
+
+
+def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
+    """Preflight (no process group): the layout fits the world and the model. Returns the DP size."""
+    p = plan_of(cfg)
+    dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
+    p.check_model(heads=model_cfg.heads)
+    hidden = int(model_cfg.dim * model_cfg.mlp_ratio)
+    if hidden % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp}: the MLP hidden size {hidden} (model.dim x mlp_ratio) is not "
+                          "divisible by tp; pick a tp that divides it")
+    return dp
+
+
+def initialize(cfg: TrainConfig) -> ParallelState:
+    """All groups of the plan, once, right after init_distributed (collective on every rank)."""
+    return plan_mod.initialize(plan_of(cfg), verbose=True)
+
+
+def is_hybrid(state: ParallelState | None) -> bool:
+    return state is not None and state.plan.tp * state.plan.sp > 1
+
+
+def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: ParallelState):
+    """(model, mpu) for engine.build_engine. With TP every rank first builds the full, identically
+    seeded model and cuts its shards from it (tensor_parallel.py), so a TP run starts from the
+    single-process initialisation; under ZeRO-3 the swapped model is then partitioned over the
+    shard group (zero.partition_zero3), never over the pure DP group.
+    NOTE: that is one full fp32 copy per rank before partitioning, unlike the plain ZeRO-3 path
+    (zero.Init at construction); for the 1.6b recipe ~6.4 GB of host memory per rank, transient."""
+    from loongforge.train.engine import construct_model
+    from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
+    from loongforge.train.parallel.zero import partition_zero3
+
+    if not is_hybrid(state):
+        return construct_model(make_model, conf), None
+    model = make_model()
+    apply_tensor_parallel(model, state)
+    if conf["zero_optimization"]["stage"] == 3:
+        partition_zero3(model, state)
+    return model, state
+
+
+def data_coords(state: ParallelState) -> tuple[int, int]:
+    """(rank, world) of the data loader and the noise: the DP coordinate."""
+    return state.get_data_parallel_rank(), state.get_data_parallel_world_size()
+
+
+def replica_ranks(state: ParallelState, world: int) -> list[int]:
+    """One global rank per DP replica (tp = sp = 0), in DP order: the rows of a step's gathered
+    losses and sample ids that are not copies (TP ranks of one replica hold the same ones)."""
+    p = state.plan
+    return [p.rank_of(0, 0, d) for d in range(p.dp(world))]
+
+
+def layout(state: ParallelState) -> dict:
+    """Recorded in the checkpoint sidecar and the metrics lines."""
+    return {"tp": state.plan.tp, "sp": state.plan.sp}
+
+
+def check_resume_layout(sidecar: dict, state: ParallelState, tag: str) -> None:
+    """Model and ZeRO files are cut per TP rank (mp_rank_XX): a different layout cannot load them."""
+    saved = {"tp": 1, "sp": 1, **sidecar.get("parallel", {})}
+    if saved != layout(state):
+        raise CheckpointError(f"checkpoint {tag} was written with tp={saved['tp']} sp={saved['sp']}, this run has "
+                              f"tp={state.plan.tp} sp={state.plan.sp}: its tensor-parallel shards do not fit; "
+                              "resume with the same --tp/--sp (re-sharding a checkpoint is not supported yet)")
