@@ -78,6 +78,8 @@ class Trainer:
 
         self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
                                                             state=self.par)
+        wiring.name_engine_groups(self.engine)
+        self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
@@ -163,6 +165,7 @@ class Trainer:
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         self.policies.on_step(self.step)
         timer.begin(sync=sync)
+        self.step_comm.begin()
         losses, ids = [], []
         for micro in range(accum):
             with timer.phase("data_wait"):
@@ -181,7 +184,8 @@ class Trainer:
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
-        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"]}  # where this step's batch came from
+        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
+               "comm_groups": self.step_comm.end()}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
@@ -221,7 +225,8 @@ class Trainer:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
-        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close):
+        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+                       self.step_comm.close):
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - close the rest, then report

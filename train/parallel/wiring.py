@@ -17,6 +17,7 @@ path stays byte-identical to the trainer without a plan.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -96,3 +97,41 @@ def check_resume_layout(sidecar: dict, state: ParallelState, tag: str) -> None:
         raise CheckpointError(f"checkpoint {tag} was written with tp={saved['tp']} sp={saved['sp']}, this run has "
                               f"tp={state.plan.tp} sp={state.plan.sp}: its tensor-parallel shards do not fit; "
                               "resume with the same --tp/--sp (re-sharding a checkpoint is not supported yet)")
+
+
+def name_engine_groups(engine) -> None:
+    """Without an mpu DeepSpeed builds its own data-parallel groups: name them "dp" for the counter
+    (a group that is the world keeps the name "world")."""
+    from loongforge.train.parallel import comm
+
+    for pg in (getattr(engine, "data_parallel_group", None), getattr(engine, "seq_data_parallel_group", None)):
+        if pg is not None and comm.group_name(pg) == "other":
+            comm.register_group(pg, "dp")
+
+
+class StepComm:
+    """Every collective of each training step, by group kind (tp / sp / dp / sp_dp / world): the
+    parallel modules' own and DeepSpeed's, through comm.patch_torch_distributed, installed once
+    for the run. `begin()` at the start of a step drops whatever ran between steps (metric
+    gathers, checkpoint saves, evaluation); `end()` returns this rank's
+    {group: {calls, payload_bytes, wire_bytes, seconds}}. Host-side bookkeeping only, no device
+    sync: on NCCL `seconds` is the launch time, the kernel time is in the profiler trace."""
+
+    def __init__(self):
+        from loongforge.train.parallel import comm
+
+        self._counter = comm.CommCounter()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(comm.patch_torch_distributed(self._counter))
+
+    def begin(self) -> None:
+        for d in (self._counter.calls, self._counter.payload, self._counter.wire, self._counter.seconds):
+            d.clear()
+        self._counter.steps = 0
+
+    def end(self) -> dict:
+        self._counter.step()
+        return {g: {k: round(v, 6) for k, v in row.items()} for g, row in self._counter.by_group().items()}
+
+    def close(self) -> None:
+        self._stack.close()
