@@ -59,10 +59,29 @@ def test_tp2_matches_one_rank(tp_run, train_root, tmp_path):
         assert b["sample_ids"] == a["sample_ids"]  # both TP ranks read the one replica's batch; one row logged
         for key in ("loss", "flow_loss", "ce_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (zero, b["step"], key)
+    _check_tp_bytes(run_dir, got)
     names = sorted(os.listdir(os.path.join(run_dir, "checkpoints", "step00000004")))
     assert any("mp_rank_01" in n for n in names)  # each TP rank saved its own shards
     assert json.load(open(os.path.join(run_dir, "checkpoints", "step00000004", "loongforge.json")))["parallel"] == \
         {"tp": 2, "sp": 1}
+
+
+def _check_tp_bytes(run_dir, rows):
+    """Per-group accounting (metrics comm_groups, `loongforge profile`): per step, the TP group carries
+    4 all-reduces per trunk block (proj, fc2 forward; the copies before qkv, fc1 backward) of the
+    (B, N, d) fp32 activations, plus DeepSpeed's few scalar gradient-norm reductions over the TP group."""
+    m = json.load(open(os.path.join(run_dir, "checkpoints", "step00000004", "loongforge.json")))["model"]
+    frames = m["max_frames"]
+    tokens = m["cameras"] * frames * m["vision_tokens"] + frames + m["max_text_tokens"]  # vision, state, text
+    per_block = 8 * tokens * m["dim"] * 4
+    for r in rows:
+        tp = r["comm_groups"]["tp"]
+        assert 0 <= tp["payload_bytes"] - 4 * m["depth"] * per_block <= 64, (r["step"], tp)
+        assert tp["wire_bytes"] == tp["payload_bytes"]  # all-reduce over 2 ranks: 2(W-1)/W = 1
+    proc = launch([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], cwd=run_dir,
+                  timeout=120)
+    _ok(proc)
+    assert json.loads(proc.stdout)["comm_groups"]["tp"]["calls"] >= 4 * m["depth"]
 
 
 @pytest.mark.slow
