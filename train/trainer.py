@@ -79,6 +79,7 @@ class Trainer:
         self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
                                                             state=self.par)
         wiring.name_engine_groups(self.engine)
+        self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
         self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
@@ -129,6 +130,8 @@ class Trainer:
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
+        if self.dp_sync is not None:
+            self.dp_sync.load(self.cfg.run.run_dir, tag)
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
                  doc["loader"]["epoch"], doc["loader"]["consumed"])
 
@@ -178,6 +181,8 @@ class Trainer:
                 out = e(batch, noise, t)
             with timer.phase("backward"):
                 e.backward(out["loss"])
+                if self.dp_sync is not None:
+                    self.dp_sync()  # compressed gradient sync across DP replicas (hybrid sharding)
             with timer.phase("optimizer"):
                 e.step()
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
@@ -209,7 +214,8 @@ class Trainer:
 
     def save(self, final: bool = False) -> str | None:
         t0 = time.perf_counter()
-        tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final,
+        blobs = () if self.dp_sync is None else self.dp_sync.blobs()  # per-rank compression residuals
+        tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final, blobs=blobs,
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
                                     "parallel": wiring.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,

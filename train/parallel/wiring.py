@@ -29,7 +29,8 @@ from loongforge.train.parallel.plan import ParallelPlan, ParallelState
 
 
 def plan_of(cfg: TrainConfig) -> ParallelPlan:
-    return ParallelPlan(tp=cfg.parallel.tp, sp=cfg.parallel.sp)
+    p = cfg.parallel
+    return ParallelPlan(tp=p.tp, sp=p.sp, zero_shard="sp" if p.grad_compression == "topk" else "sp_dp")
 
 
 def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
@@ -50,7 +51,7 @@ def initialize(cfg: TrainConfig) -> ParallelState:
 
 
 def is_hybrid(state: ParallelState | None) -> bool:
-    return state is not None and state.plan.tp * state.plan.sp > 1
+    return state is not None and (state.plan.tp * state.plan.sp > 1 or state.plan.zero_shard != "sp_dp")
 
 
 def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: ParallelState):
@@ -135,3 +136,54 @@ class StepComm:
 
     def close(self) -> None:
         self._stack.close()
+
+
+class CompressedDPSync:
+    """Hybrid sharding's replica sync, called between engine.backward() and engine.step(): at the
+    accumulation boundary ZeRO-3 has reduced the gradients inside the shard group, and each rank's
+    partition is averaged with the other DP replicas' by top-k + error feedback (zero.py). The
+    residuals are per rank and saved beside the checkpoint, so a resume is exact."""
+
+    def __init__(self, cfg: TrainConfig, state: ParallelState, engine):
+        import torch.distributed as dist
+
+        from loongforge.train.parallel.compression import CompressionConfig, TopKCompressor
+
+        self.engine, self.rank = engine, dist.get_rank()
+        self.compressor = TopKCompressor(CompressionConfig(wire_fraction=1.0 / cfg.parallel.compress_ratio),
+                                         state.group("dp"))
+
+    def __call__(self) -> None:
+        from loongforge.train.parallel.zero import compressed_dp_sync
+
+        if self.engine.is_gradient_accumulation_boundary():
+            compressed_dp_sync(self.engine.module, self.compressor)
+
+    def _name(self) -> str:
+        return f"compressor_rank{self.rank}.pt"
+
+    def blobs(self) -> tuple[tuple[str, bytes], ...]:
+        """This rank's residuals for the checkpoint writer (checkpoint.Checkpointer.save(blobs=...)):
+        written and hashed with the rest of the tag, before the `latest` pointer moves."""
+        import io
+
+        buf = io.BytesIO()
+        torch.save(self.compressor.state_dict(), buf)
+        return ((self._name(), buf.getvalue()),)
+
+    def load(self, run_dir: str, tag: str) -> None:
+        import os
+
+        from loongforge.train import checkpoint
+
+        path = os.path.join(checkpoint.ckpt_root(run_dir), tag, self._name())
+        try:
+            sd = torch.load(path, weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} missing: the checkpoint was written without --grad-compression topk "
+                                  "(or by another rank count); resume with the flags that wrote it") from None
+        self.compressor.load_state_dict(sd)
+
+
+def dp_sync(cfg: TrainConfig, state: ParallelState, engine) -> CompressedDPSync | None:
+    return CompressedDPSync(cfg, state, engine) if cfg.parallel.grad_compression == "topk" else None
