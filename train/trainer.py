@@ -78,7 +78,7 @@ class Trainer:
 
         self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
                                                             state=self.par)
-        wiring.name_engine_groups(self.engine)
+        wiring.after_engine(self.engine, self.par)  # checkpoint writers of hybrid sharding, group names
         self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
         self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
@@ -125,7 +125,7 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
-        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag)
+        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])

@@ -137,3 +137,5 @@ def test_resume_refuses_another_layout():
     check_resume_layout({"parallel": {"tp": 2, "sp": 1}}, state, "step00000002")
     with pytest.raises(CheckpointError, match="tp=1 sp=1.*same --tp"):
         check_resume_layout({}, state, "step00000002")  # written before --tp existed: TP 1
+    with pytest.raises(CheckpointError, match="same rank count"):
+        check_resume_layout({"parallel": {"tp": 2, "sp": 1}, "world": 4}, state, "step00000002", world=2)

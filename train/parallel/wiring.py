@@ -7,8 +7,8 @@ Order of one rank's start (README "Groups and placement"):
     build_model: construct (identically seeded full weights) -> apply_tensor_parallel
                  -> ZeRO-3: partition over the shard group (zero.partition_zero3)
     deepspeed.initialize(mpu=state)  (engine.build_engine)
-    loader and per-sample noise keyed by the DP coordinate: the T ranks of a TP group
-    read the same batch and draw the same noise (they compute one replica together).
+    loader keyed by the DP coordinate: the T ranks of a TP group read the same batch (they
+    compute one replica together); the noise is per sample (trainer.noise_for), so theirs agree.
 
 A plain run (tp = sp = 1) still builds its groups (the communication counter names
 them), but DeepSpeed gets no mpu and the model is built exactly as before: that
@@ -75,7 +75,7 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
 
 
 def data_coords(state: ParallelState) -> tuple[int, int]:
-    """(rank, world) of the data loader and the noise: the DP coordinate."""
+    """(rank, world) of the data loader: the DP coordinate."""
     return state.get_data_parallel_rank(), state.get_data_parallel_world_size()
 
 
@@ -91,13 +91,28 @@ def layout(state: ParallelState) -> dict:
     return {"tp": state.plan.tp, "sp": state.plan.sp}
 
 
-def check_resume_layout(sidecar: dict, state: ParallelState, tag: str) -> None:
-    """Model and ZeRO files are cut per TP rank (mp_rank_XX): a different layout cannot load them."""
+def check_resume_layout(sidecar: dict, state: ParallelState, tag: str, world: int | None = None) -> None:
+    """Model and ZeRO files are cut per TP rank (mp_rank_XX): a different layout cannot load them,
+    and neither can the universal (re-sharding) path, which knows nothing of TP shards."""
     saved = {"tp": 1, "sp": 1, **sidecar.get("parallel", {})}
+    if is_hybrid(state) and world is not None and sidecar.get("world", world) != world:
+        raise CheckpointError(f"checkpoint {tag} was written by {sidecar['world']} ranks, this run has {world}: "
+                              "with --tp/--sp/--grad-compression a resume needs the same rank count "
+                              "(re-sharding TP shards and per-rank residuals is not supported yet)")
     if saved != layout(state):
         raise CheckpointError(f"checkpoint {tag} was written with tp={saved['tp']} sp={saved['sp']}, this run has "
                               f"tp={state.plan.tp} sp={state.plan.sp}: its tensor-parallel shards do not fit; "
                               "resume with the same --tp/--sp (re-sharding a checkpoint is not supported yet)")
+
+
+def after_engine(engine, state: ParallelState) -> None:
+    """Once deepspeed.initialize returned. Hybrid sharding (ZeRO inside SP): DeepSpeed picks its
+    checkpoint writers by rank in the shard group, so every DP replica would write the same
+    zero_pp_rank_* / mp_rank_* files and race on them; replica 0 writes them, the others only
+    their per-rank files (RNG, compression residuals). Then name DeepSpeed's groups for the counter."""
+    if state.plan.zero_shard == "sp" and state.get_data_parallel_rank() != 0:
+        engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
+    name_engine_groups(engine)
 
 
 def name_engine_groups(engine) -> None:
