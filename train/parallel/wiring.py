@@ -38,6 +38,12 @@ def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
     p = plan_of(cfg)
     dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
     p.check_model(heads=model_cfg.heads)
+    mem = getattr(cfg, "memory", None)
+    if p.tp > 1 and mem is not None and (mem.fp8 or mem.fuse == "on"):
+        # NOTE: the memory policies run inside make_model, before the TP swap: the swap would replace
+        # torchao's Float8Linear by plain shards, and fusion is untested around the TP collectives.
+        raise ConfigError(f"parallel.tp={p.tp}: --fp8 and --fuse on are not combined with tensor parallelism "
+                          "yet; drop them or use --tp 1")
     hidden = int(model_cfg.dim * model_cfg.mlp_ratio)
     if hidden % p.tp:
         raise ConfigError(f"parallel.tp={p.tp}: the MLP hidden size {hidden} (model.dim x mlp_ratio) is not "
@@ -68,7 +74,10 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
     if not is_hybrid(state):
         return construct_model(make_model, conf), None
     model = make_model()
-    apply_tensor_parallel(model, state)
+    swapped = apply_tensor_parallel(model, state)
+    if state.plan.tp > 1 and swapped == 0:
+        raise ConfigError(f"parallel.tp={state.plan.tp}: no block with nn.Linear qkv/proj/fc1/fc2 to split "
+                          "(a module swap replaced them?); use --tp 1")
     if conf["zero_optimization"]["stage"] == 3:
         partition_zero3(model, state)
     return model, state
