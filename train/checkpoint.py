@@ -108,7 +108,8 @@ class Checkpointer:
         self._delta: DeltaPolicy | None = None
         self._since_full = 0
 
-    def save(self, *, step: int, loader_state: dict, extra: dict, final: bool = False) -> str | None:
+    def save(self, *, step: int, loader_state: dict, extra: dict, final: bool = False,
+             blobs: tuple = ()) -> str | None:
         """Snapshot now, write later. Returns the tag, or None when skipped because the previous
         save is still being written (when_busy="skip"; never for the final save)."""
         if self.when_busy == "skip" and not final and self._any_rank_busy():
@@ -125,7 +126,9 @@ class Checkpointer:
             shutil.rmtree(tag_dir, ignore_errors=True)
         # save_latest=False: DeepSpeed's own pointer would be written before our sidecar and manifest exist.
         self.engine.save_checkpoint(self.root, tag=tag, client_state={"loongforge_step": step}, save_latest=False)
-        blobs = [(os.path.join(tag_dir, f"rng_rank{self.rank}.pt"), _rng_bytes())]
+        # `blobs`: this rank's extra (file name, bytes) for the tag directory (e.g. compression residuals).
+        blobs = [(os.path.join(tag_dir, f"rng_rank{self.rank}.pt"), _rng_bytes()),
+                 *((os.path.join(tag_dir, name), data) for name, data in blobs)]
         if self.rank == 0:
             doc = {"format": "loongforge-checkpoint", "format_version": CHECKPOINT_VERSION, "step": step,
                    "world": self.world, "loader": loader_state, **extra}

@@ -33,8 +33,8 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
     step_batch = cfg.data.global_batch_size
     micro = step_batch // (world * p.grad_accum)
     if micro * world * p.grad_accum != step_batch:
-        raise ConfigError(f"data.global_batch_size: {step_batch} must equal micro batch x {world} ranks x "
-                          f"{p.grad_accum} accumulation steps; pick a multiple of {world * p.grad_accum}")
+        raise ConfigError(f"data.global_batch_size: {step_batch} must equal micro batch x {world} data-parallel "
+                          f"ranks x {p.grad_accum} accumulation steps; pick a multiple of {world * p.grad_accum}")
     cuda = device.type == "cuda"
     bf16 = p.precision == "bf16" or (p.precision == "auto" and cuda)
     zero = {"stage": p.zero_stage, "reduce_bucket_size": p.reduce_bucket_size, "overlap_comm": p.overlap_comm,
@@ -128,14 +128,21 @@ def param_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def build_engine(make_model: Callable[[], torch.nn.Module], cfg: TrainConfig, *, world: int,
-                 device: torch.device):
-    """(engine, ds config, model): the model is constructed here (see construct_model)."""
+                 device: torch.device, state=None):
+    """(engine, ds config, model): the model is constructed here (see construct_model). `state`: the
+    parallel plan (train/parallel/wiring.py): batch sizes count its DP ranks, it swaps in the TP
+    shards and becomes DeepSpeed's mpu."""
     import deepspeed
 
-    conf = ds_config(cfg, world=world, device=device)
-    model = construct_model(make_model, conf)
+    conf = ds_config(cfg, world=world if state is None else state.get_data_parallel_world_size(), device=device)
+    if state is None:
+        model, mpu = construct_model(make_model, conf), None
+    else:
+        from loongforge.train.parallel.wiring import build_model
+
+        model, mpu = build_model(make_model, conf, state)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                           config=conf)
+                                           config=conf, mpu=mpu)
     return engine, conf, model
 
 

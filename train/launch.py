@@ -63,6 +63,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-comm", action="store_true")
     p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
                    "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the trunk's attention and MLP "
+                   "split over TP ranks (train/parallel/); data-parallel size = ranks / (tp * sp)")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (not wired yet: must be 1)")
+    p.add_argument("--grad-compression", default="none", choices=("none", "topk"), help="topk: ZeRO-3 shards "
+                   "inside each SP group, replicas sync gradients by top-k + error feedback (needs --zero 3)")
+    p.add_argument("--compress-ratio", type=float, default=3.0, help="dense all-reduce bytes / bytes sent per "
+                   "bucket (a bucket where sparse would not win goes dense; 1 = dense everywhere)")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=0, help="log validation flow loss and action MSE every N "
@@ -98,7 +105,10 @@ def config_from_args(a: argparse.Namespace):
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
-                                dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown),
+                                dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown,
+                                tp=getattr(a, "tp", 1), sp=getattr(a, "sp", 1),
+                                grad_compression=getattr(a, "grad_compression", "none"),
+                                compress_ratio=getattr(a, "compress_ratio", 3.0)),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
                             fp8_min_features=a.fp8_min_features, fuse=a.fuse),

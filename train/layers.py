@@ -54,6 +54,19 @@ class TrunkBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class _ZeroLinear(nn.Linear):
+    """A linear initialised to zero inside its own constructor. NOTE: zeroing after construction
+    is a no-op under deepspeed.zero.Init (ZeRO-3), which partitions each module's parameters as
+    its __init__ returns: the weights kept the random init and ZeRO-3 started from another model.
+    The default init still runs first, so the RNG stream (every later weight) is unchanged."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            self.weight.zero_()
+            self.bias.zero_()
+
+
 class AdaNorm(nn.Module):
     """LayerNorm whose scale and shift come from a conditioning vector (GR00T's AdaLayerNorm,
     DiT's adaptive norm): how the flow time reaches every head block."""
@@ -61,9 +74,7 @@ class AdaNorm(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False)
-        self.ada = nn.Linear(dim, 2 * dim)
-        nn.init.zeros_(self.ada.weight)  # starts as a plain LayerNorm
-        nn.init.zeros_(self.ada.bias)
+        self.ada = _ZeroLinear(dim, 2 * dim)  # starts as a plain LayerNorm
 
     def forward(self, x, cond):
         scale, shift = self.ada(F.silu(cond)).chunk(2, dim=-1)

@@ -45,8 +45,11 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     world = launch_world() if world is None else world
     if cfg.recipe not in recipes.RECIPES:
         raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {sorted(recipes.RECIPES)}")
+    from loongforge.train.parallel.wiring import plan_of
+
+    dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
     # Divisibility only depends on the world and the config; the device does not matter here.
-    conf = engine.ds_config(cfg, world=world, device=torch.device("cpu"))
+    conf = engine.ds_config(cfg, world=dp, device=torch.device("cpu"))
     try:
         index = load_index(cfg.data.root)
     except FormatError as exc:
@@ -54,4 +57,8 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     except (LoongForgeError, OSError) as exc:
         raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
                           f"({type(exc).__name__}: {exc}); check --data") from None
-    return Checked(index=index, model_cfg=model_config(cfg, index), world=world, ds_config=conf)
+    from loongforge.train.parallel.wiring import check_layout
+
+    model_cfg = model_config(cfg, index)
+    check_layout(cfg, world, model_cfg)  # heads and MLP width split by tp
+    return Checked(index=index, model_cfg=model_cfg, world=world, ds_config=conf)

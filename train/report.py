@@ -96,6 +96,7 @@ def _segment(run_dir: str, rows: list[dict], traces: list[dict]) -> dict:
         "percent": {k: 100.0 * v / step for k, v in table.items()},
         "samples_per_s": sum(r["samples"] for r in use) / sum(r["step_s"] for r in use),
         "world": rows[0].get("world", 1), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+        "comm_groups": comm_by_group(use),
         "traces": [{"path": t["path"], "kind": t["kind"], "comm_events": t["comm_events"],
                     "comm_event_count": t["comm_event_count"],
                     "comm_s_per_step": [s["comm_s"] for s in t["steps"]],
@@ -106,6 +107,19 @@ def _segment(run_dir: str, rows: list[dict], traces: list[dict]) -> dict:
         "footnote": (gpu_note or FOOTNOTE.format(comm_src=comm_src)) + TAIL.format(
             first=use[0]["step"], last=use[-1]["step"], skip=skip, world=rows[0].get("world", 1)),
     }
+
+
+def comm_by_group(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Rank 0's collectives per step by group kind (tp / sp / dp / sp_dp / world), mean over the
+    steps that recorded them (metrics' `comm_groups`, train/parallel/wiring.py StepComm)."""
+    have = [r["comm_groups"] for r in rows if "comm_groups" in r]
+    out: dict[str, dict[str, float]] = {}
+    for groups in have:
+        for g, row in groups.items():
+            acc = out.setdefault(g, dict.fromkeys(row, 0.0))
+            for k, v in row.items():
+                acc[k] += v / len(have)
+    return out
 
 
 def _host_table(use, mean, traces, step) -> tuple[dict, str]:
@@ -151,6 +165,12 @@ def _format_segment(b: dict, several: bool) -> str:
         per = ", ".join(f"{c * 1e3:.1f}" for c in t["comm_s_per_step"])
         lines.append(f"trace {os.path.basename(t['path'])} ({t['kind']}): {t['comm_event_count']} collective "
                      f"events {t['comm_events']}; comm ms/step [{per}]")
+    if b.get("comm_groups"):
+        lines.append("communication per step by group (rank 0; wire = bytes this rank sends, ring/pairwise):")
+        lines.append(f"  {'group':<7}{'calls':>7}{'wire MB':>10}{'payload MB':>12}{'host s':>9}")
+        for g, r in sorted(b["comm_groups"].items()):
+            lines.append(f"  {g:<7}{r['calls']:>7.1f}{r['wire_bytes'] / 1e6:>10.3f}"
+                         f"{r['payload_bytes'] / 1e6:>12.3f}{r['seconds']:>9.4f}")
     lines.append("")
     lines.append("* " + b["footnote"])
     return "\n".join(lines)

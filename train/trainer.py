@@ -22,6 +22,7 @@ from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
+from loongforge.train.parallel import wiring
 from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
@@ -63,6 +64,8 @@ class Trainer:
         self.device = eng.pick_device(cfg.run.device)
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
         self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
+        self.par = wiring.initialize(cfg)  # every process group of the TP x SP x DP plan, once
+        self.data_rank, self.data_world = wiring.data_coords(self.par)  # TP ranks of a replica: same batch
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.index, self.model_cfg = checked.index, checked.model_cfg
         d = cfg.data
@@ -73,12 +76,16 @@ class Trainer:
             self.policies = apply_memory_policies(model, cfg, self.device)
             return model
 
-        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device)
+        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
+                                                            state=self.par)
+        wiring.after_engine(self.engine, self.par)  # checkpoint writers of hybrid sharding, group names
+        self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
+        self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.loader = ShardLoader(
             d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
-            rank=self.rank, world=self.world, index=self.index,
+            rank=self.data_rank, world=self.data_world, index=self.index,
             source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
             device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
             max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
@@ -118,10 +125,13 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
+        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
+        if self.dp_sync is not None:
+            self.dp_sync.load(self.cfg.run.run_dir, tag)
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
                  doc["loader"]["epoch"], doc["loader"]["consumed"])
 
@@ -158,6 +168,7 @@ class Trainer:
         eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         self.policies.on_step(self.step)
         timer.begin(sync=sync)
+        self.step_comm.begin()
         losses, ids = [], []
         for micro in range(accum):
             with timer.phase("data_wait"):
@@ -170,13 +181,16 @@ class Trainer:
                 out = e(batch, noise, t)
             with timer.phase("backward"):
                 e.backward(out["loss"])
+                if self.dp_sync is not None:
+                    self.dp_sync()  # compressed gradient sync across DP replicas (hybrid sharding)
             with timer.phase("optimizer"):
                 e.step()
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
-        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"]}  # where this step's batch came from
+        rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
+               "comm_groups": self.step_comm.end()}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
@@ -188,20 +202,22 @@ class Trainer:
             dev_t = mine.to(self.device)
             out = [torch.empty_like(dev_t) for _ in range(self.world)]
             torch.distributed.all_gather(out, dev_t)
-            allr = torch.stack(out).cpu()
+            allr = torch.stack(out).cpu()[wiring.replica_ranks(self.par, self.world)]  # no TP copies
         else:
             allr = mine[None]
         n = len(ids)
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
-                   ce_loss=float(allr[:, 2].mean()), samples=n * self.world,
+                   ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **wiring.layout(self.par),
                    sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
                    bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
 
     def save(self, final: bool = False) -> str | None:
         t0 = time.perf_counter()
-        tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final,
+        blobs = () if self.dp_sync is None else self.dp_sync.blobs()  # per-rank compression residuals
+        tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final, blobs=blobs,
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
+                                    "parallel": wiring.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
                                     # What Policy.load needs to rebuild the model and its input transform.
                                     "model": dataclasses.asdict(self.model_cfg),
@@ -215,7 +231,8 @@ class Trainer:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
-        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close):
+        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+                       self.step_comm.close):
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - close the rest, then report
