@@ -241,6 +241,7 @@ def _bitwise_equal_dirs(a, b):
             assert x.dtype == y.dtype and x.shape == y.shape and x.numpy().tobytes() == y.numpy().tobytes(), name
 
 
+@pytest.mark.full
 def test_delta_checkpoint_restores_bit_exact_against_a_full_save(train_root, tmp_path):
     """Same 2-rank run twice: deltas (full every 3 saves) and all full. The step-4 delta, restored from the
     step-2 base, equals the full step-4 save bit for bit; resuming from it continues the run exactly.
@@ -288,6 +289,7 @@ def test_gpu_async_snapshot_resume_is_exact(train_root, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+@pytest.mark.full
 def test_save_busy_skip_skips_while_writing_and_final_save_waits(train_root, tmp_path):
     """Writes capped at 0.3 MB/s (~8 s per tiny checkpoint): with --save-busy skip the saves due meanwhile
     are skipped, never queued or interleaved; the final save waits and is complete."""

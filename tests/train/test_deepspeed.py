@@ -220,7 +220,7 @@ def _rank_pid(run_dir: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.full)])
 def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, tmp_path):
     """SIGKILL of one rank mid-run (OOM killer, node loss): the launch must end non-zero instead of
     leaving its peer blocked in an allreduce, and --resume continues from the last complete checkpoint."""

@@ -110,7 +110,7 @@ def _check_default_compression_bytes(engine, model, seqp, state, scale) -> None:
 # ZeRO-2 (sum over SP already, scale 1) runs in `make parallel-full`: 4 DeepSpeed ranks cost
 # minutes on the 2-core CI box, and ZeRO-3 + hybrid cover the plan's mpu in `make test`.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.parallel_full), 3, "hybrid"])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.parallel_full), 3, pytest.param("hybrid", marks=pytest.mark.full)])
 def test_zero_with_tp_sp_matches_single_process(stage):
     tp, sp = (1, 2) if stage == "hybrid" else (2, 2)  # hybrid: 2 SP x 2 DP replicas
     run_ranks(_zero_worker, 4, tp, sp, stage, timeout=400)
