@@ -66,7 +66,7 @@ class DatasetV2:
         self.source = source(self.shard_index) if callable(source) and not hasattr(source, "read_range") else \
             source if source is not None else OriginSource(root, self.shard_index)
         self.cameras = list(self.info.slots)
-        self._camera = {slot: c for c, slot in enumerate(self.cameras)}
+        self._camera = {**{slot: c for c, slot in enumerate(self.cameras)}, **{c: c for c in range(len(self.cameras))}}
         self.block_size = int(manifest["params"]["block_size"])
         self._shard_names = [s["name"] for s in manifest["shards"]]
         self.episode_lengths = tables["episode_length"]
@@ -138,18 +138,17 @@ class DatasetV2:
         return -(-self._lengths[e] // self.block_size)
 
     def _cam(self, camera: str | int) -> int:
-        if isinstance(camera, int):
-            if not 0 <= camera < len(self.cameras):
-                raise KeyError(f"camera {camera} out of range: the dataset has {self.cameras}")
-            return camera
+        """Camera slot name or column number -> column number."""
         try:
             return self._camera[camera]
-        except KeyError:
+        except (KeyError, TypeError):
             raise KeyError(f"camera {camera!r} not in this dataset: {self.cameras}") from None
 
     def block_entry(self, e: int, camera: str | int, b: int) -> tuple[str, int, int, int, int]:
         """(shard name, offset, length, n_frames, xxh3_64) of block b of episode row e's camera."""
-        c = self._camera[camera] if camera.__class__ is str and camera in self._camera else self._cam(camera)
+        c = self._camera.get(camera)
+        if c is None:
+            c = self._cam(camera)  # raises KeyError naming the cameras
         if not 0 <= b < -(-self._lengths[e] // self.block_size):
             raise IndexError(f"episode row {e}: block {b} out of range [0, {self.num_blocks(e)})")
         row = 4 * (self._first[e * self._ncam + c] + b)
