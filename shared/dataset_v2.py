@@ -63,6 +63,7 @@ class DatasetV2:
         self.info = manifest.pop("_dataset")
         self.manifest = manifest
         self.shard_index = shard_level_index({**manifest, "_dataset": self.info})
+        self._source_arg = source
         self.source = source(self.shard_index) if callable(source) and not hasattr(source, "read_range") else \
             source if source is not None else OriginSource(root, self.shard_index)
         self.cameras = list(self.info.slots)
@@ -82,6 +83,11 @@ class DatasetV2:
         self._starts, self._bucket, self._lengths = mv["episode_start"], mv["frame_bucket"], mv["episode_length"]
         self._ids, self._shard, self._arrays = mv["episode_id"], mv["episode_shard"], mv["episode_arrays"]
         self._first, self._blocks = mv["first_block"], mv["blocks"]
+
+    def __reduce__(self):
+        """Pickled (spawned loader workers) as root + source argument: the worker re-opens,
+        mapping the same table files instead of receiving copies of them."""
+        return _reopen, (self.root, self._source_arg)  # a custom source must itself pickle
 
     # -- metadata ---------------------------------------------------------------
     @property
@@ -230,6 +236,10 @@ def open_v2(root: str, *, source: ShardSource | Callable[[ShardIndex], ShardSour
         if tables[name].shape != shape:
             raise FormatError(f"{origin}: table {name} has shape {tables[name].shape}, expected {shape}")
     return DatasetV2(root, doc, tables, source)
+
+
+def _reopen(root: str, source) -> DatasetV2:
+    return open_v2(root, source=source)
 
 
 def load_any_index(root: str) -> ShardIndex:

@@ -222,3 +222,16 @@ def test_tables_are_memory_mapped_in_every_process(v2_root):
                                                          "first_block.npy"}
     ds = open_v2(root)
     assert isinstance(ds.tables["blocks"].base, np.memmap)
+
+
+def test_pickles_by_reopening(v2_root):
+    """Spawned loader workers receive the dataset pickled: it travels as its root and
+    re-maps the tables, never as copies of them."""
+    import pickle
+
+    root, written = v2_root
+    ds = open_v2(root)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 500
+    back = pickle.loads(blob)
+    np.testing.assert_array_equal(back.read_block(3, "front", 1), written[12][0]["front"][4:8])
