@@ -191,6 +191,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(v2_samples: int, v1_samples: int, block: int, lookups: int, workdir: str) -> dict:
+    load_start = os.getloadavg()
     v2_root, v1_root = os.path.join(workdir, "v2"), os.path.join(workdir, "v1")
     t = time.perf_counter()
     v2_built = build_v2_index(v2_root, v2_samples, block)
@@ -205,7 +206,7 @@ def run(v2_samples: int, v1_samples: int, block: int, lookups: int, workdir: str
           "locate_us": rows[-1]["locate_us"] < TARGETS["locate_us"]}
     return {"benchmark": "index-scale", "rows": rows, "targets": TARGETS, "v2_meets": ok, "raw": {"v2": r2, "v1": r1},
             "built": {"v2": v2_built, "v1": v1_built, "build_s": build_s}, "block_frames": block,
-            "lookups": lookups, "load_avg": os.getloadavg(), "host": platform.node(), "python": sys.version.split()[0],
+            "lookups": lookups, "load_avg": load_start, "host": platform.node(), "python": sys.version.split()[0],
             "numpy": np.__version__}
 
 

@@ -151,6 +151,7 @@ def markdown(doc: dict) -> str:
 
 
 def run(work: str, episodes: int, frames: tuple[int, int], blocks: list[int], repeats: int, gop: int) -> dict:
+    load_start = os.getloadavg()
     src = os.path.join(work, "gr00t-like")
     generate_preset(src, "gr00t-like", episodes=episodes, frames=frames, gop=gop, quirks=())
     eps, info, mp4 = load_source(src)
@@ -159,7 +160,7 @@ def run(work: str, episodes: int, frames: tuple[int, int], blocks: list[int], re
         r["over_mp4"] = r["bytes"] / mp4
     return {"benchmark": "storage-v2", "rows": rows, "mp4_bytes": mp4, "frames": sum(t.length for _, _, t in eps),
             "episodes": episodes, "gop": gop, "resolution": [info.height, info.width], "repeats": repeats,
-            "load_avg": os.getloadavg(), "host": platform.node()}
+            "load_avg": load_start, "host": platform.node()}
 
 
 def main(argv: list[str] | None = None) -> int:
