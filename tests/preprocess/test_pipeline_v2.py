@@ -66,6 +66,15 @@ def test_v2_stats_exclude_val_and_summary(converted_v2):
     assert s["format_version"] == 2 and s["block_size"] == B and s["bytes_out"] > 0
 
 
+def test_inspect_verifies_a_v2_root(converted_v2, capsys):
+    from loongforge.cli import main
+
+    out, _ = converted_v2
+    assert main(["inspect", out, "--verify", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] is True and doc["format_version"] == 2 and doc["samples"] == open_v2(out).num_frames
+
+
 def test_v2_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, run_in_memory):
     """Failed inputs become records (not a dead job), and two runs give identical bytes."""
     outs = [str(tmp_path / f"r{i}") for i in range(2)]
