@@ -222,6 +222,7 @@ def test_tables_are_memory_mapped_in_every_process(v2_root):
                                                          "first_block.npy"}
     ds = open_v2(root)
     assert isinstance(ds.tables["blocks"].base, np.memmap)
+    assert np.shares_memory(np.asarray(ds._blocks), ds.tables["blocks"])  # the lookup views are not copies
 
 
 def test_pickles_by_reopening(v2_root):
@@ -235,3 +236,33 @@ def test_pickles_by_reopening(v2_root):
     assert len(blob) < 500
     back = pickle.loads(blob)
     np.testing.assert_array_equal(back.read_block(3, "front", 1), written[12][0]["front"][4:8])
+
+
+def test_read_blocks_all_cameras_in_one_range_read(v2_root):
+    root, written = v2_root
+    calls = []
+
+    class Counting(OriginSource):
+        def read_range(self, name, offset, length):
+            calls.append(length)
+            return super().read_range(name, offset, length)
+
+    ds = open_v2(root, source=lambda index: Counting(root, index))
+    got = ds.read_blocks(2, 3)
+    assert len(calls) == 1 and sorted(got) == ["front", "wrist"]
+    for cam in got:
+        np.testing.assert_array_equal(got[cam], written[8][0][cam][12:16])
+    assert list(ds.read_blocks(2, 3, ["wrist"])) == ["wrist"]
+    name, off, length, _, _ = ds.block_entry(2, "front", 3)
+    _flip(os.path.join(root, name), off + 1)
+    with pytest.raises(IntegrityError, match="camera front block 3"):
+        open_v2(root).read_blocks(2, 3)
+
+
+def test_empty_root_opens(tmp_path):
+    root = str(tmp_path / "empty")
+    make_synthetic_v2_root(root, lengths=())
+    ds = open_v2(root)
+    assert ds.num_episodes == 0 == ds.num_frames
+    with pytest.raises(IndexError):
+        ds.locate(0)
