@@ -266,3 +266,20 @@ def test_empty_root_opens(tmp_path):
     assert ds.num_episodes == 0 == ds.num_frames
     with pytest.raises(IndexError):
         ds.locate(0)
+
+
+def test_writer_publishes_index_last(tmp_path):
+    """A writer that dies mid-way leaves shards but no index.json: the root reads as unfinished."""
+    from loongforge.shared.synthetic_v2 import synthetic_dataset_info, synthetic_episode
+    from loongforge.shared.writer_v2 import RootWriterV2
+
+    root = str(tmp_path / "partial")
+    info = synthetic_dataset_info(16, 16, ("front",), 3, 2)
+    with pytest.raises(RuntimeError):
+        with RootWriterV2(root, info, block_size=4, shard_size=4096) as w:
+            for ep in range(3):
+                w.add_episode(ep, *synthetic_episode(ep, 40, 16, 16, ("front",), 3, 2))
+            raise RuntimeError("killed")
+    assert os.path.isdir(os.path.join(root, "shards")) and not os.path.exists(os.path.join(root, "index.json"))
+    with pytest.raises(FormatError, match="did not finish"):
+        open_v2(root)
