@@ -40,6 +40,19 @@ def register(subparsers) -> None:
     i.add_argument("--json", action="store_true", help="print a JSON object")
     i.set_defaults(func=_inspect)
 
+    c = subparsers.add_parser("convert", help="rewrite a format-1 shard root as format 2 (frames stored once)",
+                              description="Rewrite a format-1 shard root (per-sample windows) as format 2 (frame "
+                              "blocks + memory-mapped index, shared/FORMAT.md). No Beam, no source video needed.")
+    c.add_argument("root", metavar="ROOT", help="format-1 shard root (path or URL)")
+    c.add_argument("--to", choices=("v2",), required=True, help="target format (v2)")
+    c.add_argument("out", metavar="OUT", help="shard root to write")
+    c.add_argument("--block-frames", type=int, default=16, metavar="B", help="frames per zstd block (16)")
+    c.add_argument("--zstd-level", type=int, default=3)
+    c.add_argument("--shard-size", default="64MiB", help="target shard size (64MiB)")
+    c.add_argument("--strict", action="store_true",
+                   help="refuse when actions are missing from the v1 root instead of filling them (action_known)")
+    c.set_defaults(func=_convert)
+
     s = subparsers.add_parser("sample-data", help="generate a LeRobot v2 sample dataset (real H.264 via PyAV)")
     s.add_argument("out", metavar="OUT", help="directory to create")
     s.add_argument("--preset", choices=("default", "gr00t-like"), default="default",
@@ -98,11 +111,31 @@ def _inspect(args: argparse.Namespace) -> int:
     summary = summarize(args.root)
     rc = 0
     if args.verify:
-        bad = ShardReader(args.root).verify()
+        if summary.get("format_version") == 2:
+            from loongforge.shared.dataset_v2 import open_v2
+
+            bad = open_v2(args.root).verify()
+        else:
+            bad = ShardReader(args.root).verify()
         summary["verified"], summary["bad_shards"] = not bad, bad
         rc = 1 if bad else 0
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
     return rc
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from loongforge.shared.convert_v1 import convert_v1_to_v2
+    from loongforge.shared.errors import ConfigError
+    from loongforge.shared.units import parse_size
+
+    if args.out.rstrip("/") == args.root.rstrip("/"):
+        raise ConfigError("OUT must differ from ROOT: the converter reads ROOT while it writes")
+    if args.block_frames < 1:
+        raise ConfigError(f"--block-frames {args.block_frames}: must be >= 1")
+    summary = convert_v1_to_v2(args.root, args.out, block_size=args.block_frames, zstd_level=args.zstd_level,
+                               shard_size=parse_size(args.shard_size, "--shard-size"), strict=args.strict)
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
 
 
 def _sample_data(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ OUTPUT_FIELDS = ("frames_per_sample", "stride", "frame_step", "action_horizon", 
 FINGERPRINT_MODES = ("stat", "content")  # stat: size + mtime of every input file; content: their sha256
 COLOR_RANGE_CHOICES = ("auto", "limited", "full")  # auto: keep the sources' range, refuse if they disagree
 COLOR_MATRIX_CHOICES = ("auto", "bt601", "bt709")
+FORMAT_VERSIONS = (1, 2)  # shared/FORMAT.md; 2 = frame blocks + mmap'd tables (issue 12)
+DEFAULT_BLOCK_FRAMES = 16  # = shared.writer_v2.DEFAULT_BLOCK_FRAMES (not imported: config stays light)
 
 
 def default_workers() -> int:
@@ -53,6 +55,10 @@ class PreprocessConfig:
     color_range: str = "auto"  # output range; anything but "auto" converts every stream to it
     color_matrix: str = "auto"  # output matrix; anything but "auto" converts every stream to it
     progress_s: float = 10.0  # local runner: a progress line every this many seconds (0 = off)
+    # Shard format written: 1 = per-sample windows (default until the trainer reads 2), 2 = every frame once in
+    # zstd blocks of `block_frames` frames, samples derived by the loader (FORMAT.md "Version 2").
+    format_version: int = 1
+    block_frames: int = DEFAULT_BLOCK_FRAMES  # B, frames per block (format 2 only)
 
     def __post_init__(self):
         if self.min_frames is None:  # K=1 (one frame per sample) must work without a flag
@@ -89,6 +95,11 @@ class PreprocessConfig:
             raise ConfigError(f"color_range={self.color_range!r}: choose one of {COLOR_RANGE_CHOICES}")
         if self.color_matrix not in COLOR_MATRIX_CHOICES:
             raise ConfigError(f"color_matrix={self.color_matrix!r}: choose one of {COLOR_MATRIX_CHOICES}")
+        if self.format_version not in FORMAT_VERSIONS:
+            raise ConfigError(f"format_version={self.format_version!r}: choose one of {FORMAT_VERSIONS}")
+        if not isinstance(self.block_frames, int) or self.block_frames < 1:
+            raise ConfigError(f"block_frames={self.block_frames!r}: must be an integer >= 1 (e.g. "
+                              f"{DEFAULT_BLOCK_FRAMES})")
         if self.progress_s < 0:
             raise ConfigError(f"progress_s={self.progress_s}: must be >= 0 (0 = no progress lines)")
         if not self.input or not self.output:
@@ -112,7 +123,10 @@ class PreprocessConfig:
                           "episodes P% (e.g. 5%), at most 100%")
 
     def output_params(self) -> dict:
-        return {name: getattr(self, name) for name in OUTPUT_FIELDS}
+        out = {name: getattr(self, name) for name in OUTPUT_FIELDS}
+        if self.format_version != 1:  # v1 params keep their bytes (and v1 indexes stay byte-identical)
+            out.update(format_version=self.format_version, block_frames=self.block_frames)
+        return out
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -148,6 +162,11 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "every stream to it")
     parser.add_argument("--color-matrix", choices=COLOR_MATRIX_CHOICES, default="auto",
                         help="auto: keep the sources' matrix (refuse if cameras disagree); bt601|bt709: convert")
+    parser.add_argument("--format-version", type=int, choices=FORMAT_VERSIONS, default=1,
+                        help="shard format: 1 per-sample windows (default), 2 frame blocks + memory-mapped index "
+                        "(every timestep a sample; shared/FORMAT.md)")
+    parser.add_argument("--block-frames", type=int, default=DEFAULT_BLOCK_FRAMES, metavar="B",
+                        help=f"format 2: consecutive frames per zstd block ({DEFAULT_BLOCK_FRAMES})")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
                         help="local runner: a progress line every S seconds (0 = off; 10)")
 
@@ -161,4 +180,6 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             val_episodes=getattr(args, "val_episodes", "") or "",
                             allow_failed=args.allow_failed, fingerprint=args.fingerprint,
                             color_range=args.color_range, color_matrix=args.color_matrix,
-                            progress_s=args.progress_s)
+                            progress_s=args.progress_s,
+                            format_version=getattr(args, "format_version", 1),
+                            block_frames=getattr(args, "block_frames", DEFAULT_BLOCK_FRAMES))

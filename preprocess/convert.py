@@ -26,6 +26,7 @@ from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, stage_samples,
 from loongforge.preprocess.stats import episode_moments
 from loongforge.preprocess.window import cut_samples, plan_windows
 from loongforge.shared import paths, storage
+from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class ConvertParams:
     min_frames: int
     zstd_level: int
     color: ColorTarget | None = None  # the dataset's colour (launcher probe); None: each stream keeps its own
+    format_version: int = 1
+    block_frames: int = 16  # format 2: frames per zstd block
+    slots: tuple[str, ...] = ()  # format 2: camera slots in dataset order (block order in the shard)
 
 
 def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
@@ -108,6 +112,9 @@ class ConvertEpisodeFn(beam.DoFn):
         except _Failed as failed:
             yield self._fail(spec, failed.camera, failed.error)
             return
+        if p.format_version == 2:
+            yield from self._stage_v2(spec, table, frames, videos, source_bytes, t0)
+            return
         windows = plan_windows(table.length, frames_per_sample=p.frames_per_sample, stride=p.stride,
                                frame_step=p.frame_step, action_horizon=p.action_horizon, min_frames=p.min_frames)
         if not windows:
@@ -126,6 +133,29 @@ class ConvertEpisodeFn(beam.DoFn):
         yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
         yield StagedEpisode(episode=spec.index, path=path, samples=staged, source_frames=table.length,
                             source_bytes=source_bytes, videos=tuple(videos))
+
+
+    def _stage_v2(self, spec: EpisodeSpec, table, frames, videos, source_bytes, t0):
+        """Format 2: the episode's frames once, in blocks, plus its arrays, to one staging file."""
+        p = self.params
+        path = staging_path(p.output, spec.index)
+        with storage.open_atomic(path) as f:
+            layout = encode_episode(f, spec.index, frames, episode_arrays(table), slots=list(p.slots),
+                                    block_size=p.block_frames, zstd_level=p.zstd_level)
+        self.converted.inc()
+        self.samples.inc(table.length)
+        self.frames.inc(table.length * len(frames))
+        log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
+                 len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
+        yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
+        yield StagedEpisode(episode=spec.index, path=path, samples=(), source_frames=table.length,
+                            source_bytes=source_bytes, videos=tuple(videos), layout=layout)
+
+
+def episode_arrays(table) -> dict:
+    """The per-frame arrays a format-2 episode stores (FORMAT.md)."""
+    return {"state": table.state, "action": table.action, "timestamp": table.timestamps,
+            "frame_index": table.frame_index, "task_index": table.task_index}
 
 
 class _Failed(Exception):

@@ -21,6 +21,7 @@ from apache_beam.metrics import Metrics
 from loongforge.preprocess import files
 from loongforge.shared import paths, storage
 from loongforge.shared.format import END_OF_ARCHIVE, Sample, pack_sample
+from loongforge.shared.blocks import EpisodeLayout
 from loongforge.shared.index import ShardEntry
 from loongforge.shared.writer import write_shard
 
@@ -45,6 +46,7 @@ class StagedEpisode:
     source_frames: int  # rows of the episode (= frames per camera)
     source_bytes: int  # parquet + mp4 bytes read
     videos: tuple[tuple[str, int, int, str, str, str], ...]  # (camera key, src h, src w, codec, matrix, range)
+    layout: EpisodeLayout | None = None  # format 2: the staged episode fragment's layout (samples is then ())
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.preprocess.finalize import FinalizeFn
 from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
+from loongforge.preprocess.pack_v2 import write_v2
 from loongforge.preprocess.progress import ProgressMonitor
 from loongforge.preprocess.stats import EpisodeMomentsFn
 from loongforge.shared import paths
@@ -93,7 +94,8 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget |
     return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
                          frames_per_sample=cfg.frames_per_sample, stride=cfg.stride, frame_step=cfg.frame_step,
                          action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level,
-                         color=color)
+                         color=color, format_version=cfg.format_version, block_frames=cfg.block_frames,
+                         slots=tuple(c.slot for c in meta.cameras))
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
@@ -109,6 +111,9 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
         | "ConvertEpisodes" >> beam.ParDo(ConvertEpisodeFn(meta, params)).with_outputs(FAILED, STATS, main=STAGED)
     )
     staged, failed = converted[STAGED], converted[FAILED]
+    stats = converted[STATS] | "EpisodeMoments" >> beam.CombineGlobally(EpisodeMomentsFn())  # merged in finalize
+    if params.format_version == 2:
+        return write_v2(p, cfg, meta, params, staged, failed, stats)
     entries = (
         staged
         | "CollectStaged" >> beam.combiners.ToList()
@@ -116,7 +121,6 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
         | "SpreadShards" >> beam.Reshuffle()
         | "WriteShards" >> beam.ParDo(WriteShardFn(cfg.output))
     )
-    stats = converted[STATS] | "EpisodeMoments" >> beam.CombineGlobally(EpisodeMomentsFn())  # merged in finalize
     return (
         p
         | "Once" >> beam.Create([None])

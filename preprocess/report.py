@@ -6,20 +6,40 @@ from __future__ import annotations
 from loongforge.shared.index import load_index
 
 
+def _summary_v2(root: str) -> tuple[dict, object, int, int, list]:
+    """Format 2: samples = frames (every timestep), frames stored once."""
+    from loongforge.shared.dataset_v2 import open_v2
+
+    v2 = open_v2(root)
+    ds, m = v2.info, v2.manifest
+    total = sum(int(s["bytes"]) for s in m["shards"]) + sum(int(t["bytes"]) for t in m["tables"].values())
+    out = {"format_version": 2, "episodes": v2.num_episodes, "samples": v2.num_frames, "frames": v2.num_frames,
+           "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
+           "resolution": [ds.height, ds.width], "fps": ds.fps, "failed": len(m["failed"]),
+           "block_size": v2.block_size}
+    return out, ds, v2.num_frames, total, list(m["failed"])
+
+
 def summarize(root: str, seconds: float | None = None) -> dict:
-    index = load_index(root)
-    ds = index.dataset
-    out = index.summary()
+    from loongforge.shared.dataset_v2 import load_any_index
+
+    index = load_any_index(root)
+    if index.format_version == 2:
+        out, ds, frames, total, failed = _summary_v2(root)
+    else:
+        index = load_index(root)
+        out, ds, frames, total, failed = index.summary(), index.dataset, index.num_frames, index.total_bytes, \
+            list(index.failed)
     bytes_in = int(ds.source.get("bytes", 0))
-    nv12 = index.num_frames * ds.frame_bytes * len(ds.cameras)
+    nv12 = frames * ds.frame_bytes * len(ds.cameras)
     out.update({
         "source_frames": int(ds.source.get("frames", 0)),
         "bytes_in": bytes_in,
-        "bytes_out": index.total_bytes,
-        "out_over_in": round(index.total_bytes / bytes_in, 3) if bytes_in else None,
-        "nv12_over_out": round(nv12 / index.total_bytes, 3) if index.total_bytes else None,
+        "bytes_out": total,
+        "out_over_in": round(total / bytes_in, 3) if bytes_in else None,
+        "nv12_over_out": round(nv12 / total, 3) if total else None,
         "warnings": list(ds.source.get("warnings", [])),
-        "failed_records": list(index.failed),
+        "failed_records": failed,
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)

@@ -229,6 +229,8 @@ class ShardIndex:
         if version != FORMAT_VERSION:
             hint = "upgrade loongforge" if isinstance(version, int) and version > FORMAT_VERSION else \
                 "re-run `loongforge preprocess` to rewrite the shards"
+            if version == 2:  # FORMAT.md: a v2 root has its own reader
+                hint = "a version-2 root: open it with loongforge.shared.dataset_v2.open_v2 (or upgrade loongforge)"
             raise FormatVersionError(
                 f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
         known = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed",

@@ -25,6 +25,8 @@ def test_parse_size_rejects(text):
     ({"shard_size": 100}, "shard_size"),
     ({"zstd_level": 0}, "zstd_level"),
     ({"output": "in"}, "output must differ"),
+    ({"format_version": 3}, "format_version"),
+    ({"format_version": 2, "block_frames": 0}, "block_frames"),
 ])
 def test_config_rejects_with_field_name(kw, field):
     with pytest.raises(ConfigError, match=field):
@@ -39,3 +41,17 @@ def test_config_is_frozen_and_records_output_params():
     assert "workers" not in params and "input" not in params  # they never change the bytes written
     assert params["frames_per_sample"] == 4 and params["shard_size"] == 64 << 20
     assert cfg.num_workers == 3
+
+
+def test_format_version_flag_and_params():
+    import argparse
+
+    from loongforge.preprocess.config import add_job_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    v1 = config_from_args(parser.parse_args(["--input", "in", "--output", "out"]))
+    assert v1.format_version == 1 and "format_version" not in v1.output_params()  # v1 params keep their bytes
+    v2 = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--format-version", "2",
+                                             "--block-frames", "8"]))
+    assert v2.output_params()["format_version"] == 2 and v2.output_params()["block_frames"] == 8

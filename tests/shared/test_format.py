@@ -127,7 +127,8 @@ def test_format_md_stdlib_reader_works(synthetic_root):
     """The FORMAT.md snippet is what third parties copy: run it as written."""
     root, index = synthetic_root
     text = (Path(fmt.__file__).parent / "FORMAT.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1).replace('root = "out"', f"root = {root!r}")
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if '["format_version"] == 1' in b)
+    code = code.replace('root = "out"', f"root = {root!r}")
     ns: dict = {}
     exec(code, ns)
     assert ns["nv12"].shape == (index.dataset.frames_per_sample, 24, 16)

@@ -26,7 +26,8 @@ def test_locate_covers_every_sample(synthetic_root):
         index.locate(index.num_samples)
 
 
-@pytest.mark.parametrize("version, hint", [(2, "upgrade loongforge"), (0, "re-run `loongforge preprocess`")])
+@pytest.mark.parametrize("version, hint", [(3, "upgrade loongforge"), (2, "open_v2"),
+                                           (0, "re-run `loongforge preprocess`")])
 def test_unknown_index_version_rejected_with_hint(synthetic_root, version, hint):
     root, _ = synthetic_root
     doc = json.load(open(os.path.join(root, "index.json")))

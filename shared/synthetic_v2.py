@@ -1,0 +1,62 @@
+"""Small valid format-2 roots made without video or Beam (tests, loader benchmarks).
+
+Frames are smooth, moving gradients (compressible like video, unlike noise)
+with the frame number written into the first luma byte, so a loader test can
+check which frame it got. The preprocess job (real mp4 -> shards) is the
+production writer; this is not it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loongforge.shared.index import CameraInfo, DatasetInfo
+from loongforge.shared.writer_v2 import RootWriterV2
+
+
+def synthetic_episode(episode: int, frames: int, height: int, width: int, cameras: tuple[str, ...],
+                      state_dim: int, action_dim: int, seed: int = 0) -> tuple[dict, dict]:
+    """({slot: uint8 (T, 3h/2, w)}, arrays) of one deterministic episode."""
+    rng = np.random.default_rng((seed, episode))
+    t = np.arange(frames)[:, None, None]
+    yy, xx = np.mgrid[0 : height * 3 // 2, 0:width]
+    out = {}
+    for c, cam in enumerate(cameras):
+        img = ((xx[None] * 3 + yy[None] * 2 + t * (5 + c) + episode * 11) % 220 + 16).astype(np.uint8)
+        img[:, 0, 0] = np.arange(frames) % 256  # frame tag
+        out[cam] = img
+    state = rng.standard_normal((frames, state_dim)).astype(np.float32)
+    arrays = {"state": state, "action": np.roll(state[:, :action_dim], -1, axis=0),
+              "timestamp": np.arange(frames) / 20.0, "frame_index": np.arange(frames, dtype=np.int64),
+              "task_index": np.full(frames, episode % 2, np.int64)}
+    return out, arrays
+
+
+def synthetic_dataset_info(height: int, width: int, cameras: tuple[str, ...], state_dim: int,
+                           action_dim: int) -> DatasetInfo:
+    return DatasetInfo(
+        fps=20.0, height=height, width=width,
+        cameras=tuple(CameraInfo(key=f"observation.images.{c}", slot=c, source_height=height, source_width=width,
+                                 codec="synthetic") for c in cameras),
+        state_dim=state_dim, action_dim=action_dim, action_horizon=4, frames_per_sample=1,
+        stats={"state": {"mean": [0.0] * state_dim, "std": [1.0] * state_dim},
+               "action": {"mean": [0.0] * action_dim, "std": [1.0] * action_dim}},
+        source={"uri": "synthetic"}, tasks={"0": "pick up the red cube", "1": "open the drawer"})
+
+
+def make_synthetic_v2_root(root: str, *, lengths: tuple[int, ...] = (23, 9, 40, 17), episode_ids=None,
+                           height: int = 16, width: int = 16, cameras: tuple[str, ...] = ("front", "wrist"),
+                           state_dim: int = 6, action_dim: int = 4, block_size: int = 4, shard_size: int = 1 << 16,
+                           val_episodes=(), seed: int = 0) -> dict[int, tuple[dict, dict]]:
+    """Write a v2 root; returns {episode id: (frames, arrays)} as written (the expected values)."""
+    ids = list(episode_ids) if episode_ids is not None else list(range(len(lengths)))
+    info = synthetic_dataset_info(height, width, cameras, state_dim, action_dim)
+    written = {}
+    w = RootWriterV2(root, info, block_size=block_size, shard_size=shard_size, params={"synthetic": True},
+                     created_by="loongforge.synthetic_v2")
+    for ep, n in zip(ids, lengths):
+        frames, arrays = synthetic_episode(ep, n, height, width, cameras, state_dim, action_dim, seed)
+        w.add_episode(ep, frames, arrays)
+        written[ep] = (frames, arrays)
+    w.close(val_episodes=val_episodes)
+    return written

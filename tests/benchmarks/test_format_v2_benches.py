@@ -1,0 +1,38 @@
+"""The format-2 benchmark commands run end to end at tiny sizes and write their
+JSON (figures themselves are not asserted: they come from the full runs)."""
+
+from __future__ import annotations
+
+import json
+
+from loongforge.benchmarks import index_scale, storage_v2
+
+
+def test_index_scale_runs_and_builds_a_valid_v2_index(tmp_path, capsys):
+    assert index_scale.main(["--v2-samples", "20000", "--v1-samples", "5000", "--lookups", "500",
+                             "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| v2 mmap tables | 20,000 |" in out and "(extrapolated)" in out
+    doc = json.loads(next(tmp_path.glob("index-scale-*.json")).read_text())
+    assert [r["samples"] for r in doc["rows"]] == [5000, 20000, 20000]
+    assert doc["built"]["v2"]["episodes"] > 10 and doc["raw"]["v2"]["locate_us"] > 0
+
+
+def test_index_scale_synthetic_tables_locate_like_brute_force(tmp_path):
+    from loongforge.shared.dataset_v2 import open_v2
+
+    index_scale.build_v2_index(str(tmp_path), 5000, 16)
+    ds = open_v2(str(tmp_path))
+    starts = [int(x) for x in ds.episode_starts]
+    for n in (0, 1, 299, 300, 4999, 2500):
+        e, t = ds.locate(n)
+        assert starts[e] <= n < starts[e + 1] and t == n - starts[e]
+
+
+def test_storage_v2_runs(tmp_path, capsys):
+    assert storage_v2.main(["--episodes", "1", "--frames", "20", "24", "--blocks", "4,8", "--repeats", "1",
+                            "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("storage-v2-*.json")).read_text())
+    assert [r["format"] for r in doc["rows"]] == ["v1 K=1 stride 1", "v2 B=4", "v2 B=8"]
+    assert all(r["over_mp4"] > 0 and r["frames"] > 0 for r in doc["rows"])
+    assert "| source mp4" in capsys.readouterr().out
