@@ -111,7 +111,7 @@ def conversion_row(ctx: Context) -> Row:
 def output_passes_only(nv12, matrix: str, color_range: str, *, mean: float, std: float):
     """What no torch-op design of the conversion avoids, and nothing else: the float output written
     once and then clamped, rounded and normalized in place (4 passes over 12 bytes per pixel), in the
-    same chunks as `nv12_to_input`. Its rate bounds the conversion's: the chroma and luma work
+    same slices as `nv12_to_input`'s output passes. Its rate bounds the conversion's: the chroma and luma work
     (~1.5 bytes per pixel in) is what the fused form adds on top."""
     import torch
 
@@ -122,7 +122,7 @@ def output_passes_only(nv12, matrix: str, color_range: str, *, mean: float, std:
     n = nv12[..., 0, 0].numel()
     out = torch.empty(n, 3, h, w)
     shift = torch.tensor(-mean / std)
-    step = max(1, min(n, colorspace.CHUNK_PX // (h * w)))
+    step = max(1, min(n, colorspace.OUT_PX // (h * w)))
     for s in range(0, n, step):
         o = out[s:s + step]
         o.fill_(100.25)

@@ -27,9 +27,13 @@ import torch
 from loongforge.shared.color import coefficients
 from loongforge.shared.errors import FormatError
 
-# Pixels per CPU chunk (4 frames of 256x256): large enough that the 14 ops' dispatch is amortized, small
-# enough that the chunk's float planes (~27 B/pixel with scratch) mostly stay in cache.
+# Pixels per CPU chunk (4 frames of 256x256): the chroma and luma ops' dispatch is amortized over the chunk.
 CHUNK_PX = 1 << 18
+# Pixels per output pass on CPU (1 frame of 256x256): the 4 passes over the 12 B/pixel float output
+# run on a slice that stays in a 2 MiB L2 between passes (a whole chunk would go to L3 each pass).
+# Measured interleaved at load ~20 on 2 cores: 1.68x the reference with these two, 1.54x with the
+# output passes over the whole chunk, 1.45x with 2-frame chunks, 1.59x with 8.
+OUT_PX = 1 << 16
 
 
 def _rgb_planar(nv12: torch.Tensor, matrix: str, color_range: str) -> torch.Tensor:
@@ -64,9 +68,9 @@ def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: fl
 
     Fused form of `nv12_to_input_reference`, within 1 LSB of it (exactly equal
     on all but ~1e-6 of (Y, Cb, Cr) triples, those within float rounding of a
-    .5 tie; tests/train/test_colorspace.py checks all 2^24). Per chunk, 14 ops
-    whatever the chunk size (on CPU each op costs ~5-20 us of dispatch here,
-    as much as its arithmetic on one frame):
+    .5 tie; tests/train/test_colorspace.py checks all 2^24). Per chunk of
+    CHUNK_PX pixels, 10 ops, then 4 per OUT_PX slice of the output (on CPU each
+    op costs ~5-20 us of dispatch here, as much as its arithmetic on a frame):
     - chroma is split and duplicated horizontally in the integer domain: an
       int32 view of the interleaved CbCr row holds Cb0 Cr0 Cb1 Cr1, and
       (q & 0x00FF00FF) * 257 is Cb0 Cb0 Cb1 Cb1 as bytes (Cr: shift by 8 first),
@@ -74,8 +78,9 @@ def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: fl
     - the Y offset and the chroma scale/offset fold into one term per channel
       (k + a*C), written for the three channels into one buffer, and a single
       broadcast add writes the whole chunk: t (3, h/2, 1, w) + ys*Y (1, h/2, 2, w);
-    - clamp + round + normalize run once over the three planes (the floor of
-      this design: 4 full-resolution float passes, see benchmarks/README.md).
+    - that add, clamp + round and normalize run over one L2-sized slice of the
+      output at a time (the floor of this design: 4 full-resolution float
+      passes, see benchmarks/README.md).
     Scratch buffers are allocated once per call and reused by every chunk.
     """
     rows, w = nv12.shape[-2:]
@@ -128,9 +133,14 @@ def _convert_chunk(f: torch.Tensor, o: torch.Tensor, h: int, k: dict, ws: _Scrat
     torch.add(k["kb"], cb, alpha=k["b_cb"], out=t[:, 2, :, 0])
     y = ws.luma
     y.copy_(f[:, :h, :].view(y.shape))
-    torch.add(t, y, alpha=k["ys"], out=o)  # (m, 3, h/2, 1, w) + ys * (m, 1, h/2, 2, w): every pixel of the chunk
-    o.clamp_(0.0, 255.0).round_()
-    torch.add(k["shift"], o, alpha=k["scale"], out=o)  # (x - 255*mean) / (255*std) in one pass
+    m = f.shape[0]
+    step = m if f.device.type != "cpu" else max(1, OUT_PX // (h * f.shape[-1]))
+    for j in range(0, m, step):
+        oj = o[j:j + step]
+        # (., 3, h/2, 1, w) + ys * (., 1, h/2, 2, w): every pixel of the slice, all three channels
+        torch.add(t[j:j + step], y[j:j + step], alpha=k["ys"], out=oj)
+        oj.clamp_(0.0, 255.0).round_()
+        torch.add(k["shift"], oj, alpha=k["scale"], out=oj)  # (x - 255*mean) / (255*std) in one pass
 
 
 @functools.lru_cache(maxsize=64)

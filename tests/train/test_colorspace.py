@@ -57,8 +57,10 @@ def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(matr
 
 
 def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes(monkeypatch):
-    # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) = 3 frames per chunk), bf16 output.
+    # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) = 3 frames per chunk), output passes
+    # over 2-frame slices of each (a partial one too), bf16 output.
     monkeypatch.setattr(colorspace, "CHUNK_PX", 3 * 64 * 64)
+    monkeypatch.setattr(colorspace, "OUT_PX", 2 * 64 * 64)
     nv12 = torch.from_numpy(np.random.default_rng(4).integers(0, 256, size=(5, 7, 96, 64), dtype=np.uint8))
     kw = dict(mean=0.45, std=0.22)
     for matrix, rng_ in (("bt601", "limited"), ("bt601", "full"), ("bt709", "limited"), ("bt709", "full")):
