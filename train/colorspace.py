@@ -91,7 +91,11 @@ def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: fl
         return nv12_to_input_reference(nv12, matrix, color_range, mean=mean, std=std, dtype=dtype)
     lead, h2 = nv12.shape[:-2], h // 2
     frames = nv12.reshape(-1, rows, w)
-    if frames.storage_offset() % 4:  # an int32 view needs 4-byte alignment (e.g. a slice of a byte buffer)
+    # The int32 view of the CbCr rows needs unit-stride rows and 4-byte alignment: a column-major
+    # array, or a slice of a byte buffer at an odd offset, is copied once first.
+    if not frames.is_contiguous():
+        frames = frames.contiguous()
+    elif frames.storage_offset() % 4:
         frames = frames.clone()
     n = frames.shape[0]
     out = torch.empty(n, 3, h2, 2, w, dtype=torch.float32, device=nv12.device)

@@ -85,6 +85,8 @@ def test_fused_conversion_handles_any_even_width_and_unaligned_views(width):
     got = nv12_to_input(nv12, "bt601", "limited", **kw).numpy()
     assert got.shape == (4, 3, 8, width)
     assert float(np.abs(got - want).max()) <= 1.0 + 1e-3
+    column_major = nv12.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, row stride 1
+    assert torch.equal(nv12_to_input(column_major, "bt601", "limited", **kw), torch.from_numpy(got))
 
 
 @pytest.mark.gpu
