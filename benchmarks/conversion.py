@@ -38,30 +38,37 @@ def _one_thread():
 
 
 def _batch_frames(ctx: Context):
+    ds = ctx.prep.index.dataset
+    return random_batches(ctx.cfg.batch_size * ds.frames_per_sample, ds.height, ds.width, len(ds.slots), ctx.cfg.seed)
+
+
+def random_batches(frames: int, height: int, width: int, batches: int = 1, seed: int = 0):
     import torch
 
-    ds = ctx.prep.index.dataset
-    b, k = ctx.cfg.batch_size, ds.frames_per_sample
-    gen = torch.Generator().manual_seed(ctx.cfg.seed)
-    return [torch.randint(0, 256, (b, k, ds.height * 3 // 2, ds.width), dtype=torch.uint8, generator=gen)
-            for _ in ds.slots]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (frames, height * 3 // 2, width), dtype=torch.uint8, generator=gen)
+            for _ in range(batches)]
 
 
 def measure(ctx: Context, batches: int = 15) -> dict[str, dict[str, Stat]]:
     """{"old"|"new": {"cpu": frames/CPU-s, "wall": frames/s}} over `batches` interleaved batches."""
+    ds = ctx.prep.index.dataset
+    return measure_frames(_batch_frames(ctx), ds.color_matrix, ds.color_range, batches)
+
+
+def measure_frames(frames: list, matrix: str, color_range: str, batches: int = 15, fns: dict | None = None):
+    """The same, on given NV12 batches; `fns` maps a name to a conversion (default old/new)."""
     from loongforge.train.colorspace import nv12_to_input, nv12_to_input_reference
 
-    ds = ctx.prep.index.dataset
-    frames = _batch_frames(ctx)
-    n_frames = sum(f.shape[0] * f.shape[1] for f in frames)
-    fns = {"old": nv12_to_input_reference, "new": nv12_to_input}
+    n_frames = sum(f[..., 0, 0].numel() for f in frames)
+    fns = fns or {"old": nv12_to_input_reference, "new": nv12_to_input}
     got = {name: {"cpu": [], "wall": []} for name in fns}
     with _one_thread():
         for i in range(UNTIMED + batches):
             for name, fn in fns.items():
                 c0, t0 = time.process_time(), time.perf_counter()
                 for f in frames:
-                    fn(f, ds.color_matrix, ds.color_range, mean=0.5, std=0.25)
+                    fn(f, matrix, color_range, mean=0.5, std=0.25)
                 c1, t1 = time.process_time(), time.perf_counter()
                 if i >= UNTIMED:
                     got[name]["cpu"].append(n_frames / max(c1 - c0, 1e-9))
@@ -99,3 +106,58 @@ def conversion_row(ctx: Context) -> Row:
             f"{ratio(m['new']['wall'], m['old']['wall']).median:.2f}x); the float RGB rows of P1 carry this cost "
             "on CPU, the NV12 rows do not")
     return row
+
+
+def output_passes_only(nv12, matrix: str, color_range: str, *, mean: float, std: float):
+    """What no torch-op design of the conversion avoids, and nothing else: the float output written
+    once and then clamped, rounded and normalized in place (4 passes over 12 bytes per pixel), in the
+    same slices as `nv12_to_input`'s output passes. Its rate bounds the conversion's: the chroma and luma work
+    (~1.5 bytes per pixel in) is what the fused form adds on top."""
+    import torch
+
+    from loongforge.train import colorspace
+
+    rows, w = nv12.shape[-2:]
+    h = rows * 2 // 3
+    n = nv12[..., 0, 0].numel()
+    out = torch.empty(n, 3, h, w)
+    shift = torch.tensor(-mean / std)
+    step = max(1, min(n, colorspace.OUT_PX // (h * w)))
+    for s in range(0, n, step):
+        o = out[s:s + step]
+        o.fill_(100.25)
+        o.clamp_(0.0, 255.0).round_()
+        torch.add(shift, o, alpha=1.0 / (255.0 * std), out=o)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The row alone, without preparing a dataset (what benchmarks/README.md quotes):
+    python -m loongforge.benchmarks.conversion --size 256 --frames 32 --batches 15"""
+    import argparse
+    import os
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--size", type=int, default=256, help="frame height and width")
+    p.add_argument("--frames", type=int, default=32, help="frames per batch (bench: batch 8 x K 4)")
+    p.add_argument("--batches", type=int, default=15, help="timed rounds, old and new interleaved")
+    p.add_argument("--matrix", default="bt601")
+    p.add_argument("--range", dest="color_range", default="limited")
+    a = p.parse_args(argv)
+    from loongforge.train.colorspace import nv12_to_input, nv12_to_input_reference
+
+    fns = {"old": nv12_to_input_reference, "new": nv12_to_input, "floor": output_passes_only}
+    m = measure_frames(random_batches(a.frames, a.size, a.size), a.matrix, a.color_range, a.batches, fns)
+    old, new = m["old"]["cpu"], m["new"]["cpu"]
+    print(f"{a.size}x{a.size}, {a.frames} frames/batch, {a.batches} rounds, 1 intra-op thread, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for name in m:
+        print(f"  {name}: {m[name]['cpu'].median:,.0f} frames/CPU-s, {m[name]['wall'].median:,.0f} frames/s wall")
+    print(f"  new / old: {ratio(new, old).median:.2f}x per CPU-second "
+          f"(goal >= {CONVERSION_GOAL:.0f}x), {ratio(m['new']['wall'], m['old']['wall']).median:.2f}x wall")
+    print(f"  floor / old: {ratio(m['floor']['cpu'], old).median:.2f}x: the output passes alone, the most any "
+          "design with separate torch ops can reach")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,10 @@
 1. every CUDA-only test: `pytest -m gpu tests` (the marker, not a list, so new GPU tests join);
 2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
    `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...);
-3. writes OUT/gpu-check-<date>.json (tests, both breakdowns, the GPU, torch, CUDA) and
-   OUT/gpu-check-<date>.txt (the two profile tables). Exit 0 only if every part passed.
+3. the `tiny` run again with --cuda-graphs (train/graphs.py): GPU idle inside the step (no kernel
+   on any stream, data wait excluded: the trace's launch overhead) before/after, in `launch_overhead`;
+4. writes OUT/gpu-check-<date>.json (tests, every breakdown, the GPU, torch, CUDA) and
+   OUT/gpu-check-<date>.txt (the profile tables). Exit 0 only if every part passed.
 """
 
 from __future__ import annotations
@@ -64,13 +66,15 @@ def gpu_tests(out_dir: str, timeout: float) -> dict:
     return res
 
 
-def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda") -> dict:
-    run_dir = os.path.join(work, recipe)
-    a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up, 3 traced steps
+def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
+              extra: tuple[str, ...] = ()) -> dict:
+    label = recipe + "".join(extra).replace("--", "+")
+    run_dir = os.path.join(work, label)
+    a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up (and graph recording), 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
                             "--recipe", recipe, "--steps", str(steps), "--batch-size", "16", "--workers", "2",
-                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown"], timeout)
-    res = {"recipe": recipe, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
+                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown", *extra], timeout)
+    res = {"recipe": label, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
     pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], 120)
@@ -93,6 +97,31 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
         problems.append("the profile has no GPU trace (no kernels recorded)")
     return {**res, "ok": not problems, "problems": problems, "optimizer": optimizer, "timers": timers,
             "breakdown": breakdown, "table": table if tcode == 0 else None}
+
+
+def idle_per_step(run: dict) -> dict | None:
+    """Mean seconds per traced step of a run's GPU trace: step, GPU idle (no kernel on any stream),
+    and its launch-overhead part (idle while the host is not waiting on data)."""
+    traces = [t for t in ((run.get("breakdown") or {}).get("traces") or []) if t["kind"] == "gpu"]
+    if not traces:
+        return None
+    t = traces[0]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"step_s": mean(t["step_s"]), "gpu_idle_s": mean(t["gpu_idle_s"]),
+            "launch_overhead_s": mean(t["launch_overhead_s"])}
+
+
+def launch_overhead(eager: dict, graphed: dict) -> dict:
+    """Before/after --cuda-graphs on the same recipe and data: the seed's "kernel launch and
+    scheduling" slice, measured as GPU idle inside the step that is not data wait."""
+    before, after = idle_per_step(eager), idle_per_step(graphed)
+    res = {"eager": before, "cuda_graphs": after, "ok": before is not None and after is not None}
+    if res["ok"]:
+        for k in ("launch_overhead_s", "step_s"):
+            res[f"{k}_ratio"] = after[k] / before[k] if before[k] else None
+        res["launch_overhead_share"] = {"eager": before["launch_overhead_s"] / before["step_s"],
+                                        "cuda_graphs": after["launch_overhead_s"] / after["step_s"]}
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         make_synthetic_root(data, shards=4, samples_per_shard=64, frames=2, height=96, width=96)
         for recipe in RECIPES:
             report["runs"].append(train_run(recipe, data, work, a.steps, 150))
+        graphed = train_run("tiny", data, work, a.steps, 150, extra=("--cuda-graphs",))
+        report["runs"].append(graphed)
+        report["launch_overhead"] = launch_overhead(report["runs"][0], graphed)
     report["seconds"] = round(time.monotonic() - t0, 1)
-    report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"])
+    report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"]) and report["launch_overhead"]["ok"]
     base = os.path.join(a.out, f"gpu-check-{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
@@ -128,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in report["runs"]:
         print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s {r.get('problems') or ''}")
         print(r.get("table") or r.get("log_tail", ""))
+    lo = report["launch_overhead"]
+    if lo["ok"]:
+        print("launch overhead (GPU idle in the step, not data wait), tiny, ms/step: eager "
+              f"{lo['eager']['launch_overhead_s'] * 1e3:.2f} of {lo['eager']['step_s'] * 1e3:.2f}, --cuda-graphs "
+              f"{lo['cuda_graphs']['launch_overhead_s'] * 1e3:.2f} of {lo['cuda_graphs']['step_s'] * 1e3:.2f}")
     t = report["tests"]
     counts = {k: t.get(k) for k in ("tests", "failures", "errors", "skipped")}
     print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps(counts)}")

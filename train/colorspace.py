@@ -11,7 +11,8 @@ The coefficients come from the index (matrix and range), never assumed.
 Chroma is widened along rows to half resolution (w/2 -> w) and broadcast over
 the two luma rows of each pair, so every broadcast runs along whole contiguous
 rows. (Broadcasting quarter-resolution chroma over 2x2 blocks directly is
-1.7-2.1x slower on CPU: its innermost dimension is 2, which does not vectorize.)
+1.7-2.1x slower on CPU: its innermost dimension is 2, which does not vectorize;
+so is a strided uint8 -> float copy of the interleaved CbCr plane.)
 """
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ import torch
 from loongforge.shared.color import coefficients
 from loongforge.shared.errors import FormatError
 
-# Pixels per CPU chunk: a chunk's float planes (~20 B/pixel with temporaries) stay in a 2-4 MiB L2.
-CHUNK_PX = 1 << 17
+# Pixels per CPU chunk (4 frames of 256x256): the chroma and luma ops' dispatch is amortized over the chunk.
+CHUNK_PX = 1 << 18
+# Pixels per output pass on CPU (1 frame of 256x256): the 4 passes over the 12 B/pixel float output
+# run on a slice that stays in a 2 MiB L2 between passes (a whole chunk would go to L3 each pass).
+# Measured interleaved at load ~20 on 2 cores: 1.68x the reference with these two, 1.54x with the
+# output passes over the whole chunk, 1.45x with 2-frame chunks, 1.59x with 8.
+OUT_PX = 1 << 16
 
 
 def _rgb_planar(nv12: torch.Tensor, matrix: str, color_range: str) -> torch.Tensor:
@@ -62,49 +68,83 @@ def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: fl
 
     Fused form of `nv12_to_input_reference`, within 1 LSB of it (exactly equal
     on all but ~1e-6 of (Y, Cb, Cr) triples, those within float rounding of a
-    .5 tie; tests/train/test_colorspace.py checks all 2^24). Per chunk:
-    - chroma is duplicated horizontally in the integer domain: an int16 view of
-      the interleaved CbCr row holds Cb | Cr<<8, and (x & 0xFF) * 257 written
-      back as bytes is Cb Cb (resp. Cr Cr), 5 cheap int16 ops instead of
-      repeat_interleave on floats (~6x slower per element);
+    .5 tie; tests/train/test_colorspace.py checks all 2^24). Per chunk of
+    CHUNK_PX pixels, 10 ops, then 4 per OUT_PX slice of the output (on CPU each
+    op costs ~5-20 us of dispatch here, as much as its arithmetic on a frame):
+    - chroma is split and duplicated horizontally in the integer domain: an
+      int32 view of the interleaved CbCr row holds Cb0 Cr0 Cb1 Cr1, and
+      (q & 0x00FF00FF) * 257 is Cb0 Cb0 Cb1 Cb1 as bytes (Cr: shift by 8 first),
+      4 cheap ops on quarter-resolution words, then one uint8 -> float copy;
     - the Y offset and the chroma scale/offset fold into one term per channel
-      (k + a*C), added to ys*Y broadcast over each pair of luma rows;
-    - clamp + round + normalize run once over the three planes.
-    On CPU frames are processed in chunks of ~CHUNK_PX pixels, so every
-    intermediate stays in L2 instead of making ~15 passes over a batch-sized
-    buffer in DRAM (the reference's main cost).
+      (k + a*C), written for the three channels into one buffer, and a single
+      broadcast add writes the whole chunk: t (3, h/2, 1, w) + ys*Y (1, h/2, 2, w);
+    - that add, clamp + round and normalize run over one L2-sized slice of the
+      output at a time (the floor of this design: 4 full-resolution float
+      passes, see benchmarks/README.md).
+    Scratch buffers are allocated once per call and reused by every chunk.
     """
     rows, w = nv12.shape[-2:]
     h = rows * 2 // 3
     if rows * 2 % 3 or h % 2 or w % 2:
         raise FormatError(f"not an NV12 frame shape: {tuple(nv12.shape)}")
-    if sys.byteorder != "little" or nv12.dtype != torch.uint8:
+    if sys.byteorder != "little" or nv12.dtype != torch.uint8 or w % 4:
         return nv12_to_input_reference(nv12, matrix, color_range, mean=mean, std=std, dtype=dtype)
     lead, h2 = nv12.shape[:-2], h // 2
     frames = nv12.reshape(-1, rows, w)
+    # The int32 view of the CbCr rows needs unit-stride rows and 4-byte alignment: a column-major
+    # array, or a slice of a byte buffer at an odd offset, is copied once first.
+    if not frames.is_contiguous():
+        frames = frames.contiguous()
+    elif frames.storage_offset() % 4:
+        frames = frames.clone()
     n = frames.shape[0]
     out = torch.empty(n, 3, h2, 2, w, dtype=torch.float32, device=nv12.device)
     k = _folded(matrix, color_range, mean, std)
-    step = n if nv12.device.type != "cpu" else max(1, CHUNK_PX // (h * w))
+    step = n if nv12.device.type != "cpu" else max(1, min(n, CHUNK_PX // (h * w)))
+    ws = _Scratch(step, h2, w, nv12.device)
     for s in range(0, n, step):
-        _convert_chunk(frames[s:s + step], out[s:s + step], h, k)
+        m = min(step, n - s)
+        _convert_chunk(frames[s:s + m], out[s:s + m], h, k, ws if m == step else _Scratch(m, h2, w, nv12.device))
     out = out.view(*lead, 3, h, w)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _convert_chunk(f: torch.Tensor, o: torch.Tensor, h: int, k: dict) -> None:
-    m, w = f.shape[0], f.shape[-1]
-    p = f[:, h:, :].view(torch.int16)  # (m, h/2, w/2): Cb | Cr << 8 (little-endian)
-    cb = (p & 0xFF).mul_(257).view(torch.uint8).float().unsqueeze_(2)  # (m, h/2, 1, w): Cb Cb ...
-    cr = (p >> 8).bitwise_and_(0xFF).mul_(257).view(torch.uint8).float().unsqueeze_(2)
-    y = f[:, :h, :].float().view(m, h // 2, 2, w)
-    ys = k["ys"]
-    torch.add(torch.add(k["kr"], cr, alpha=k["r_cr"]), y, alpha=ys, out=o[:, 0])
-    g = torch.add(k["kg"], cb, alpha=k["g_cb"]).add_(cr, alpha=k["g_cr"])
-    torch.add(g, y, alpha=ys, out=o[:, 1])
-    torch.add(torch.add(k["kb"], cb, alpha=k["b_cb"]), y, alpha=ys, out=o[:, 2])
-    o.clamp_(0.0, 255.0).round_()
-    torch.add(k["shift"], o, alpha=k["scale"], out=o)  # (x - 255*mean) / (255*std) in one pass
+class _Scratch:
+    """One chunk's intermediates: packed chroma words, chroma floats, channel terms, Y floats."""
+
+    def __init__(self, m: int, h2: int, w: int, device: torch.device):
+        self.words = torch.empty(m, 2, h2, w // 4, dtype=torch.int32, device=device)
+        self.chroma = torch.empty(m, 2, h2, w, dtype=torch.float32, device=device)
+        self.terms = torch.empty(m, 3, h2, 1, w, dtype=torch.float32, device=device)
+        self.luma = torch.empty(m, 1, h2, 2, w, dtype=torch.float32, device=device)
+
+
+_LOW_BYTES = 0x00FF00FF  # bytes 0 and 2 of a little-endian int32: Cb0, Cb1 (after >> 8: Cr0, Cr1)
+
+
+def _convert_chunk(f: torch.Tensor, o: torch.Tensor, h: int, k: dict, ws: _Scratch) -> None:
+    q = f[:, h:, :].view(torch.int32)  # (m, h/2, w/4): bytes Cb0 Cr0 Cb1 Cr1 (little-endian)
+    words = ws.words
+    torch.bitwise_and(q, _LOW_BYTES, out=words[:, 0])
+    # Arithmetic shift: Cr1's sign bits land in byte 3, which the mask clears.
+    torch.bitwise_right_shift(q, 8, out=words[:, 1]).bitwise_and_(_LOW_BYTES)
+    words.mul_(257)  # 0x00BB00AA * 257 = bytes AA AA BB BB: each chroma sample twice, no overflow
+    c = ws.chroma
+    c.copy_(words.view(torch.uint8).view(c.shape))
+    cb, cr, t = c[:, 0], c[:, 1], ws.terms
+    torch.add(k["kr"], cr, alpha=k["r_cr"], out=t[:, 0, :, 0])
+    torch.add(k["kg"], cb, alpha=k["g_cb"], out=t[:, 1, :, 0]).add_(cr, alpha=k["g_cr"])
+    torch.add(k["kb"], cb, alpha=k["b_cb"], out=t[:, 2, :, 0])
+    y = ws.luma
+    y.copy_(f[:, :h, :].view(y.shape))
+    m = f.shape[0]
+    step = m if f.device.type != "cpu" else max(1, OUT_PX // (h * f.shape[-1]))
+    for j in range(0, m, step):
+        oj = o[j:j + step]
+        # (., 3, h/2, 1, w) + ys * (., 1, h/2, 2, w): every pixel of the slice, all three channels
+        torch.add(t[j:j + step], y[j:j + step], alpha=k["ys"], out=oj)
+        oj.clamp_(0.0, 255.0).round_()
+        torch.add(k["shift"], oj, alpha=k["scale"], out=oj)  # (x - 255*mean) / (255*std) in one pass
 
 
 @functools.lru_cache(maxsize=64)

@@ -160,6 +160,7 @@ class MemoryConfig:
     fp8_recipe: str = "tensorwise"  # torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp
     fp8_min_features: int = 256  # GEMMs with a smaller in/out dim stay in high precision
     fuse: str = "auto"  # torch.compile of block forwards (fusion.py): auto = CUDA with ZeRO < 3 | on | off
+    cuda_graphs: bool = False  # CUDA graph trees over the block forwards (graphs.py); CUDA, ZeRO < 3, no AC
 
     def __post_init__(self):
         _need(self.ac_every >= 0, "memory.ac_every", "must be >= 0 (0 = off); see `loongforge tune ac`")
@@ -169,6 +170,9 @@ class MemoryConfig:
               "use tensorwise, rowwise or rowwise_with_gw_hp")
         _need(self.fp8_min_features >= 16, "memory.fp8_min_features", "must be >= 16")
         _need(self.fuse in ("auto", "on", "off"), "memory.fuse", "use auto, on or off")
+        _need(not (self.cuda_graphs and self.ac_every), "memory.cuda_graphs",
+              "--cuda-graphs does not compose with --ac-every (the recompute re-runs the graphed forward inside "
+              "the backward); use --ac-every 0 or drop --cuda-graphs")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

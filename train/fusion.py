@@ -36,8 +36,10 @@ def fusion_wanted(mode: str, device: torch.device, zero_stage: int) -> bool:
     return device.type == "cuda" and zero_stage < 3
 
 
-def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool = False) -> list[str]:
+def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool = False,
+                 mode: str | None = None) -> list[str]:
     """Compile the forward of every block of every block list; returns their paths.
+    mode="reduce-overhead": CUDA graphs as well (graphs.py, --cuda-graphs).
 
     dynamic=False: the loader's length buckets keep the shapes to a small fixed set, so each
     bucket compiles once (torch._dynamo's recompile limit is far above the bucket count)."""
@@ -48,7 +50,7 @@ def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool =
                 continue
             eager = blk.forward
             blk.__dict__[_EAGER] = eager
-            blk.__dict__["forward"] = torch.compile(eager, backend=backend, dynamic=dynamic)
+            blk.__dict__["forward"] = torch.compile(eager, backend=backend, dynamic=dynamic, mode=mode)
             done.append(f"{path}.{i}")
     return done
 

@@ -87,6 +87,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-min-features", type=int, default=256, help="GEMMs with a smaller dim stay BF16")
     p.add_argument("--fuse", default="auto", choices=("auto", "on", "off"), help="torch.compile of the "
                    "transformer blocks (fused norm/residual/dropout); auto = on CUDA with ZeRO < 3")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs over the transformer blocks "
+                   "(torch.compile reduce-overhead; --fuse off: graphs without inductor fusion); CUDA, ZeRO < 3, "
+                   "no --ac-every, no --tp; refused on CPU")
     p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
                    "micro-batch x ranks x --grad-accum (overrides --batch-size)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -111,7 +114,8 @@ def config_from_args(a: argparse.Namespace):
                                 compress_ratio=getattr(a, "compress_ratio", 3.0)),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
-                            fp8_min_features=a.fp8_min_features, fuse=a.fuse),
+                            fp8_min_features=a.fp8_min_features, fuse=a.fuse,
+                            cuda_graphs=getattr(a, "cuda_graphs", False)),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
                       eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,

@@ -21,12 +21,20 @@ log = logging.getLogger(__name__)
 
 
 class MemoryPolicies:
-    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=()):
+    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=(), graphed=False):
         self.checkpointed, self.fp8_linears, self.warmup, self.fused = checkpointed, fp8_linears, warmup, list(fused)
+        self.graphed = graphed
 
     def on_step(self, step: int) -> None:
         if self.warmup is not None:
             self.warmup.on_step(step)
+
+    def before_forward(self) -> None:
+        """Top of every micro-step (--cuda-graphs: a new CUDA graph tree iteration)."""
+        if self.graphed:
+            from loongforge.train.graphs import mark_step_begin
+
+            mark_step_begin()
 
 
 def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.device) -> MemoryPolicies:
@@ -43,11 +51,18 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
         log.info("fp8 (%s): %d linears converted, warm-up %d steps (%s)", m.fp8_recipe, len(fp8),
                  m.fp8_warmup_steps, m.fp8_warmup_mode)
     fused = []
-    if fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
+    if m.cuda_graphs:
+        from loongforge.train import graphs
+
+        graphs.check(device=device, zero_stage=cfg.parallel.zero_stage, ac_every=m.ac_every, tp=cfg.parallel.tp)
+        fused = apply_fusion(model, **graphs.compile_options(m.fuse))
+        graphs.own_grads(model)
+        log.info("cuda graphs: torch.compile(%s) of %d block forwards", graphs.compile_options(m.fuse), len(fused))
+    elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
         fused = apply_fusion(model)  # before AC: the checkpoint wraps the compiled forward
         log.info("fusion: torch.compile of %d block forwards", len(fused))
     ckpt = apply_ac(model, m.ac_every)
     if m.ac_every:
         log.info("activation checkpointing every %d blocks: %d blocks (%s)", m.ac_every, len(ckpt),
                  ", ".join(ckpt[:4]) + (" ..." if len(ckpt) > 4 else ""))
-    return MemoryPolicies(ckpt, fp8, warmup, fused)
+    return MemoryPolicies(ckpt, fp8, warmup, fused, graphed=m.cuda_graphs)

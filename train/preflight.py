@@ -61,4 +61,9 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
 
     model_cfg = model_config(cfg, index)
     check_layout(cfg, world, model_cfg)  # heads and MLP width split by tp
+    if cfg.memory.cuda_graphs:
+        from loongforge.train import graphs
+
+        graphs.check(device=engine.pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,
+                     ac_every=cfg.memory.ac_every, tp=cfg.parallel.tp)
     return Checked(index=index, model_cfg=model_cfg, world=world, ds_config=conf)

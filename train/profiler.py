@@ -66,7 +66,7 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.acc: dict[str, float] = {}
         self.t0 = 0.0
-        self.synced = False
+        self.synced = self.traced = False
         self._events: dict | None = None
 
     def _event(self):
@@ -75,6 +75,7 @@ class StepTimer:
         return ev
 
     def begin(self, sync: bool = False) -> None:
+        self.traced = sync  # inside a --profile-steps window (CPU too: the trace marks the data wait)
         self.synced = sync and self.cuda
         if self.synced:
             torch.cuda.synchronize()
@@ -89,7 +90,7 @@ class StepTimer:
         gpu = self.cuda and name in GPU_PHASES
         start = self._event() if gpu else None
         # In a trace window the data wait is marked, so the trace can tell GPU idle on data from launch overhead.
-        mark = torch.profiler.record_function(f"{MARK_PREFIX}{name}") if self.synced else nullcontext()
+        mark = torch.profiler.record_function(f"{MARK_PREFIX}{name}") if self.traced else nullcontext()
         t = time.perf_counter()
         try:
             with mark:
@@ -226,12 +227,15 @@ def _parse(path: str) -> dict:
     compute_k = [_iv(e) for e in kernels
                  if str(e.get("cat", "")).lower() == "kernel" and not COMM_KERNEL.search(e["name"])]
     comm_c = [_iv(e) for e in host if COMM_CPU.search(e["name"])]
+    # Host time inside some ATen operator (its dispatch included); the rest of a CPU step that is not
+    # data wait is the Python around the ops: module calls, hooks, DeepSpeed's glue, the loop.
+    ops = [_iv(e) for e in host if str(e.get("cat", "")).lower() == "cpu_op"]
     names = sorted({e["name"] for e in events if COMM_CPU.search(e["name"]) or
                     (e in kernels and COMM_KERNEL.search(e["name"]))})
     if not steps and events:
         steps = [(-1, min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events))]
     return {"path": path, "kind": "gpu" if kernels else "cpu", "steps": steps, "comm_k": comm_k,
-            "compute_k": compute_k, "comm_c": comm_c, "names": names,
+            "compute_k": compute_k, "comm_c": comm_c, "names": names, "ops": ops,
             "data": [_iv(e) for e in host if e["name"] == f"{MARK_PREFIX}data_wait"],
             "count": len(comm_k) + len(comm_c)}
 
@@ -276,11 +280,22 @@ def analyze_traces(paths: list[str]) -> list[dict]:
                            gpu_busy_s=sec["compute"] + sec["comm_exposed"] + (sec["peer_wait"] or 0.0),
                            gpu_idle_s=sec["data_wait"] + sec["launch_overhead"])
             else:
-                row["comm_s"] = timeline.length(timeline.clip(t["comm_c"], lo, hi)) / 1e6
+                row.update(_cpu_partition(t, lo, hi))
             rows.append(row)
         out.append({"path": t["path"], "kind": t["kind"], "steps": rows, "comm_events": t["names"],
                     "comm_event_count": t["count"]})
     return out
+
+
+def _cpu_partition(t: dict, lo: float, hi: float) -> dict:
+    """A CPU step's host time (seconds): in collectives, in other ATen ops, blocked on data, and the
+    rest, Python overhead (the interpreter between ops: module __call__, hooks, DeepSpeed glue)."""
+    comm = timeline.merge(timeline.clip(t["comm_c"], lo, hi))
+    ops = timeline.merge(timeline.clip(t["ops"], lo, hi) + comm)
+    data = timeline.subtract(timeline.clip(t["data"], lo, hi), ops)
+    python = timeline.subtract([(lo, hi)], ops + data)
+    return {"comm_s": timeline.length(comm) / 1e6, "ops_s": timeline.length(ops) / 1e6,
+            "host_data_wait_s": timeline.length(data) / 1e6, "python_overhead_s": timeline.length(python) / 1e6}
 
 
 def analyze_trace(path: str) -> dict:

@@ -102,11 +102,22 @@ def _segment(run_dir: str, rows: list[dict], traces: list[dict]) -> dict:
                     "comm_s_per_step": [s["comm_s"] for s in t["steps"]],
                     "step_s": [s["step_s"] for s in t["steps"]],
                     **({k: [s[k] for s in t["steps"]] for k in ("gpu_idle_s", "launch_overhead_s", "peer_wait_s",
-                                                                  "comm_overlapped_s")} if t["kind"] == "gpu" else {})}
+                                                                  "comm_overlapped_s")} if t["kind"] == "gpu" else
+                       {k: [s.get(k) for s in t["steps"]] for k in ("ops_s", "python_overhead_s")})}
                    for t in mine],
+        "python_overhead_share": _python_share(mine),
         "footnote": (gpu_note or FOOTNOTE.format(comm_src=comm_src)) + TAIL.format(
             first=use[0]["step"], last=use[-1]["step"], skip=skip, world=rows[0].get("world", 1)),
     }
+
+
+def _python_share(traces: list[dict]) -> float | None:
+    """CPU traces: the fraction of the traced steps the host spent in Python between ATen ops (not
+    blocked on data): the CPU's launch/dispatch overhead, which the host timers cannot separate from
+    compute (on CPU the host both dispatches and computes). None without CPU traces."""
+    steps = [s for t in traces if t["kind"] == "cpu" for s in t["steps"] if s.get("python_overhead_s") is not None]
+    total = sum(s["step_s"] for s in steps)
+    return sum(s["python_overhead_s"] for s in steps) / total if total else None
 
 
 def comm_by_group(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -171,6 +182,10 @@ def _format_segment(b: dict, several: bool) -> str:
         for g, r in sorted(b["comm_groups"].items()):
             lines.append(f"  {g:<7}{r['calls']:>7.1f}{r['wire_bytes'] / 1e6:>10.3f}"
                          f"{r['payload_bytes'] / 1e6:>12.3f}{r['seconds']:>9.4f}")
+    if b.get("python_overhead_share") is not None:
+        lines.append(f"CPU trace: Python overhead (host between ATen ops, not blocked on data) "
+                     f"{100 * b['python_overhead_share']:.1f}% of the traced steps; inside the phases above it is "
+                     "counted as compute, the table's launch/dispatch overhead is only what falls outside them")
     lines.append("")
     lines.append("* " + b["footnote"])
     return "\n".join(lines)

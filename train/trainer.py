@@ -177,6 +177,7 @@ class Trainer:
             ids.append(meta["sample_ids"])
             shape = batch["action"].shape
             noise, t = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], shape, self.device)
+            self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
                 out = e(batch, noise, t)
             with timer.phase("backward"):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from loongforge.shared import color
+from loongforge.train import colorspace
 from loongforge.train.colorspace import nv12_to_input, nv12_to_input_reference, nv12_to_rgb
 
 
@@ -55,8 +56,11 @@ def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(matr
     assert off / checked < 1e-4, f"{off} of {checked} channel values differ by 1 LSB"
 
 
-def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes():
-    # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) frames per chunk), bf16 output.
+def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes(monkeypatch):
+    # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) = 3 frames per chunk), output passes
+    # over 2-frame slices of each (a partial one too), bf16 output.
+    monkeypatch.setattr(colorspace, "CHUNK_PX", 3 * 64 * 64)
+    monkeypatch.setattr(colorspace, "OUT_PX", 2 * 64 * 64)
     nv12 = torch.from_numpy(np.random.default_rng(4).integers(0, 256, size=(5, 7, 96, 64), dtype=np.uint8))
     kw = dict(mean=0.45, std=0.22)
     for matrix, rng_ in (("bt601", "limited"), ("bt601", "full"), ("bt709", "limited"), ("bt709", "full")):
@@ -67,6 +71,22 @@ def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes():
     assert nv12_to_input(nv12, "bt601", "limited", dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
     with pytest.raises(Exception, match="NV12"):
         nv12_to_input(nv12[..., :95, :], "bt601", "limited", **kw)
+
+
+@pytest.mark.parametrize("width", [6, 8, 10])
+def test_fused_conversion_handles_any_even_width_and_unaligned_views(width):
+    # The chroma split reads the CbCr rows as int32 words: widths that are not a multiple of 4 and
+    # views that start at an odd byte (a frame sliced out of a byte buffer) must still convert.
+    rng = np.random.default_rng(width)
+    buf = torch.from_numpy(rng.integers(0, 256, size=1 + 4 * 12 * width, dtype=np.uint8))
+    nv12 = buf[1:].view(4, 12, width)  # storage offset 1
+    kw = dict(mean=0.0, std=1 / 255)
+    want = np.moveaxis(color.nv12_to_rgb(nv12.numpy(), "bt601", "limited"), -1, -3).astype(np.float32)
+    got = nv12_to_input(nv12, "bt601", "limited", **kw).numpy()
+    assert got.shape == (4, 3, 8, width)
+    assert float(np.abs(got - want).max()) <= 1.0 + 1e-3
+    column_major = nv12.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, row stride 1
+    assert torch.equal(nv12_to_input(column_major, "bt601", "limited", **kw), torch.from_numpy(got))
 
 
 @pytest.mark.gpu

@@ -81,6 +81,7 @@ def test_profile_cli_table_chart_and_gloo_trace(zero2_run):
     for phase in ("data wait", "communication", "launch/dispatch overhead", "compute", "% of step"):
         assert phase in out
     assert "gloo:all_reduce" in out  # parsed from the CPU chrome trace
+    assert "CPU trace: Python overhead (host between ATen ops" in out  # the CPU's dispatch share, measured
     assert os.path.getsize(os.path.join(run_dir, "profile.png")) > 5000
     proc = launch([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], cwd=run_dir,
                   timeout=120)
@@ -88,6 +89,7 @@ def test_profile_cli_table_chart_and_gloo_trace(zero2_run):
     b = json.loads(proc.stdout)
     assert abs(sum(b["percent"].values()) - 100.0) < 5.0  # the four parts account for the step
     assert b["table"]["communication"] > 0
+    assert 0.0 < b["python_overhead_share"] < 1.0
     trace = b["traces"][0]
     assert trace["kind"] == "cpu" and len(trace["comm_s_per_step"]) == 3 and all(c > 0 for c in trace["comm_s_per_step"])
 

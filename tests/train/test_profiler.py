@@ -89,3 +89,26 @@ def test_report_uses_nccl_trace_when_host_did_not_time_comm(tmp_path):
     assert "gpu" in report.format_table(b)
     (tmp_path / "traces" / "rank0.json").unlink()
     assert "NOT measured" in report.breakdown(str(tmp_path))["footnote"]
+
+
+def test_cpu_trace_separates_python_overhead_from_ops_and_data_wait(tmp_path):
+    """CPU: the host both dispatches and computes, so the Python between ATen ops is measured from
+    the trace: step 1000 us = data wait 100 (an op inside it counts as op) + ops 300 (nested ones once)
+    + collective 200 + Python 400."""
+    from loongforge.train import report
+
+    events = [_x("ProfilerStep#2", 0, 1000, "user_annotation"), _x("loongforge:data_wait", 0, 100, "user_annotation"),
+              _x("aten::copy_", 50, 30), _x("aten::addmm", 150, 270), _x("aten::mm", 200, 100),
+              _x("c10d::allreduce_", 500, 200), _x("gloo:all_reduce", 520, 150, "user_annotation")]
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    s = analyze_trace(str(tmp_path / "traces" / "rank0.json"))["steps"][0]
+    assert s["comm_s"] == pytest.approx(200e-6) and s["ops_s"] == pytest.approx(500e-6)
+    assert s["host_data_wait_s"] == pytest.approx(70e-6) and s["python_overhead_s"] == pytest.approx(430e-6)
+    rows = [{"v": 1, "step": i, "step_s": 0.001, "data_wait_s": 1e-4, "forward_s": 3e-4, "backward_s": 4e-4,
+             "optimizer_s": 1e-4, "comm_s": 2e-4, "compute_s": 6e-4, "overhead_s": 1e-4, "loss": 1.0,
+             "samples": 8, "world": 1} for i in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b = report.breakdown(str(tmp_path))
+    assert b["python_overhead_share"] == pytest.approx(0.43)
+    assert "Python overhead (host between ATen ops, not blocked on data) 43.0%" in report.format_table(b)
