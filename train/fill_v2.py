@@ -33,10 +33,7 @@ def open_dataset_v2(root: str, source=None):
 
 def dataset_info(ds):
     """The DatasetInfo (shared/index.py) of a v2 dataset: dims, cameras, stats, tasks."""
-    info = getattr(ds, "dataset", None)
-    if info is None:
-        info = ds.manifest["_dataset"]
-    return info
+    return ds.info
 
 
 @dataclass(frozen=True, slots=True)

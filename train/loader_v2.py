@@ -54,7 +54,7 @@ def root_format_version(root: str) -> int:
 
 def train_episodes(ds) -> np.ndarray | None:
     """Bool per episode (True = training) from the dataset's split; None when unsplit."""
-    flags = np.asarray([ds.split(e) != "val" for e in range(ds.num_episodes)], bool)
+    flags = ~np.asarray(ds.val_mask, bool)  # per episode row of the tables, memory-mapped ids
     return None if flags.all() else flags
 
 

@@ -1,70 +1,73 @@
-"""BlockLoader over a format-2 dataset (train/loader_v2.py)."""
+"""BlockLoader over real format-2 roots written by shared/writer_v2 (train/loader_v2.py)."""
 
 import numpy as np
 import pytest
 import torch
 
+from loongforge.shared.dataset_v2 import open_v2
 from loongforge.shared.errors import CheckpointError, DataWorkerError
+from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
 from loongforge.train.loader_v2 import BlockLoader
 from loongforge.train.samples_v2 import DeltaSpec
-from tests.train.fake_v2 import open_fake, write_fake
 
-LENGTHS = [9, 5, 12, 3, 7, 10]
+LENGTHS = (9, 5, 12, 3, 7, 10)
+TASKS = ("pick up the red cube", "open the drawer")
 
 
 @pytest.fixture(scope="module")
-def fake_root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("v2fake"))
-    write_fake(root, LENGTHS)
-    return root
+def v2_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("v2root"))
+    written = make_synthetic_v2_root(root, lengths=LENGTHS, height=8, width=8, block_size=4, shard_size=4096)
+    return root, written
 
 
 def _loader(root, **kw):
     kw.setdefault("batch_size", 4)
-    return BlockLoader(root, opener=open_fake, rgb=False, **kw)
-
-
-def _check_batch(batch, ds, spec):
-    for row, gid in enumerate(batch["sample_ids"].tolist()):
-        e, t = _locate(gid)
-        n = LENGTHS[e]
-        want = np.clip(t + np.asarray(spec.video), 0, n - 1)
-        for c, slot in enumerate(("front", "wrist")):
-            px = batch["frames"][slot][row][:, 0, :3].numpy()
-            assert px[:, 0].tolist() == [e] * spec.frames and px[:, 1].tolist() == want.tolist()
-            assert px[:, 2].tolist() == [c] * spec.frames
-        rows = np.minimum(t + np.arange(spec.action_horizon), n - 1)
-        assert batch["action"][row][:, 0].tolist() == (e * 1000 + rows).tolist()
-        assert batch["action_valid"][row].tolist() == (t + np.arange(spec.action_horizon) < n).tolist()
-        assert batch["state"][row][:, 0].tolist() == (e * 1000 + want).tolist()
-        text = bytes(v for v in batch["task_tokens"][row].tolist() if v < 256).decode()
-        assert text == ("pick", "place")[e % 2]
-    assert batch["frame_mask"].all() and batch["sample_valid"].all()
+    return BlockLoader(root, rgb=False, **kw)
 
 
 def _locate(gid):
     ends = np.cumsum(LENGTHS)
     e = int(np.searchsorted(ends, gid, side="right"))
-    return e, gid - (ends[e] - LENGTHS[e])
+    return e, gid - int(ends[e] - LENGTHS[e])
 
 
-def test_batches_hold_the_gr00t_sample_semantics(fake_root):
+def _check_batch(batch, written, spec):
+    for row, gid in enumerate(batch["sample_ids"].tolist()):
+        e, t = _locate(gid)
+        n = LENGTHS[e]
+        frames, arrays = written[e]
+        shown = np.clip(t + np.asarray(spec.video), 0, n - 1)  # video clamped into the episode
+        for slot in ("front", "wrist"):
+            np.testing.assert_array_equal(batch["frames"][slot][row].numpy(), frames[slot][shown])
+        np.testing.assert_allclose(batch["state"][row].numpy(), arrays["state"][shown])  # stats: mean 0, std 1
+        rows = np.minimum(t + np.arange(spec.action_horizon), n - 1)  # past the end: the last row, masked
+        np.testing.assert_allclose(batch["action"][row].numpy(), arrays["action"][rows])
+        assert batch["action_valid"][row].tolist() == (t + np.arange(spec.action_horizon) < n).tolist()
+        text = bytes(v for v in batch["task_tokens"][row].tolist() if v < 256).decode()
+        assert text == TASKS[e % 2]
+    assert batch["frame_mask"].all() and batch["sample_valid"].all()
+
+
+def test_batches_hold_the_gr00t_sample_semantics(v2_root):
+    root, written = v2_root
     spec = DeltaSpec(video=(-3, 0), action_horizon=4)
-    with _loader(fake_root, deltas=spec, max_steps=11) as loader:
+    with _loader(root, deltas=spec, max_steps=11) as loader:
         ids = []
         for batch in loader:
             assert batch["frames"]["front"].shape == (4, 2, 12, 8)
-            _check_batch(batch, loader.ds, spec)
+            _check_batch(batch, written, spec)
             ids += batch["sample_ids"].tolist()
     assert len(ids) == len(set(ids)) == 44  # one epoch (46 samples, tail of 2 dropped), each once
 
 
 @pytest.mark.slow
-def test_real_workers_match_inline_and_count_cache_hits(fake_root):
+def test_real_workers_match_inline_and_count_cache_hits(v2_root):
+    root, written = v2_root
     spec = DeltaSpec(video=(0,), action_horizon=3)
     runs, counters = [], []
     for workers in (0, 2):
-        with _loader(fake_root, deltas=spec, num_workers=workers, max_steps=10, rank=1, world=2,
+        with _loader(root, deltas=spec, num_workers=workers, max_steps=10, rank=1, world=2,
                      block_run=2, block_window=16) as loader:
             runs.append([(b["sample_ids"].clone(), b["frames"]["front"].clone(), b["action"].clone())
                          for b in loader])
@@ -72,12 +75,22 @@ def test_real_workers_match_inline_and_count_cache_hits(fake_root):
     for (ia, fa, aa), (ib, fb, ab) in zip(*runs):
         assert torch.equal(ia, ib) and torch.equal(fa, fb) and torch.equal(aa, ab)
     for c in counters:
-        assert c["hits"] > 0 and c["misses"] > 0 and c["samples"] > 0
+        assert c["hits"] > 0 and c["misses"] > 0 and c["samples"] == 20
+
+
+def _flip_block_byte(root, episode, camera, block):
+    ds = open_v2(root)
+    name, off, length, _, _ = ds.block_entry(episode, camera, block)
+    path = f"{root}/{name}"
+    data = bytearray(open(path, "rb").read())
+    data[off + length // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
 
 
 def test_corrupt_block_is_a_masked_counted_bad_sample(tmp_path):
     root = str(tmp_path)
-    write_fake(root, [8, 8], corrupt=[(1, "wrist", 0)])
+    make_synthetic_v2_root(root, lengths=(8, 8), height=8, width=8, block_size=4)
+    _flip_block_byte(root, 1, "wrist", 0)
     with _loader(root, max_steps=4, batch_size=4) as loader:
         bad_rows = 0
         for batch in loader:
@@ -95,23 +108,24 @@ def test_corrupt_block_is_a_masked_counted_bad_sample(tmp_path):
 
 def test_val_episodes_are_left_out(tmp_path):
     root = str(tmp_path)
-    write_fake(root, [4, 4, 4], val=[1])
+    make_synthetic_v2_root(root, lengths=(4, 4, 4), height=8, width=8, val_episodes=(1,))
     with _loader(root, max_steps=2) as loader:
         ids = [i for b in loader for i in b["sample_ids"].tolist()]
     assert sorted(ids) == [0, 1, 2, 3, 8, 9, 10, 11]
 
 
-def test_resume_continues_the_exact_sequence_and_refuses_another_order(fake_root):
+def test_resume_continues_the_exact_sequence_and_refuses_another_order(v2_root):
+    root, _ = v2_root
     kw = dict(seed=5, block_run=2, block_window=8)
-    with _loader(fake_root, max_steps=16, **kw) as full:  # crosses the epoch (11 steps)
+    with _loader(root, max_steps=16, **kw) as full:  # crosses the epoch (11 steps)
         want = [b["sample_ids"].tolist() for b in full]
-    with _loader(fake_root, max_steps=6, **kw) as first:
+    with _loader(root, max_steps=6, **kw) as first:
         got = [b["sample_ids"].tolist() for b in first]
         state = first.state_dict()
-    with _loader(fake_root, max_steps=16, **kw) as second:
+    with _loader(root, max_steps=16, **kw) as second:
         second.load_state_dict(state)
         got += [b["sample_ids"].tolist() for b in second]
     assert got == want
-    with _loader(fake_root, seed=5, block_run=4, block_window=8) as other:
+    with _loader(root, seed=5, block_run=4, block_window=8) as other:
         with pytest.raises(CheckpointError, match="order"):
             other.load_state_dict(state)
