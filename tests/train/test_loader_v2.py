@@ -129,3 +129,43 @@ def test_resume_continues_the_exact_sequence_and_refuses_another_order(v2_root):
     with _loader(root, seed=5, block_run=4, block_window=8) as other:
         with pytest.raises(CheckpointError, match="order"):
             other.load_state_dict(state)
+
+
+def test_loss_ignores_the_padded_action_rows(tmp_path):
+    """A v2 batch whose samples run past their episode's end: the loss takes no gradient from the
+    predictions at padded rows (action_valid False) and does from the real ones. As in GR00T, padded
+    rows (repeats of the last row) are still part of the action head's input sequence; only the loss
+    masks them. The model is built from the v2 root as the trainer does."""
+    from loongforge.train.config import DataConfig, RunConfig, TrainConfig
+    from loongforge.train.data_v2 import load_training_data
+    from loongforge.train.model import VLAModel
+    from loongforge.train.trainer import model_config
+
+    root = str(tmp_path)
+    make_synthetic_v2_root(root, lengths=(3, 2), height=16, width=16)
+    cfg = TrainConfig(recipe="tiny", data=DataConfig(root=root, global_batch_size=4, action_horizon=4),
+                      run=RunConfig(run_dir=str(tmp_path / "run")))
+    data = load_training_data(cfg.data)
+    assert data.max_frames == 1 and data.dataset.action_horizon == 4
+    torch.manual_seed(0)
+    model = VLAModel(model_config(cfg, data))
+    with BlockLoader(root, dataset=data.ds, batch_size=4, deltas=data.deltas, max_steps=1) as loader:
+        batch = next(iter(loader))
+    batch.pop("meta")
+    valid = batch["action_valid"]
+    assert (~valid).any() and valid.any()
+    grads = {}
+    model.velocity = _grad_tap(model.velocity, grads, "velocity")
+    model.bin_logits = _grad_tap(model.bin_logits, grads, "logits")
+    model(batch, torch.randn(batch["action"].shape), torch.rand(4))["loss"].backward()
+    for name in ("velocity", "logits"):
+        per_row = grads[name].abs().flatten(2).sum(-1)  # (B, H)
+        assert (per_row[~valid] == 0).all() and (per_row[valid] > 0).all(), name
+
+
+def _grad_tap(fn, grads, name):
+    def wrapped(*args, **kw):
+        out = fn(*args, **kw)
+        out.register_hook(lambda g: grads.__setitem__(name, g))
+        return out
+    return wrapped
