@@ -22,6 +22,7 @@ from loongforge.train.colorspace import nv12_to_input
 from loongforge.train.fill_v2 import V2Filler, open_dataset_v2
 from loongforge.train.loader_v2 import BlockLoader, root_format_version
 from loongforge.train.samples_v2 import DeltaSpec, SampleTable
+from loongforge.train.sources import SourceSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,7 @@ def load_training_data(d):
     """v1 ShardIndex, or V2Data for a format-2 root (FormatError/ConfigError on a bad root)."""
     if root_format_version(d.root) != 2:
         return load_index(d.root)  # v1, or its refusal of an unknown version with the hint
-    if d.cache_socket or d.cache_tcp:
-        raise ConfigError("data.cache_socket: the cache daemon is not wired into the format-2 loader yet; "
-                          "train on a v2 root without --cache-socket/--cache-tcp (reads go to the origin)")
-    ds = open_dataset_v2(d.root)
+    ds = open_dataset_v2(d.root)  # the trainer's own reads (validation set) go to the origin
     deltas = deltas_of(d, ds.info)
     info = dataclasses.replace(ds.info, frames_per_sample=deltas.frames, action_horizon=deltas.action_horizon)
     return V2Data(d.root, ds, deltas, info)
@@ -67,7 +65,8 @@ def make_loader(d, data: V2Data, *, batch_size: int, rank: int, world: int, devi
                        block_run=d.block_run, block_window=d.block_window, block_cache_mb=d.block_cache_mb,
                        max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
                        timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
-                       image_std=d.image_std)
+                       image_std=d.image_std,
+                       source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))
 
 
 class ValSetV2:

@@ -20,7 +20,8 @@ import numpy as np
 from loongforge.shared.errors import DataWorkerError, FormatError, LoongForgeError
 from loongforge.train.batch import BatchLayout, Norm, encode_text
 from loongforge.train.block_cache import BlockCache
-from loongforge.train.samples_v2 import DeltaSpec, gather_actions, state_indices, video_indices
+from loongforge.train.samples_v2 import DeltaSpec, action_rows, gather_actions, state_indices, video_indices
+from loongforge.train.sources import SourceSpec, make_source
 
 EPISODE_ARRAYS_KEPT = 64  # episodes whose arrays a worker keeps: a window touches few, each is small
 
@@ -44,10 +45,14 @@ class FillerSpec:
     deltas: DeltaSpec
     layout: BatchLayout
     cache_bytes: int
-    opener: object = open_dataset_v2  # module-level callable (root) -> DatasetV2; tests pass a fake's
+    source: SourceSpec | None = None  # the cache daemon's client when set (shard-level reads)
 
     def open(self) -> "V2Filler":
-        return V2Filler(self.opener(self.root), self.deltas, self.layout, self.cache_bytes)
+        factory = None
+        if self.source is not None and self.source.wants_cache:
+            spec = self.source
+            factory = lambda shard_index: make_source(spec, shard_index)  # noqa: E731 - needs the shard list
+        return V2Filler(open_dataset_v2(self.root, source=factory), self.deltas, self.layout, self.cache_bytes)
 
 
 class V2Filler:
@@ -121,6 +126,9 @@ class V2Filler:
         ep = self._episode(episode)
         state = ep["state"][state_indices(t, length, spec)]
         action, valid = gather_actions(ep["action"], t, spec)
+        known = ep.get("action_known")  # converted v1 roots: rows whose action v1 never stored
+        if known is not None:
+            valid &= np.asarray(known, bool)[action_rows(t, length, spec)[0]]
         if state.shape[1] != lay.state_dim or action.shape[1] != lay.action_dim:
             raise FormatError(f"episode {episode}: state {state.shape} / action {action.shape} do not match the "
                               f"index dims ({lay.state_dim}, {lay.action_dim})")

@@ -27,7 +27,7 @@ from loongforge.shared.storage import read_bytes
 from loongforge.train import order, order_v2
 from loongforge.train.batch import BatchLayout
 from loongforge.train.fill_v2 import FillerSpec, dataset_info, open_dataset_v2
-from loongforge.train.loader import LOADER_STATE_VERSION, ShardLoader
+from loongforge.train.loader import ANNOUNCE_BATCHES, LOADER_STATE_VERSION, ShardLoader
 from loongforge.train.prefetch import resolve_device
 from loongforge.train.samples_v2 import DeltaSpec, SampleTable
 from loongforge.train.sources import SourceSpec
@@ -66,16 +66,18 @@ class BlockLoader(ShardLoader):
                  max_text_tokens: int = 32, bad_samples: str = "skip", prefetch: int = 2,
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
                  image_mean: float = 0.5, image_std: float = 0.25, train_only: bool = True,
-                 opener=open_dataset_v2):
-        self.ds = dataset if dataset is not None else opener(root)
+                 source: SourceSpec | None = None):
+        self.ds = dataset if dataset is not None else open_dataset_v2(root)
         info = dataset_info(self.ds)
         self.deltas, self.stride, self.run, self.window = deltas, stride, block_run, block_window
         self.table = SampleTable(np.asarray(self.ds.episode_lengths), stride=stride)
         self.keep = self.table.keep_mask(train_episodes(self.ds)) if train_only else None
         self.groups = self.table.block_groups(int(self.ds.block_size))
         order_v2.block_sequence(self.groups[:1], 0, 0, run=block_run, window=block_window)  # validate now
-        self.index = None  # no per-sample index in v2; the cache announcer (v1 only) stays off
-        self.source_spec = SourceSpec(root=root)
+        self.index = self.ds.shard_index  # shards only (no samples): what the cache client needs
+        self.source_spec = source or SourceSpec(root=root)
+        self._episode_shard = np.asarray(self.ds.tables["episode_shard"])
+        self._names = [s["name"] for s in self.ds.manifest["shards"]]
         self.rank, self.world, self.seed = rank, world, seed
         self.global_batch = batch_size
         order.rank_positions(batch_size, rank, world)
@@ -87,7 +89,7 @@ class BlockLoader(ShardLoader):
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
         if block_cache_mb < 0:
             raise ConfigError(f"data.block_cache_mb: {block_cache_mb}, must be >= 0 (0 = no cache)")
-        self.filler_spec = FillerSpec(root, deltas, self.layout, int(block_cache_mb * (1 << 20)), opener)
+        self.filler_spec = FillerSpec(root, deltas, self.layout, int(block_cache_mb * (1 << 20)), self.source_spec)
         self._pool_args = dict(num_workers=num_workers, slots=max(2, num_workers * 2 + 1), policy=bad_samples,
                                timeout_s=timeout_s, start_method=start_method)
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
@@ -111,14 +113,43 @@ class BlockLoader(ShardLoader):
     def _plans(self):
         epoch, consumed, step = self.epoch, self.consumed, self.steps_done
         while self.max_steps is None or step < self.max_steps:
-            ids = order_v2.rank_slice(self.sequence(epoch), consumed, self.global_batch, self.rank, self.world)
+            seq = self.sequence(epoch)
+            ids = order_v2.rank_slice(seq, consumed, self.global_batch, self.rank, self.world)
             eps, ts = self.table.locate(ids)
+            self._announce(seq, epoch, consumed)
             items = list(zip(ids.tolist(), eps.tolist(), ts.tolist()))
             nxt_epoch, nxt_consumed = order.advance(epoch, consumed, self.plan)
             meta = {"epoch": epoch, "consumed": consumed, "step": step, "next_epoch": nxt_epoch,
                     "next_consumed": nxt_consumed, "sample_ids": ids.copy()}
             yield meta, self.deltas.frames, items
             epoch, consumed, step = nxt_epoch, nxt_consumed, step + 1
+
+    def _announce(self, seq, epoch, consumed) -> None:
+        """v1's contract (loader.py): the rest of this epoch's shards once, the next epoch's
+        near the end; here a shard is where the sample's episode lives."""
+        if self._announcer is None:
+            return
+        end = self.plan.steps * self.global_batch
+        if epoch != self._announced_epoch:
+            if self._announced_next != epoch:
+                self._send_plan(seq, epoch, consumed, end)
+            self._announced_epoch = epoch
+        if end - consumed <= ANNOUNCE_BATCHES * self.global_batch and self._announced_next != epoch + 1:
+            self._send_plan(self.sequence(epoch + 1), epoch + 1, 0, end)
+            self._announced_next = epoch + 1
+
+    def _send_plan(self, seq, epoch: int, consumed: int, end: int) -> None:
+        if consumed >= end:
+            return
+        mine = np.concatenate([order_v2.rank_slice(seq, c, self.global_batch, self.rank, self.world)
+                               for c in range(consumed, end, self.global_batch)])
+        shard_nos = self._episode_shard[self.table.locate(mine)[0]]
+        _, first = np.unique(shard_nos, return_index=True)
+        shards = [self._names[int(shard_nos[i])] for i in sorted(first)]
+        try:
+            self._announcer.announce(shards, rank=self.rank, epoch=epoch)
+        except Exception as exc:  # noqa: BLE001 - the cache is an accelerator; training goes on without it
+            log.warning("cache announce failed (%s); continuing without prefetch hints", exc)
 
     def _make_pool(self) -> DecodePool:
         return DecodePool(None, self.layout, self.source_spec, filler_spec=self.filler_spec, **self._pool_args)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import launch, torchrun  # noqa: E402
+from tests.train.train_launch import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LENGTHS = (30, 14, 41, 22, 9, 36)  # 152 samples; episode 4 (9) held out -> 143 training samples
@@ -71,10 +71,3 @@ def test_resume_on_v2_is_exact(v2_run, tmp_path):
     for a, b in zip(want[5:], got[5:]):
         assert a["sample_ids"] == b["sample_ids"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
-
-
-def test_cache_socket_on_v2_is_a_config_error(v2_run, tmp_path):
-    root, _ = v2_run
-    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(tmp_path / "r"),
-                   "--steps", "1", "--cache-socket", str(tmp_path / "s.sock"), *COMMON], cwd=str(tmp_path))
-    assert proc.returncode == 2 and "format-2" in proc.stderr
