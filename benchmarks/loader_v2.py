@@ -8,7 +8,7 @@
 and the order table: batch diversity of the v2 order vs a uniform random permutation, and the
 block decodes per sample a worker's LRU leaves (simulated for rank 0 of 8, worker 0 of 4).
 
-    python -m loongforge.benchmarks.loader_v2 --episodes 12 --out /tmp/lv2     # ~3 min on 1 core
+    python -m loongforge.benchmarks.loader_v2 --episodes 8 --out /tmp/lv2     # ~10 min on a loaded 2-core VM
 
 Every figure of one run is measured in that run on the same frames, one process, one core;
 report the ratios with the load average beside them.
@@ -99,7 +99,10 @@ def _timed(batches, fill) -> tuple[float, float, int]:
     return n / (time.perf_counter() - w0), (time.process_time() - c0) / n * 1e6, n
 
 
-def v2_row(root: str, batch: int, max_batches: int, run: int, window: int, rank=0, world=1, worker=0, workers=1):
+def v2_row(root: str, batch: int, max_batches: int, run: int, window: int, cache_blocks: int | None = None):
+    """The worker body over rank 0's batches (world 1). cache_blocks=None: the default 256 MiB LRU;
+    a small number (2) leaves only the reuse inside a batch, what a worker sees when it gets 1/32
+    or less of the batches (8 ranks x 4 workers): the fleet case."""
     from loongforge.shared.dataset_v2 import open_v2
     from loongforge.train import order, order_v2
     from loongforge.train.batch import BatchLayout
@@ -110,13 +113,13 @@ def v2_row(root: str, batch: int, max_batches: int, run: int, window: int, rank=
     spec = DeltaSpec(video=(0,), action_horizon=HORIZON)
     table = SampleTable(np.asarray(ds.episode_lengths))
     seq = order_v2.block_sequence(table.block_groups(ds.block_size), 0, 0, run=run, window=window)
-    g = batch * world
-    plan = order.plan_epoch(len(seq), g)
-    mine = [order_v2.rank_slice(seq, c * g, g, rank, world) for c in range(plan.steps)][worker::workers]
+    plan = order.plan_epoch(len(seq), batch)
+    mine = [order_v2.rank_slice(seq, c * batch, batch, 0, 1) for c in range(plan.steps)]
     batches = [list(zip(ids.tolist(), *(a.tolist() for a in table.locate(ids)))) for ids in mine][:max_batches]
     layout = BatchLayout(batch, (CAM,), 256, 256, 1, 44, 44, HORIZON, 32)
     arrays = layout.views(bytearray(layout.nbytes), 1)
-    filler = V2Filler(ds, spec, layout, 256 << 20)
+    budget = 256 << 20 if cache_blocks is None else cache_blocks * ds.block_size * 256 * 384
+    filler = V2Filler(ds, spec, layout, budget)
     rate, cpu_us, n = _timed(batches, lambda items: filler.fill(_rows(arrays, len(items)), items, "raise"))
     c = filler.cache.counters()
     return {"samples_per_s": rate, "cpu_us_per_sample": cpu_us, "samples": n,
@@ -174,7 +177,7 @@ def order_table(batch: int = 512, world: int = 8, workers: int = 4, episodes: in
     groups = table.block_groups(block)
     ep, t = table.locate(np.arange(table.num_samples))
     orders = {"random permutation": (np.random.default_rng(seed).permutation(table.num_samples), None)}
-    for run, window in ((1, 4096), (4, 4096), (8, 4096), (16, 4096), (4, 65536)):
+    for run, window in ((1, 4096), (1, 1 << 30), (2, 65536), (4, 4096), (4, 65536), (8, 65536), (16, 65536)):
         orders[f"v2 run={run} window={window}"] = (order_v2.block_sequence(groups, seed, 0, run=run, window=window),
                                                    run)
     rows = []
@@ -206,28 +209,37 @@ def _sim_decodes(seq, groups, batch, world, workers, cache_blocks, contiguous, b
     return misses / max(1, n)
 
 
+CONFIGS = [("v1 K=1 per-frame", None, None, None)] + [
+    (f"v2 B={b} {name}", b, run, cache) for b in (4, 8, 16, 32)
+    for name, run, cache in (("run=4, 1 worker (256 MiB LRU)", 4, None), ("run=4, fleet (reuse within batch)", 4, 2),
+                             ("run=1, fleet (random order)", 1, 2))]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--episodes", type=int, default=12)
+    p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--batch", type=int, default=32, help="per-rank micro batch")
-    p.add_argument("--max-batches", type=int, default=60)
+    p.add_argument("--max-batches", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of each is reported")
     p.add_argument("--out", required=True, help="work directory (data is generated here)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     episodes = gr00t_episodes(a.out, a.episodes)
-    res = {"episodes": a.episodes, "frames": sum(len(f) for f, _ in episodes), "loadavg": os.getloadavg()}
-    v1_root = os.path.join(a.out, "v1")
-    write_v1(v1_root, episodes)
-    res["v1_k1"] = v1_row(v1_root, a.batch, a.max_batches)
+    res = {"episodes": a.episodes, "frames": sum(len(f) for f, _ in episodes), "loadavg": os.getloadavg(),
+           "batch": a.batch, "window": 65536}
+    roots = {None: os.path.join(a.out, "v1")}
+    write_v1(roots[None], episodes)
     for block in (4, 8, 16, 32):
-        root = os.path.join(a.out, f"v2_b{block}")
-        write_v2(root, episodes, block)
-        res[f"v2_b{block}"] = v2_row(root, a.batch, a.max_batches, run=4, window=4096)
-        res[f"v2_b{block}_run1"] = v2_row(root, a.batch, a.max_batches, run=1, window=1 << 30)
-        res[f"v2_b{block}_rank0of8_worker0of4"] = v2_row(root, a.batch, a.max_batches, run=4, window=4096,
-                                                          world=8, workers=4)
-        if block == 16:
-            res["zstd_limit_b16"] = zstd_limit(root)
+        roots[block] = os.path.join(a.out, f"v2_b{block}")
+        write_v2(roots[block], episodes, block)
+    runs: dict[str, list] = {}
+    for _ in range(a.rounds):  # interleaved: load drifts on a shared machine, ratios stay comparable
+        for name, block, run, cache in CONFIGS:
+            row = v1_row(roots[None], a.batch, a.max_batches) if block is None else \
+                v2_row(roots[block], a.batch, a.max_batches, run, 65536, cache)
+            runs.setdefault(name, []).append(row)
+        runs.setdefault("zstd limit (B=16 blocks from RAM)", []).append(zstd_limit(roots[16]))
+    res["rows"] = {name: {k: float(np.median([r[k] for r in rows])) for k in rows[0]} for name, rows in runs.items()}
     res["order"] = order_table()
     res["loadavg_end"] = os.getloadavg()
     print(json.dumps(res, indent=1))

@@ -48,7 +48,7 @@ class DataConfig:
     action_pad: str = "last"  # rows past the episode end: repeat the last (GR00T absolute) or "zero"
     sample_stride: int = 1  # every s-th timestep is a sample (GR00T: 1)
     block_run: int = 4  # samples of one frame block kept together in the order (decodes vs diversity)
-    block_window: int = 4096  # samples; shuffle buffer of those runs
+    block_window: int = 65536  # samples; shuffle buffer of those runs
     block_cache_mb: float = 256.0  # decoded-block LRU per decode worker
 
     def __post_init__(self):

@@ -59,6 +59,19 @@ def load_training_data(d):
     return V2Data(d.root, ds, deltas, info)
 
 
+def load_for_policy(root: str, sidecar: dict, action_horizon: int):
+    """What Policy.load needs of the data root: the v1 index, or V2Data with the delta indices
+    the run trained with (recorded in the checkpoint sidecar's "data")."""
+    if root_format_version(root) != 2:
+        return load_index(root)
+    ds = open_dataset_v2(root)
+    d = sidecar.get("data", {})
+    deltas = DeltaSpec(video=tuple(d.get("video_deltas", (0,))), state=tuple(d.get("state_deltas", ())),
+                       action_horizon=action_horizon, action_pad=d.get("action_pad", "last"))
+    info = dataclasses.replace(ds.info, frames_per_sample=deltas.frames, action_horizon=action_horizon)
+    return V2Data(root, ds, deltas, info)
+
+
 def make_loader(d, data: V2Data, *, batch_size: int, rank: int, world: int, device) -> BlockLoader:
     return BlockLoader(d.root, dataset=data.ds, batch_size=batch_size, num_workers=d.num_workers, seed=d.seed,
                        rank=rank, world=world, device=device, deltas=data.deltas, stride=d.sample_stride,
@@ -69,20 +82,40 @@ def make_loader(d, data: V2Data, *, batch_size: int, rank: int, world: int, devi
                        source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))
 
 
-class ValSetV2:
-    """evaluate.ValSet for a v2 root: the held-out episodes' samples (every `stride`-th t,
-    evenly thinned to `limit`), decoded once into device batches."""
+def val_ids(data: V2Data, limit: int, stride: int = 1) -> np.ndarray:
+    """Sample ids (stride-1 numbering) of the held-out episodes, every `stride`-th t, evenly
+    thinned to `limit`: the fixed subset --eval-every scores."""
+    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    val = np.asarray(data.ds.val_mask, bool)
+    if not val.any():
+        raise ConfigError("the index has no validation split; re-run preprocess with --val-episodes 10%")
+    ids = np.flatnonzero(table.keep_mask(val))
+    ids = ids[table.locate(ids)[1] % stride == 0]
+    if limit and len(ids) > limit:
+        ids = ids[np.linspace(0, len(ids) - 1, limit).round().astype(np.int64)]
+    return ids
 
-    def __init__(self, data: V2Data, *, limit: int, stride: int = 1, batch_size: int = 8, text_len: int = 32,
+
+def chunk_ids(data: V2Data, episode_id: int) -> np.ndarray:
+    """Open-loop eval (openloop.py) of one episode: samples t = 0, H, 2H, ... so the predicted
+    chunks tile its timeline. Empty when the episode is not in the root."""
+    rows = np.flatnonzero(np.asarray(data.ds.tables["episode_id"]) == episode_id)
+    if not len(rows):
+        return np.zeros(0, np.int64)
+    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    row = int(rows[0])
+    ts = np.arange(0, int(table.lengths[row]), data.deltas.action_horizon)
+    return table.starts[row] + ts
+
+
+class ValSetV2:
+    """evaluate.ValSet for a v2 root: chosen samples (stride-1 ids), decoded once into device batches."""
+
+    def __init__(self, data: V2Data, ids: np.ndarray, *, batch_size: int = 8, text_len: int = 32,
                  device="cpu", image_mean: float = 0.5, image_std: float = 0.25):
         ds, info = data.ds, data.dataset
-        table = SampleTable(np.asarray(ds.episode_lengths), stride=stride)
-        val = np.asarray(ds.val_mask, bool)
-        if not val.any():
-            raise ConfigError("the index has no validation split; re-run preprocess with --val-episodes 10%")
-        ids = np.flatnonzero(table.keep_mask(val))
-        if limit and len(ids) > limit:
-            ids = ids[np.linspace(0, len(ids) - 1, limit).round().astype(np.int64)]
+        table = SampleTable(np.asarray(ds.episode_lengths))
+        ids = np.asarray(ids, np.int64)
         self.ids, self.device = ids, torch.device(device)
         conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.batches = []

@@ -54,7 +54,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-stride", type=int, default=1, help="format-2 roots: every s-th timestep is a sample")
     p.add_argument("--block-run", type=int, default=4, help="format-2 roots: samples of one frame block kept "
                    "together in the order (1 = a random permutation at --block-window >= the epoch)")
-    p.add_argument("--block-window", type=int, default=4096, help="format-2 roots: shuffle buffer, samples")
+    p.add_argument("--block-window", type=int, default=65536, help="format-2 roots: shuffle buffer, samples")
     p.add_argument("--block-cache-mb", type=float, default=256.0, help="format-2 roots: decoded-block cache "
                    "per decode worker, MiB")
     p.add_argument("--cache-socket", default=None, help="cache daemon unix socket (reads go through the cache)")

@@ -35,7 +35,7 @@ from loongforge.train.workers import DecodePool
 
 log = logging.getLogger(__name__)
 DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "v2 loader")
-DEFAULT_WINDOW = 4096  # samples; the shuffle buffer of runs
+DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, "v2 loader")
 DEFAULT_CACHE_MB = 256
 
 

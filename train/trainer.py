@@ -122,8 +122,8 @@ class Trainer:
         if not run.eval_every:
             return None
         if self.v2:
-            return data_v2.ValSetV2(self.index, limit=run.eval_samples, stride=d.sample_stride,
-                                    batch_size=8, text_len=d.max_text_tokens, device=self.device,
+            ids = data_v2.val_ids(self.index, run.eval_samples, d.sample_stride)
+            return data_v2.ValSetV2(self.index, ids, batch_size=8, text_len=d.max_text_tokens, device=self.device,
                                     image_mean=d.image_mean, image_std=d.image_std)
         ids = val_sample_ids(self.index, run.eval_samples)  # raises ConfigError without a split
         return ValSet(d.root, self.index, ids, batch_size=min(8, len(ids)), text_len=d.max_text_tokens,
@@ -234,7 +234,11 @@ class Trainer:
                                     "model": dataclasses.asdict(self.model_cfg),
                                     "data": {"image_mean": self.cfg.data.image_mean,
                                              "image_std": self.cfg.data.image_std,
-                                             "max_text_tokens": self.cfg.data.max_text_tokens}})
+                                             "max_text_tokens": self.cfg.data.max_text_tokens,
+                                    # format-2 roots: the sample shape Policy.load rebuilds (data_v2.py)
+                                    "video_deltas": list(self.cfg.data.video_deltas),
+                                    "state_deltas": list(self.cfg.data.state_deltas),
+                                    "action_pad": self.cfg.data.action_pad}})
         self.save_stall_s = [time.perf_counter() - t0]  # what the step loop waited for; logged with the next step
         return tag
 

@@ -71,3 +71,19 @@ def test_resume_on_v2_is_exact(v2_run, tmp_path):
     for a, b in zip(want[5:], got[5:]):
         assert a["sample_ids"] == b["sample_ids"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_open_loop_eval_on_a_v2_root(v2_run, tmp_path):
+    """`loongforge eval` of the v2 run: the held-out episode in chunks of H from t=0, as GR00T's eval."""
+    from tests.train.train_launch import launch
+
+    root, run_dir = v2_run
+    out = str(tmp_path / "eval")
+    proc = launch([sys.executable, "-m", "loongforge", "eval", run_dir, "--data", root, "--out", out, "--json"],
+                  cwd=str(tmp_path), timeout=300)
+    _ok(proc)
+    summary = json.load(open(os.path.join(out, "eval.json")))
+    ep = summary["episodes"]["4"]
+    assert ep["chunks"] == 3 and ep["steps"] == LENGTHS[4]  # t = 0, 4, 8 of 9 frames; padded rows dropped
+    assert np.isfinite(summary["overall"]["policy"]["mse"]["all"])
+    assert os.path.exists(os.path.join(out, "episode_000004.png"))
