@@ -209,6 +209,30 @@ def _sim_decodes(seq, groups, batch, world, workers, cache_blocks, contiguous, b
     return misses / max(1, n)
 
 
+def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
+    """SampleTable.locate at fleet scale (1 M episodes of 150-600 frames: ~375 M samples):
+    one id per call and batches of 64 ids (what a rank's batch plan does); CPU seconds, and
+    np.searchsorted alone beside it (the floor: ~20 cache misses into an 8 MB column)."""
+    from loongforge.train.samples_v2 import SampleTable
+
+    table = SampleTable(np.random.default_rng(0).integers(150, 600, episodes))
+    ids = np.random.default_rng(1).integers(0, table.num_samples, samples)
+    t0 = time.process_time()
+    for i in ids[:20000].tolist():
+        table.locate(i)
+    one = (time.process_time() - t0) / 20000
+    t0 = time.process_time()
+    for k in range(0, samples, 64):
+        table.locate(ids[k:k + 64])
+    batch64 = (time.process_time() - t0) / samples
+    t0 = time.process_time()
+    for k in range(0, samples, 64):
+        np.searchsorted(table.ends, ids[k:k + 64], side="right")
+    raw = (time.process_time() - t0) / samples
+    return {"searchsorted_us_per_id": raw * 1e6, "episodes": episodes, "samples": table.num_samples, "us_per_call_scalar": one * 1e6,
+            "us_per_id_batch64": batch64 * 1e6, "table_bytes": table.ends.nbytes + table.starts.nbytes}
+
+
 CONFIGS = [("v1 K=1 per-frame", None, None, None)] + [
     (f"v2 B={b} {name}", b, run, cache) for b in (4, 8, 16, 32)
     for name, run, cache in (("run=4, 1 worker (256 MiB LRU)", 4, None), ("run=4, fleet (reuse within batch)", 4, 2),
@@ -241,6 +265,7 @@ def main(argv=None) -> dict:
         runs.setdefault("zstd limit (B=16 blocks from RAM)", []).append(zstd_limit(roots[16]))
     res["rows"] = {name: {k: float(np.median([r[k] for r in rows])) for k in rows[0]} for name, rows in runs.items()}
     res["order"] = order_table()
+    res["locate"] = locate_cost()
     res["loadavg_end"] = os.getloadavg()
     print(json.dumps(res, indent=1))
     return res
