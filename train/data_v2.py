@@ -38,6 +38,11 @@ class V2Data:
         return self.deltas.frames
 
     @property
+    def num_samples(self) -> int:
+        """Samples at stride 1 (every timestep of every episode, the split included)."""
+        return int(self.ds.num_frames)
+
+    @property
     def val_episodes(self) -> tuple[int, ...]:
         return tuple(sorted(self.ds.val_episodes))
 

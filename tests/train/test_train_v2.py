@@ -87,3 +87,17 @@ def test_open_loop_eval_on_a_v2_root(v2_run, tmp_path):
     assert ep["chunks"] == 3 and ep["steps"] == LENGTHS[4]  # t = 0, 4, 8 of 9 frames; padded rows dropped
     assert np.isfinite(summary["overall"]["policy"]["mse"]["all"])
     assert os.path.exists(os.path.join(out, "episode_000004.png"))
+
+
+def test_check_config_on_a_v2_root(v2_run, tmp_path):
+    """Preflight reads a v2 root (no process group); bad delta indices are config errors (exit 2)."""
+    from tests.train.train_launch import launch
+
+    root, _ = v2_run
+    base = [sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(tmp_path / "r"), "--steps", "1",
+            "--check-config"]
+    ok = launch([*base, *COMMON], cwd=str(tmp_path), timeout=120)
+    _ok(ok)
+    bad = launch([*base, *[a if a != "--video-deltas=-2,0" else "--video-deltas=0,-2" for a in COMMON]],
+                 cwd=str(tmp_path), timeout=120)
+    assert bad.returncode == 2 and "data.video_deltas" in bad.stderr, bad.stderr[-2000:]
