@@ -105,7 +105,12 @@ class Norm:
 
     @classmethod
     def from_index(cls, index: ShardIndex) -> "Norm":
-        ds, st = index.dataset, index.dataset.stats
+        return cls.from_dataset(index.dataset)
+
+    @classmethod
+    def from_dataset(cls, ds) -> "Norm":
+        """From a DatasetInfo (v1 index or v2 manifest: the same stats)."""
+        st = ds.stats
 
         def pick(kind, key, dim, default):
             vals = st.get(kind, {}).get(key)

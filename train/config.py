@@ -41,9 +41,22 @@ class DataConfig:
     cache_tcp: str | None = None
     image_mean: float = 0.5
     image_std: float = 0.25
+    # Format-2 roots only (train/samples_v2.py, order_v2.py): samples are (episode, t).
+    video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
+    state_deltas: tuple[int, ...] = ()  # () = the video offsets
+    action_horizon: int = 0  # H action rows from t; 0 = what preprocess recorded
+    action_pad: str = "last"  # rows past the episode end: repeat the last (GR00T absolute) or "zero"
+    sample_stride: int = 1  # every s-th timestep is a sample (GR00T: 1)
+    block_run: int = 4  # samples of one frame block kept together in the order (decodes vs diversity)
+    block_window: int = 65536  # samples; shuffle buffer of those runs
+    block_cache_mb: float = 256.0  # decoded-block LRU per decode worker
 
     def __post_init__(self):
         _need(bool(self.root), "data.root", "give the shard root (directory holding index.json)")
+        _need(self.sample_stride >= 1, "data.sample_stride", "must be >= 1")
+        _need(self.block_run >= 1 and self.block_window >= 1, "data.block_run", "block_run and block_window must be >= 1")
+        _need(self.block_cache_mb >= 0, "data.block_cache_mb", "must be >= 0 (0 = no block cache)")
+        _need(self.action_horizon >= 0, "data.action_horizon", "must be >= 0 (0 = the index's)")
         _need(self.global_batch_size >= 1, "data.global_batch_size", "must be >= 1")
         _need(self.num_workers >= 0, "data.num_workers", "must be >= 0 (0 decodes in the main process)")
         _need(self.shuffle_window >= 1, "data.shuffle_window", "must be >= 1 (1 = no shuffle within shards)")

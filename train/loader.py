@@ -129,7 +129,7 @@ class ShardLoader:
     # -- iteration -------------------------------------------------------------
     def _start(self) -> None:
         self._stop_pipeline()
-        self._pool = DecodePool(self.index, self.layout, self.source_spec, **self._pool_args)
+        self._pool = self._make_pool()
         if self.source_spec.wants_cache:
             cand = make_source(self.source_spec, self.index)
             self._announcer = cand if hasattr(cand, "announce") else None
@@ -158,6 +158,9 @@ class ShardLoader:
 
         self._prefetcher = Prefetcher(pull, device=self.device, rgb=self.rgb, depth=self.prefetch,
                                       timeout_s=self._pool_args["timeout_s"] * 2, **self._conv)
+
+    def _make_pool(self) -> DecodePool:
+        return DecodePool(self.index, self.layout, self.source_spec, **self._pool_args)
 
     def __iter__(self):
         self._start()

@@ -112,18 +112,23 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
 
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "
                           "--val-episodes 10%) and --episodes was not given")
-    groups, per_sample_ep = action_groups(index), sample_episodes(index)
+    v2 = getattr(index, "format_version", 1) == 2  # data_v2.V2Data: samples are (episode, t)
+    groups = action_groups(index)
+    per_sample_ep = None if v2 else sample_episodes(index)
     os.makedirs(out_dir, exist_ok=True)
     summary, trajs = {"episodes": {}, "groups": {g: list(r) for g, r in groups.items()}}, []
     for ep in eps:
-        ids = np.flatnonzero(per_sample_ep == ep)
-        keys = [index.shards[index.locate(int(g))[0]].keys[index.locate(int(g))[1]] for g in ids]
-        ids = ids[np.argsort([int(k.rsplit("_f", 1)[1]) for k in keys], kind="stable")]
-        chosen = chunk_starts(index, ids)
-        if not chosen:
+        chosen = _chunks_v2(index, ep) if v2 else _chunks_v1(index, per_sample_ep, ep)
+        if not len(chosen):
             continue
-        vs = ValSet(data_root, index, np.asarray(chosen), batch_size=16, text_len=policy.text_len,
-                    device=policy.device, image_mean=policy.image_mean, image_std=policy.image_std)
+        kw = dict(batch_size=16, text_len=policy.text_len, device=policy.device, image_mean=policy.image_mean,
+                  image_std=policy.image_std)
+        if v2:
+            from loongforge.train.data_v2 import ValSetV2
+
+            vs = ValSetV2(index, chosen, **kw)
+        else:
+            vs = ValSet(data_root, index, np.asarray(chosen), **kw)
         traj = evaluate_episode(policy, vs, steps=steps, seed=seed)
         trajs.append(traj)
         summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errors(traj, groups)}
@@ -134,6 +139,19 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
     summary["overall"] = errors({k: np.concatenate([t[k] for t in trajs]) for k in trajs[0]}, groups)
     write_bytes_atomic(os.path.join(out_dir, "eval.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary
+
+
+def _chunks_v1(index, per_sample_ep, ep) -> list[int]:
+    ids = np.flatnonzero(per_sample_ep == ep)
+    keys = [index.shards[index.locate(int(g))[0]].keys[index.locate(int(g))[1]] for g in ids]
+    ids = ids[np.argsort([int(k.rsplit("_f", 1)[1]) for k in keys], kind="stable")]
+    return chunk_starts(index, ids)
+
+
+def _chunks_v2(data, ep) -> np.ndarray:
+    from loongforge.train.data_v2 import chunk_ids
+
+    return chunk_ids(data, ep)
 
 
 def format_table(summary: dict) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.shared.index import ShardIndex, load_index
+from loongforge.shared.index import ShardIndex
 from loongforge.train import checkpoint
 from loongforge.train.batch import Norm, encode_text
 from loongforge.train.colorspace import nv12_to_input
@@ -74,7 +74,10 @@ class Policy:
         doc = checkpoint.read_sidecar(run_dir, tag)
         model = VLAModel(model_config_from(doc))
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
-        index = index or load_index(data_root)
+        if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)
+            from loongforge.train.data_v2 import load_for_policy
+
+            index = load_for_policy(data_root, doc, model.cfg.action_horizon)
         data = doc.get("data", {})
         return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),
                    text_len=data.get("max_text_tokens"), device=device)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
-from loongforge.shared.index import ShardIndex, load_index
+from loongforge.shared.index import ShardIndex
 from loongforge.train.config import ModelConfig, TrainConfig
 
 
@@ -50,8 +50,10 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
     # Divisibility only depends on the world and the config; the device does not matter here.
     conf = engine.ds_config(cfg, world=dp, device=torch.device("cpu"))
+    from loongforge.train.data_v2 import load_training_data
+
     try:
-        index = load_index(cfg.data.root)
+        index = load_training_data(cfg.data)  # v1 ShardIndex, or data_v2.V2Data for a format-2 root
     except FormatError as exc:
         raise ConfigError(f"data.root: {exc}") from None
     except (LoongForgeError, OSError) as exc:

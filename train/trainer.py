@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.train import checkpoint, engine as eng, recipes
+from loongforge.train import checkpoint, data_v2, engine as eng, recipes
 from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
@@ -51,7 +51,8 @@ def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> tuple[torch.T
 
 def model_config(cfg: TrainConfig, index) -> ModelConfig:
     d = cfg.data
-    max_frames = max(max(s.frames) for s in index.shards)
+    max_frames = index.max_frames if getattr(index, "format_version", 1) == 2 else \
+        max(max(s.frames) for s in index.shards)  # v2: len(video deltas) (train/data_v2.py)
     return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
                            max_frames=max(max_frames, *(d.frame_buckets or (0,))), **_model_overrides(cfg))
 
@@ -83,14 +84,19 @@ class Trainer:
         self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
-        self.loader = ShardLoader(
-            d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
-            rank=self.data_rank, world=self.data_world, index=self.index,
-            source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
-            device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
-            max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
-            timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
-            image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
+        self.v2 = getattr(self.index, "format_version", 1) == 2
+        if self.v2:  # format-2 root: samples are (episode, t), block-aware order (train/loader_v2.py)
+            self.loader = data_v2.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
+                                              rank=self.data_rank, world=self.data_world, device=self.device)
+        else:
+            self.loader = ShardLoader(
+                d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
+                rank=self.data_rank, world=self.data_world, index=self.index,
+                source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
+                device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
+                max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
+                timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
+                image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
         self.valset = self._valset()
         r = cfg.run
         self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
@@ -115,6 +121,10 @@ class Trainer:
         run, d = self.cfg.run, self.cfg.data
         if not run.eval_every:
             return None
+        if self.v2:
+            ids = data_v2.val_ids(self.index, run.eval_samples, d.sample_stride)
+            return data_v2.ValSetV2(self.index, ids, batch_size=8, text_len=d.max_text_tokens, device=self.device,
+                                    image_mean=d.image_mean, image_std=d.image_std)
         ids = val_sample_ids(self.index, run.eval_samples)  # raises ConfigError without a split
         return ValSet(d.root, self.index, ids, batch_size=min(8, len(ids)), text_len=d.max_text_tokens,
                       device=self.device, image_mean=d.image_mean, image_std=d.image_std,
@@ -224,7 +234,11 @@ class Trainer:
                                     "model": dataclasses.asdict(self.model_cfg),
                                     "data": {"image_mean": self.cfg.data.image_mean,
                                              "image_std": self.cfg.data.image_std,
-                                             "max_text_tokens": self.cfg.data.max_text_tokens}})
+                                             "max_text_tokens": self.cfg.data.max_text_tokens,
+                                    # format-2 roots: the sample shape Policy.load rebuilds (data_v2.py)
+                                    "video_deltas": list(self.cfg.data.video_deltas),
+                                    "state_deltas": list(self.cfg.data.state_deltas),
+                                    "action_pad": self.cfg.data.action_pad}})
         self.save_stall_s = [time.perf_counter() - t0]  # what the step loop waited for; logged with the next step
         return tag
 

@@ -38,13 +38,36 @@ class PoolClosedError(DataWorkerError):
     """get() was interrupted because the pool is closing (never seen by a caller that closes it)."""
 
 
-def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes, layout: BatchLayout,
-                 shm_names: list[str], policy: str, tasks, results) -> None:
+class _V1Filler:
+    """Format 1: one byte-range read per sample through the worker's own ShardSource."""
+
+    def __init__(self, spec: SourceSpec, index: ShardIndex, layout: BatchLayout):
+        self.index, self.layout = index, layout
+        self.norm = Norm.from_index(index)
+        self.source = make_source(spec, index)
+
+    def fill(self, arrays, items, policy):
+        return fill_batch(self.source, self.index, self.layout, self.norm, arrays, items, policy)
+
+    def counters(self):
+        return None
+
+    def close(self):
+        close_source(self.source)
+
+
+def _open_filler(spec: SourceSpec, index_json: bytes | None, layout: BatchLayout, filler_spec):
+    # filler_spec (format 2: train/fill_v2.FillerSpec) opens its own memory-mapped dataset.
+    if filler_spec is not None:
+        return filler_spec.open()
+    return _V1Filler(spec, ShardIndex.from_json(index_json), layout)
+
+
+def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes | None, layout: BatchLayout,
+                 shm_names: list[str], policy: str, tasks, results, filler_spec=None) -> None:
     # Runs in a fresh (spawned) process: no torch import, own source, own mmaps.
     try:
-        index = ShardIndex.from_json(index_json)
-        norm = Norm.from_index(index)
-        source = make_source(spec, index)
+        filler = _open_filler(spec, index_json, layout, filler_spec)
         shms = [SharedMemory(name=n) for n in shm_names]
     except BaseException:  # noqa: BLE001 - report why we could not start, then exit non-zero
         results.put(("fatal", worker_id, -1, traceback.format_exc(limit=8)))
@@ -63,15 +86,15 @@ def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes, layout: Ba
             seq, slot, k, items = task
             try:
                 arrays = layout.views(shms[slot].buf, k)
-                bad, reasons = fill_batch(source, index, layout, norm, arrays, items, policy)
+                bad, reasons = filler.fill(arrays, items, policy)
                 del arrays
-                results.put(("ok", worker_id, seq, (slot, k, bad, reasons)))
+                results.put(("ok", worker_id, seq, (slot, k, bad, reasons, filler.counters())))
             except LoongForgeError as exc:
                 results.put(("error", worker_id, seq, f"{type(exc).__name__}: {exc}"))
             except Exception:  # noqa: BLE001 - a bug must surface in the trainer, with its traceback
                 results.put(("error", worker_id, seq, traceback.format_exc(limit=8)))
     finally:
-        close_source(source)
+        filler.close()
         for shm in shms:
             shm.close()
 
@@ -80,8 +103,12 @@ class DecodePool:
     """Ring of `slots` batch buffers filled by `num_workers` processes (or inline)."""
 
     def __init__(self, index: ShardIndex, layout: BatchLayout, spec: SourceSpec, *, num_workers: int,
-                 slots: int, policy: str = "skip", timeout_s: float = 120.0, start_method: str = "spawn"):
+                 slots: int, policy: str = "skip", timeout_s: float = 120.0, start_method: str = "spawn",
+                 filler_spec=None):
+        # filler_spec: None = format 1 (`index` is the full ShardIndex); a fill_v2.FillerSpec = format 2
+        # (`index` may be None: each worker memory-maps the dataset's tables itself).
         self.index, self.layout, self.spec, self.policy = index, layout, spec, policy
+        self.worker_counters: dict[int, dict] = {}  # worker id -> its block-cache counters (format 2)
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.bad_samples = 0
         self.bad_reasons: list[str] = []
@@ -93,19 +120,21 @@ class DecodePool:
         self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
         if num_workers == 0:
             self._bufs = [np.empty(layout.nbytes, np.uint8) for _ in range(slots)]
-            self._norm = Norm.from_index(index)
-            self._source = make_source(spec, index)
+            self._filler = _open_filler(spec, None, layout, filler_spec) if filler_spec is not None \
+                else _V1Filler(spec, index, layout)
             return
-        self._source = None
+        self._filler = None
         self._shms = [SharedMemory(create=True, size=max(1, layout.nbytes)) for _ in range(slots)]
         self._bufs = [s.buf for s in self._shms]
         ctx = get_context(start_method)
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
-        names, index_json = [s.name for s in self._shms], index.to_json()
+        names = [s.name for s in self._shms]
+        index_json = index.to_json() if filler_spec is None else None
         try:
             for wid in range(num_workers):
                 p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
-                                args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results))
+                                args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results,
+                                      filler_spec))
                 p.start()
                 self._procs.append(p)
         except BaseException:
@@ -132,12 +161,11 @@ class DecodePool:
             _, slot, k, items = self._pending.pop(seq)
             arrays = self.layout.views(self._bufs[slot], k)
             try:
-                bad, reasons = fill_batch(self._source, self.index, self.layout, self._norm, arrays, items,
-                                          self.policy)
+                bad, reasons = self._filler.fill(arrays, items, self.policy)
             except BaseException:
                 self._free.append(slot)
                 raise
-            return self._finish(slot, k, bad, reasons)
+            return self._finish(slot, k, bad, reasons, 0, self._filler.counters())
         deadline = time.monotonic() + self.timeout_s
         # Checked on every call, not only on a timeout: the surviving workers would otherwise
         # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
@@ -157,11 +185,13 @@ class DecodePool:
                 raise DataWorkerError(f"data worker {wid} failed to start:\n{payload}")
             if kind == "error":
                 raise DataWorkerError(f"data worker {wid} failed on batch {rseq}: {payload}")
-            self._done[rseq] = payload
-        slot, k, bad, reasons = self._done.pop(seq)
-        return self._finish(slot, k, bad, reasons)
+            self._done[rseq] = (*payload[:4], (wid, payload[4]))
+        slot, k, bad, reasons, counters = self._done.pop(seq)
+        return self._finish(slot, k, bad, reasons, *counters)
 
-    def _finish(self, slot, k, bad, reasons):
+    def _finish(self, slot, k, bad, reasons, wid=0, counters=None):
+        if counters is not None:
+            self.worker_counters[wid] = counters
         if bad:
             self.bad_samples += bad
             self.bad_reasons.extend(reasons[-16:])
@@ -189,9 +219,9 @@ class DecodePool:
 
     def close(self) -> None:
         self._closing.set()
-        if self._source is not None:
-            close_source(self._source)
-            self._source = None
+        if self._filler is not None:
+            self._filler.close()
+            self._filler = None
         for _ in self._procs:
             try:
                 self._tasks.put_nowait(None)

@@ -1,0 +1,20 @@
+"""The format-2 loader benchmark's order table (benchmarks/loader_v2.py) on a small table: the
+counted columns it reports follow the order's design (decodes per sample ~ 1/run at fleet scale)."""
+
+from loongforge.benchmarks.loader_v2 import locate_cost, order_table
+
+
+def test_order_table_counts_follow_the_run_length():
+    rows = {r["order"]: r for r in order_table(batch=128, episodes=150)}
+    rand = rows["random permutation"]
+    assert rand["decodes_per_sample"] > 0.9 and rand["distinct_blocks"] > 0.9
+    for run in (2, 4, 8, 16):
+        r = rows[f"v2 run={run} window=65536"]
+        assert 0.5 / run < r["decodes_per_sample"] < 2.2 / run  # a run cut by a rank slice or a group tail: 2
+        assert r["distinct_blocks"] < 1.5 / run
+    assert rows["v2 run=1 window=1073741824"]["distinct_episodes"] > 0.9 * rand["distinct_episodes"]
+
+
+def test_locate_cost_reports_per_id_costs():
+    out = locate_cost(episodes=1000, samples=6400)
+    assert out["samples"] > 1000 * 150 and out["us_per_id_batch64"] > 0 and out["searchsorted_us_per_id"] > 0

@@ -1,0 +1,61 @@
+"""Per-worker LRU cache of decoded v2 frame blocks, bounded in bytes.
+
+A decoded block is B NV12 frames of one camera (256x256: 96 KiB a frame, 1.5 MiB at
+B=16). The block order (order_v2.py) brings a block's samples back within about one
+shuffle window, so a worker keeping the last window's blocks decodes each once. Each
+decode worker owns one cache (no sharing, no locks); the counters travel back with
+every batch so the trainer can log the hit rate.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from loongforge.shared.errors import ConfigError
+
+
+class BlockCache:
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ConfigError(f"data.block_cache_mb: {budget_bytes} bytes, must be >= 0 (0 = no cache)")
+        self.budget = int(budget_bytes)
+        self._blocks: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: Hashable, load: Callable[[], np.ndarray]) -> np.ndarray:
+        """The block under `key`, loading (decoding) it on a miss. The returned array is
+        read-only: it may be served again to later samples."""
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+            self.hits += 1
+            return block
+        self.misses += 1
+        block = load()
+        block.flags.writeable = False
+        if block.nbytes <= self.budget:  # a block over the whole budget is served, not kept
+            self._blocks[key] = block
+            self.bytes += block.nbytes
+            while self.bytes > self.budget:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.evictions += 1
+        return block
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._blocks
+
+    def counters(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes": self.bytes,
+                "blocks": len(self._blocks)}
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.bytes = 0
