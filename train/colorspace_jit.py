@@ -1,9 +1,10 @@
 """NV12 -> normalized float model input on CPU in one compiled pass (numba).
 
-The torch form of this conversion (`colorspace.nv12_to_input`'s op chain) is
+The torch form of this conversion (`colorspace.nv12_to_input_ops`) is
 bound by per-op dispatch and by 4 passes over the 12 B/pixel float output; one
-loop that reads each input byte once and writes each output float once is ~3x
-faster and needs no torch.compile (30-45 s of compile: rejected). This loop
+loop that reads each input byte once and writes each output float once is
+~9-11x the unfused reference (benchmarks/README.md, "The conversion") and needs
+no torch.compile (30-45 s of compile: rejected). This loop
 does the reference's float32 arithmetic in the reference's order, so its
 output is bit-identical to `colorspace.nv12_to_input_reference` (and its RGB
 to `shared.color.nv12_to_rgb`), not only within 1 LSB:
