@@ -3,9 +3,10 @@
 `nv12_to_rgb` (uint8) has the same formula, float32 operation order and
 rounding as the numpy reference `loongforge.shared.color.nv12_to_rgb`: it is
 bit-identical. `nv12_to_input` (the model input, every frame of every batch on
-the loader's hot path) is the fused form of the same transform: within 1 LSB of
-the reference RGB, equal on all but ~1e-6 of inputs (see its docstring). Host
-and device run the same function, so a model sees the same pixels either way.
+the loader's hot path) is the same transform fused: on CPU one compiled pass
+(colorspace_jit, numba), bit-identical; on CUDA (and on CPU without numba) the
+fused torch ops of `nv12_to_input_ops`, within 1 LSB of the reference RGB and
+equal on all but ~1e-6 of inputs. Either way a model sees the same pixels to 1 LSB.
 The coefficients come from the index (matrix and range), never assumed.
 
 Chroma is widened along rows to half resolution (w/2 -> w) and broadcast over
@@ -26,6 +27,7 @@ import torch
 
 from loongforge.shared.color import coefficients
 from loongforge.shared.errors import FormatError
+from loongforge.train import colorspace_jit
 
 # Pixels per CPU chunk (4 frames of 256x256): the chroma and luma ops' dispatch is amortized over the chunk.
 CHUNK_PX = 1 << 18
@@ -65,6 +67,23 @@ def nv12_to_rgb(nv12: torch.Tensor, matrix: str = "bt601", color_range: str = "l
 def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: float, std: float,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(..., 3h/2, w) uint8 -> (..., 3, h, w) model input: the reference RGB, /255, then (x-mean)/std.
+
+    On CPU (uint8, numba installed): one compiled pass, bit-identical to
+    `nv12_to_input_reference` (train/colorspace_jit.py). Elsewhere (CUDA, no
+    numba): `nv12_to_input_ops`, within 1 LSB of it.
+    """
+    rows, w = nv12.shape[-2:]
+    h = rows * 2 // 3
+    if rows * 2 % 3 or h % 2 or w % 2:
+        raise FormatError(f"not an NV12 frame shape: {tuple(nv12.shape)}")
+    if nv12.device.type == "cpu" and nv12.dtype == torch.uint8 and colorspace_jit.available():
+        return _input_jit(nv12, matrix, color_range, mean=mean, std=std, dtype=dtype)
+    return nv12_to_input_ops(nv12, matrix, color_range, mean=mean, std=std, dtype=dtype)
+
+
+def nv12_to_input_ops(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: float, std: float,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`nv12_to_input` as fused torch ops: the CUDA path, and the CPU one without numba.
 
     Fused form of `nv12_to_input_reference`, within 1 LSB of it (exactly equal
     on all but ~1e-6 of (Y, Cb, Cr) triples, those within float rounding of a
@@ -106,6 +125,18 @@ def nv12_to_input(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: fl
         m = min(step, n - s)
         _convert_chunk(frames[s:s + m], out[s:s + m], h, k, ws if m == step else _Scratch(m, h2, w, nv12.device))
     out = out.view(*lead, 3, h, w)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _input_jit(nv12: torch.Tensor, matrix: str, color_range: str, *, mean: float, std: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The CPU path: one compiled pass (colorspace_jit), bit-identical to the reference. Any
+    strided view is copied once to contiguous bytes first (1.5 B/pixel, against 12 B/pixel out)."""
+    rows, w = nv12.shape[-2:]
+    frames = nv12.reshape(-1, rows, w).contiguous()
+    out = torch.empty(frames.shape[0], 3, rows * 2 // 3, w, dtype=torch.float32)
+    colorspace_jit.convert(frames.numpy(), out.numpy(), matrix, color_range, mean=mean, std=std)
+    out = out.view(*nv12.shape[:-2], 3, rows * 2 // 3, w)
     return out if dtype == torch.float32 else out.to(dtype)
 
 

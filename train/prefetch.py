@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from loongforge.shared.errors import DataWorkerError
+from loongforge.train import colorspace_jit
 from loongforge.train.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
 
 _END = object()
@@ -85,6 +86,7 @@ class Prefetcher:
                 torch.cuda.set_device(self.device)  # the current device is per thread; default would be cuda:0
             elif self.rgb:
                 serial_cpu_ops_in_this_thread()  # one pipeline stage: the workers and the model hold the other cores
+                colorspace_jit.warm_up()  # compile (or load) the NV12 kernel now, while the workers decode
             while not self._stop.is_set():
                 staged = self._stage_next()
                 if staged is None:

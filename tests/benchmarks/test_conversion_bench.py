@@ -16,14 +16,14 @@ def test_row_measurement_on_the_bench_batch_shape():
     frames = conversion._batch_frames(ctx)
     assert [tuple(f.shape) for f in frames] == [(6, 24, 24)] * 2  # batch x K frames per camera
     m = conversion.measure(ctx, batches=2)
-    assert set(m) == {"old", "new"} and len(m["new"]["cpu"].values) == 2
+    assert set(m) == {"old", "ops", "new"} and len(m["new"]["cpu"].values) == 2
     assert all(s.median > 0 for d in m.values() for s in d.values())
 
 
 def test_standalone_run_reports_old_new_and_the_output_pass_floor(capsys):
     conversion.main(["--size", "32", "--frames", "4", "--batches", "2"])
     out = capsys.readouterr().out
-    for line in ("old:", "new:", "floor:", "new / old:", "floor / old:", "load average"):
+    for line in ("old:", "ops:", "new:", "floor:", "new / old:", "floor / old:", "load average"):
         assert line in out
     # The floor does the output passes only, on the output the conversion returns.
     x = torch.randint(0, 256, (3, 48, 32), dtype=torch.uint8)

@@ -3,8 +3,19 @@ import pytest
 import torch
 
 from loongforge.shared import color
-from loongforge.train import colorspace
+from loongforge.train import colorspace, colorspace_jit
 from loongforge.train.colorspace import nv12_to_input, nv12_to_input_reference, nv12_to_rgb
+
+
+@pytest.fixture(params=["jit", "ops"])
+def cpu_path(request, monkeypatch):
+    """Both CPU forms of nv12_to_input: the numba pass ("jit") and the torch ops it falls back to ("ops")."""
+    if request.param == "jit":
+        pytest.importorskip("numba")
+        assert colorspace_jit.available(), "numba is installed but the NV12 kernel did not compile"
+    else:
+        monkeypatch.setattr(colorspace_jit, "available", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize("matrix", ["bt601", "bt709"])
@@ -41,9 +52,11 @@ def _every_yuv_triple(frames_per_chunk: int):
         yield np.concatenate((y, uv), axis=1).astype(np.uint8)
 
 
-def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(matrix="bt601", rng_="limited"):
+def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(cpu_path, matrix="bt601",
+                                                                            rng_="limited"):
     # Every input once for the default matrix (the other three are covered by the random test below).
     # mean=0, std=1/255 makes the model input the rounded RGB itself, so LSBs compare directly.
+    # The numba pass does the reference's float32 ops in its order: not one value may differ.
     off, checked = 0, 0
     for nv12 in _every_yuv_triple(32):
         ref = np.moveaxis(color.nv12_to_rgb(nv12, matrix, rng_), -1, -3).astype(np.int16)
@@ -54,9 +67,11 @@ def test_fused_conversion_is_within_one_lsb_of_the_reference_on_every_input(matr
         checked += diff.size
     assert checked == 3 << 24
     assert off / checked < 1e-4, f"{off} of {checked} channel values differ by 1 LSB"
+    if cpu_path == "jit":
+        assert off == 0, f"{off} of {checked} channel values differ from shared.color"
 
 
-def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes(monkeypatch):
+def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes(monkeypatch, cpu_path):
     # Several CPU chunks and a partial last one (CHUNK_PX / (h*w) = 3 frames per chunk), output passes
     # over 2-frame slices of each (a partial one too), bf16 output.
     monkeypatch.setattr(colorspace, "CHUNK_PX", 3 * 64 * 64)
@@ -68,13 +83,14 @@ def test_fused_conversion_equals_the_unfused_one_on_odd_shapes_and_dtypes(monkey
         want = nv12_to_input_reference(nv12, matrix, rng_, **kw)
         assert got.shape == want.shape == (5, 7, 3, 64, 64) and got.is_contiguous()
         assert float((got - want).abs().max()) <= 1 / 255 / 0.22 + 1e-5
+        assert cpu_path == "ops" or torch.equal(got, want)  # the numba pass is bit-identical
     assert nv12_to_input(nv12, "bt601", "limited", dtype=torch.bfloat16, **kw).dtype == torch.bfloat16
     with pytest.raises(Exception, match="NV12"):
         nv12_to_input(nv12[..., :95, :], "bt601", "limited", **kw)
 
 
-@pytest.mark.parametrize("width", [6, 8, 10])
-def test_fused_conversion_handles_any_even_width_and_unaligned_views(width):
+@pytest.mark.parametrize("width", [2, 6, 8, 10])
+def test_fused_conversion_handles_any_even_width_and_unaligned_views(width, cpu_path):
     # The chroma split reads the CbCr rows as int32 words: widths that are not a multiple of 4 and
     # views that start at an odd byte (a frame sliced out of a byte buffer) must still convert.
     rng = np.random.default_rng(width)
@@ -87,6 +103,10 @@ def test_fused_conversion_handles_any_even_width_and_unaligned_views(width):
     assert float(np.abs(got - want).max()) <= 1.0 + 1e-3
     column_major = nv12.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, row stride 1
     assert torch.equal(nv12_to_input(column_major, "bt601", "limited", **kw), torch.from_numpy(got))
+    every_other = torch.stack((nv12, nv12), dim=1)[:, 1]  # frame stride twice its size
+    assert torch.equal(nv12_to_input(every_other, "bt601", "limited", **kw), torch.from_numpy(got))
+    if cpu_path == "jit":
+        assert np.array_equal(got, want)
 
 
 @pytest.mark.gpu

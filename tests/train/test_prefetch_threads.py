@@ -62,3 +62,31 @@ def test_serial_ops_are_per_thread_and_results_unchanged():
     t.join()
     assert counts == {"serial": True, "threads": 1} and torch.get_num_threads() >= 2
     assert torch.equal(got["x"], want)
+
+
+def test_cpu_prefetch_thread_compiles_the_conversion_kernel_before_the_first_batch(monkeypatch):
+    # The numba kernel's compile (seconds) belongs to loader start, in the prefetch thread, not to a batch.
+    from loongforge.train import colorspace_jit
+
+    events: list = []
+    real = colorspace_jit.warm_up
+
+    def recording_warm_up():
+        events.append(("warm_up", threading.current_thread().name))
+        return real()
+
+    monkeypatch.setattr(colorspace_jit, "warm_up", recording_warm_up)
+    seen: list[int] = []
+    pull = _pull_recording(seen)
+
+    def pull_logged():
+        events.append(("pull",))
+        return pull()
+
+    pf = Prefetcher(pull_logged, device=torch.device("cpu"), matrix="bt601", color_range="limited",
+                    mean=0.5, std=0.25, rgb=True, depth=2)
+    try:
+        assert len(list(pf)) == 2
+    finally:
+        pf.close()
+    assert events[0] == ("warm_up", "loongforge-prefetch"), events
