@@ -1,0 +1,64 @@
+"""Opt-in per-test CPU accounting: `LOONGFORGE_CPU_TIMES=out.json pytest ...` records,
+for each test phase, the user+sys seconds of the pytest process plus those of the
+children it reaped (getrusage RUSAGE_SELF / RUSAGE_CHILDREN deltas), and wall time.
+
+NOTE: CPU seconds, not wall time, because the dev box is shared by several busy
+processes: wall time measures the neighbours, CPU seconds measure the test. A child
+that is never reaped (a daemon left running) is not counted; every fixture here
+waits for what it starts, so that is a bound, not a blind spot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import pytest
+
+
+def _cpu() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+class CpuTimes:
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: dict[str, dict[str, float]] = {}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        yield from self._measure(item, "setup")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        yield from self._measure(item, "call")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item):
+        yield from self._measure(item, "teardown")
+
+    def _measure(self, item, phase: str):
+        own0, kids0 = _cpu()
+        t0 = time.monotonic()
+        yield
+        own1, kids1 = _cpu()
+        row = self.rows.setdefault(item.nodeid, {})
+        row[f"{phase}_self"] = round(own1 - own0, 3)
+        row[f"{phase}_children"] = round(kids1 - kids0, 3)
+        row[f"{phase}_wall"] = round(time.monotonic() - t0, 3)
+
+    def pytest_sessionfinish(self, session):
+        for row in self.rows.values():
+            row["cpu"] = round(sum(v for k, v in row.items() if k.endswith(("_self", "_children"))), 3)
+        with open(self.path, "w") as f:
+            json.dump({"load_at_end": os.getloadavg(), "tests": self.rows}, f, indent=1, sort_keys=True)
+
+
+def register(config) -> None:
+    path = os.environ.get("LOONGFORGE_CPU_TIMES")
+    if path:
+        config.pluginmanager.register(CpuTimes(path), "loongforge-cpu-times")
