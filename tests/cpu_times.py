@@ -51,11 +51,17 @@ class CpuTimes:
         row[f"{phase}_children"] = round(kids1 - kids0, 3)
         row[f"{phase}_wall"] = round(time.monotonic() - t0, 3)
 
-    def pytest_sessionfinish(self, session):
-        for row in self.rows.values():
+    def pytest_runtest_logfinish(self, nodeid, location):
+        row = self.rows.get(nodeid)
+        if row is not None:
             row["cpu"] = round(sum(v for k, v in row.items() if k.endswith(("_self", "_children"))), 3)
-        with open(self.path, "w") as f:
+            self._write()  # after every test, so a long run can be read while it goes
+
+    def _write(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
             json.dump({"load_at_end": os.getloadavg(), "tests": self.rows}, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
 
 
 def register(config) -> None:
