@@ -1,11 +1,11 @@
 """Opt-in per-test CPU accounting: `LOONGFORGE_CPU_TIMES=out.json pytest ...` records,
-for each test phase, the user+sys seconds of the pytest process plus those of the
-children it reaped (getrusage RUSAGE_SELF / RUSAGE_CHILDREN deltas), and wall time.
+for each test phase, the user+sys seconds of the pytest process plus those of its
+children, reaped (getrusage RUSAGE_SELF / RUSAGE_CHILDREN deltas) or still alive
+(/proc), and wall time.
 
 NOTE: CPU seconds, not wall time, because the dev box is shared by several busy
-processes: wall time measures the neighbours, CPU seconds measure the test. A child
-that is never reaped (a daemon left running) is not counted; every fixture here
-waits for what it starts, so that is a bound, not a blind spot.
+processes: wall time measures the neighbours, CPU seconds measure the test. Lost:
+a grandchild orphaned to init (init reaps it, not us).
 """
 
 from __future__ import annotations
@@ -18,10 +18,41 @@ import time
 import pytest
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _live_descendants_cpu(pid: int) -> float:
+    """CPU seconds of the live descendants (own + what they reaped). Reaping moves a child's total into
+    our RUSAGE_CHILDREN, so own + reaped + live is conserved across phases: a process pool or a server
+    that outlives one test is charged to the tests during which it burned CPU."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                try:
+                    with open(f"/proc/{kid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                total += sum(int(x) for x in fields[11:15]) / _TICK  # utime stime cutime cstime
+                todo.append(kid)
+    return total
+
+
 def _cpu() -> tuple[float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime + _live_descendants_cpu(os.getpid())
 
 
 class CpuTimes:
