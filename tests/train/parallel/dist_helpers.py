@@ -66,7 +66,7 @@ class _RankPool:
         ctx = mp.get_context("spawn")
         while len(self.procs) < world:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child,))
             proc.start()
             child.close()  # so the parent's end reads EOF when the worker dies
             self.procs.append(proc)
@@ -81,18 +81,28 @@ class _RankPool:
             self.conns.pop(r).close()
             self.procs.pop(r)
 
+    def close(self) -> None:
+        """Idle workers leave on EOF; whatever does not within 10 s is killed."""
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
     def kill(self) -> None:
         for p in self.procs:
-            p.kill()
+            if p.is_alive():
+                p.kill()
         for p in self.procs:
             p.join()
         for c in self.conns:
-            c.close()
+            if not c.closed:
+                c.close()
         self.procs, self.conns = [], []
 
 
 _POOL = _RankPool()
-atexit.register(_POOL.kill)
+atexit.register(_POOL.close)
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 240) -> None:
@@ -104,7 +114,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 240) -> None:
         for rank, conn in enumerate(conns):
             conn.send((rank, fn, world, os.path.join(tmp, "store"), args))
         deadline = time.monotonic() + timeout
-        pending, retired, errors = set(range(world)), set(), {}
+        pending, retired, errors = set(range(world)), set(), []
         while pending and not errors:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -118,13 +128,13 @@ def run_ranks(fn, world: int, *args, timeout: float = 240) -> None:
                 except EOFError:
                     status, info = "error", f"rank {rank} exited with code {_POOL.procs[rank].exitcode}"
                 if status == "error":
-                    errors[rank] = info
+                    errors.append((rank, info))
                 elif info:
                     retired.add(rank)
     if errors:
         _POOL.kill()  # its peers may be blocked in a collective
-        rank, info = min(errors.items())
-        pytest.fail(f"{fn.__name__} failed on rank {rank} of {world}:\n{info}", pytrace=False)
+        said = "\n".join(f"rank {rank}:\n{info}" for rank, info in errors)  # first to fail first
+        pytest.fail(f"{fn.__name__} failed on {len(errors)} of {world} ranks:\n{said}", pytrace=False)
     _POOL.drop(retired)
 
 
