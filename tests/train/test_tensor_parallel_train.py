@@ -84,7 +84,11 @@ def _check_tp_bytes(run_dir, rows):
     assert json.loads(proc.stdout)["comm_groups"]["tp"]["calls"] >= 4 * m["depth"]
 
 
+# ZeRO-2's TP resume is `full`: make test resumes the ZeRO-3 TP run (the same layout check and per-TP-rank
+# files), and test_deepspeed.py::test_resume_is_exact resumes ZeRO-2 itself.
 @pytest.mark.slow
+@pytest.mark.parametrize("tp_run", [pytest.param(2, marks=pytest.mark.full), 3], ids=["zero2", "zero3"],
+                         indirect=True)
 def test_tp2_resume_is_exact(tp_run, train_root, tmp_path):
     """4 steps straight == 2 steps + resume (same layout) + 2 steps."""
     zero, run_dir, _ = tp_run
