@@ -42,3 +42,17 @@ def zero3_run(train_root, tmp_path_factory):
 
 ZERO3_RUN_ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
                   "--no-ds-breakdown", "--steps", "4", "--zero", "3", "--save-every", "2"]
+
+
+@pytest.fixture(scope="session")
+def ac_fp8_zero3_launch(train_root, tmp_path_factory):
+    """ac_zero3_worker.py on 2 ranks, both checks in one launch (~20 CPU s each): test_ac.py reads its
+    AC-ZERO3-OK lines, test_precision.py its FP8-ZERO3-OK lines."""
+    import os
+
+    from tests.train.train_launch import torchrun_script
+
+    root, _ = train_root
+    work = tmp_path_factory.mktemp("ac_zero3")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ac_zero3_worker.py")
+    return torchrun_script(2, worker, [root, str(work / "run"), "ac", "fp8"], cwd=str(work), timeout=600)
