@@ -299,7 +299,12 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
     latest = open(os.path.join(run_dir, "checkpoints", "latest")).read().strip()
     assert latest.startswith("step") and int(latest[4:]) % 4 == 0 and int(latest[4:]) <= done
 
-    relaunch = torchrun if launcher == "torchrun" else functools.partial(deepspeed_launch, module=True)
+    if launcher == "torchrun":
+        # make test stops here: the resume after a kill (steps redone, none doubled) is checked by
+        # test_ckpt_resilience.py::test_sigkill_mid_save_keeps_previous_latest; the `full` deepspeed
+        # variant resumes after this one-rank kill too.
+        return
+    relaunch = functools.partial(deepspeed_launch, module=True)
     resumed = relaunch(2, [*args, "--steps", str(done + 3), "--resume"], cwd=str(tmp_path))
     _ok(resumed)
     steps = [r["step"] for r in _metrics(run_dir)]
