@@ -14,6 +14,12 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_configure(config):
+    from tests.cpu_times import register
+
+    register(config)  # opt-in per-test CPU seconds: LOONGFORGE_CPU_TIMES=out.json
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

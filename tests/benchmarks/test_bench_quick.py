@@ -13,31 +13,56 @@ import sys
 import numpy as np
 import pytest
 
-QUICK_GOPS, WORKERS = (2, 20, 100), (0, 1, 2)
-P1_CELLS = {f"P1/g{g}/w{w}{s}" for g in QUICK_GOPS for w in WORKERS for s in ("", "-nv12", "-threaded")}
-EXPECTED_ROWS = P1_CELLS | {"P1/rgb-conversion", "P1/worst", "P1/torchcodec", "P2/w1", "P2/w2", "P3/share", "P3/step",
-                            "P3/wait", "P4", "P5/transcode", "P5/break-even"}
+QUICK_GOPS, WORKERS = (2, 20, 100), (0, 1, 2)  # the --quick preset's grid
+# `make test` runs --quick on a 2 x 2 corner of that grid: the shortest and longest GOP, in-process and
+# multi-worker loading; every kind of row and every check below still runs. The whole grid is `full`.
+FAST_GOPS, FAST_WORKERS = (2, 100), (0, 2)
 QUICK_BUDGET_S = 600  # ~3 min quiet (3 GOPs x 3 worker counts x 4 passes); the margin absorbs a loaded machine
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bench")
+def p1_cells(gops, workers) -> set[str]:
+    return {f"P1/g{g}/w{w}{s}" for g in gops for w in workers for s in ("", "-nv12", "-threaded")}
+
+
+def expected_rows(gops, workers) -> set[str]:
+    return p1_cells(gops, workers) | {"P1/rgb-conversion", "P1/worst", "P1/torchcodec", "P2/w1", "P2/w2", "P3/share",
+                                      "P3/step", "P3/wait", "P4", "P5/transcode", "P5/break-even"}
+
+
+def _run_quick(tmp, *extra):
     out, work = tmp / "results", tmp / "work"
-    proc = subprocess.run([sys.executable, "-m", "loongforge", "bench", "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "loongforge", "bench", "--quick", *extra, "--out", str(out),
                            "--workdir", str(work)], capture_output=True, text=True, timeout=QUICK_BUDGET_S,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, out, work
 
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    return _run_quick(tmp_path_factory.mktemp("bench"), "--gops", ",".join(map(str, FAST_GOPS)),
+                      "--workers", ",".join(map(str, FAST_WORKERS)))
+
+
 @pytest.mark.slow
 def test_quick_bench_writes_a_complete_result(quick_run):
-    proc, out, _ = quick_run
+    check_complete_result(*quick_run[:2], FAST_GOPS, FAST_WORKERS)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_quick_bench_full_grid_writes_a_complete_result(tmp_path):
+    """`loongforge bench --quick` exactly as documented: the preset's 3 GOPs x 3 worker counts."""
+    check_complete_result(*_run_quick(tmp_path)[:2], QUICK_GOPS, WORKERS)
+
+
+def check_complete_result(proc, out, gops, workers):
+    P1_CELLS, EXPECTED_ROWS = p1_cells(gops, workers), expected_rows(gops, workers)  # noqa: N806
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = list(out.glob("*.json"))
     assert len(results) == 1
     doc = json.loads(results[0].read_text())
     assert doc["result_version"] == 1 and doc["config"]["quick"] is True
+    assert tuple(doc["config"]["gops"]) == gops and tuple(doc["config"]["workers"]) == workers
     m = doc["machine"]
     assert m["cpu_model"] and m["cores_usable"] >= 1 and m["libraries"]["torch"] and m["libraries"]["av"]
     rows = {r["id"]: r for r in doc["rows"]}
@@ -65,9 +90,9 @@ def test_quick_bench_writes_a_complete_result(quick_run):
         else:
             assert r["goal_met"] is None  # float RGB: reported beside the goals
     # Same windows at every GOP: only what the baseline must decode per window changes, and it grows with the GOP.
-    decoded = [rows[f"P1/g{g}/w0"]["params"]["baseline_decoded_frames_per_window"] for g in QUICK_GOPS]
+    decoded = [rows[f"P1/g{g}/w0"]["params"]["baseline_decoded_frames_per_window"] for g in gops]
     assert decoded == sorted(decoded) and decoded[0] < decoded[-1]
-    assert len({rows[f"P1/g{g}/w0"]["params"]["samples"] for g in QUICK_GOPS}) == 1
+    assert len({rows[f"P1/g{g}/w0"]["params"]["samples"] for g in gops}) == 1
     worst = rows["P1/worst"]
     assert worst["ratio"]["median"] == min(rows[r]["ratio"]["median"] for r in P1_CELLS
                                            if r.endswith(("w2-nv12", "w2-threaded")))

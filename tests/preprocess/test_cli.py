@@ -10,12 +10,26 @@ import pytest
 from loongforge.cli import main
 
 
-@pytest.mark.slow  # multi-process Beam workers (the default local runner)
-def test_sample_data_preprocess_inspect(tmp_path, capsys):
-    data, out = str(tmp_path / "ds"), str(tmp_path / "shards")
+@pytest.fixture(scope="module")
+def cli_job(tmp_path_factory):
+    """`loongforge sample-data` then `loongforge preprocess --workers 2` (multi-process Beam workers, the
+    default local runner) as a user runs it; two tests read its output, so the job runs once."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("cli")
+    data, out = str(tmp / "ds"), str(tmp / "shards")
     assert main(["sample-data", data, "--episodes", "3", "--frames", "12", "16", "--gop", "4"]) == 0
-    assert main(["preprocess", "--input", data, "--output", out, "--workers", "2", "--shard-size", "256KB"]) == 0
-    text = capsys.readouterr().out
+    run = subprocess.run([sys.executable, "-m", "loongforge", "preprocess", "--input", data, "--output", out,
+                          "--workers", "2", "--shard-size", "256KB"], capture_output=True, text=True, timeout=300)
+    return run, out
+
+
+@pytest.mark.slow
+def test_sample_data_preprocess_inspect(cli_job, capsys):
+    run, out = cli_job
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout
     assert "episodes   3 converted, 0 failed" in text and "frames/s" in text and "ratio" in text
 
     assert main(["inspect", out, "--json", "--verify"]) == 0
@@ -54,17 +68,11 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "no index.json" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # multi-process Beam workers
-def test_local_workers_log_progress_not_harness_chatter(tmp_path):
+@pytest.mark.slow
+def test_local_workers_log_progress_not_harness_chatter(cli_job):
     """Worker processes print this job's progress lines and warnings, not the
     Beam harness's per-worker gRPC set-up at INFO."""
-    import subprocess
-    import sys
-
-    data, out = str(tmp_path / "ds"), str(tmp_path / "shards")
-    assert main(["sample-data", data, "--episodes", "2", "--frames", "8", "8", "--cameras", "front"]) == 0
-    run = subprocess.run([sys.executable, "-m", "loongforge", "preprocess", "--input", data, "--output", out,
-                          "--workers", "2"], capture_output=True, text=True, timeout=300)
+    run, _ = cli_job
     assert run.returncode == 0, run.stderr[-3000:]
     assert "loongforge.preprocess.convert:episode 0" in run.stderr and "episode 1" in run.stderr
     assert "sdk_worker" not in run.stderr and "Pipeline_options" not in run.stderr, run.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""Worker of test_ac.py's ZeRO-3 test (run by torchrun, 2 ranks): gradients with and without
-activation checkpointing, built exactly as the trainer builds (policies, then the engine)."""
+"""Worker of test_ac.py's and test_precision.py's ZeRO-3 tests (run by torchrun, 2 ranks, once for both:
+`ac_zero3_worker.py ROOT RUN_DIR ac fp8`): gradients with and without activation checkpointing, and FP8
+linears with AC, built exactly as the trainer builds (policies, then the engine)."""
 
 import os
 import sys
@@ -128,9 +129,8 @@ def main():
 
     root, run_dir = sys.argv[1], sys.argv[2]
     eng.init_distributed(torch.device("cpu"))
-    if sys.argv[3:] == ["fp8"]:
-        main_fp8(root, run_dir)
-    else:
+    modes = sys.argv[3:] or ["ac"]  # "ac fp8": both checks in one launch (tests/train/conftest.py)
+    if "ac" in modes:
         ref = grads(root, run_dir, 0)
         for every in (1, 2):
             got = grads(root, run_dir, every)
@@ -142,6 +142,8 @@ def main():
         for n in ref:
             torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"toy {n}")
         print("AC-ZERO3-OK", flush=True)
+    if "fp8" in modes:
+        main_fp8(root, run_dir)
     eng.shutdown()
     os._exit(0)
 

@@ -23,3 +23,36 @@ def variable_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("variable_root")
     index = make_synthetic_root(str(root), shards=3, samples_per_shard=8, frames=3, variable_frames=True)
     return str(root), index
+
+
+@pytest.fixture(scope="session")
+def zero3_run(train_root, tmp_path_factory):
+    """One plain 2-rank ZeRO-3 run (4 steps, a checkpoint every 2) that several files inspect:
+    test_ckpt_resilience resumes it on 1 rank, test_compressed_dp_train compares --grad-compression
+    against its losses. A launch costs ~20 CPU s; tests read this run and write only to copies."""
+    from tests.train.train_launch import torchrun
+
+    root, _ = train_root
+    work = tmp_path_factory.mktemp("zero3_run")
+    run_dir = str(work / "run")
+    proc = torchrun(2, ["--data", root, "--run-dir", run_dir, *ZERO3_RUN_ARGS], cwd=str(work), timeout=400)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return run_dir
+
+
+ZERO3_RUN_ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
+                  "--no-ds-breakdown", "--steps", "4", "--zero", "3", "--save-every", "2"]
+
+
+@pytest.fixture(scope="session")
+def ac_fp8_zero3_launch(train_root, tmp_path_factory):
+    """ac_zero3_worker.py on 2 ranks, both checks in one launch (~20 CPU s each): test_ac.py reads its
+    AC-ZERO3-OK lines, test_precision.py its FP8-ZERO3-OK lines."""
+    import os
+
+    from tests.train.train_launch import torchrun_script
+
+    root, _ = train_root
+    work = tmp_path_factory.mktemp("ac_zero3")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ac_zero3_worker.py")
+    return torchrun_script(2, worker, [root, str(work / "run"), "ac", "fp8"], cwd=str(work), timeout=600)

@@ -50,10 +50,11 @@ def topk_run(train_root, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ratio_one_equals_plain_zero3(train_root, tmp_path):
+def test_ratio_one_equals_plain_zero3(train_root, zero3_run, tmp_path):
     root, _ = train_root
-    plain, dense = str(tmp_path / "plain"), str(tmp_path / "dense")
-    _run(root, plain, cwd=str(tmp_path))
+    # zero3_run (tests/train/conftest.py) is this file's COMMON run plain (plus checkpoints, which
+    # change no loss): one launch fewer.
+    plain, dense = zero3_run, str(tmp_path / "dense")
     proc = _run(root, dense, "--grad-compression", "topk", "--compress-ratio", "1", cwd=str(tmp_path))
     assert [d[2] for d in _decisions(proc.stdout)] == ["dense"]  # ratio 1: sparse never wins
     want, got = _metrics(plain), _metrics(dense)

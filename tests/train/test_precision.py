@@ -2,7 +2,6 @@
 schedule, the refusals; numerics on a GPU (`make gpu-check`)."""
 
 import copy
-import os
 import sys
 
 import pytest
@@ -12,8 +11,6 @@ from torch import nn
 from loongforge.shared.errors import ConfigError
 from loongforge.train import precision
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import torchrun_script  # noqa: E402
 
 torchao = pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -137,12 +134,11 @@ def test_memory_config_validation():
 
 
 @pytest.mark.slow
-def test_fp8_ac_zero3_two_ranks_trains(train_root, tmp_path):
+def test_fp8_ac_zero3_two_ranks_trains(ac_fp8_zero3_launch):
     """FP8 linears + warm-up + AC under ZeRO-3 on 2 gloo ranks (emulated FP8 GEMMs on CPU): the
-    first warm-up step equals the BF16-path loss, later steps run FP8, losses stay finite."""
-    root, _ = train_root
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ac_zero3_worker.py")
-    proc = torchrun_script(2, worker, [root, str(tmp_path / "run"), "fp8"], cwd=str(tmp_path), timeout=400)
+    first warm-up step equals the BF16-path loss, later steps run FP8, losses stay finite. One
+    launch with test_ac's ZeRO-3 check (tests/train/conftest.py)."""
+    proc = ac_fp8_zero3_launch
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("FP8-ZERO3-OK") == 2, proc.stdout[-3000:]
 

@@ -15,3 +15,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "parallel_full" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _rank_pool():
+    """The pooled gloo ranks (dist_helpers.run_ranks) live while this folder's tests run, not the session."""
+    yield
+    from tests.train.parallel.dist_helpers import _POOL
+
+    _POOL.close()

@@ -1,4 +1,4 @@
-"""Run a function on W real gloo processes (torch.multiprocessing spawn), with a
+"""Run a function on W real gloo processes (spawned once, pooled across tests), with a
 deadline: a hang becomes a test failure, a rank's exception fails the test with
 its traceback. Plus the tiny transformer the parallel tests share: a block with
 the trunk's interface (qkv [q|k|v] by heads, proj, fc1, fc2, attn(q, k, v, mask,
@@ -6,9 +6,13 @@ dropout_p) on (B, H, N, Dh)), its local head count derived from tensor shapes.""
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import tempfile
 import time
+import traceback
+from multiprocessing import connection as mp_connection
 
 import pytest
 import torch
@@ -19,8 +23,6 @@ from torch import nn
 
 
 def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
@@ -28,16 +30,112 @@ def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
+def _serve(conn) -> None:
+    """A pooled rank: run jobs (rank, fn, world, store, args) until the driver closes the pipe."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        try:
+            _entry(*job)
+        except BaseException:  # noqa: BLE001 - reported to the driver, which fails the test with it
+            conn.send(("error", traceback.format_exc()))
+            return  # a failed rank's process state is suspect: never reuse it
+        # NOTE: DeepSpeed keeps process-global state (its comm backend, accelerator) past
+        # destroy_process_group: a process that imported it runs no further job.
+        retire = "deepspeed" in sys.modules
+        conn.send(("ok", retire))
+        if retire:
+            return
+
+
+class _RankPool:
+    """Spawned rank processes kept across run_ranks calls. A spawn costs a Python start and a torch
+    import (~3 CPU s), more than most of these tests' work: the parallel tests spawned ~25 of them.
+    A call uses the first `world` workers; a failure or a timeout kills the pool (a rank may be blocked
+    in a collective), and the next call spawns fresh ones."""
+
+    def __init__(self):
+        self.procs: list = []
+        self.conns: list = []
+
+    def ensure(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        while len(self.procs) < world:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,))
+            proc.start()
+            child.close()  # so the parent's end reads EOF when the worker dies
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def drop(self, ranks) -> None:
+        for r in sorted(ranks, reverse=True):
+            self.procs[r].join(timeout=30)
+            if self.procs[r].is_alive():
+                self.procs[r].kill()
+                self.procs[r].join()
+            self.conns.pop(r).close()
+            self.procs.pop(r)
+
+    def close(self) -> None:
+        """Idle workers leave on EOF; whatever does not within 10 s is killed."""
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join()
+        for c in self.conns:
+            if not c.closed:
+                c.close()
+        self.procs, self.conns = [], []
+
+
+_POOL = _RankPool()
+atexit.register(_POOL.close)
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 240) -> None:
+    """fn(rank, world, *args) on `world` gloo ranks (pooled processes); a rank's exception fails the
+    test with its traceback, a hang fails it after `timeout` seconds."""
+    _POOL.ensure(world)
+    conns = _POOL.conns[:world]
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
-                                 join=False, start_method="spawn")
+        for rank, conn in enumerate(conns):
+            conn.send((rank, fn, world, os.path.join(tmp, "store"), args))
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
+        pending, retired, errors = set(range(world)), set(), []
+        while pending and not errors:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _POOL.kill()
                 pytest.fail(f"{fn.__name__} on {world} ranks did not finish within {timeout:.0f} s")
+            for conn in mp_connection.wait([conns[r] for r in pending], timeout=min(left, 5)):
+                rank = conns.index(conn)
+                pending.discard(rank)
+                try:
+                    status, info = conn.recv()
+                except EOFError:
+                    status, info = "error", f"rank {rank} exited with code {_POOL.procs[rank].exitcode}"
+                if status == "error":
+                    errors.append((rank, info))
+                elif info:
+                    retired.add(rank)
+    if errors:
+        _POOL.kill()  # its peers may be blocked in a collective
+        said = "\n".join(f"rank {rank}:\n{info}" for rank, info in errors)  # first to fail first
+        pytest.fail(f"{fn.__name__} failed on {len(errors)} of {world} ranks:\n{said}", pytrace=False)
+    _POOL.drop(retired)
 
 
 def sdpa(q, k, v, mask, dropout_p=0.0):
