@@ -87,7 +87,8 @@ def byte_scale(sizes: dict, plan: dict, dtype_bytes: int) -> dict:
     traffic grows by T*S."""
     held = lambda r: r["params"] - r["tp_split_params"] * (plan["tp"] - 1) / plan["tp"]  # noqa: E731
     m, t = sizes["measured"], sizes["target"]
-    return {"param": dtype_bytes / 4 * held(t) / held(m), "act": dtype_bytes / 4 * t["act"] / m["act"] * plan["tp"] * plan["sp"]}
+    dtype = dtype_bytes / 4
+    return {"param": dtype * held(t) / held(m), "act": dtype * t["act"] / m["act"] * plan["tp"] * plan["sp"]}
 
 
 def analyse(rows: list[dict], *, hw: ab.Hardware, sizes, compute_s: float, recipes: dict, dtype_bytes: int) -> dict:

@@ -9,7 +9,8 @@ from pathlib import Path
 def tables(doc: dict) -> str:
     lines = [f"MEASURED ({doc['device']}, gloo, recipe {doc['recipe']}, {doc['micro_batch_per_replica']} samples "
              f"per replica per step, load avg {doc['load_avg']:.1f})",
-             "| plan | ranks | step ms | comm ms | comm share | MB sent / rank / step | by group (MB) | model comm ms |",
+             "| plan | ranks | step ms | comm ms | comm share | MB sent / rank / step | by group (MB) "
+             "| model comm ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["measured"]:
         if r["status"] != "ok":
@@ -27,7 +28,8 @@ def tables(doc: dict) -> str:
               f"NVLink {pi['hardware']['nvlink_gbps']:g} GB/s {pi['hardware']['nvlink_latency_us']:g} us, "
               f"IB {pi['hardware']['ib_gbps']:g} GB/s {pi['hardware']['ib_latency_us']:g} us, "
               f"{pi['hardware']['gpus_per_node']} GPUs/node; no overlap)",
-              "| plan | GPUs | comm s | comm share | MB sent / GPU / step | links | flag |", "|---|---|---|---|---|---|---|"]
+              "| plan | GPUs | comm s | comm share | MB sent / GPU / step | links | flag |",
+              "|---|---|---|---|---|---|---|"]
     for name, p in doc["plans"].items():
         for q in p["projection"]:
             links = ", ".join(f"{k}:{v['link']}" for k, v in sorted(q["groups"].items()) if v["group_size"] > 1)

@@ -1,8 +1,9 @@
 """The trainer with `--sp`: real launches on gloo. 2 ranks x SP 2 (one data-parallel replica, the
 video tokens split in two, Ulysses attention) give the losses of 1 rank on the same global batch,
 step for step, in fp32, under ZeRO-3 (the loss gradient seeded for ZeRO-3's average over SP;
-gradient clipping at 1.0 binds, so the global norm must be right too); the SP group's bytes are
-counted per step; a checkpoint saved in the SP layout resumes exactly."""
+gradient clipping at 1.0 binds, so the global norm must be right too) with activation
+checkpointing on half the trunk blocks; the SP group's bytes are counted per step; a checkpoint
+saved in the SP layout resumes exactly."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import launch, torchrun  # noqa: E402
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
-          "--steps", "4", "--no-ds-breakdown", "--zero", "3"]
+          "--steps", "4", "--no-ds-breakdown", "--zero", "3",
+          "--ac-every", "2"]  # AC on trunk block 0 only: a recomputed block re-runs its all-to-alls in backward
 
 
 def _metrics(run_dir):
@@ -79,3 +81,22 @@ def test_sp2_resume_is_exact(sp_run, train_root, tmp_path):
     for a, b in zip(want[2:], got[2:], strict=True):
         assert b["sample_ids"] == a["sample_ids"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.full  # 4 ranks: ~3 min on a loaded 2-core box
+def test_sp2_dp2_hybrid_compression_matches_one_rank(train_root, tmp_path):
+    """SP 2 x DP 2 under hybrid sharding (ZeRO-3 inside each SP group, the DP replicas synced by the
+    compressor; ratio 1 = every bucket dense) == 1 rank, step for step."""
+    root, _ = train_root
+    args = ["--data", root, *COMMON, "--steps", "3"]  # the later --steps wins
+    _ok(torchrun(4, [*args, "--run-dir", str(tmp_path / "hyb"), "--sp", "2", "--grad-compression", "topk",
+                     "--compress-ratio", "1"], cwd=str(tmp_path), timeout=600))
+    _ok(launch([sys.executable, "-m", "loongforge.train", *args, "--run-dir", str(tmp_path / "ref")],
+               cwd=str(tmp_path)))
+    want, got = _metrics(str(tmp_path / "ref")), _metrics(str(tmp_path / "hyb"))
+    assert len(got) == 3
+    for a, b in zip(want, got, strict=True):
+        assert b["sample_ids"] == a["sample_ids"] and b["samples"] == 8
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["comm_groups"]["dp"]["wire_bytes"] > 0  # the replicas did exchange gradients

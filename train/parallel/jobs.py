@@ -76,7 +76,8 @@ def run_job(world: int, args: list[str], *, data: str, run_dir: str, device: str
     log_path = os.path.join(run_dir, "launch.log")
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(device), timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(device),
+                                timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0:
