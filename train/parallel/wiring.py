@@ -82,9 +82,9 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
     if state.plan.tp > 1 and swapped == 0:
         raise ConfigError(f"parallel.tp={state.plan.tp}: no block with nn.Linear qkv/proj/fc1/fc2 to split "
                           "(a module swap replaced them?); use --tp 1")
-    # SP: video tokens sharded at model.trunk_tokens, the loss gradient seeded for ZeRO's reduction over SP.
-    apply_video_sequence_parallel(model, SequenceParallel(state),
-                                  zero_divisor=zero_loss_scale(conf["zero_optimization"], state))
+    if state.plan.sp > 1:  # video tokens sharded at model.trunk_tokens, the loss gradient seeded for ZeRO over SP
+        apply_video_sequence_parallel(model, SequenceParallel(state),
+                                      zero_divisor=zero_loss_scale(conf["zero_optimization"], state))
     if conf["zero_optimization"]["stage"] == 3:
         partition_zero3(model, state)
     return model, state
