@@ -147,6 +147,27 @@ def test_padded_layout_matches_pad_mask():
     assert torch.equal(got, want)
 
 
+def test_split_pads_and_refuses_what_it_cannot_shard():
+    from types import SimpleNamespace
+
+    from loongforge.shared.errors import ConfigError
+    from loongforge.train.parallel.video_sp import VideoTokens
+
+    sp = SimpleNamespace(size=2, rank=1, group=None, layout=None)  # no collective in split
+    segs = masks.vl_segments(cameras=1, frames=3, tokens_per_frame=3, text_len=2)  # 9 video + 5 replicated
+    layout = masks.VLLayout(segs, torch.tensor([[9, 3, 2]]))
+    seq = torch.arange(14.0).view(1, 14, 1)
+    local, mask = VideoTokens(sp).split(seq, 9, masks.VLSelf(layout))
+    assert local.flatten().tolist() == [5, 6, 7, 8, 0, 9, 10, 11, 12, 13]  # my 5 video (4 real + 1 pad), then all rest
+    assert [x.name for x in mask.layout.segments] == ["vision0", "sp_pad", "state", "text"]
+    with pytest.raises(ConfigError, match="no padded form"):
+        VideoTokens(sp).split(seq, 9, masks.Causal(14))
+    with pytest.raises(ConfigError, match="segment boundary"):
+        padded_layout(layout, 8, 2)
+    with pytest.raises(ConfigError, match="trunk_tokens"):
+        apply_video_sequence_parallel(torch.nn.Linear(2, 2), sp)
+
+
 FAST = [(1, 2, 1), (2, 2, 1)]
 FULL = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4), (1, 4, 2)]
 
