@@ -97,6 +97,7 @@ def test_sp2_dp2_hybrid_compression_matches_one_rank(train_root, tmp_path):
     want, got = _metrics(str(tmp_path / "ref")), _metrics(str(tmp_path / "hyb"))
     assert len(got) == 3
     for a, b in zip(want, got, strict=True):
-        assert b["sample_ids"] == a["sample_ids"] and b["samples"] == 8
+        # one row per replica here, one row of 8 in the reference: the same samples in the step
+        assert sorted(sum(b["sample_ids"], [])) == sorted(sum(a["sample_ids"], [])) and b["samples"] == 8
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["comm_groups"]["dp"]["wire_bytes"] > 0  # the replicas did exchange gradients
