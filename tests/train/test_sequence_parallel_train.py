@@ -101,3 +101,22 @@ def test_sp2_dp2_hybrid_compression_matches_one_rank(train_root, tmp_path):
         assert sorted(sum(b["sample_ids"], [])) == sorted(sum(a["sample_ids"], [])) and b["samples"] == 8
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["comm_groups"]["dp"]["wire_bytes"] > 0  # the replicas did exchange gradients
+
+
+def test_layout_checks_for_sp():
+    """Before any group: heads must split tp*sp ways; CUDA graphs, FP8 and forced fusion are refused with SP."""
+    from types import SimpleNamespace
+
+    from loongforge.shared.errors import ConfigError
+    from loongforge.train.config import MemoryConfig, ModelConfig, ParallelConfig
+    from loongforge.train.parallel.wiring import check_layout
+
+    cfg = SimpleNamespace(parallel=ParallelConfig(sp=2), memory=MemoryConfig())
+    assert check_layout(cfg, 4, ModelConfig(heads=4)) == 2
+    with pytest.raises(ConfigError, match="heads"):
+        check_layout(cfg, 4, ModelConfig(dim=48, heads=3))
+    with pytest.raises(ConfigError, match="world size 3"):
+        check_layout(cfg, 3, ModelConfig(heads=4))
+    for mem in (MemoryConfig(cuda_graphs=True), MemoryConfig(fp8=True)):
+        with pytest.raises(ConfigError, match="sequence parallel"):
+            check_layout(SimpleNamespace(parallel=ParallelConfig(sp=2), memory=mem), 2, ModelConfig(heads=4))

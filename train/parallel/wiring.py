@@ -40,6 +40,10 @@ def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
     dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
     p.check_model(heads=model_cfg.heads)
     mem = getattr(cfg, "memory", None)
+    if p.sp > 1 and mem is not None and getattr(mem, "cuda_graphs", False):
+        # NOTE: a captured block would replay the Ulysses all-to-alls of the batch it was captured on.
+        raise ConfigError(f"parallel.sp={p.sp}: --cuda-graphs is not combined with sequence parallelism; "
+                          "drop it or use --sp 1")
     if p.tp * p.sp > 1 and mem is not None and (mem.fp8 or mem.fuse == "on"):
         # NOTE: the memory policies run inside make_model, before the TP swap and the SP hooks: the swap
         # would replace torchao's Float8Linear by plain shards, and fusion is untested around the TP
