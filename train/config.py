@@ -141,7 +141,7 @@ class ParallelConfig:
     wall_clock_breakdown: bool = True  # DeepSpeed's own fwd/bwd/allreduce timers (printed every micro step)
     dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs
     tp: int = 1  # tensor-parallel degree (train/parallel/): DP = world / (tp * sp)
-    sp: int = 1  # sequence-parallel degree over video tokens; not wired into the trainer yet (must be 1)
+    sp: int = 1  # sequence-parallel degree over the video tokens (train/parallel/video_sp.py)
     # "topk": hybrid sharding, ZeRO-3 inside the SP group and top-k + error feedback across DP replicas
     # (train/parallel/README.md); compress_ratio = dense all-reduce bytes / bytes sent (3 = the seed's 3:1).
     grad_compression: str = "none"
@@ -150,8 +150,7 @@ class ParallelConfig:
     def __post_init__(self):
         _need(self.dist_timeout_s > 0, "parallel.dist_timeout_s", "must be > 0")
         _need(self.tp >= 1, "parallel.tp", "must be >= 1 (--tp)")
-        _need(self.sp == 1, "parallel.sp", "sequence parallelism is not wired into the trainer yet "
-              "(train/parallel/README.md, 'What remains'); use --sp 1")
+        _need(self.sp >= 1, "parallel.sp", "must be >= 1 (--sp)")
         _need(self.grad_compression in ("none", "topk"), "parallel.grad_compression", "use none or topk")
         _need(self.compress_ratio >= 1.0, "parallel.compress_ratio", "must be >= 1 (dense bytes / bytes sent)")
         _need(self.grad_compression == "none" or self.zero_stage == 3, "parallel.grad_compression",

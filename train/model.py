@@ -31,6 +31,20 @@ def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape) * 0.02)
 
 
+class TrunkTokens:
+    """Where the trunk's token sequence may be re-cut: `encode` calls `split` on the full vl
+    sequence ([video | state, text], the video span `n_video` long) and its mask description
+    before the trunk blocks, and `merge` on their output. This default cuts nothing. A parallel
+    plan installs its own from outside (train/parallel/sequence_parallel.py shards the video tokens
+    over its SP group): the model stays free of any parallelism import."""
+
+    def split(self, seq: torch.Tensor, n_video: int, mask):
+        return seq, mask
+
+    def merge(self, seq: torch.Tensor) -> torch.Tensor:
+        return seq
+
+
 class VLAModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -47,6 +61,7 @@ class VLAModel(nn.Module):
         self.blocks = nn.ModuleList([TrunkBlock(d, hd, cfg.mlp_ratio, attn, cfg.dropout)
                                      for _ in range(cfg.depth)])
         self.vl_norm = nn.LayerNorm(d)
+        self.trunk_tokens = TrunkTokens()  # a plan may replace it (sequence parallel on the video span)
         # Action head (flow matching).
         self.head_state = nn.Sequential(nn.Linear(cfg.state_dim, d), nn.GELU(), nn.Linear(d, d))
         self.action_in = nn.Sequential(nn.Linear(cfg.action_dim, d), nn.GELU(), nn.Linear(d, d))
@@ -87,17 +102,18 @@ class VLAModel(nn.Module):
         frames = [batch["frames"][s].to(dtype) for s in sorted(batch["frames"])]
         state, tokens = batch["state"].to(dtype), batch["task_tokens"]
         k = state.shape[1]
-        seq = torch.cat([self._vision(frames), self.state_mlp(state) + self.frame_emb[:k],
+        video = self._vision(frames)
+        seq = torch.cat([video, self.state_mlp(state) + self.frame_emb[:k],
                          self.tok_emb(tokens) + self.tok_pos[: tokens.shape[1]]], dim=1)
         segs = masks.vl_segments(cameras=len(frames), frames=k, tokens_per_frame=self.cfg.vision_tokens,
                                  text_len=tokens.shape[1])
         lengths = masks.vl_valid_lengths(batch["frame_mask"], batch["task_mask"], cameras=len(frames),
                                          tokens_per_frame=self.cfg.vision_tokens)
         layout = masks.VLLayout(segs, lengths)  # masks are built lazily, by the backend that needs them
-        mask = masks.VLSelf(layout)
+        seq, mask = self.trunk_tokens.split(seq, video.shape[1], masks.VLSelf(layout))
         for blk in self.blocks:
             seq = blk(seq, mask)
-        return self.vl_norm(seq), layout
+        return self.vl_norm(self.trunk_tokens.merge(seq)), layout
 
     # ---- heads -------------------------------------------------------------------------------
     def velocity(self, vl, layout, state, xt, t) -> torch.Tensor:

@@ -275,6 +275,7 @@ def _seq_len(w: Workload) -> int:
 
 def register(subparsers) -> None:
     from loongforge.train.tune_batch import add_batch_parser
+    from loongforge.train.tune_buckets import add_buckets_parser
 
     p = subparsers.add_parser("tune", help="measure activation checkpointing / batch size against a memory budget")
     sub = p.add_subparsers(dest="tune_command", metavar="WHAT", required=True)
@@ -284,6 +285,7 @@ def register(subparsers) -> None:
     ac.add_argument("--reps", type=int, default=2, help="timed steps per setting (median), after one warm-up")
     ac.set_defaults(func=_run_ac)
     add_batch_parser(sub, _common)
+    add_buckets_parser(sub)
 
 
 def _common(p) -> None:

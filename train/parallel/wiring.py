@@ -5,6 +5,7 @@ Order of one rank's start (README "Groups and placement"):
     preflight: check_layout (world % (tp*sp), heads % tp) -> DP size, before any group
     init_distributed -> initialize (every group, once; placement table on rank 0)
     build_model: construct (identically seeded full weights) -> apply_tensor_parallel
+                 -> apply_video_sequence_parallel (S > 1: video tokens split at model.trunk_tokens)
                  -> ZeRO-3: partition over the shard group (zero.partition_zero3)
     deepspeed.initialize(mpu=state)  (engine.build_engine)
     loader keyed by the DP coordinate: the T ranks of a TP group read the same batch (they
@@ -39,11 +40,16 @@ def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
     dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
     p.check_model(heads=model_cfg.heads)
     mem = getattr(cfg, "memory", None)
-    if p.tp > 1 and mem is not None and (mem.fp8 or mem.fuse == "on"):
-        # NOTE: the memory policies run inside make_model, before the TP swap: the swap would replace
-        # torchao's Float8Linear by plain shards, and fusion is untested around the TP collectives.
-        raise ConfigError(f"parallel.tp={p.tp}: --fp8 and --fuse on are not combined with tensor parallelism "
-                          "yet; drop them or use --tp 1")
+    if p.sp > 1 and mem is not None and getattr(mem, "cuda_graphs", False):
+        # NOTE: a captured block would replay the Ulysses all-to-alls of the batch it was captured on.
+        raise ConfigError(f"parallel.sp={p.sp}: --cuda-graphs is not combined with sequence parallelism; "
+                          "drop it or use --sp 1")
+    if p.tp * p.sp > 1 and mem is not None and (mem.fp8 or mem.fuse == "on"):
+        # NOTE: the memory policies run inside make_model, before the TP swap and the SP hooks: the swap
+        # would replace torchao's Float8Linear by plain shards, and fusion is untested around the TP
+        # collectives and the Ulysses all-to-alls.
+        raise ConfigError(f"parallel.tp={p.tp} sp={p.sp}: --fp8 and --fuse on are not combined with tensor or "
+                          "sequence parallelism yet; drop them or use --tp 1 --sp 1")
     hidden = int(model_cfg.dim * model_cfg.mlp_ratio)
     if hidden % p.tp:
         raise ConfigError(f"parallel.tp={p.tp}: the MLP hidden size {hidden} (model.dim x mlp_ratio) is not "
@@ -68,8 +74,10 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
     NOTE: that is one full fp32 copy per rank before partitioning, unlike the plain ZeRO-3 path
     (zero.Init at construction); for the 1.6b recipe ~6.4 GB of host memory per rank, transient."""
     from loongforge.train.engine import construct_model
+    from loongforge.train.parallel.sequence_parallel import SequenceParallel
     from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
-    from loongforge.train.parallel.zero import partition_zero3
+    from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
+    from loongforge.train.parallel.zero import partition_zero3, zero_loss_scale
 
     if not is_hybrid(state):
         return construct_model(make_model, conf), None
@@ -78,6 +86,9 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
     if state.plan.tp > 1 and swapped == 0:
         raise ConfigError(f"parallel.tp={state.plan.tp}: no block with nn.Linear qkv/proj/fc1/fc2 to split "
                           "(a module swap replaced them?); use --tp 1")
+    if state.plan.sp > 1:  # video tokens sharded at model.trunk_tokens, the loss gradient seeded for ZeRO over SP
+        apply_video_sequence_parallel(model, SequenceParallel(state),
+                                      zero_divisor=zero_loss_scale(conf["zero_optimization"], state))
     if conf["zero_optimization"]["stage"] == 3:
         partition_zero3(model, state)
     return model, state
