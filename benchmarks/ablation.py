@@ -54,6 +54,7 @@ class AblationConfig:
     gop: int = 250
     seed: int = 0
     quick: bool = False
+    only: tuple[str, ...] = ()  # row ids to run (the rest are listed as "not run"); () = all
 
     def __post_init__(self):
         def need(ok: bool, name: str, fix: str):
@@ -182,6 +183,8 @@ def run(cfg: AblationConfig, out_dir: Path = DEFAULT_OUT, workdir: Path | None =
     cuda = torch.cuda.is_available()
     plan = Plan(ranks=cfg.ranks, cuda=cuda, sp_accepted=sp_accepted(cfg.ranks), heads=RECIPES[cfg.recipe]().heads)
     rows = ladder(plan, quick=cfg.quick)
+    if cfg.only:
+        rows = [r if r.id in cfg.only or r.skip else dataclasses.replace(r, skip="not run (--rows)") for r in rows]
     tmp = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="lf-ablation-")) if tmp else Path(workdir)
     t0 = time.perf_counter()

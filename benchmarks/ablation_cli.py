@@ -15,6 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="two rows, one rank, tiny data (CI; < 90 s idle)")
     p.add_argument("--repeats", type=int, help="runs per row (median [min-max]); default 3, 1 with --quick")
     p.add_argument("--steps", type=int, help="timed steps per run (default 8)")
+    p.add_argument("--rows", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                   help="only these row ids, e.g. 0,C10 (the others are listed as not run)")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
     p.add_argument("--workdir", type=Path, help="keep the generated dataset, shards and rank logs here")
     p.add_argument("--no-plot", action="store_true")
@@ -28,7 +30,7 @@ def handle(args: argparse.Namespace) -> int:
     from loongforge.benchmarks.ablation_report import markdown_table
 
     kw = {k: v for k, v in (("recipe", args.recipe), ("ranks", args.ranks), ("repeats", args.repeats),
-                            ("steps", args.steps)) if v is not None}
+                            ("steps", args.steps), ("only", args.rows)) if v is not None}
     cfg = AblationConfig.quick_preset(**kw) if args.quick else AblationConfig(**kw)
     doc, path = run(cfg, out_dir=args.out or DEFAULT_OUT, workdir=args.workdir, plot=not args.no_plot)
     print(markdown_table(doc))

@@ -181,7 +181,7 @@ def run_rank(spec: dict) -> dict:
             trainer.step = step
             timing, rec = trainer._one_step(it, timer)
             if step >= spec["warmup"]:
-                records.append(StepTimer.finish(timing))
+                records.append({**StepTimer.finish(timing), "comm_groups": rec.get("comm_groups")})
             losses.append(rec["loss"])
             ids.append(rec["sample_ids"])  # every replica's ids of this step (TP copies dropped)
         saved = _probe_step(trainer, it) if spec.get("probe_memory", True) else None
