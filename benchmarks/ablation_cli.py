@@ -20,26 +20,35 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
     p.add_argument("--workdir", type=Path, help="keep the generated dataset, shards and rank logs here")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--order", action="store_true", help="also run the ordering block (per-rank shuffles vs "
-                                                        "the global order: duplicates, never-seen, loss curves)")
+    p.add_argument("--order", action="store_true", help="run the ordering block instead of the ladder (per-rank "
+                                                        "shuffles vs the global order: duplicates, never-seen, "
+                                                        "loss over 100 steps; 2 ranks, tiny, learnable data)")
     p.set_defaults(func=handle)
 
 
+def _sigterm(signum, frame):
+    raise SystemExit(143)  # unwinds through launch()'s finally, which ends this run's ranks
+
+
 def handle(args: argparse.Namespace) -> int:
+    import signal
+
     from loongforge.benchmarks.ablation import DEFAULT_OUT, AblationConfig, run
     from loongforge.benchmarks.ablation_report import markdown_table
 
+    signal.signal(signal.SIGTERM, _sigterm)
+    if args.order:
+        from loongforge.benchmarks.ablation_order import run_order
+
+        order_doc, order_path = run_order(out_dir=args.out or DEFAULT_OUT, workdir=args.workdir)
+        print(order_doc["summary"])
+        print(f"\nordering block: {order_path} (plot: {order_doc.get('plot')})")
+        return 0
     kw = {k: v for k, v in (("recipe", args.recipe), ("ranks", args.ranks), ("repeats", args.repeats),
                             ("steps", args.steps), ("only", args.rows)) if v is not None}
     cfg = AblationConfig.quick_preset(**kw) if args.quick else AblationConfig(**kw)
     doc, path = run(cfg, out_dir=args.out or DEFAULT_OUT, workdir=args.workdir, plot=not args.no_plot)
     print(markdown_table(doc))
     print(f"\nresults: {path}" + (f" (plot: {doc['plot']})" if doc.get("plot") else ""))
-    if args.order:
-        from loongforge.benchmarks.ablation_order import run_order
-
-        order_doc, order_path = run_order(out_dir=args.out or DEFAULT_OUT, workdir=args.workdir)
-        print(order_doc["summary"])
-        print(f"ordering block: {order_path}")
     failed = [r["id"] for r in doc["rows"] if r["status"].startswith("failed")]
     return 1 if failed else 0

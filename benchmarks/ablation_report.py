@@ -68,6 +68,8 @@ def build_doc(*, cfg: dict, plan: dict, rows, measured: dict, device: str) -> di
             entry["status"] = spec.skip
         elif spec.id in measured["errors"]:
             entry["status"] = measured["errors"][spec.id]
+        elif not runs:
+            entry["status"] = "pending"
         else:
             entry["status"] = "ok"
             entry.update(_row(spec, runs, cfg["batch"]))
