@@ -92,6 +92,7 @@ def run_order(out_dir: Path, workdir: Path | None = None) -> tuple[dict, Path]:
             shutil.rmtree(workdir, ignore_errors=True)
     doc["wall_s"] = time.perf_counter() - t0
     doc["load_avg_end"] = list(os.getloadavg())
+    doc["tail_dropped_per_epoch"] = doc["train_samples"] - doc["steps_per_epoch"] * BATCH  # order.py: tail drop
     doc["summary"] = summary(doc)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "ablation-order.json"
@@ -101,8 +102,9 @@ def run_order(out_dir: Path, workdir: Path | None = None) -> tuple[dict, Path]:
 
 
 def summary(doc: dict) -> str:
-    lines = ["| order | epochs | duplicated / epoch | never seen / epoch | loss steps 1-10 | loss steps 91-100 |",
-             "|---|---|---|---|---|---|"]
+    tail = doc["train_samples"] - doc["steps_per_epoch"] * doc["global_batch"]
+    lines = [f"| order | epochs | duplicated / epoch | never seen / epoch (of which the dropped tail: {tail}) | "
+             "loss steps 1-10 | loss steps 91-100 |", "|---|---|---|---|---|---|"]
     for name, r in doc["runs"].items():
         ep, loss = r["epochs"], r["losses"]
         dup = np.mean([e["duplicated"] for e in ep]) if ep else float("nan")
