@@ -45,7 +45,7 @@ class BaselineLoader:
                                  cameras=tuple(k for k, _ in cams), transform=ModelInputs(index, cams))
         self.metas = self._metas()
         self._dl = torch.utils.data.DataLoader(
-            ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers,
+            ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers, collate_fn=pad_collate,
             prefetch_factor=2 if num_workers else None, persistent_workers=False)
         self._it = None
         self.bad_samples = 0
@@ -79,6 +79,27 @@ class BaselineLoader:
     def close(self) -> None:
         self._it = None
         self.inner.close()
+
+
+def pad_collate(items: list[dict]) -> dict:
+    """Stack samples whose windows hold fewer frames (episode ends) by padding the frame axis
+    with zeros, masked out in frame_mask, as the ShardLoader's length buckets do."""
+    import torch
+
+    k = max(int(it["frame_mask"].shape[0]) for it in items)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == k:
+            return t
+        return torch.cat([t, t.new_zeros((k - t.shape[0], *t.shape[1:]))])
+
+    out = {"frames": {slot: torch.stack([pad(it["frames"][slot]) for it in items]) for slot in items[0]["frames"]},
+           "state": torch.stack([pad(it["state"]) for it in items]),
+           "frame_mask": torch.stack([pad(it["frame_mask"]) for it in items])}
+    for key in items[0]:
+        if key not in out:
+            out[key] = torch.stack([it[key] for it in items])
+    return out
 
 
 class _IdBatches:

@@ -120,3 +120,18 @@ def test_quick_ablation_produces_a_consistent_table(tmp_path):
         assert r["saved_bytes"] > 0 and r["samples_per_s"] > 0
     assert doc["rows"][1]["speedup"] > 0 and (tmp_path / "out" / "ablation-quick.png").exists()
     print(f"quick ablation wall {wall:.0f} s, load {os.getloadavg()}")
+
+
+def test_baseline_collate_pads_short_windows_and_masks_them():
+    import torch
+
+    from loongforge.benchmarks.ablation_rank import pad_collate
+
+    def item(k):
+        return {"frames": {"ego": torch.ones(k, 3, 2, 2)}, "state": torch.ones(k, 3),
+                "frame_mask": torch.ones(k, dtype=torch.bool), "action": torch.zeros(4, 2)}
+
+    b = pad_collate([item(4), item(2)])  # an episode-end window holds 2 of K = 4 frames
+    assert b["frames"]["ego"].shape == (2, 4, 3, 2, 2) and b["state"].shape == (2, 4, 3)
+    assert b["frame_mask"].tolist() == [[True] * 4, [True, True, False, False]]
+    assert b["frames"]["ego"][1, 2:].abs().sum() == 0 and b["action"].shape == (2, 4, 2)
