@@ -100,7 +100,7 @@ def _ms(v: float) -> str:
 
 
 def markdown_table(doc: dict) -> str:
-    head = ("| row | configuration | step ms median [min-max] | data wait | exposed comm | launch/dispatch | "
+    head = ("| row | configuration | step ms median [min-max] x repeats | data wait | exposed comm | launch/dispatch | "
             "compute | activations saved (MiB) | samples/s | speed-up |")
     lines = [head, "|" + "---|" * 10]
     for r in doc["rows"]:
@@ -111,7 +111,8 @@ def markdown_table(doc: dict) -> str:
         st, ph = r["step_s"], r["phases_s"]
         cells = [f"{_ms(ph[p])} ({ph[p] / st['median']:.0%})" for p, _ in PHASES]
         mem = "-" if r["saved_bytes"] is None else f"{r['saved_bytes'] / 2**20:.1f}"
-        lines.append(f"| {r['id']} | {label} | {_ms(st['median'])} [{_ms(st['min'])}-{_ms(st['max'])}] | "
+        lines.append(f"| {r['id']} | {label} | {_ms(st['median'])} [{_ms(st['min'])}-{_ms(st['max'])}] "
+                     f"x{len(st['values'])} | "
                      + " | ".join(cells) + f" | {mem} | {r['samples_per_s']:.1f} | {r.get('speedup', 0):.2f}x |")
     g = doc["goals"]
     if "top_speedup" in g:
@@ -157,3 +158,22 @@ def plot(doc: dict, path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m loongforge.benchmarks.ablation_report RESULT.json [--plot]`: the table of a
+    (possibly partial) result, and its plot redrawn beside it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0])
+    doc = json.loads(path.read_text())
+    print(markdown_table(doc))
+    if "--plot" in args:
+        print(plot(doc, path.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
