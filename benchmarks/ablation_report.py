@@ -52,8 +52,14 @@ def _row(spec, runs: list[dict], batch: int) -> dict:
     steps = sorted(r["step_s"] for r in runs)
     mid = sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]  # the median (lower) repeat
     samples = batch * spec.setting.batch_scale
-    return {"step_s": {"median": statistics.median(steps), "min": steps[0], "max": steps[-1], "values": steps},
-            "phases_s": {p: mid[p] for p, _ in PHASES}, "phase_sum_error": max(r["phase_sum_error"] for r in runs),
+    median = statistics.median(steps)
+    # The median repeat's split, scaled to the median step (with an even repeat count the median is
+    # a mean of two runs): the shares are that run's, and the phases add up to the step shown.
+    scale = median / mid["step_s"]
+    return {"step_s": {"median": median, "min": steps[0], "max": steps[-1], "values": steps},
+            "phases_s": {p: mid[p] * scale for p, _ in PHASES},
+            "phase_sum_error": max(r["phase_sum_error"] for r in runs),
+            "repeats": [{k: v for k, v in r.items() if k != "losses"} for r in runs],
             "data_wait_share": mid["data_wait_s"] / mid["step_s"], "saved_bytes": mid["saved_bytes"],
             "global_batch": samples, "samples_per_s": samples / statistics.median(steps)}
 
