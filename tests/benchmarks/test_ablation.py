@@ -135,3 +135,14 @@ def test_baseline_collate_pads_short_windows_and_masks_them():
     assert b["frames"]["ego"].shape == (2, 4, 3, 2, 2) and b["state"].shape == (2, 4, 3)
     assert b["frame_mask"].tolist() == [[True] * 4, [True, True, False, False]]
     assert b["frames"]["ego"][1, 2:].abs().sum() == 0 and b["action"].shape == (2, 4, 2)
+
+
+def test_bench_cli_keeps_its_flags_and_routes_ablation():
+    from loongforge.cli import build_parser
+
+    p = build_parser()
+    plain = p.parse_args(["bench", "--quick", "--workers", "0,1"])
+    assert plain.func.__module__ == "loongforge.benchmarks.cli" and plain.workers == (0, 1)
+    abl = p.parse_args(["bench", "ablation", "--ranks", "8", "--rows", "0,C10"])
+    assert abl.func.__module__ == "loongforge.benchmarks.ablation_cli" and abl.ranks == 8
+    assert abl.rows == ("0", "C10")
