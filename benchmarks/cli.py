@@ -137,3 +137,6 @@ def register(subparsers) -> None:
                               description=__doc__)
     add_arguments(p)
     p.set_defaults(func=handle)
+    from loongforge.benchmarks.ablation_cli import register as register_ablation
+
+    register_ablation(p.add_subparsers(dest="bench_cmd", metavar="{ablation}"))
