@@ -55,9 +55,9 @@ class PreprocessConfig:
     color_range: str = "auto"  # output range; anything but "auto" converts every stream to it
     color_matrix: str = "auto"  # output matrix; anything but "auto" converts every stream to it
     progress_s: float = 10.0  # local runner: a progress line every this many seconds (0 = off)
-    # Shard format written: 1 = per-sample windows (default until the trainer reads 2), 2 = every frame once in
-    # zstd blocks of `block_frames` frames, samples derived by the loader (FORMAT.md "Version 2").
-    format_version: int = 1
+    # Shard format written: 2 (default) = every frame once in zstd blocks of `block_frames` frames, samples derived
+    # by the loader (FORMAT.md "Version 2"); 1 = per-sample windows (still written for v1 tooling and comparisons).
+    format_version: int = 2
     block_frames: int = DEFAULT_BLOCK_FRAMES  # B, frames per block (format 2 only)
 
     def __post_init__(self):
@@ -162,9 +162,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "every stream to it")
     parser.add_argument("--color-matrix", choices=COLOR_MATRIX_CHOICES, default="auto",
                         help="auto: keep the sources' matrix (refuse if cameras disagree); bt601|bt709: convert")
-    parser.add_argument("--format-version", type=int, choices=FORMAT_VERSIONS, default=1,
-                        help="shard format: 1 per-sample windows (default), 2 frame blocks + memory-mapped index "
-                        "(every timestep a sample; shared/FORMAT.md)")
+    parser.add_argument("--format-version", type=int, choices=FORMAT_VERSIONS, default=2,
+                        help="shard format: 2 frame blocks + memory-mapped index (default; every timestep a sample; "
+                        "shared/FORMAT.md), 1 per-sample windows (v1 readers; `loongforge convert` rewrites 1 as 2)")
     parser.add_argument("--block-frames", type=int, default=DEFAULT_BLOCK_FRAMES, metavar="B",
                         help=f"format 2: consecutive frames per zstd block ({DEFAULT_BLOCK_FRAMES})")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
@@ -181,5 +181,5 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             allow_failed=args.allow_failed, fingerprint=args.fingerprint,
                             color_range=args.color_range, color_matrix=args.color_matrix,
                             progress_s=args.progress_s,
-                            format_version=getattr(args, "format_version", 1),
+                            format_version=getattr(args, "format_version", 2),
                             block_frames=getattr(args, "block_frames", DEFAULT_BLOCK_FRAMES))
