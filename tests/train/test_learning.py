@@ -38,7 +38,9 @@ def learn_root(tmp_path_factory):
     source = generate_dataset(base / "lerobot", episodes=10, frames=(40, 56), cameras=("ego_view",),
                               task="learnable", seed=1)
     root = str(base / "shards")
-    run_job(PreprocessConfig(input=str(source), output=root, workers=1, val_episodes="20%"),
+    # Format 1 pinned: the assertions below read v1 per-sample structures (sample_episodes, SampleParts,
+    # ValSet). The default (format 2) learning path is what `make demo` checks (policy vs baselines).
+    run_job(PreprocessConfig(input=str(source), output=root, workers=1, val_episodes="20%", format_version=1),
             ["--direct_running_mode=in_memory", "--direct_num_workers=1"])
     index = load_index(root)
     assert len(index.val_episodes) == 2
