@@ -138,7 +138,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
     parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="format 1: frames per window (4)")
     parser.add_argument("--stride", type=int, default=4, metavar="S", help="format 1: frames between window starts (4)")
-    parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="format 1: frames between window frames (1)")
+    parser.add_argument("--frame-step", type=int, default=1, metavar="D",
+                        help="format 1: frames between window frames (1)")
     parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
     parser.add_argument("--min-frames", type=int, default=None, metavar="M",
                         help="format 1: shortest tail window kept (default min(2, K))")
