@@ -96,7 +96,7 @@ def _job(dataset: Path, out: Path, workers: int) -> tuple[int, float]:
     from loongforge.preprocess.pipeline import run_job
 
     mode = ["--direct_running_mode=in_memory", "--direct_num_workers=1"] if workers == 1 else []
-    cfg = PreprocessConfig(input=str(dataset), output=str(out), workers=workers)
+    cfg = PreprocessConfig(input=str(dataset), output=str(out), workers=workers)  # the default format (2)
     t0 = time.perf_counter()
     summary = run_job(cfg, mode)
     seconds = time.perf_counter() - t0
@@ -134,10 +134,11 @@ def run(quick: bool) -> list[dict]:
         rows.append(_row("seek-per-frame", f"PyAV seek + decode per frame ({SEEK_FRAMES} frames, GOP "
                          f"{spec['gop']})", seek_n, t_seek, 1, base))
         frames, t_job1 = _job(dataset, Path(tmp) / "out1", 1)
-        rows.append(_row("job-1", "loongforge preprocess, 1 worker in-process (start-up included)", frames,
+        rows.append(_row("job-1", "loongforge preprocess, 1 worker in-process (format 2, start-up included)", frames,
                          t_job1, 1, base))
         frames, t_jobn = _job(dataset, Path(tmp) / "outn", cores)
-        rows.append(_row(f"job-{cores}", f"loongforge preprocess, {cores} worker processes (start-up included)",
+        rows.append(_row(f"job-{cores}", f"loongforge preprocess, {cores} worker processes (format 2, start-up "
+                         "included)",
                          frames, t_jobn, cores, base))
     for row in rows:
         row["dataset"] = (f"{spec['episodes']} episodes x 2 cameras x {spec['frames'][0]} frames, "

@@ -4,7 +4,8 @@
 #   1 generate a LeRobot-v2 sample dataset (real H.264 mp4 + parquet) of the learnable task:
 #     actions are a known function of the state and of what the frames show, so the eval at
 #     the end can show the policy beating the trivial baselines (predict-the-mean, repeat-last)
-#   2 preprocess it into NV12 shards + global index (Beam, local runner)
+#   2 preprocess it into NV12 shards + global index (Beam, local runner; shard format 2, the
+#     default: every frame once in zstd blocks, every timestep a sample; shared/FORMAT.md)
 #   3 inspect and hash-verify the shards
 #   4 start a private Redis and the cache daemon
 #   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache
@@ -36,7 +37,7 @@ step "1/6 generate sample data"
 loongforge sample-data "$OUT/dataset" --episodes 16 --task learnable
 
 step "2/6 preprocess (Beam, local runner)"
-loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 1MB \
+loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 256KB \
   --val-episodes 25%
 
 step "3/6 inspect + verify"

@@ -55,9 +55,9 @@ class PreprocessConfig:
     color_range: str = "auto"  # output range; anything but "auto" converts every stream to it
     color_matrix: str = "auto"  # output matrix; anything but "auto" converts every stream to it
     progress_s: float = 10.0  # local runner: a progress line every this many seconds (0 = off)
-    # Shard format written: 1 = per-sample windows (default until the trainer reads 2), 2 = every frame once in
-    # zstd blocks of `block_frames` frames, samples derived by the loader (FORMAT.md "Version 2").
-    format_version: int = 1
+    # Shard format written: 2 (default) = every frame once in zstd blocks of `block_frames` frames, samples derived
+    # by the loader (FORMAT.md "Version 2"); 1 = per-sample windows (still written for v1 tooling and comparisons).
+    format_version: int = 2
     block_frames: int = DEFAULT_BLOCK_FRAMES  # B, frames per block (format 2 only)
 
     def __post_init__(self):
@@ -136,12 +136,13 @@ class PreprocessConfig:
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
     parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
-    parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="frames per window (4)")
-    parser.add_argument("--stride", type=int, default=4, metavar="S", help="frames between window starts (4)")
-    parser.add_argument("--frame-step", type=int, default=1, metavar="D", help="frames between window frames (1)")
+    parser.add_argument("--frames-per-sample", type=int, default=4, metavar="K", help="format 1: frames per window (4)")
+    parser.add_argument("--stride", type=int, default=4, metavar="S", help="format 1: frames between window starts (4)")
+    parser.add_argument("--frame-step", type=int, default=1, metavar="D",
+                        help="format 1: frames between window frames (1)")
     parser.add_argument("--action-horizon", type=int, default=16, metavar="H", help="action rows per sample (16)")
     parser.add_argument("--min-frames", type=int, default=None, metavar="M",
-                        help="shortest tail window kept (default min(2, K))")
+                        help="format 1: shortest tail window kept (default min(2, K))")
     parser.add_argument("--height", type=int, default=None, help="output height (default: source)")
     parser.add_argument("--width", type=int, default=None, help="output width (default: source)")
     parser.add_argument("--resize-mode", choices=("resize", "crop"), default="resize",
@@ -162,16 +163,28 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "every stream to it")
     parser.add_argument("--color-matrix", choices=COLOR_MATRIX_CHOICES, default="auto",
                         help="auto: keep the sources' matrix (refuse if cameras disagree); bt601|bt709: convert")
-    parser.add_argument("--format-version", type=int, choices=FORMAT_VERSIONS, default=1,
-                        help="shard format: 1 per-sample windows (default), 2 frame blocks + memory-mapped index "
-                        "(every timestep a sample; shared/FORMAT.md)")
+    parser.add_argument("--format-version", type=int, choices=FORMAT_VERSIONS, default=2,
+                        help="shard format: 2 frame blocks + memory-mapped index (default; every timestep a sample; "
+                        "shared/FORMAT.md), 1 per-sample windows (v1 readers; `loongforge convert` rewrites 1 as 2)")
     parser.add_argument("--block-frames", type=int, default=DEFAULT_BLOCK_FRAMES, metavar="B",
                         help=f"format 2: consecutive frames per zstd block ({DEFAULT_BLOCK_FRAMES})")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
                         help="local runner: a progress line every S seconds (0 = off; 10)")
 
 
+# Window flags of format 1 and their defaults: format 2 stores every frame and derives samples at
+# training time (train --video-deltas/--sample-stride), so a changed window flag would be ignored.
+V1_WINDOW_FLAGS = {"frames_per_sample": 4, "stride": 4, "frame_step": 1, "min_frames": None}
+
+
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    if getattr(args, "format_version", 2) == 2:
+        changed = [n for n, d in V1_WINDOW_FLAGS.items() if getattr(args, n, d) != d]
+        if changed:
+            flags = ", ".join("--" + n.replace("_", "-") for n in changed)
+            raise ConfigError(f"{flags}: window flags of format 1, which format 2 (the default) does not use: "
+                              "every timestep is a sample, shaped at training time (--video-deltas, "
+                              "--sample-stride); drop them, or add --format-version 1 for per-sample windows")
     return PreprocessConfig(input=args.input, output=args.output, frames_per_sample=args.frames_per_sample,
                             stride=args.stride, frame_step=args.frame_step, action_horizon=args.action_horizon,
                             min_frames=args.min_frames, height=args.height, width=args.width,
@@ -181,5 +194,5 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             allow_failed=args.allow_failed, fingerprint=args.fingerprint,
                             color_range=args.color_range, color_matrix=args.color_matrix,
                             progress_s=args.progress_s,
-                            format_version=getattr(args, "format_version", 1),
+                            format_version=getattr(args, "format_version", 2),
                             block_frames=getattr(args, "block_frames", DEFAULT_BLOCK_FRAMES))

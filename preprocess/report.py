@@ -51,7 +51,8 @@ def summarize(root: str, seconds: float | None = None) -> dict:
 def format_summary(s: dict) -> str:
     lines = [
         f"episodes   {s['episodes']} converted, {s['failed']} failed",
-        f"samples    {s['samples']} ({s['frames']} window frames per camera)",
+        f"samples    {s['samples']} (every timestep; frames stored once, zstd blocks of {s['block_size']})"
+        if s.get("format_version") == 2 else f"samples    {s['samples']} ({s['frames']} window frames per camera)",
         f"shards     {s['shards']}, {s['bytes_out'] / 1e6:.2f} MB",
         f"cameras    {', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}, {s['fps']:g} fps",
         f"bytes in   {s['bytes_in'] / 1e6:.2f} MB (parquet + mp4), out {s['bytes_out'] / 1e6:.2f} MB",

@@ -57,7 +57,6 @@ class Workload:
                  precision: str = "auto", **model_overrides):
         import torch
 
-        from loongforge.shared.index import load_index
         from loongforge.train import engine, recipes
         from loongforge.train.model import VLAModel
         from loongforge.train.precision import train_dtype
@@ -67,8 +66,7 @@ class Workload:
             self._tmp = tempfile.TemporaryDirectory(prefix="loongforge-tune-")
             root = _synthetic_root(self._tmp.name, micro_batch)
         self.device = engine.pick_device(device)
-        index = load_index(root)
-        max_frames = max(max(s.frames) for s in index.shards)
+        index, max_frames = _load_root(root)
         self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
         torch.manual_seed(seed)
         # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
@@ -104,11 +102,29 @@ def _synthetic_root(path: str, micro_batch: int) -> str:
     return path
 
 
-def _one_batch(root: str, index, device) -> dict:
-    from loongforge.train.loader import ShardLoader
+def _load_root(root: str):
+    """(index, longest window) of a v1 root, or (V2Data, frames per sample) of a format-2 root:
+    the same factory the trainer uses (train/data_v2.py), with the default delta indices."""
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data_v2 import load_training_data
 
+    index = load_training_data(DataConfig(root=root))
+    if getattr(index, "format_version", 1) == 2:
+        return index, index.max_frames
+    return index, max(max(s.frames) for s in index.shards)
+
+
+def _one_batch(root: str, index, device) -> dict:
     n = min(8, index.num_samples)
-    with ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1) as loader:
+    if getattr(index, "format_version", 1) == 2:
+        from loongforge.train.loader_v2 import BlockLoader
+
+        loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
+    else:
+        from loongforge.train.loader import ShardLoader
+
+        loader = ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1)
+    with loader:
         batch = next(iter(loader))
     batch.pop("meta", None)
     return batch

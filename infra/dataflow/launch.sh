@@ -2,7 +2,7 @@
 # Run `loongforge preprocess` on Google Cloud Dataflow.
 #
 #   PROJECT=my-proj TEMP=gs://my-bkt/tmp infra/dataflow/launch.sh \
-#       gs://my-bkt/lerobot/gr1_pick gs://my-bkt/shards/gr1_pick [--frames-per-sample 4 ...] [-- BEAM FLAGS]
+#       gs://my-bkt/lerobot/gr1_pick gs://my-bkt/shards/gr1_pick [--block-frames 16 ...] [-- BEAM FLAGS]
 #
 # Flags before `--` are job flags (see `loongforge preprocess --help`); flags
 # after it are extra Beam/Dataflow options (e.g. --max_num_workers=64).

@@ -50,8 +50,27 @@ def test_format_version_flag_and_params():
 
     parser = argparse.ArgumentParser()
     add_job_arguments(parser)
-    v1 = config_from_args(parser.parse_args(["--input", "in", "--output", "out"]))
+    default = config_from_args(parser.parse_args(["--input", "in", "--output", "out"]))
+    assert default.format_version == 2 == PreprocessConfig(input="in", output="out").format_version  # the default
+    v1 = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--format-version", "1"]))
     assert v1.format_version == 1 and "format_version" not in v1.output_params()  # v1 params keep their bytes
-    v2 = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--format-version", "2",
-                                             "--block-frames", "8"]))
+    v2 = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--block-frames", "8"]))
     assert v2.output_params()["format_version"] == 2 and v2.output_params()["block_frames"] == 8
+
+
+def test_v1_window_flags_without_format_1_are_refused():
+    """Format 2 (the default) has no windows: a K or stride flag would be silently ignored."""
+    import argparse
+
+    from loongforge.preprocess.config import add_job_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_job_arguments(parser)
+    base = ["--input", "in", "--output", "out"]
+    with pytest.raises(ConfigError, match=r"--frames-per-sample, --stride: .*--format-version 1"):
+        config_from_args(parser.parse_args(base + ["--frames-per-sample", "1", "--stride", "1"]))
+    with pytest.raises(ConfigError, match=r"--min-frames"):
+        config_from_args(parser.parse_args(base + ["--min-frames", "1"]))
+    v1 = config_from_args(parser.parse_args(base + ["--frames-per-sample", "1", "--stride", "1",
+                                                    "--format-version", "1"]))
+    assert (v1.frames_per_sample, v1.stride, v1.format_version) == (1, 1, 1)

@@ -22,8 +22,8 @@ K, STRIDE = 4, 2  # overlapping windows: every frame is stored twice in v1
 def roots(sample_dataset, tmp_path_factory, run_in_memory):
     base = tmp_path_factory.mktemp("convert")
     v1, direct = str(base / "v1"), str(base / "direct")
-    run_in_memory(sample_dataset, v1, frames_per_sample=K, stride=STRIDE, action_horizon=4, min_frames=1,
-                  shard_size=1 << 16, val_episodes="2")
+    run_in_memory(sample_dataset, v1, format_version=1, frames_per_sample=K, stride=STRIDE, action_horizon=4,
+                  min_frames=1, shard_size=1 << 16, val_episodes="2")
     run_in_memory(sample_dataset, direct, format_version=2, block_frames=4)
     return v1, direct, base
 
@@ -63,6 +63,6 @@ def test_convert_strict_refuses_missing_actions(roots):
 
 def test_convert_refuses_v1_with_frame_gaps(sample_dataset, tmp_path, run_in_memory):
     v1 = str(tmp_path / "gappy")
-    run_in_memory(sample_dataset, v1, frames_per_sample=2, stride=5)
+    run_in_memory(sample_dataset, v1, format_version=1, frames_per_sample=2, stride=5)
     with pytest.raises(FormatError, match="in no v1 window"):
         convert_v1_to_v2(v1, str(tmp_path / "out"))

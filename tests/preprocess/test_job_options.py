@@ -11,8 +11,8 @@ import pytest
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.progress import ProgressMonitor
+from loongforge.shared.dataset_v2 import open_v2
 from loongforge.shared.index import load_index
-from loongforge.shared.reader import ShardReader
 
 
 @pytest.mark.parametrize("k, want", [(1, 1), (2, 2), (4, 2)])
@@ -22,16 +22,17 @@ def test_min_frames_defaults_to_min_2_k(k, want):
 
 
 def test_one_frame_per_sample_every_timestep(sample_dataset, tmp_path, run_in_memory):
-    """The GR00T N1.x setting: `--frames-per-sample 1 --stride 1` (no --min-frames)."""
+    """The GR00T N1.x setting in format 1 (windows are format 1's subject; format 2 makes every
+    timestep a sample by construction): `--frames-per-sample 1 --stride 1` (no --min-frames)."""
     from loongforge.cli import build_parser
     from loongforge.preprocess.config import config_from_args
 
     out = str(tmp_path / "k1")
     args = build_parser().parse_args(["preprocess", "--input", sample_dataset, "--output", out,
-                                      "--frames-per-sample", "1", "--stride", "1"])
+                                      "--frames-per-sample", "1", "--stride", "1", "--format-version", "1"])
     cfg = config_from_args(args)
-    assert cfg.min_frames == 1
-    summary = run_in_memory(sample_dataset, out, frames_per_sample=1, stride=1)
+    assert cfg.min_frames == 1 and cfg.format_version == 1
+    summary = run_in_memory(sample_dataset, out, format_version=1, frames_per_sample=1, stride=1)
     _, episodes = discover(sample_dataset)
     assert summary["failed"] == 0 and summary["samples"] == sum(e.length for e in episodes)
     index = load_index(out)
@@ -94,4 +95,4 @@ def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, 
     assert counters["episodes_converted"] == 3 and counters.get("episodes_failed", 0) == 0
     assert counters["samples"] == summary["samples"] and counters["shards_written"] == summary["shards"]
     assert counters["frames_decoded"] == summary["source_frames"] * 2
-    assert len(ShardReader(str(tmp_path / "out"))) == summary["samples"]
+    assert open_v2(str(tmp_path / "out")).num_frames == summary["samples"]  # the default format: 2

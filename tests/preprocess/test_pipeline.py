@@ -1,5 +1,6 @@
 """The whole job on the local Beam runner over real generated datasets, read
-back through the shared reader with hash verification."""
+back through the shared reader with hash verification. Format 1 (per-sample windows,
+`--format-version 1`) is this file's subject; test_pipeline_v2.py covers the default."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def _parquet(root: str, episode: int):
 @pytest.fixture(scope="module")
 def converted(sample_dataset, tmp_path_factory, run_in_memory):
     out = str(tmp_path_factory.mktemp("shards") / "run1")
-    summary = run_in_memory(sample_dataset, out, frames_per_sample=K, stride=STRIDE, action_horizon=H,
-                            shard_size=1 << 16)
+    summary = run_in_memory(sample_dataset, out, format_version=1, frames_per_sample=K, stride=STRIDE,
+                            action_horizon=H, shard_size=1 << 16)
     return out, summary
 
 
@@ -91,12 +92,14 @@ def test_index_dataset_info(sample_dataset, converted):
 def test_rerun_is_byte_identical_and_clears_stale_shards(sample_dataset, converted, tmp_path, run_in_memory):
     out, _ = converted
     again = str(tmp_path / "run2")
-    run_in_memory(sample_dataset, again, frames_per_sample=K, stride=STRIDE, action_horizon=H, shard_size=1 << 16)
+    run_in_memory(sample_dataset, again, format_version=1, frames_per_sample=K, stride=STRIDE, action_horizon=H,
+                  shard_size=1 << 16)
     a, b = load_index(out), load_index(again)
     assert [(s.name, s.sha256) for s in a.shards] == [(s.name, s.sha256) for s in b.shards]
     assert (Path(out) / "index.json").read_bytes() == (Path(again) / "index.json").read_bytes()
     # Same output root, bigger shards: fewer shard files, the old extra ones are gone.
-    run_in_memory(sample_dataset, again, frames_per_sample=K, stride=STRIDE, action_horizon=H, shard_size=1 << 30)
+    run_in_memory(sample_dataset, again, format_version=1, frames_per_sample=K, stride=STRIDE, action_horizon=H,
+                  shard_size=1 << 30)
     assert sorted(p.name for p in (Path(again) / "shards").iterdir()) == ["shard-000000.tar"]
     assert len(ShardReader(again, verify=True)) == a.num_samples
 
@@ -104,7 +107,7 @@ def test_rerun_is_byte_identical_and_clears_stale_shards(sample_dataset, convert
 def test_bad_input_is_reported_not_fatal(quirky_dataset, tmp_path, caplog, run_in_memory):
     out = str(tmp_path / "q")
     with caplog.at_level(logging.WARNING):
-        summary = run_in_memory(quirky_dataset, out)
+        summary = run_in_memory(quirky_dataset, out, format_version=1)
     failed = [json.loads(line) for line in (Path(out) / paths.FAILED_FILE).read_text().splitlines()]
     assert [(r["episode"], r["camera"]) for r in failed] == [(1, "observation.images.ego_view"),
                                                             (3, "observation.images.ego_view")]
@@ -124,7 +127,8 @@ def test_bad_input_is_reported_not_fatal(quirky_dataset, tmp_path, caplog, run_i
 def test_gr00t_like_preset_with_resize(tmp_path, run_in_memory):
     root = str(generate_preset(tmp_path / "gr1", "gr00t-like", episodes=2, frames=(9, 12)))
     out = str(tmp_path / "out")
-    summary = run_in_memory(root, out, height=64, width=64, frames_per_sample=2, stride=2, action_horizon=4)
+    summary = run_in_memory(root, out, format_version=1, height=64, width=64, frames_per_sample=2, stride=2,
+                            action_horizon=4)
     assert summary["failed"] == 0 and summary["episodes"] == 2
     index = load_index(out)
     ds = index.dataset
@@ -141,7 +145,7 @@ def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_m
     (root / "data/chunk-000/episode_000001.parquet").unlink()
     (root / "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4").unlink()
     out = str(tmp_path / "out")
-    summary = run_in_memory(str(root), out)
+    summary = run_in_memory(str(root), out, format_version=1)
     assert summary["episodes"] == 1 and summary["failed"] == 2
     failed = load_index(out).failed
     assert failed[0]["episode"] == 1 and failed[0]["camera"] is None and "parquet file missing" in failed[0]["reason"]

@@ -1,18 +1,21 @@
+"""The validation split on the default format (2): the held-out episodes are in the index and
+out of the normalisation stats. shared/test_split.py covers the v1 per-sample masks."""
+
+import numpy as np
 import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
+from loongforge.shared.dataset_v2 import open_v2
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.index import load_index
-from loongforge.shared.split import sample_episodes, train_mask
 
 
 def test_val_episodes_are_written_into_the_index(sample_dataset, tmp_path, run_in_memory):
     out = str(tmp_path / "out")
-    run_in_memory(sample_dataset, out, frames_per_sample=2, stride=4, action_horizon=4, val_episodes="1")
-    index = load_index(out)
-    assert index.val_episodes == (1,)
-    eps = sample_episodes(index)
-    assert set(eps[train_mask(index)].tolist()) == {0, 2} and (eps == 1).any()
+    run_in_memory(sample_dataset, out, action_horizon=4, val_episodes="1")
+    ds = open_v2(out)
+    assert ds.val_episodes == {1}
+    assert [ds.split(e) for e in range(ds.num_episodes)] == ["train", "val", "train"]
+    assert np.asarray(ds.val_mask).tolist() == [False, True, False]
 
 
 def test_bad_val_spec_fails_before_any_work():
@@ -22,14 +25,13 @@ def test_bad_val_spec_fails_before_any_work():
 
 def test_norm_stats_come_from_training_episodes_only(sample_dataset, tmp_path, run_in_memory):
     """The validation episodes must not leak into training through the normalisation."""
-    import numpy as np
     import pyarrow.parquet as pq
 
     from loongforge.preprocess.discover import discover
 
     out = str(tmp_path / "out")
-    run_in_memory(sample_dataset, out, frames_per_sample=2, stride=4, action_horizon=4, val_episodes="1")
-    stats = load_index(out).dataset.stats
+    run_in_memory(sample_dataset, out, action_horizon=4, val_episodes="1")
+    stats = open_v2(out).stats
     _, episodes = discover(sample_dataset)
     tables = {e.index: pq.read_table(e.parquet) for e in episodes}
     rows = {col: {ep: np.array(t.column(col).to_pylist(), np.float64) for ep, t in tables.items()}

@@ -1,6 +1,7 @@
 """The learning check, end to end: `sample-data --task learnable` (actions are a known function of
 the state and of the target the frames show, preprocess/sample_learnable.py) goes through the real
-preprocess Beam job with a validation split, the tiny recipe trains on the training episodes on 2
+preprocess Beam job with a validation split (the default shard format, 2: every timestep a sample,
+one frame per camera), the tiny recipe trains on the training episodes on 2
 real gloo ranks and logs validation metrics, and the checkpoint, loaded as a Policy through
 DeepSpeed's zero_to_fp32, beats the trivial baselines in `loongforge eval` on the held-out episodes.
 An untrained model of the same recipe does not reach the same bar. One trained run serves every
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 240  # val MSE 0.026 vs 0.209 (mean) and 0.409 (repeat-last) at 240 steps; ~1 min of training idle
+STEPS = 240  # format 2: val MSE 0.036 vs 0.207 (mean) and 0.398 (repeat-last) at 240 steps; ~1 min idle
 BAR = 0.5  # the policy's MSE must be below BAR x the better baseline's
 
 
@@ -32,7 +33,8 @@ def learn_root(tmp_path_factory):
     from loongforge.preprocess.config import PreprocessConfig
     from loongforge.preprocess.pipeline import run_job
     from loongforge.preprocess.sample_data import generate_dataset
-    from loongforge.shared.index import load_index
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data_v2 import load_training_data
 
     base = tmp_path_factory.mktemp("learnable")
     source = generate_dataset(base / "lerobot", episodes=10, frames=(40, 56), cameras=("ego_view",),
@@ -40,9 +42,15 @@ def learn_root(tmp_path_factory):
     root = str(base / "shards")
     run_job(PreprocessConfig(input=str(source), output=root, workers=1, val_episodes="20%"),
             ["--direct_running_mode=in_memory", "--direct_num_workers=1"])
-    index = load_index(root)
-    assert len(index.val_episodes) == 2
+    index = load_training_data(DataConfig(root=root))  # what the trainer sees: data_v2.V2Data
+    assert index.format_version == 2 and len(index.val_episodes) == 2
     return root, index
+
+
+def _table(index):
+    from loongforge.train.samples_v2 import SampleTable
+
+    return SampleTable(np.asarray(index.ds.episode_lengths))  # stride-1 sample ids, as the trainer logs them
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +86,9 @@ def _metrics(run_dir):
 
 def test_trains_on_training_episodes_only_and_logs_validation(trained, learn_root):
     root, index = learn_root
-    from loongforge.shared.split import sample_episodes
-
     rows = _metrics(trained)
-    episodes = sample_episodes(index)
-    seen = {int(episodes[i]) for r in rows for rank in r["sample_ids"] for i in rank}
+    ids = np.asarray([i for r in rows for rank in r["sample_ids"] for i in rank], np.int64)
+    seen = set(np.asarray(index.ds.tables["episode_id"])[_table(index).locate(ids)[0]].tolist())
     assert seen == set(range(10)) - set(index.val_episodes)  # never a validation episode
     evals = [r for r in rows if "val_action_mse" in r]
     assert [r["step"] for r in evals] == [STEPS // 2 - 1, STEPS - 1]
@@ -120,21 +126,16 @@ def test_policy_takes_raw_observations(trained, learn_root):
     """Raw RGB uint8 frames + state in dataset units + text -> actions in dataset units; NV12 input
     gives the same actions as the RGB it converts to."""
     from loongforge.shared.color import nv12_to_rgb
-    from loongforge.shared.format import SampleParts, decompress_into
     from loongforge.train.policy import Policy
 
     root, index = learn_root
     policy = Policy.load(trained, root)
-    slot, shard, local = index.dataset.cameras[0].slot, len(index.shards) - 1, 1
-    entry = index.shards[shard]
-    with open(os.path.join(root, entry.name), "rb") as f:
-        f.seek(entry.offsets[local])
-        parts = SampleParts(f.read(entry.lengths[local]))
-    k = int(parts.meta["num_frames"])
-    nv12 = np.zeros((k, index.dataset.height * 3 // 2, index.dataset.width), np.uint8)
-    decompress_into(parts.frames_blob(slot), nv12)
-    task = bytes(parts.members["task.txt"]).decode()
-    obs = {"frames": {slot: nv12}, "state": parts.array("state"), "task": task}
+    ds, slot, e, t = index.ds, index.dataset.cameras[0].slot, index.ds.num_episodes - 1, 1
+    frames = np.concatenate([ds.read_block(e, slot, b) for b in range(ds.num_blocks(e))])
+    arrays = ds.read_arrays(e)
+    nv12 = frames[t:t + 1]  # video delta index 0: the frame at t (one per camera)
+    task = {str(k): v for k, v in index.dataset.tasks.items()}[str(int(arrays["task_index"][t]))]
+    obs = {"frames": {slot: nv12}, "state": arrays["state"][t:t + 1], "task": task}
     a = policy.act([obs, obs], seed=1)
     assert a.shape == (2, index.dataset.action_horizon, index.dataset.action_dim)
     assert not np.allclose(a[0], a[1])  # each row starts from its own noise
@@ -144,9 +145,9 @@ def test_policy_takes_raw_observations(trained, learn_root):
     b = policy.act([{**obs, "frames": {slot: rgb}}], seed=1)
     np.testing.assert_allclose(a[:1], b, atol=1e-4)
     # The raw path equals the training input path (decode, normalise) for the same sample.
-    from loongforge.train.evaluate import ValSet
+    from loongforge.train.data_v2 import ValSetV2
 
-    batch = ValSet(root, index, np.asarray([index.shard_start(shard) + local]), device="cpu").batches[0]
+    batch = ValSetV2(index, np.asarray([_table(index).sample_id(e, t)]), device="cpu").batches[0]
     c = policy.unnormalize(policy.model.predict_action(batch, seed=1))
     np.testing.assert_allclose(b, c, atol=1e-4)
 
@@ -177,12 +178,12 @@ def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root):
 def test_eval_never_reads_the_ground_truth(trained, learn_root):
     """The bar above cannot be met by leaking: the open-loop predictions (flow and discrete decoding)
     of the trained model do not change when the batch's ground-truth actions are replaced."""
-    from loongforge.train.evaluate import ValSet, val_sample_ids
+    from loongforge.train.data_v2 import ValSetV2, val_ids
     from loongforge.train.policy import Policy
 
     root, index = learn_root
     policy = Policy.load(trained, root)
-    batch = ValSet(root, index, val_sample_ids(index, limit=8), device="cpu").batches[0]
+    batch = ValSetV2(index, val_ids(index, limit=8), device="cpu").batches[0]
     scrambled = {**batch, "action": torch.randn_like(batch["action"]) * 10}
     model = policy.model
     assert torch.equal(model.predict_action(batch, seed=3), model.predict_action(scrambled, seed=3))

@@ -146,3 +146,22 @@ def test_gpu_buckets_settle_allocator_after_warmup(train_root):
         assert segments[1] == segments[2] == segments[3], segments
     finally:
         w.close()
+
+
+def test_tune_workload_reads_a_v2_root(tmp_path):
+    """`loongforge tune` on a format-2 root (the preprocess default): the batch comes from the
+    BlockLoader with the default delta indices (one frame per camera), not the v1 reader."""
+    import torch
+
+    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+    from loongforge.train.tune import Workload
+
+    root = str(tmp_path / "v2")
+    make_synthetic_v2_root(root, lengths=(12, 9), height=16, width=16, block_size=4)
+    w = Workload("tiny", root, 2, device="cpu")
+    try:
+        assert w.max_frames == 1 and w.base["action"].shape[0] == 8
+        batch, noise, t = w.batch(3)
+        assert batch["action"].shape[0] == 3 and torch.isfinite(w.loss(batch, noise, t))
+    finally:
+        w.close()
