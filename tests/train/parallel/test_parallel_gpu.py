@@ -214,3 +214,18 @@ def test_ulysses_attention_matches_full_attention_on_cuda(nccl, dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float().cpu(), cpu, atol=tol, rtol=tol)
     assert torch.equal(sp.gather_video(local), seq[:, :nv])
+
+
+def test_residuals_loaded_on_the_host_follow_the_cuda_gradients(nccl):
+    """A resume loads residuals on the host (wiring.CompressedDPSync.load): the next step moves them to
+    the gradients' device and flushes them into the dense sync (1 replica: grad + residual)."""
+    grads = [torch.randn(64, device=nccl.dev), torch.randn(32, device=nccl.dev)]
+    comp = TopKCompressor(CompressionConfig(), nccl.state.group("dp"), verbose=False)
+    comp.reduce_([g.clone() for g in grads])
+    res = torch.randn(96)
+    comp.load_state_dict({"version": 1, "residuals": [res]})
+    expect = torch.cat(grads).cpu() + res
+    comp.reduce_(grads)
+    assert comp.residuals[0].device == nccl.dev
+    assert torch.equal(torch.cat(grads).cpu(), expect)
+    assert torch.count_nonzero(comp.residuals[0]) == 0
