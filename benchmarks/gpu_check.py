@@ -4,7 +4,9 @@
 
 1. every CUDA-only test: `pytest -m gpu tests` (the marker, not a list, so new GPU tests join);
 2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
-   `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...);
+   `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...); and
+   `tiny` with --zero 3 --grad-compression topk (hybrid sharding: the compressor's DP sync over a
+   1-rank NCCL group, each step, counted as group "dp" in the metrics);
 3. the `tiny` run again with --cuda-graphs (train/graphs.py): GPU idle inside the step (no kernel
    on any stream, data wait excluded: the trace's launch overhead) before/after, in `launch_overhead`;
 4. writes OUT/gpu-check-<date>.json (tests, every breakdown, the GPU, torch, CUDA) and
@@ -25,6 +27,7 @@ import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tiny", "small")
+TOPK = ("--zero", "3", "--grad-compression", "topk")  # train/parallel/compression.py on NCCL
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> tuple[int, str, float]:
@@ -68,7 +71,7 @@ def gpu_tests(out_dir: str, timeout: float) -> dict:
 
 def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
               extra: tuple[str, ...] = ()) -> dict:
-    label = recipe + "".join(extra).replace("--", "+")
+    label = recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
     run_dir = os.path.join(work, label)
     a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up (and graph recording), 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
@@ -82,8 +85,11 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
     with open(os.path.join(run_dir, "ds_config.json")) as f:
         optimizer = json.load(f)["optimizer"]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        timers = sorted({json.loads(line).get("timer") for line in f if line.strip()} - {None})
+        steps = [m for m in map(json.loads, filter(str.strip, f)) if "step" in m]
+    timers = sorted({m.get("timer") for m in steps} - {None})
     problems = []
+    if "topk" in extra and not all("dp" in (m.get("comm_groups") or {}) for m in steps):
+        problems.append("--grad-compression topk: a step without the compressor's DP sync (no 'dp' comm group)")
     if pcode or tcode:
         problems.append(f"loongforge profile failed: {(pout + table)[-2000:]}")
     from loongforge.train.engine import fused_adam_prebuilt
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(train_run(recipe, data, work, a.steps, 150))
         graphed = train_run("tiny", data, work, a.steps, 150, extra=("--cuda-graphs",))
         report["runs"].append(graphed)
+        report["runs"].append(train_run("tiny", data, work, min(a.steps, 10), 150, extra=TOPK))
         report["launch_overhead"] = launch_overhead(report["runs"][0], graphed)
     report["seconds"] = round(time.monotonic() - t0, 1)
     report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"]) and report["launch_overhead"]["ok"]

@@ -127,13 +127,16 @@ def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--zero", "3", "--grad-compression", "topk")], ids=["plain", "topk"])
+def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path, extra):
     """The gpu-check script's run + profile + checks, driven on CPU: it must complete and flag
-    exactly what only a GPU provides (so its first GPU run does not die on its own plumbing)."""
+    exactly what only a GPU provides (so its first GPU run does not die on its own plumbing).
+    The topk run (1 rank) must also pass the check that the compressor synced every step."""
     from loongforge.benchmarks import gpu_check
 
+    assert extra in ((), gpu_check.TOPK)
     root, _ = train_root
-    res = gpu_check.train_run("tiny", root, str(tmp_path), 6, 240, device="cpu")
+    res = gpu_check.train_run("tiny", root, str(tmp_path), 6, 240, device="cpu", extra=extra)
     assert res["exit_code"] == 0, res.get("log_tail")
     assert res["optimizer"]["params"]["torch_adam"] is True and res["timers"] == ["host"]
     assert res["breakdown"]["traces"] and "step-time breakdown" in res["table"]

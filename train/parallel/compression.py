@@ -117,6 +117,8 @@ class TopKCompressor:
             raise ConfigError("compression: the gradient list changed between steps; build a new compressor")
         for j, b in enumerate(buckets):
             flat = torch.cat([grads[i].reshape(-1) for i in b])
+            if self.residuals[j].device != flat.device:  # loaded from a checkpoint on the host
+                self.residuals[j] = self.residuals[j].to(flat.device)
             n, e = flat.numel(), flat.element_size()
             k, path = self.choose(n, e)
             if first:

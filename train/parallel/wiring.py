@@ -213,7 +213,10 @@ class CompressedDPSync:
 
         path = os.path.join(checkpoint.ckpt_root(run_dir), tag, self._name())
         try:
-            sd = torch.load(path, weights_only=True)
+            # NOTE: to the host first: residuals written from cuda:3 would otherwise be restored to
+            # cuda:3, which a resuming rank that sees one GPU (or its GPU under another index) lacks;
+            # the compressor moves them to the gradients' device on first use.
+            sd = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CheckpointError(f"{path} missing: the checkpoint was written without --grad-compression topk "
                                   "(or by another rank count); resume with the flags that wrote it") from None

@@ -152,3 +152,32 @@ def test_config_rejects_bad_values():
         CompressionConfig(density=0.0)
     with pytest.raises(ConfigError, match="mode"):
         CompressionConfig(mode="fast")
+
+
+def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
+    """A rank writes its residuals from its GPU (say cuda:3); the resuming rank may see its GPU under
+    another index (one visible GPU per task) or none. torch.load without map_location restores to
+    cuda:3 and fails ("Attempting to deserialize object on a CUDA device"); they load on the host and
+    move to the gradients' device on first use (checked on CUDA by test_parallel_gpu.py)."""
+    import io
+    import os
+
+    from loongforge.train import checkpoint
+    from loongforge.train.parallel.wiring import CompressedDPSync
+
+    res = torch.arange(6.0)
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:3")  # as saved on a GPU
+        buf = io.BytesIO()
+        torch.save({"version": 1, "residuals": [res]}, buf)
+    tag_dir = os.path.join(checkpoint.ckpt_root(str(tmp_path)), "step00000002")
+    os.makedirs(tag_dir)
+    with open(os.path.join(tag_dir, "compressor_rank0.pt"), "wb") as f:
+        f.write(buf.getvalue())
+    # Narrow unit: the sync object without an engine or a process group (load touches neither).
+    sync = CompressedDPSync.__new__(CompressedDPSync)
+    sync.rank, sync.compressor = 0, TopKCompressor.__new__(TopKCompressor)
+    sync.compressor.decisions = None
+    sync.load(str(tmp_path), "step00000002")
+    (got,) = sync.compressor.residuals
+    assert got.device.type == "cpu" and torch.equal(got, res)
