@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.train import checkpoint, data_v2, engine as eng, recipes
+from loongforge.train import checkpoint, ckpt_fallback, data_v2, engine as eng, recipes
 from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
@@ -135,6 +135,8 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
+        # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
+        tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
         wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
