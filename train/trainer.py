@@ -7,6 +7,7 @@ with every resource closed on every exit path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +23,7 @@ from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
+from loongforge.train.nan_guard import NanGuard
 from loongforge.train.parallel import wiring
 from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
@@ -81,6 +83,8 @@ class Trainer:
                                                             state=self.par)
         wiring.after_engine(self.engine, self.par)  # checkpoint writers of hybrid sharding, group names
         self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
+        self.nan_guard = NanGuard(self.engine, policy=cfg.faults.nan_policy, rank=self.rank, device=self.device,
+                                  max_consecutive=cfg.faults.nan_max_consecutive)
         self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
@@ -173,6 +177,8 @@ class Trainer:
             if self.step > start:
                 self.save(final=True)
         finally:
+            with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
+                late.flush()
             trace.close()
 
     def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
@@ -192,18 +198,23 @@ class Trainer:
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
                 out = e(batch, noise, t)
+                out["loss"] = self.nan_guard.observe(self.step, out["loss"])
             with timer.phase("backward"):
                 e.backward(out["loss"])
                 if self.dp_sync is not None:
                     self.dp_sync()  # compressed gradient sync across DP replicas (hybrid sharding)
             with timer.phase("optimizer"):
-                e.step()
+                if micro < accum - 1:
+                    e.step()  # inside the accumulation window: DeepSpeed only counts it
+                else:  # the boundary: skipped on every rank when any rank's loss was non-finite
+                    skipped = self.nan_guard.step(self.step)
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
-               "comm_groups": self.step_comm.end()}
+               "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
+               "nonfinite_skips": self.nan_guard.skipped}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:

@@ -42,3 +42,50 @@ def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_pa
     assert "resumed from step00000002 at step 2" in done.stderr
     assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
     assert open(os.path.join(ckpts, "latest")).read().strip() == "step00000006"
+
+
+def _module_weights(run_dir, tag):
+    import torch
+
+    from loongforge.train.checkpoint import weights_only_loads
+
+    with weights_only_loads():
+        doc = torch.load(os.path.join(run_dir, "checkpoints", tag, "mp_rank_00_model_states.pt"), weights_only=True)
+    return doc["module"]
+
+
+def test_nan_loss_on_one_rank_skips_the_step_on_both_and_never_reaches_the_weights(train_root, tmp_path):
+    """NaN injected into rank 1's loss at steps 2 and 3 (real NaN gradients through the all-reduce). ZeRO-0,
+    where nothing in DeepSpeed would catch them: the weights after step 3 are bit-identical to those after
+    step 1, every weight stays finite, and metrics.jsonl counts the two skips."""
+    import torch
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, LOONGFORGE_INJECT_NAN="2,3@1")
+    done = torchrun(2, ["--data", root, "--run-dir", run_dir, "--zero", "0", "--steps", "6", "--save-every", "2",
+                        *COMMON], cwd=str(tmp_path), env=env)
+    _ok(done)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["nonfinite_skip"] for r in rows] == [None, None, "loss", "loss", None, None]
+    assert rows[-1]["nonfinite_skips"] == 2
+    w2, w4, w6 = (_module_weights(run_dir, f"step{s:08d}") for s in (2, 4, 6))
+    assert all(torch.equal(w2[k], w4[k]) for k in w2)  # both skipped steps left the weights untouched
+    assert all(torch.isfinite(v).all() for v in w6.values())
+    assert any(not torch.equal(w4[k], w6[k]) for k in w4)  # and training went on after them
+
+
+def test_nan_policy_fail_and_max_consecutive_end_the_run(train_root, tmp_path):
+    from tests.train.train_launch import launch
+
+    root, _ = train_root
+    for extra, said in ((["--nan-policy", "fail"], "--nan-policy fail"),
+                        (["--nan-max-consecutive", "1"], "more than --nan-max-consecutive 1 in a row")):
+        run_dir = str(tmp_path / extra[0])
+        env = dict(os.environ, LOONGFORGE_INJECT_NAN="1,2")
+        proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "5",
+                       *extra, *COMMON], cwd=str(tmp_path), env=env)
+        assert proc.returncode == 1 and "NonFiniteLossError" in proc.stderr and said in proc.stderr, \
+            proc.stderr[-3000:]
+        assert [r["step"] for r in _metrics(run_dir)] == ([0] if extra[0] == "--nan-policy" else [0, 1])
