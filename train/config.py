@@ -230,7 +230,7 @@ class FaultConfig:
     nan_policy: str = "skip"  # a non-finite loss or grad norm: skip the optimizer step on every rank | fail
     nan_max_consecutive: int = 5  # skip: this many non-finite steps in a row end the run (diverged, not a blip)
     hang_timeout_s: float = 600.0  # a rank whose step does not advance for this long is reported hung; 0 = off
-    heartbeat_s: float = 1.0  # heartbeat period; a rank silent for max(5 periods, 3 s) is reported dead
+    heartbeat_s: float = 1.0  # heartbeat period; a rank silent for max(10 periods, 5 s) is reported dead
 
     def __post_init__(self):
         _need(self.nan_policy in ("skip", "fail"), "faults.nan_policy", "use skip or fail (--nan-policy)")

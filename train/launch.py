@@ -118,7 +118,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hang-timeout-s", type=float, default=600.0, help="watchdog: a rank whose step does not "
                    "advance for this long is reported hung and the launch ends (exit 75); 0 = off")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period to the launch's TCPStore; "
-                   "a rank silent for max(5 periods, 3 s) is reported dead")
+                   "a rank silent for max(10 periods, 5 s) is reported dead")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 

@@ -28,6 +28,7 @@ from loongforge.train.parallel import wiring
 from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
+from loongforge.train.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,10 @@ class Trainer:
                 timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
                 image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
         self.valset = self._valset()
+        f = cfg.faults
+        self.watchdog = Watchdog(rank=self.rank, world=self.world, run_dir=cfg.run.run_dir, heartbeat_s=f.heartbeat_s,
+                                 hang_timeout_s=f.hang_timeout_s,
+                                 closers=[self.loader.close, lambda: eng.release_cpu_shm_buffers(self.world)])
         r = cfg.run
         self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
                                             device=self.device, background=r.save_async, when_busy=r.save_busy,
@@ -158,8 +163,10 @@ class Trainer:
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
         late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
         it = iter(self.loader)
+        self.watchdog.start()  # heartbeats from here; startup (engine, resume) is not judged
         try:
             while self.step < run.steps:
+                self.watchdog.progress(self.step)
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
@@ -175,7 +182,9 @@ class Trainer:
                     self.save()
             late.flush()
             if self.step > start:
+                self.watchdog.progress(self.step, "save")
                 self.save(final=True)
+            self.watchdog.stop(done=True)
         finally:
             with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
                 late.flush()
@@ -189,8 +198,10 @@ class Trainer:
         self.step_comm.begin()
         losses, ids = [], []
         for micro in range(accum):
+            self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
             with timer.phase("data_wait"):
                 batch = next(it)
+            self.watchdog.phase = "step"
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
             shape = batch["action"].shape
@@ -259,7 +270,8 @@ class Trainer:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
-        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+        for closer in (lambda: self.watchdog.stop(done=False), lambda: self.ckpt.close(timeout_s=3.0),
+                       self.loader.close, self.metrics.close,
                        self.step_comm.close):
             try:
                 closer()

@@ -89,3 +89,60 @@ def test_nan_policy_fail_and_max_consecutive_end_the_run(train_root, tmp_path):
         assert proc.returncode == 1 and "NonFiniteLossError" in proc.stderr and said in proc.stderr, \
             proc.stderr[-3000:]
         assert [r["step"] for r in _metrics(run_dir)] == ([0] if extra[0] == "--nan-policy" else [0, 1])
+
+
+def _wait_steps(proc, run_dir, n, timeout=240):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(path) and len([r for r in _metrics(run_dir) if "step" in r]) >= n:
+            return
+        time.sleep(0.2)
+    err = proc.communicate()[1]
+    raise AssertionError(f"no {n} steps before the deadline: {[ln for ln in err.splitlines() if 'watchdog' in ln]} {err[-3000:]}")
+
+
+def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_root, tmp_path):
+    """SIGSTOP of rank 1 mid-run: rank 0's watchdog sees no heartbeat, writes one fault record naming rank 1,
+    its host and why, fences the stopped rank and exits 75; the launch ends well inside the hang timeout
+    instead of blocking in the next all-reduce (DeepSpeed's CPU shm all-reduce has no timeout at all)."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from tests.train.test_ckpt_resilience import _kill_tree
+    from tests.train.test_deepspeed import _rank_pid
+    from tests.train.train_launch import VENV_BIN, _port
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    proc = subprocess.Popen([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()),
+                             "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "100000",
+                             "--heartbeat-s", "0.5", "--hang-timeout-s", "60", *COMMON], cwd=str(tmp_path),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_steps(proc, run_dir, 3)
+        victim = _rank_pid(run_dir, 1)
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode != 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        events = [r for r in map(json.loads, f) if "event" in r]
+    assert len(events) == 1, (events, err[-4000:])
+    ev = events[0]
+    assert (ev["kind"], ev["rank"], ev["host"], ev["detected_by"]) == ("dead", 1, socket.gethostname(), 0)
+    assert "no heartbeat" in ev["why"] and "stopped (SIGSTOP)" in ev["why"]
+    assert ev["detected_after_s"] < 30
+    assert ended_s < 60, ended_s  # detection (~3 s) + teardown, not the 60 s hang timeout nor a launcher timeout
+    assert "watchdog: rank 1 on" in err and "exit 75" in err
