@@ -117,7 +117,7 @@ class Trainer:
         self.save_stall_s: list[float] = []
         if cfg.run.resume:
             self._resume()
-        self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0,
+        self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
                                   log_every=cfg.run.log_every, keep_below=self.step)
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)

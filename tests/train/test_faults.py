@@ -146,3 +146,54 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
     assert ev["detected_after_s"] < 30
     assert ended_s < 60, ended_s  # detection (~3 s) + teardown, not the 60 s hang timeout nor a launcher timeout
     assert "watchdog: rank 1 on" in err and "exit 75" in err
+
+
+def _global_order(index, steps, batch, seed=1, window=8):
+    from loongforge.train import order
+
+    sizes = [s.samples for s in index.shards]
+    per_epoch = index.num_samples // batch
+    return [sorted(int(g) for g in order.epoch_sequence(sizes, seed, s // per_epoch, window)
+                   [(s % per_epoch) * batch:(s % per_epoch + 1) * batch]) for s in range(steps)]
+
+
+def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
+    """`loongforge train --elastic --min-ranks 1 --max-ranks 2`: SIGKILL rank 1 after step 5; the supervisor
+    relaunches on 1 rank with grad accum 2 (same global batch 8) from the last checkpoint and finishes. The
+    samples of every step are exactly that step's slice of the global order: none lost, none twice."""
+    import signal
+    import subprocess
+
+    from tests.train.test_ckpt_resilience import _kill_tree
+    from tests.train.test_deepspeed import _rank_pid
+    from tests.train.train_launch import VENV_BIN
+
+    root, index = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    steps = 12
+    proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1",
+                             "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root, "--run-dir", run_dir, "--steps", str(steps),
+                             "--save-every", "2", *COMMON], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_steps(proc, run_dir, 5)
+        (tmp_path / "capacity").write_text("1")  # the node of rank 1 is gone: no slot to scale back up to
+        os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    events = [r for r in rows if r.get("event") == "elastic"]
+    steps_rows = [r for r in rows if "event" not in r]
+    launches = [(e["ranks"], e["grad_accum"]) for e in events if e["action"] == "launch"]
+    assert launches == [(2, 1), (1, 2)], events
+    assert [r["step"] for r in steps_rows] == list(range(steps))
+    assert steps_rows[0]["world"] == 2 and steps_rows[-1]["world"] == 1
+    seen = [sorted(i for rank_ids in r["sample_ids"] for i in rank_ids) for r in steps_rows]
+    assert seen == _global_order(index, steps, 8)  # each step: its slice of the global order, exactly once
