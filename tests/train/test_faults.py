@@ -197,3 +197,26 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     assert steps_rows[0]["world"] == 2 and steps_rows[-1]["world"] == 1
     seen = [sorted(i for rank_ids in r["sample_ids"] for i in rank_ids) for r in steps_rows]
     assert seen == _global_order(index, steps, 8)  # each step: its slice of the global order, exactly once
+
+
+def test_fault_suite_fast_subset_nan_loss(tmp_path):
+    """`loongforge bench faults`' harness on its fastest fault (the full list runs in `make faults`): the row
+    says detected, recovered, nothing redone, no sample lost or seen twice."""
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["nan_loss"], steps=8, work=tmp_path, baseline=False)
+    row = doc["rows"][0]
+    assert row["fault"] == "nan_loss" and row["recovered"], row
+    assert row["detected_after_s"] == 0.0 and "skipped on every rank" in row["action"]
+    assert (row["steps_redone"], row["samples_lost"], row["samples_duplicated"]) == (0, 0, 0)
+    assert "| nan_loss |" in faults.markdown_table(doc)
+
+
+@pytest.mark.full
+def test_fault_suite_rank_sigstop_relaunches_on_the_survivor(tmp_path):
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["rank_sigstop"], steps=10, work=tmp_path, baseline=False)
+    row = doc["rows"][0]
+    assert row["recovered"] and row["relaunches"] == 1 and "watchdog: rank 1 dead" in row["action"], row
+    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)
