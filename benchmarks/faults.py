@@ -146,13 +146,22 @@ def f_corrupt_checkpoint(run):
 
 
 def f_decode_worker_sigkill(run):
-    run.wait_steps(5)
+    run.wait_steps(2)  # early: the 2 workers fill 5 slots + 2 prefetched batches ahead, a late kill hits idle ones
     rank0 = run.rank_pid(0)
     kids = [int(p) for p in filter(str.isdigit, os.listdir("/proc")) if _ppid(int(p)) == rank0
-            and b"loongforge" not in open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0]]
+            and _is_decode_worker(int(p))]
     t = run.mark_fault()
-    os.kill(max(kids), signal.SIGKILL)  # the newest child: a decode worker (spawned after the tracker)
+    os.kill(max(kids), signal.SIGKILL)
     return t
+
+
+def _is_decode_worker(pid: int) -> bool:
+    """multiprocessing's spawned children of a rank, but not its resource tracker."""
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
 
 
 def f_cache_daemon_sigkill(run):
@@ -227,18 +236,35 @@ def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, e
     if "failed verification" in log:
         action += "; corrupt latest rejected (sha256), previous checkpoint loaded"
     if name == "cache_daemon_sigkill":
-        action = "cache client fell back to the origin; no restart" if len(launches) == 1 else action
+        first = next((ln for ln in log.splitlines() if "reading shards from origin" in ln), None)
+        if first is not None and detected_t is None:  # the client notices at its next read
+            detected_t = datetime.strptime(first[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        action = "cache client fell back to the origin at its next read; no restart" if len(launches) == 1 \
+            else action
     if name == "decode_worker_sigkill" and not (faults or el_faults):
         action = "decode worker replaced in place; no restart"
-    resumed = [e.get("latest") for e in launches[1:]]
-    redone = 0
-    if resumed and run.steps_before_fault is not None:
-        start = int(resumed[0][4:]) if resumed[0] else 0
-        redone = max(0, run.steps_before_fault - start)
+    redone = steps_redone(log)
     return {"fault": name, "detected_after_s": None if detected_t is None else round(detected_t - t_inject, 1),
             "action": action, "recovered": rc == 0 and [r["step"] for r in steps] == list(range(run.steps)),
             "steps_redone": redone, "samples_lost": lost, "samples_duplicated": dup,
-            "wall_cost_s": round(run.wall_s - base_wall, 1), "exit": rc, "relaunches": len(launches) - 1}
+            "wall_cost_s": round(run.wall_s - base_wall, 1), "exit": rc, "relaunches": len(launches) - 1,
+            "t_inject": round(t_inject, 2), "wall_s": round(run.wall_s, 1)}
+
+
+def steps_redone(log: str) -> int:
+    """Per relaunch: the last step the previous attempt printed (rank 0's console lines; metrics.jsonl rows after
+    the checkpoint are truncated on resume) + 1 - the step it resumed at (its "resumed from TAG at step K" line,
+    which names the checkpoint really loaded, e.g. the fallback of a corrupt `latest`)."""
+    last, prev_last, redone = -1, None, 0
+    for line in log.splitlines():
+        if "elastic: launching" in line:
+            prev_last, last = last, -1
+        elif line.startswith("step ") and line.split()[1].isdigit():
+            last = int(line.split()[1])
+        elif "resumed from step" in line and prev_last is not None and " at step " in line:
+            redone += max(0, prev_last + 1 - int(line.split(" at step ")[1].split()[0]))
+            prev_last = None  # one resume line per attempt (every rank logs it)
+    return redone
 
 
 def run_suite(names, *, steps: int, work: Path, baseline: bool = True) -> dict:

@@ -6,9 +6,9 @@ survives rank loss and scales back up.
 Each attempt is a fresh, static torchrun launch (new port, so a new TCPStore
 and new gloo connections) of `python -m loongforge.train ... --resume`:
 * a fault (a rank killed, OOM, or stopped/hung: the watchdog's exit 75 and
-  fault record) ends the launch; the supervisor relaunches on the surviving rank
-  count (ranks named in the attempt's fault records, else one) from the last
-  verified checkpoint (ckpt_fallback), refusing to go below --min-ranks;
+  fault record) ends the launch; the supervisor relaunches without the ranks the
+  attempt's fault records name, and no more than the capacity allows, from the
+  last verified checkpoint (ckpt_fallback), refusing to go below --min-ranks;
 * the global batch never changes: --grad-accum is recomputed so that
   micro batch x ranks x accum = global batch, the micro batch no larger than the
   full layout's (memory per rank stays bounded). The loader state is one global
@@ -86,7 +86,7 @@ class Supervisor:
             raise ConfigError(f"--min-ranks {self.min_ranks} / --max-ranks {self.max_ranks}: need "
                               "1 <= min <= max")
         self.capacity_file, self.max_restarts = args.capacity_file, args.max_restarts
-        self.run_dir, self.batch = args.run_dir, args.batch_size
+        self.run_dir, self.batch, self.steps = args.run_dir, args.batch_size, args.steps
         self.max_micro = max(1, args.batch_size // (self.max_ranks * args.grad_accum))
         accum_for(self.batch, self.min_ranks, self.max_micro)  # every count in range must split the batch
         self.argv = strip_flags(train_argv)
@@ -127,8 +127,10 @@ class Supervisor:
             if self.restarts > self.max_restarts:
                 raise TrainError(f"elastic: launch failed (exit {rc}) after {self.max_restarts} restarts; see the "
                                  "log above")
-            ranks = min(ranks - max(1, len(failed)), self.capacity())
-            reason = f"fault: ranks {sorted(failed) or '?'} lost (launch exit {rc})"
+            # Ranks the watchdog named are gone; a failure it did not name (a rank killed outright, a decode
+            # worker, an OOM) frees its slot on this machine: the capacity file says whether it is usable.
+            ranks = min(ranks - len(failed), self.capacity())
+            reason = f"fault: ranks {sorted(failed) or 'not named'} lost (launch exit {rc})"
 
     def _attempt(self, ranks: int, reason: str):
         accum = accum_for(self.batch, ranks, self.max_micro)
@@ -144,7 +146,9 @@ class Supervisor:
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
-                if not scaling and ranks < self.capacity() and _latest(self.run_dir) not in (None, start_latest):
+                latest = _latest(self.run_dir)
+                if not scaling and ranks < self.capacity() and latest not in (None, start_latest) \
+                        and int(latest[4:]) < self.steps:  # never stop a launch at its final checkpoint
                     log.info("elastic: capacity for %d ranks and checkpoint %s published: stopping the launch to "
                              "scale up", self.capacity(), _latest(self.run_dir))
                     scaling = True

@@ -65,7 +65,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "snapshot to host memory, write in the background)")
     p.add_argument("--save-busy", default="wait", choices=("wait", "skip"),
                    help="a save due while the previous one is still being written: wait for it, or skip this one")
-    p.add_argument("--keep-last", type=int, default=0, help="keep the newest K checkpoints (0 = all); one before `latest` always stays, "
+    p.add_argument("--keep-last", type=int, default=0, help="keep the newest K checkpoints (0 = all); one "
+                   "before `latest` always stays, "
                    "the fallback when `latest` fails its sha256 check on --resume")
     p.add_argument("--save-mbps", type=float, default=0.0, help="cap the checkpoint write rate, MB/s (0 = none)")
     p.add_argument("--full-every", type=int, default=0, help="full checkpoint every N saves, XOR+zstd deltas "
@@ -152,7 +153,8 @@ def config_from_args(a: argparse.Namespace):
                       delta_max_ratio=a.delta_max_ratio),
         faults=FaultConfig(nan_policy=getattr(a, "nan_policy", "skip"),
                            nan_max_consecutive=getattr(a, "nan_max_consecutive", 5),
-                           hang_timeout_s=getattr(a, "hang_timeout_s", 600.0), heartbeat_s=getattr(a, "heartbeat_s", 1.0)),
+                           hang_timeout_s=getattr(a, "hang_timeout_s", 600.0),
+                           heartbeat_s=getattr(a, "heartbeat_s", 1.0)),
     )
 
 

@@ -101,7 +101,7 @@ def _wait_steps(proc, run_dir, n, timeout=240):
             return
         time.sleep(0.2)
     err = proc.communicate()[1]
-    raise AssertionError(f"no {n} steps before the deadline: {[ln for ln in err.splitlines() if 'watchdog' in ln]} {err[-3000:]}")
+    raise AssertionError(f"no {n} steps before the deadline: {err[-3000:]}")
 
 
 def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_root, tmp_path):
@@ -174,7 +174,8 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     steps = 12
     proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1",
-                             "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root, "--run-dir", run_dir, "--steps", str(steps),
+                             "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root,
+                             "--run-dir", run_dir, "--steps", str(steps),
                              "--save-every", "2", *COMMON], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
