@@ -95,11 +95,8 @@ def handle_scale(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", nargs="?", default="data", choices=("data", "scale", "faults"),
-                   help="data: the data-path benchmark (default); scale: TP x SP x DP scale-up on gloo + projection; "
-                   "faults: the fault-injection suite (benchmarks/faults.py)")
-    p.add_argument("--faults", default=None, help="faults suite: comma list of faults (default: all)")
-    p.add_argument("--steps", type=int, default=12, help="faults suite: steps per run")
+    p.add_argument("suite", nargs="?", default="data", choices=("data", "scale"),
+                   help="data: the data-path benchmark (default); scale: TP x SP x DP scale-up on gloo + projection")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat (< 2 min; what CI runs)")
     p.add_argument("--repeats", type=int, help="repeats per figure (median and min-max reported); "
                                                "default 3, 1 with --quick")
@@ -119,13 +116,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     if getattr(args, "suite", "data") == "scale":
         return handle_scale(args)
-    if args.suite == "faults":
-        from loongforge.benchmarks import faults
-        from loongforge.benchmarks.run import DEFAULT_OUT
-
-        args.faults = args.faults or ",".join(faults.FAULTS)
-        args.out = args.out or DEFAULT_OUT
-        return faults.handle(args)
     from loongforge.benchmarks.config import BenchConfig
     from loongforge.benchmarks.report import markdown_table
     from loongforge.benchmarks.run import DEFAULT_OUT, run
@@ -149,4 +139,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=handle)
     from loongforge.benchmarks.ablation_cli import register as register_ablation
 
-    register_ablation(p.add_subparsers(dest="bench_cmd", metavar="{ablation}"))
+    from loongforge.benchmarks.faults import register as register_faults
+
+    sub = p.add_subparsers(dest="bench_cmd", metavar="{ablation,faults}")
+    register_ablation(sub)
+    register_faults(sub)

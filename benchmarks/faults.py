@@ -320,6 +320,14 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def register(subparsers) -> None:
+    p = subparsers.add_parser("faults", help="fault-injection suite: each fault against a real 2-rank gloo run "
+                              "under the elastic supervisor; table + JSON (benchmarks/faults.py)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=handle)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="loongforge bench faults", description=__doc__.splitlines()[0])
     add_arguments(p)
