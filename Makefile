@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test test-full bench bench-quick parallel-full clean gpu-check
+.PHONY: setup redis demo test test-full bench bench-quick parallel-full clean gpu-check faults
 
 setup: $(STAMP) redis
 
@@ -47,6 +47,12 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/loongforge bench --quick
+
+# Fault-injection suite: each fault against a real 2-rank gloo run under `loongforge train --elastic`;
+# table + JSON under benchmarks/results/ (README "Reliability"). Its tests: tests/train/test_faults.py.
+faults: setup
+	$(BIN)/loongforge bench faults
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m full tests/train/test_faults.py $(PYTEST_ARGS)
 
 # GPU box: the same pin, CUDA build. On Linux x86-64 pip's default index (PyPI) serves the CUDA
 # build of torch==2.13.0, so a fresh box needs no override; a venv that holds a CPU build

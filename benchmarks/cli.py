@@ -139,4 +139,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=handle)
     from loongforge.benchmarks.ablation_cli import register as register_ablation
 
-    register_ablation(p.add_subparsers(dest="bench_cmd", metavar="{ablation}"))
+    from loongforge.benchmarks.faults import register as register_faults
+
+    sub = p.add_subparsers(dest="bench_cmd", metavar="{ablation,faults}")
+    register_ablation(sub)
+    register_faults(sub)

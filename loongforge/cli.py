@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None, services=SERVICES) -> int:
     `python -m loongforge.cache` imports only the cache)."""
     parser = build_parser(services)
     args = parser.parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)  # `train --elastic` relaunches with these
     level = "DEBUG" if args.verbose else os.environ.get("LOONGFORGE_LOG_LEVEL", "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         parser.error(f"LOONGFORGE_LOG_LEVEL={level!r}: use DEBUG, INFO, WARNING or ERROR")

@@ -32,7 +32,8 @@ import torch
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import HASH_CHUNK
 from loongforge.train import ckpt_delta, ckpt_universal
-from loongforge.train.ckpt_async import MANIFEST, MANIFEST_VERSION, DeltaPolicy, SaveJob, SnapshotEngine, Writer
+from loongforge.train.ckpt_async import (MANIFEST, MANIFEST_VERSION, DeltaPolicy, SaveJob, SnapshotEngine, Writer,
+                                         prune_before_write)
 
 log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 2  # 2: manifest.json with sha256 per file
@@ -124,6 +125,8 @@ class Checkpointer:
             # per-rank manifests must not be merged into this one. DeepSpeed's first barrier in
             # save_checkpoint orders this before any rank's writer starts.
             shutil.rmtree(tag_dir, ignore_errors=True)
+        if self.rank == 0 and os.path.isdir(self.root):
+            prune_before_write(self.root, keep_last=self.keep_last)
         # save_latest=False: DeepSpeed's own pointer would be written before our sidecar and manifest exist.
         self.engine.save_checkpoint(self.root, tag=tag, client_state={"loongforge_step": step}, save_latest=False)
         # `blobs`: this rank's extra (file name, bytes) for the tag directory (e.g. compression residuals).

@@ -348,10 +348,26 @@ def prune(root: str, *, keep_last: int) -> list[str]:
     published = [t for t in tags if t <= latest and os.path.exists(os.path.join(root, t, MANIFEST))]
     doomed = [t for t in tags if t < latest and t not in published]
     if keep_last > 0:
-        kept = set(published[-keep_last:]) | {latest}
+        # One published checkpoint before `latest` always stays: the fallback when `latest` fails its sha256
+        # check on resume (ckpt_fallback). keep_last=1 drops it just before the next write (prune_before_write).
+        kept = set(published[-max(keep_last, 2):]) | {latest}
         for t in list(kept):
             kept.update(_manifest_bases(os.path.join(root, t)))
         doomed += [t for t in published if t not in kept]
+    for t in doomed:
+        shutil.rmtree(os.path.join(root, t), ignore_errors=True)
+    return doomed
+
+
+def prune_before_write(root: str, *, keep_last: int) -> list[str]:
+    """keep_last=1 (a disk with room for two checkpoints): drop the fallback before writing the next one, so
+    the disk holds `latest` + the save in flight, and `latest` + its fallback once that is published."""
+    if keep_last != 1:
+        return []
+    latest = _read_latest(root)
+    bases = set(_manifest_bases(os.path.join(root, latest))) if latest else set()
+    doomed = [t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit() and latest
+              and t < latest and t not in bases and os.path.exists(os.path.join(root, t, MANIFEST))]
     for t in doomed:
         shutil.rmtree(os.path.join(root, t), ignore_errors=True)
     return doomed

@@ -10,6 +10,15 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a VLA model with DeepSpeed (run under torchrun/deepspeed "
                                             "for several ranks: python -m loongforge.train ...)")
     add_train_args(p)
+    el = p.add_argument_group("elastic (train/elastic.py): a supervisor relaunches torchrun on the surviving ranks")
+    el.add_argument("--elastic", action="store_true", help="supervise the launch: on a fault relaunch from the last "
+                    "checkpoint on the surviving ranks (same global batch), scale up when capacity returns")
+    el.add_argument("--min-ranks", type=int, default=1, help="fewer ranks than this: stop instead of relaunching")
+    el.add_argument("--max-ranks", type=int, default=None, help="ranks to start with and scale back up to "
+                    "(default: --min-ranks)")
+    el.add_argument("--capacity-file", default=None, help="file holding the ranks available now (one machine: the "
+                    "simulated capacity; absent = --max-ranks)")
+    el.add_argument("--max-restarts", type=int, default=3, help="relaunches after faults before giving up")
     p.set_defaults(func=_train)
     q = subparsers.add_parser("profile", help="step-time breakdown table + chart of a run directory")
     q.add_argument("run_dir", metavar="RUN_DIR")
@@ -34,6 +43,13 @@ def register(subparsers) -> None:
 
 def _train(args) -> int:
     from loongforge.train.launch import exit_now, run_args
+
+    if args.elastic:  # this process only supervises; the ranks are torchrun's children
+        import sys
+
+        from loongforge.train.elastic import supervise
+
+        return supervise(args, getattr(args, "raw_argv", None) or sys.argv[1:])
 
     # Never returns: os._exit after teardown (gloo can abort in interpreter shutdown).
     exit_now(run_args(args))

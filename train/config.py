@@ -223,6 +223,22 @@ class RunConfig:
               "eval_every must be >= 0 (0 = never) and eval_samples >= 1")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultConfig:
+    """Fault handling in the step loop (nan_guard.py, watchdog.py)."""
+
+    nan_policy: str = "skip"  # a non-finite loss or grad norm: skip the optimizer step on every rank | fail
+    nan_max_consecutive: int = 5  # skip: this many non-finite steps in a row end the run (diverged, not a blip)
+    hang_timeout_s: float = 600.0  # a rank whose step does not advance for this long is reported hung; 0 = off
+    heartbeat_s: float = 1.0  # heartbeat period; a rank silent for max(10 periods, 5 s) is reported dead
+
+    def __post_init__(self):
+        _need(self.nan_policy in ("skip", "fail"), "faults.nan_policy", "use skip or fail (--nan-policy)")
+        _need(self.nan_max_consecutive >= 1, "faults.nan_max_consecutive", "must be >= 1")
+        _need(self.hang_timeout_s >= 0, "faults.hang_timeout_s", "must be >= 0 (0 = no watchdog)")
+        _need(self.heartbeat_s > 0, "faults.heartbeat_s", "must be > 0 seconds")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: DataConfig
@@ -232,6 +248,7 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     run: RunConfig
     recipe: str = "tiny"
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -65,7 +65,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "snapshot to host memory, write in the background)")
     p.add_argument("--save-busy", default="wait", choices=("wait", "skip"),
                    help="a save due while the previous one is still being written: wait for it, or skip this one")
-    p.add_argument("--keep-last", type=int, default=0, help="keep the newest K checkpoints (0 = all)")
+    p.add_argument("--keep-last", type=int, default=0, help="keep the newest K checkpoints (0 = all); one "
+                   "before `latest` always stays, "
+                   "the fallback when `latest` fails its sha256 check on --resume")
     p.add_argument("--save-mbps", type=float, default=0.0, help="cap the checkpoint write rate, MB/s (0 = none)")
     p.add_argument("--full-every", type=int, default=0, help="full checkpoint every N saves, XOR+zstd deltas "
                    "against it in between (0 = every save full)")
@@ -110,12 +112,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "no --ac-every, no --tp; refused on CPU")
     p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
                    "micro-batch x ranks x --grad-accum (overrides --batch-size)")
+    p.add_argument("--nan-policy", default="skip", choices=("skip", "fail"), help="a non-finite loss or grad "
+                   "norm: skip the optimizer step on every rank and count it in metrics.jsonl, or end the run")
+    p.add_argument("--nan-max-consecutive", type=int, default=5, help="with skip: end the run after more than "
+                   "N non-finite steps in a row")
+    p.add_argument("--hang-timeout-s", type=float, default=600.0, help="watchdog: a rank whose step does not "
+                   "advance for this long is reported hung and the launch ends (exit 75); 0 = off")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period to the launch's TCPStore; "
+                   "a rank silent for max(10 periods, 5 s) is reported dead")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def config_from_args(a: argparse.Namespace):
-    from loongforge.train.config import (DataConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                         RunConfig, TrainConfig)
+    from loongforge.train.config import (DataConfig, FaultConfig, MemoryConfig, ModelConfig, OptimConfig,
+                                         ParallelConfig, RunConfig, TrainConfig)
 
     return TrainConfig(
         recipe=a.recipe,
@@ -141,6 +151,10 @@ def config_from_args(a: argparse.Namespace):
                       eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,
                       keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,
                       delta_max_ratio=a.delta_max_ratio),
+        faults=FaultConfig(nan_policy=getattr(a, "nan_policy", "skip"),
+                           nan_max_consecutive=getattr(a, "nan_max_consecutive", 5),
+                           hang_timeout_s=getattr(a, "hang_timeout_s", 600.0),
+                           heartbeat_s=getattr(a, "heartbeat_s", 1.0)),
     )
 
 

@@ -195,12 +195,21 @@ class ShardLoader:
                                   f"{LOADER_STATE_VERSION}; resume with the LoongForge that wrote it")
         for key, mine in (("global_batch", self.global_batch), ("seed", self.seed), ("shuffle_window", self.window),
                           ("num_samples", self.index.num_samples)):
-            if state[key] != mine:
+            if state[key] != mine and not (key == "global_batch" and self._same_positions(state)):
                 raise CheckpointError(f"checkpoint has {key}={state[key]} but this run has {mine}: the sample "
                                       f"sequence would change; resume with the same {key}")
         self._stop_pipeline()
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self.steps_done, self.dropped = int(state["steps_done"]), int(state["dropped"])
+        self.steps_done = self.steps_done * int(state["global_batch"]) // self.global_batch
+
+    def _same_positions(self, state: dict) -> bool:
+        """Another loader batch (the same optimizer-step batch with another --grad-accum, e.g. an elastic
+        resume on fewer ranks) reads the same global positions when the resume point is on a batch boundary
+        and each epoch uses the same number of samples (same tail dropped)."""
+        old, n = int(state["global_batch"]), self.plan.samples
+        return int(state["consumed"]) % self.global_batch == 0 and n // old * old == n // self.global_batch * \
+            self.global_batch
 
     def _stop_pipeline(self) -> None:
         # Order matters: wake the prefetch thread out of pool.get first, then join it, and only

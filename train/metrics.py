@@ -4,6 +4,7 @@ console line (step, loss, samples/s, data-wait %)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -26,7 +27,10 @@ class MetricsLog:
             if resume and os.path.exists(self.path):
                 _truncate_from(self.path, keep_below)  # steps after the checkpoint are re-run
             # Line-buffered append: a crash loses at most the line being written; resume appends.
-            self._f = open(self.path, "a" if resume else "w", buffering=1)
+            if not resume:
+                open(self.path, "w").close()
+            # O_APPEND always: a fault record another rank appends (watchdog.py) is never overwritten.
+            self._f = open(self.path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
         if not self._f:
@@ -58,7 +62,8 @@ def _truncate_from(path: str, step: int) -> None:
     with open(path) as f:
         for line in f:
             try:
-                if json.loads(line)["step"] < step:
+                row = json.loads(line)
+                if "event" in row or row["step"] < step:  # fault records stay: they are the run's history
                     keep.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError):
                 continue
@@ -84,5 +89,20 @@ def read_metrics(run_dir: str) -> list[dict]:
                 raise
             if row.get("v") != METRICS_VERSION:
                 raise FormatError(f"{path}:{n}: metrics version {row.get('v')!r}, this build reads {METRICS_VERSION}")
+            if "event" in row:  # a fault record (watchdog.py, elastic.py): read_events
+                continue
             rows.append(row)
     return rows
+
+
+def read_events(run_dir: str) -> list[dict]:
+    """The fault records of metrics.jsonl ({"event": ...}), in order."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    out = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and "event" in row:
+                    out.append(row)
+    return out

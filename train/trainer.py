@@ -7,6 +7,7 @@ with every resource closed on every exit path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -16,16 +17,18 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.train import checkpoint, data_v2, engine as eng, recipes
+from loongforge.train import checkpoint, ckpt_fallback, data_v2, engine as eng, recipes
 from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
 from loongforge.train.loader import ShardLoader
 from loongforge.train.metrics import MetricsLog
 from loongforge.train.model import VLAModel
+from loongforge.train.nan_guard import NanGuard
 from loongforge.train.parallel import wiring
 from loongforge.train.policies import apply_memory_policies
 from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
 from loongforge.train.sources import SourceSpec
+from loongforge.train.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class Trainer:
                                                             state=self.par)
         wiring.after_engine(self.engine, self.par)  # checkpoint writers of hybrid sharding, group names
         self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
+        self.nan_guard = NanGuard(self.engine, policy=cfg.faults.nan_policy, rank=self.rank, device=self.device,
+                                  max_consecutive=cfg.faults.nan_max_consecutive)
         self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
@@ -98,6 +103,10 @@ class Trainer:
                 timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
                 image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
         self.valset = self._valset()
+        f = cfg.faults
+        self.watchdog = Watchdog(rank=self.rank, world=self.world, run_dir=cfg.run.run_dir, heartbeat_s=f.heartbeat_s,
+                                 hang_timeout_s=f.hang_timeout_s,
+                                 closers=[self.loader.close, lambda: eng.release_cpu_shm_buffers(self.world)])
         r = cfg.run
         self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
                                             device=self.device, background=r.save_async, when_busy=r.save_busy,
@@ -108,7 +117,7 @@ class Trainer:
         self.save_stall_s: list[float] = []
         if cfg.run.resume:
             self._resume()
-        self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0,
+        self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
                                   log_every=cfg.run.log_every, keep_below=self.step)
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
@@ -135,6 +144,8 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
+        # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
+        tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
         wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
@@ -152,8 +163,10 @@ class Trainer:
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
         late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
         it = iter(self.loader)
+        self.watchdog.start()  # heartbeats from here; startup (engine, resume) is not judged
         try:
             while self.step < run.steps:
+                self.watchdog.progress(self.step)
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
@@ -169,8 +182,12 @@ class Trainer:
                     self.save()
             late.flush()
             if self.step > start:
+                self.watchdog.progress(self.step, "save")
                 self.save(final=True)
+            self.watchdog.stop(done=True)
         finally:
+            with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
+                late.flush()
             trace.close()
 
     def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
@@ -181,8 +198,10 @@ class Trainer:
         self.step_comm.begin()
         losses, ids = [], []
         for micro in range(accum):
+            self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
             with timer.phase("data_wait"):
                 batch = next(it)
+            self.watchdog.phase = "step"
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
             shape = batch["action"].shape
@@ -190,18 +209,23 @@ class Trainer:
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
                 out = e(batch, noise, t)
+                out["loss"] = self.nan_guard.observe(self.step, out["loss"])
             with timer.phase("backward"):
                 e.backward(out["loss"])
                 if self.dp_sync is not None:
                     self.dp_sync()  # compressed gradient sync across DP replicas (hybrid sharding)
             with timer.phase("optimizer"):
-                e.step()
+                if micro < accum - 1:
+                    e.step()  # inside the accumulation window: DeepSpeed only counts it
+                else:  # the boundary: skipped on every rank when any rank's loss was non-finite
+                    skipped = self.nan_guard.step(self.step)
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
         comm = eng.comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
-               "comm_groups": self.step_comm.end()}
+               "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
+               "nonfinite_skips": self.nan_guard.skipped}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
@@ -246,7 +270,8 @@ class Trainer:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
-        for closer in (lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+        for closer in (lambda: self.watchdog.stop(done=False), lambda: self.ckpt.close(timeout_s=3.0),
+                       self.loader.close, self.metrics.close,
                        self.step_comm.close):
             try:
                 closer()

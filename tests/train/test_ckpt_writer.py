@@ -112,3 +112,46 @@ def test_noise_is_a_function_of_the_sample_not_of_its_batch():
     assert ((0 <= u4) & (u4 < 1)).all() and not torch.equal(n4[0], n4[1])
     n_next, _ = noise_for(7, 2, [10], (1, 3, 2), cpu)  # the next epoch draws anew
     assert not torch.equal(n_next[0], n4[0])
+
+
+def _flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_keep_last_one_still_keeps_a_fallback_and_drops_it_just_before_the_next_write(tmp_path):
+    from loongforge.train.ckpt_async import prune_before_write
+
+    root = str(tmp_path)
+    for step in (2, 4):
+        assert run_job(_job(root, f"step{step:08d}", {"w": torch.ones(10)}, keep_last=1))
+    steps = lambda: sorted(d for d in os.listdir(root) if d.startswith("step"))  # noqa: E731
+    assert steps() == ["step00000002", "step00000004"]  # latest + the fallback
+    assert prune_before_write(root, keep_last=1) == ["step00000002"]  # room for the save in flight
+    assert steps() == ["step00000004"]
+    assert prune_before_write(root, keep_last=2) == []
+
+
+def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
+    from loongforge.train.ckpt_fallback import pick_resume_tag
+
+    run_dir = str(tmp_path)
+    root = checkpoint.ckpt_root(run_dir)
+    for step in (2, 4, 6):
+        assert run_job(_job(root, f"step{step:08d}", {"w": torch.full((1000,), float(step))}))
+    cpu = torch.device("cpu")
+    assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000006"
+    bad = os.path.join(root, "step00000006", "model.pt")
+    _flip_byte(bad)
+    os.unlink(os.path.join(root, "step00000004", checkpoint.SIDECAR))
+    with caplog.at_level(logging.WARNING):
+        assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000002"
+    assert bad in caplog.text and "is corrupt" in caplog.text
+    assert os.path.join(root, "step00000004", checkpoint.SIDECAR) in caplog.text
+    assert "resuming from step00000002 instead of `latest` step00000006" in caplog.text
+    _flip_byte(os.path.join(root, "step00000002", "model.pt"))
+    with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
+        pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu)

@@ -13,8 +13,8 @@ import pytest
 VENV_BIN = Path(sys.executable).parent
 
 
-def launch(cmd: list[str], *, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(env or os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -23,9 +23,9 @@ def launch(cmd: list[str], *, cwd: str, timeout: float = 240) -> subprocess.Comp
     return proc
 
 
-def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240):
+def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None):
     return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-                   "-m", "loongforge.train", *args], cwd=cwd, timeout=timeout)
+                   "-m", "loongforge.train", *args], cwd=cwd, timeout=timeout, env=env)
 
 
 def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, module: bool = False):

@@ -1,0 +1,223 @@
+"""Fault handling on real multi-process DeepSpeed runs (gloo, CPU): a corrupt `latest`
+checkpoint falls back to the previous one, a NaN loss never reaches the weights, a stopped
+rank is detected by the heartbeat watchdog, and the elastic supervisor resumes a run on the
+surviving ranks with every sample seen exactly once."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.train.test_ckpt_resilience import COMMON, _metrics, _ok  # noqa: E402
+from tests.train.train_launch import torchrun  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_path):
+    """keep-last 1 still keeps step 2 as the fallback; a flipped byte in rank 1's optimizer partition of
+    step 4 is named in a WARNING and the run resumes from step 2 (steps 2, 3 redone, none doubled)."""
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    args = ["--data", root, "--run-dir", run_dir, "--zero", "2", "--save-every", "2", "--keep-last", "1", *COMMON]
+    _ok(torchrun(2, [*args, "--steps", "4"], cwd=str(tmp_path)))
+    ckpts = os.path.join(run_dir, "checkpoints")
+    assert sorted(d for d in os.listdir(ckpts) if d.startswith("step")) == ["step00000002", "step00000004"]
+    bad = os.path.join(ckpts, "step00000004", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    _flip_byte(bad)
+    done = torchrun(2, [*args, "--steps", "6", "--resume"], cwd=str(tmp_path))
+    _ok(done)
+    warn = [ln for ln in done.stderr.splitlines() if "WARNING" in ln and "failed verification" in ln]
+    assert warn and bad in warn[0] and "corrupt" in warn[0], done.stderr[-3000:]
+    assert "resumed from step00000002 at step 2" in done.stderr
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
+    assert open(os.path.join(ckpts, "latest")).read().strip() == "step00000006"
+
+
+def _module_weights(run_dir, tag):
+    import torch
+
+    from loongforge.train.checkpoint import weights_only_loads
+
+    with weights_only_loads():
+        doc = torch.load(os.path.join(run_dir, "checkpoints", tag, "mp_rank_00_model_states.pt"), weights_only=True)
+    return doc["module"]
+
+
+def test_nan_loss_on_one_rank_skips_the_step_on_both_and_never_reaches_the_weights(train_root, tmp_path):
+    """NaN injected into rank 1's loss at steps 2 and 3 (real NaN gradients through the all-reduce). ZeRO-0,
+    where nothing in DeepSpeed would catch them: the weights after step 3 are bit-identical to those after
+    step 1, every weight stays finite, and metrics.jsonl counts the two skips."""
+    import torch
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, LOONGFORGE_INJECT_NAN="2,3@1")
+    done = torchrun(2, ["--data", root, "--run-dir", run_dir, "--zero", "0", "--steps", "6", "--save-every", "2",
+                        *COMMON], cwd=str(tmp_path), env=env)
+    _ok(done)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["nonfinite_skip"] for r in rows] == [None, None, "loss", "loss", None, None]
+    assert rows[-1]["nonfinite_skips"] == 2
+    w2, w4, w6 = (_module_weights(run_dir, f"step{s:08d}") for s in (2, 4, 6))
+    assert all(torch.equal(w2[k], w4[k]) for k in w2)  # both skipped steps left the weights untouched
+    assert all(torch.isfinite(v).all() for v in w6.values())
+    assert any(not torch.equal(w4[k], w6[k]) for k in w4)  # and training went on after them
+
+
+def test_nan_policy_fail_and_max_consecutive_end_the_run(train_root, tmp_path):
+    from tests.train.train_launch import launch
+
+    root, _ = train_root
+    for extra, said in ((["--nan-policy", "fail"], "--nan-policy fail"),
+                        (["--nan-max-consecutive", "1"], "more than --nan-max-consecutive 1 in a row")):
+        run_dir = str(tmp_path / extra[0])
+        env = dict(os.environ, LOONGFORGE_INJECT_NAN="1,2")
+        proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "5",
+                       *extra, *COMMON], cwd=str(tmp_path), env=env)
+        assert proc.returncode == 1 and "NonFiniteLossError" in proc.stderr and said in proc.stderr, \
+            proc.stderr[-3000:]
+        assert [r["step"] for r in _metrics(run_dir)] == ([0] if extra[0] == "--nan-policy" else [0, 1])
+
+
+def _wait_steps(proc, run_dir, n, timeout=240):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(path) and len([r for r in _metrics(run_dir) if "step" in r]) >= n:
+            return
+        time.sleep(0.2)
+    err = proc.communicate()[1]
+    raise AssertionError(f"no {n} steps before the deadline: {err[-3000:]}")
+
+
+def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_root, tmp_path):
+    """SIGSTOP of rank 1 mid-run: rank 0's watchdog sees no heartbeat, writes one fault record naming rank 1,
+    its host and why, fences the stopped rank and exits 75; the launch ends well inside the hang timeout
+    instead of blocking in the next all-reduce (DeepSpeed's CPU shm all-reduce has no timeout at all)."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from tests.train.test_ckpt_resilience import _kill_tree
+    from tests.train.test_deepspeed import _rank_pid
+    from tests.train.train_launch import VENV_BIN, _port
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    proc = subprocess.Popen([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()),
+                             "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "100000",
+                             "--heartbeat-s", "0.5", "--hang-timeout-s", "60", *COMMON], cwd=str(tmp_path),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_steps(proc, run_dir, 3)
+        victim = _rank_pid(run_dir, 1)
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode != 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        events = [r for r in map(json.loads, f) if "event" in r]
+    assert len(events) == 1, (events, err[-4000:])
+    ev = events[0]
+    assert (ev["kind"], ev["rank"], ev["host"], ev["detected_by"]) == ("dead", 1, socket.gethostname(), 0)
+    assert "no heartbeat" in ev["why"] and "stopped (SIGSTOP)" in ev["why"]
+    assert ev["detected_after_s"] < 30
+    assert ended_s < 60, ended_s  # detection (~3 s) + teardown, not the 60 s hang timeout nor a launcher timeout
+    assert "watchdog: rank 1 on" in err and "exit 75" in err
+
+
+def _global_order(index, steps, batch, seed=1, window=8):
+    from loongforge.train import order
+
+    sizes = [s.samples for s in index.shards]
+    per_epoch = index.num_samples // batch
+    return [sorted(int(g) for g in order.epoch_sequence(sizes, seed, s // per_epoch, window)
+                   [(s % per_epoch) * batch:(s % per_epoch + 1) * batch]) for s in range(steps)]
+
+
+def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
+    """`loongforge train --elastic --min-ranks 1 --max-ranks 2`: SIGKILL rank 1 after step 5; the supervisor
+    relaunches on 1 rank with grad accum 2 (same global batch 8) from the last checkpoint and finishes. The
+    samples of every step are exactly that step's slice of the global order: none lost, none twice."""
+    import signal
+    import subprocess
+
+    from tests.train.test_ckpt_resilience import _kill_tree
+    from tests.train.test_deepspeed import _rank_pid
+    from tests.train.train_launch import VENV_BIN
+
+    root, index = train_root
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    steps = 12
+    proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1",
+                             "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root,
+                             "--run-dir", run_dir, "--steps", str(steps),
+                             "--save-every", "2", *COMMON], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_steps(proc, run_dir, 5)
+        (tmp_path / "capacity").write_text("1")  # the node of rank 1 is gone: no slot to scale back up to
+        os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    events = [r for r in rows if r.get("event") == "elastic"]
+    steps_rows = [r for r in rows if "event" not in r]
+    launches = [(e["ranks"], e["grad_accum"]) for e in events if e["action"] == "launch"]
+    assert launches == [(2, 1), (1, 2)], events
+    assert [r["step"] for r in steps_rows] == list(range(steps))
+    assert steps_rows[0]["world"] == 2 and steps_rows[-1]["world"] == 1
+    seen = [sorted(i for rank_ids in r["sample_ids"] for i in rank_ids) for r in steps_rows]
+    assert seen == _global_order(index, steps, 8)  # each step: its slice of the global order, exactly once
+
+
+def test_fault_suite_fast_subset_nan_loss(tmp_path):
+    """`loongforge bench faults`' harness on its fastest fault (the full list runs in `make faults`): the row
+    says detected, recovered, nothing redone, no sample lost or seen twice."""
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["nan_loss"], steps=8, work=tmp_path, baseline=False)
+    row = doc["rows"][0]
+    assert row["fault"] == "nan_loss" and row["recovered"], row
+    assert row["detected_after_s"] == 0.0 and "skipped on every rank" in row["action"]
+    assert (row["steps_redone"], row["samples_lost"], row["samples_duplicated"]) == (0, 0, 0)
+    assert "| nan_loss |" in faults.markdown_table(doc)
+
+
+@pytest.mark.full
+def test_fault_suite_rank_sigstop_relaunches_on_the_survivor(tmp_path):
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["rank_sigstop"], steps=10, work=tmp_path, baseline=False)
+    row = doc["rows"][0]
+    assert row["recovered"] and row["relaunches"] == 1 and "watchdog: rank 1 dead" in row["action"], row
+    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)
