@@ -301,6 +301,11 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
     load_tag = tag
     if bases:
         load_tag = restore_deltas(run_dir, tag, bases, rank=rank, device=device or torch.device("cpu"))
+    from loongforge.train import ckpt_reshard  # late: it imports this module
+
+    rdir = ckpt_reshard.load_tag_dir(doc, load_tag, rank)
+    if rdir is not None:  # written by `loongforge ckpt reshard`: per-TP-rank universal folders
+        return _load_resharded(engine, run_dir, tag, doc, rdir, world=world, zero_stage=zero_stage)
     how = check_layout(doc, run_dir, tag, world=world, zero_stage=zero_stage)
     if how == "universal":
         src = os.path.join(ckpt_root(run_dir), load_tag)
@@ -333,4 +338,21 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+    return doc
+
+
+def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, world: int, zero_stage: int) -> dict:
+    """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
+    degree and ZeRO stage 1-3 itself; the TP degree was checked before (wiring.check_resume_layout)."""
+    if zero_stage == 0:
+        raise CheckpointError(f"checkpoint {tag} was resharded for ZeRO-{doc['zero_stage']}; DeepSpeed's universal "
+                              "loader fills ZeRO-1/2/3 optimizers only: resume with --zero 1 (same math on one "
+                              "rank)")
+    path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")
+    src = doc["resharded"]["from"]
+    log.info("resumed %s (resharded from %s: %d ranks, ZeRO-%d, tp=%d) on %d ranks with ZeRO-%d: fp32 weights, "
+             "Adam moments and step kept", tag, doc["resharded"]["from_tag"], src["world"], src["zero_stage"],
+             src["tp"], world, zero_stage)
     return doc
