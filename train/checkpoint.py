@@ -284,15 +284,21 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
         return "universal"
     if 3 in (saved_stage, zero_stage):
         # DeepSpeed's universal loader expects the source's model-states layout: a ZeRO-3 checkpoint
-        # (per-rank parameter shards) does not load into ZeRO-0/1/2, nor the reverse.
-        src = os.path.join(ckpt_root(run_dir), tag)
+        # (per-rank parameter shards) does not load into ZeRO-0/1/2, nor the reverse. `loongforge ckpt reshard`
+        # converts it offline (NOTE: pointed at, not auto-run: it writes a new tag and moves `latest`, an
+        # operator's decision that should not happen inside a launch whose peers wait in a timed collective).
         raise CheckpointError(
             f"checkpoint {tag} was written by {saved_world} ranks with ZeRO-{saved_stage}; it cannot be resumed "
-            f"with ZeRO-{zero_stage} (parameters are partitioned on one side only). Resume with --zero "
-            f"{saved_stage} on any rank count (a ZeRO-3 checkpoint is resharded through DeepSpeed's universal "
-            f"format, converted automatically: {ckpt_universal.convert_command(src)}), or export the weights "
-            f"with python {ckpt_root(run_dir)}/zero_to_fp32.py {ckpt_root(run_dir)} OUT --tag {tag}")
+            f"with ZeRO-{zero_stage} as it is (parameters are partitioned on one side only). Convert it first "
+            f"(fp32 weights, Adam moments, step and data position are kept): "
+            f"{reshard_command(run_dir, doc, world=world, zero_stage=zero_stage)} ; or resume with --zero "
+            f"{saved_stage} on any rank count")
     return "module"
+
+
+def reshard_command(run_dir: str, doc: dict, *, world: int, zero_stage: int, tp: int | None = None) -> str:
+    tp = tp if tp is not None else int(doc.get("parallel", {}).get("tp", 1))
+    return f"loongforge ckpt reshard {run_dir} --to world={world},zero={max(zero_stage, 1)},tp={tp}"
 
 
 def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: int, device=None) -> dict:
@@ -318,8 +324,9 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
         return doc
     if how == "module":
         log.warning("resuming %s on %d ranks with ZeRO-%d (saved on %d ranks, ZeRO-%s): model weights and data "
-                    "order are kept, the partitioned ZeRO optimizer state is re-initialized", tag, world,
-                    zero_stage, doc["world"], doc["zero_stage"])
+                    "order are kept, the partitioned ZeRO optimizer state is re-initialized (to keep it, convert "
+                    "the checkpoint first: %s)", tag, world, zero_stage, doc["world"], doc["zero_stage"],
+                    reshard_command(run_dir, doc, world=world, zero_stage=zero_stage))
     same_world = how == "same"
     try:
         with weights_only_loads():

@@ -37,6 +37,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -185,18 +187,26 @@ def _tp_view(src: str, view: str, t: int, tp: int) -> None:
         torch.save(states, dst)
 
 
-def _universal_per_tp(src: str, work: str, tp: int) -> list[str]:
-    """ds_to_universal of each source TP rank (child process, weights-only guard)."""
-    out = []
+def _universal_per_tp(src: str, work: str, tp: int, timeout_s: float = 3600.0) -> list[str]:
+    """ds_to_universal of each source TP rank, all in one child process (weights-only guard, as
+    ckpt_universal): DeepSpeed's import dominates a small conversion."""
+    pairs = []
     for t in range(tp):
         view, dst = os.path.join(work, f"src_tp{t:02d}"), os.path.join(work, f"universal_src_tp{t:02d}")
         _tp_view(src, view, t, tp)
-        err = ckpt_universal._convert(view, dst, timeout_s=3600.0)
-        if err:
-            raise CheckpointError(f"converting TP rank {t} of {src} to DeepSpeed's universal format failed: {err}; "
-                                  f"try it by hand: {ckpt_universal.convert_command(view)}")
-        out.append(dst)
-    return out
+        pairs += [view, dst]
+    log.info("converting %d TP rank(s) of %s with DeepSpeed's ds_to_universal", tp, src)
+    env = dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "loongforge.train.ckpt_universal", *pairs], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        err = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    except subprocess.TimeoutExpired:
+        err = f"timed out after {timeout_s:.0f}s"
+    if err:
+        raise CheckpointError(f"converting {src} to DeepSpeed's universal format failed: {err[:500]}; try one TP "
+                              f"rank by hand: {ckpt_universal.convert_command(pairs[0])}")
+    return pairs[1::2]
 
 
 def _param_names(udir: str) -> list[str]:
