@@ -245,6 +245,10 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None) -> str:
         raise CheckpointError(f"no checkpoint under {root}; train with --save-every first")
     doc = checkpoint.read_sidecar(run_dir, tag)
     src_layout = source_layout(doc)
+    if any(n.startswith("compressor_rank") for n in os.listdir(os.path.join(root, tag))):
+        # Top-k error-feedback residuals are per rank and per ZeRO partition: no layout-free form to carry.
+        raise CheckpointError(f"checkpoint {tag} was written with --grad-compression topk; its per-rank residuals "
+                              "cannot be resharded: resume it with the layout that wrote it")
     new_tag = f"{checkpoint.tag_for(int(doc['step']))}_{to.slug()}"
     work = os.path.join(root, f".reshard-{new_tag}")  # no "step" prefix: never taken for save debris
     shutil.rmtree(work, ignore_errors=True)
