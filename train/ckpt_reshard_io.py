@@ -90,7 +90,9 @@ def target_optimizer_state(src_optim: dict, meta: dict, *, step: int, target) ->
 def target_meta(meta: dict, target) -> dict:
     out = {k: copy.deepcopy(v) for k, v in meta.items() if k not in _DROP_META}
     out["module"] = {}
-    out["dp_world_size"], out["mp_world_size"] = target.dp, target.tp
+    # NOTE: mp_world_size 1: each universal_tpXX/ folder holds one model-states file, and DeepSpeed's state-dict
+    # loader asserts that the file count equals the saved mp_world_size; the TP degree is in the sidecar.
+    out["dp_world_size"], out["mp_world_size"] = target.dp, 1
     out["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": target.tp}
     return out
 
