@@ -108,15 +108,25 @@ def source_layout(doc: dict) -> Layout:
 
 # ---- TP rules: where each parameter's shards sit in the full tensor (parallel/tensor_parallel.py) ----
 
-def tp_kinds(doc: dict) -> dict[str, str]:
-    """Parameter name -> "qkv" | "col" | "row" for the TP-split parameters (the rest are replicated),
-    from the model the sidecar describes, built on the meta device (no memory)."""
+def full_shapes(doc: dict) -> dict[str, torch.Size]:
+    """Every parameter's full (TP-1) shape, from the model the sidecar describes, on the meta device."""
+    return {n: p.shape for n, p in _meta_model(doc).named_parameters()}
+
+
+def _meta_model(doc: dict):
     from loongforge.train.model import VLAModel
-    from loongforge.train.parallel.tensor_parallel import is_tp_block
     from loongforge.train.policy import model_config_from
 
     with torch.device("meta"):
-        model = VLAModel(model_config_from(doc))
+        return VLAModel(model_config_from(doc))
+
+
+def tp_kinds(doc: dict) -> dict[str, str]:
+    """Parameter name -> "qkv" | "col" | "row" for the TP-split parameters (the rest are replicated),
+    from the model the sidecar describes, built on the meta device (no memory)."""
+    from loongforge.train.parallel.tensor_parallel import is_tp_block
+
+    model = _meta_model(doc)
     kinds = {}
     for prefix, mod in model.named_modules():
         if is_tp_block(mod):
@@ -133,6 +143,14 @@ def _index(kind: str, full_shape: torch.Size, t: int, tp: int) -> tuple[int, tor
         return 0, _qkv_index(full_shape[0], t, tp)
     dim = 0 if kind == "col" else 1
     return dim, _chunk_index(full_shape[dim], t, tp)
+
+
+def local_shape(full: torch.Size, kind: str | None, tp: int) -> torch.Size:
+    if kind is None or tp == 1:
+        return full
+    shape = list(full)
+    shape[1 if kind == "row" else 0] //= tp
+    return torch.Size(shape)
 
 
 def merge_tp(parts: list[torch.Tensor], kind: str | None, name: str) -> torch.Tensor:
@@ -214,11 +232,14 @@ def _param_names(udir: str) -> list[str]:
     return sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
 
 
-def _write_target(src_udirs: list[str], out_dirs: list[str], kinds: dict[str, str], *, step: int,
-                  target: Layout) -> int:
+def _write_target(src_udirs: list[str], out_dirs: list[str], doc: dict, *, step: int, target: Layout) -> int:
     """Stream parameter by parameter: merge the source TP shards, split for the target, write. Returns the
-    number of parameters."""
+    number of parameters. ZeRO-3's universal files are flat: every part is viewed in its TP-local shape."""
+    kinds, shapes = tp_kinds(doc), full_shapes(doc)
     names = _param_names(src_udirs[0])
+    if set(names) != set(shapes):
+        raise CheckpointError(f"the checkpoint's parameters differ from the model its sidecar describes "
+                              f"({sorted(set(names) ^ set(shapes))[:5]}...): not a checkpoint of this model")
     for other in src_udirs[1:]:
         if _param_names(other) != names:
             raise CheckpointError(f"TP ranks of the source hold different parameter sets ({other})")
@@ -226,7 +247,8 @@ def _write_target(src_udirs: list[str], out_dirs: list[str], kinds: dict[str, st
     for name in names:
         for state in STATES:
             parts = [load_trusted(os.path.join(u, "zero", name, f"{state}.pt")) for u in src_udirs]
-            parts = [p["param"] if isinstance(p, dict) else p for p in parts]
+            src_shape = local_shape(shapes[name], kinds.get(name), len(src_udirs))
+            parts = [(p["param"] if isinstance(p, dict) else p).reshape(src_shape) for p in parts]
             full = merge_tp(parts, kinds.get(name), name)
             for t, out in enumerate(out_dirs):
                 save_tensor_file(os.path.join(out, "zero", name, f"{state}.pt"),
@@ -255,12 +277,16 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None) -> str:
     os.makedirs(work)
     try:
         src = _full_source(run_dir, tag, doc, work)
-        udirs = _universal_per_tp(src, work, src_layout.tp)
+        if doc.get("resharded"):  # resharded again before any save: its folders are universal per TP rank already
+            udirs = [os.path.join(root, load_tag_dir(doc, tag, t)) for t in range(src_layout.tp)]
+            src = udirs[0]
+        else:
+            udirs = _universal_per_tp(src, work, src_layout.tp)
         out_tag_dir = os.path.join(work, "out")
         out_dirs = [os.path.join(out_tag_dir, f"universal_tp{t:02d}") for t in range(to.tp)]
         meta = source_meta(src)
         step = read_step(udirs[0], meta)
-        n = _write_target(udirs, out_dirs, tp_kinds(doc), step=step, target=to)
+        n = _write_target(udirs, out_dirs, doc, step=step, target=to)
         optim = target_optimizer_state(load_trusted(os.path.join(udirs[0], "zero", "optimizer_state.pt")),
                                        meta, step=step, target=to)
         for t, out in enumerate(out_dirs):

@@ -116,7 +116,7 @@ def test_layout_parse():
 def test_tp_rules_match_the_trainers_module_swap(tp):
     """split_tp cuts exactly the shards apply_tensor_parallel gives TP rank t (qkv per head, fc1 rows,
     proj/fc2 columns, the rest replicated), and merge_tp inverts it bit for bit."""
-    from loongforge.train.ckpt_reshard import merge_tp, split_tp, tp_kinds
+    from loongforge.train.ckpt_reshard import full_shapes, local_shape, merge_tp, split_tp, tp_kinds
     from loongforge.train.model import VLAModel
     from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
     from loongforge.train.recipes import tiny
@@ -139,6 +139,7 @@ def test_tp_rules_match_the_trainers_module_swap(tp):
     full_model = VLAModel(cfg)
     full = {n: p.detach().clone() for n, p in full_model.named_parameters()}
     kinds = tp_kinds({"model": dataclasses.asdict(cfg)})
+    assert full_shapes({"model": dataclasses.asdict(cfg)}) == {n: v.shape for n, v in full.items()}
     assert set(kinds.values()) == {"qkv", "col", "row"} and len(kinds) == 6 * cfg.depth
     shards = []
     for t in range(tp):
@@ -148,6 +149,8 @@ def test_tp_rules_match_the_trainers_module_swap(tp):
         assert local.keys() == full.keys()  # the swap keeps every name: checkpoints stay interchangeable
         for name, value in full.items():
             assert torch.equal(split_tp(value, kinds.get(name), t, tp), local[name].detach()), (name, t)
+            # ZeRO-3's universal files are flat: the TP-local shape is rebuilt from the sidecar's model
+            assert local_shape(value.shape, kinds.get(name), tp) == local[name].shape, name
         shards.append(local)
     for name, value in full.items():
         assert torch.equal(merge_tp([s[name].detach() for s in shards], kinds.get(name), name), value), name
