@@ -272,7 +272,7 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
     restored), "module" (ZeRO-0/1/2 on both sides: weights kept, partitioned optimizer state re-initialized)
     or "universal" (ZeRO-3 on both sides, another rank count: converted with ds_to_universal, weights and Adam
     state kept). A change between ZeRO-3 and ZeRO-0/1/2 is refused here, before DeepSpeed fails deep inside
-    with a bare AssertionError; the message says what does work.
+    with a bare AssertionError; the message names the `loongforge ckpt reshard` command that converts it.
     The saved stage comes from the sidecar, never from the current --zero."""
     saved_world, saved_stage = doc["world"], doc.get("zero_stage")
     if saved_world == world and saved_stage in (None, zero_stage):
