@@ -74,21 +74,45 @@ def test_zero3_two_ranks_resharded_to_zero2_one_rank(train_root, tmp_path):
     _same_continuation(_metrics(a), got, 10)
 
 
-@pytest.mark.slow
-def test_tp2_resharded_to_tp1_and_back_to_tp2_zero3(train_root, tmp_path):
-    """TP 2 (2 ranks, ZeRO-2) -> step 10 -> TP 1 (1 rank, ZeRO-2) -> step 15 -> TP 2 (2 ranks, ZeRO-3) -> 20:
-    the column/row/qkv shards and their Adam moments are gathered and split again, and every step
-    continues the TP-2 run's losses."""
+@pytest.fixture(scope="module")
+def tp2_run(train_root, tmp_path_factory):
+    """Layout A for the TP tests: TP 2 on 2 ranks, ZeRO-2, 20 steps, checkpoints at 10 and 20."""
     root, _ = train_root
-    a = str(tmp_path / "a")
+    work = tmp_path_factory.mktemp("reshard_tp2")
+    a = str(work / "a")
     _ok(torchrun(2, ["--data", root, "--run-dir", a, "--zero", "2", "--tp", "2", "--steps", "20",
-                     "--save-every", "10", *COMMON], cwd=str(tmp_path), timeout=400))
+                     "--save-every", "10", *COMMON], cwd=str(work), timeout=400))
+    return a
+
+
+def _tp1_leg(a, root, tmp_path, steps):
+    """A's step 10 resharded to TP 1 on 1 rank, trained to `steps` (saving there)."""
     b = str(tmp_path / "b")
     shutil.copytree(a, b)
     _, doc = _reshard(b, "world=1,zero=2,tp=1", "step00000010", str(tmp_path))
     assert doc["parallel"] == {"tp": 1, "sp": 1} and doc["resharded"]["from"]["tp"] == 2
     _ok(launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", b, "--zero", "2",
-                "--steps", "15", "--save-every", "15", "--resume", *COMMON], cwd=str(tmp_path), timeout=400))
+                "--steps", str(steps), "--save-every", str(steps), "--resume", *COMMON], cwd=str(tmp_path),
+               timeout=400))
+    return b
+
+
+@pytest.mark.slow
+def test_tp2_resharded_to_tp1_one_rank(tp2_run, train_root, tmp_path):
+    """The column/row/qkv shards and their Adam moments are gathered into TP 1: A's losses continue."""
+    root, _ = train_root
+    b = _tp1_leg(tp2_run, root, tmp_path, 20)
+    got = _metrics(b)
+    assert [(r["tp"], r["world"]) for r in got[10:]] == [(1, 1)] * 10
+    _same_continuation(_metrics(tp2_run), got, 10)
+
+
+@pytest.mark.full
+def test_tp1_resharded_back_to_tp2_zero3(tp2_run, train_root, tmp_path):
+    """TP 2 -> step 10 -> TP 1 (1 rank) -> step 15 -> TP 2 with ZeRO-3 (2 ranks) -> 20: split again, and
+    every step continues the TP-2 run's losses."""
+    root, _ = train_root
+    b = _tp1_leg(tp2_run, root, tmp_path, 15)
     _, doc = _reshard(b, "world=2,zero=3,tp=2", "step00000015", str(tmp_path))
     assert doc["parallel"] == {"tp": 2, "sp": 1} and doc["resharded"]["from"] == \
         {"world": 1, "zero_stage": 2, "tp": 1, "sp": 1}
@@ -96,7 +120,7 @@ def test_tp2_resharded_to_tp1_and_back_to_tp2_zero3(train_root, tmp_path):
                      *COMMON], cwd=str(tmp_path), timeout=400))
     got = _metrics(b)
     assert [r["tp"] for r in got[10:]] == [1] * 5 + [2] * 5
-    _same_continuation(_metrics(a), got, 10)
+    _same_continuation(_metrics(tp2_run), got, 10)
 
 
 def test_layout_parse():
