@@ -57,7 +57,8 @@ class Layout:
     world: int  # ranks (= tp * sp * dp)
     zero: int  # ZeRO stage (1, 2, 3)
     tp: int = 1  # tensor-parallel degree
-    sp: int = 1  # sequence-parallel degree (not wired in the trainer yet: must be 1)
+    sp: int = 1  # sequence-parallel degree: Ulysses keeps weights replicated over SP, so it only changes the DP
+    # partition, which DeepSpeed's universal loader cuts (TP stays innermost in the rank placement, plan.py)
 
     def __post_init__(self):
         if self.world < 1:
@@ -66,10 +67,8 @@ class Layout:
             raise ConfigError(f"--to zero={self.zero}: reshard writes ZeRO-1, 2 or 3 (ZeRO-0 keeps a plain torch "
                               "optimizer state DeepSpeed's universal loader does not fill); use zero=1, which "
                               "trains identically on one rank")
-        if self.tp < 1 or self.world % (self.tp * self.sp):
+        if self.tp < 1 or self.sp < 1 or self.world % (self.tp * self.sp):
             raise ConfigError(f"--to world={self.world},tp={self.tp}: world must be a multiple of tp*sp")
-        if self.sp != 1:
-            raise ConfigError("--to sp: sequence parallelism is not wired into the trainer yet; use sp=1")
 
     @property
     def dp(self) -> int:

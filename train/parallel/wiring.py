@@ -118,7 +118,8 @@ def check_resume_layout(sidecar: dict, state: ParallelState, tag: str, world: in
     saved = {"tp": 1, "sp": 1, **sidecar.get("parallel", {})}
     w = world if world is not None else sidecar.get("world", 1)
     z = zero_stage if zero_stage is not None else sidecar.get("zero_stage", 2)
-    fix = f"loongforge ckpt reshard {run_dir} --to world={w},zero={max(int(z), 1)},tp={state.plan.tp}"
+    fix = f"loongforge ckpt reshard {run_dir} --to world={w},zero={max(int(z), 1)},tp={state.plan.tp}" + \
+        (f",sp={state.plan.sp}" if state.plan.sp > 1 else "")
     if is_hybrid(state) and world is not None and sidecar.get("world", world) != world:
         raise CheckpointError(f"checkpoint {tag} was written by {sidecar['world']} ranks, this run has {world}: "
                               "with --tp/--sp/--grad-compression a resume on another rank count needs the "
