@@ -275,7 +275,7 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
     restored), "module" (ZeRO-0/1/2 on both sides: weights kept, partitioned optimizer state re-initialized)
     or "universal" (ZeRO-3 on both sides, another rank count: converted with ds_to_universal, weights and Adam
     state kept). A change between ZeRO-3 and ZeRO-0/1/2 is refused here, before DeepSpeed fails deep inside
-    with a bare AssertionError; the message says what does work.
+    with a bare AssertionError; the message names the `loongforge ckpt reshard` command that converts it.
     The saved stage comes from the sidecar, never from the current --zero."""
     saved_world, saved_stage = doc["world"], doc.get("zero_stage")
     if saved_world == world and saved_stage in (None, zero_stage):
@@ -287,15 +287,21 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
         return "universal"
     if 3 in (saved_stage, zero_stage):
         # DeepSpeed's universal loader expects the source's model-states layout: a ZeRO-3 checkpoint
-        # (per-rank parameter shards) does not load into ZeRO-0/1/2, nor the reverse.
-        src = os.path.join(ckpt_root(run_dir), tag)
+        # (per-rank parameter shards) does not load into ZeRO-0/1/2, nor the reverse. `loongforge ckpt reshard`
+        # converts it offline (NOTE: pointed at, not auto-run: it writes a new tag and moves `latest`, an
+        # operator's decision that should not happen inside a launch whose peers wait in a timed collective).
         raise CheckpointError(
             f"checkpoint {tag} was written by {saved_world} ranks with ZeRO-{saved_stage}; it cannot be resumed "
-            f"with ZeRO-{zero_stage} (parameters are partitioned on one side only). Resume with --zero "
-            f"{saved_stage} on any rank count (a ZeRO-3 checkpoint is resharded through DeepSpeed's universal "
-            f"format, converted automatically: {ckpt_universal.convert_command(src)}), or export the weights "
-            f"with python {ckpt_root(run_dir)}/zero_to_fp32.py {ckpt_root(run_dir)} OUT --tag {tag}")
+            f"with ZeRO-{zero_stage} as it is (parameters are partitioned on one side only). Convert it first "
+            f"(fp32 weights, Adam moments, step and data position are kept): "
+            f"{reshard_command(run_dir, doc, world=world, zero_stage=zero_stage)} ; or resume with --zero "
+            f"{saved_stage} on any rank count")
     return "module"
+
+
+def reshard_command(run_dir: str, doc: dict, *, world: int, zero_stage: int, tp: int | None = None) -> str:
+    tp = tp if tp is not None else int(doc.get("parallel", {}).get("tp", 1))
+    return f"loongforge ckpt reshard {run_dir} --to world={world},zero={max(zero_stage, 1)},tp={tp}"
 
 
 def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: int, device=None) -> dict:
@@ -304,6 +310,11 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
     load_tag = tag
     if bases:
         load_tag = restore_deltas(run_dir, tag, bases, rank=rank, device=device or torch.device("cpu"))
+    from loongforge.train import ckpt_reshard  # late: it imports this module
+
+    rdir = ckpt_reshard.load_tag_dir(doc, load_tag, rank)
+    if rdir is not None:  # written by `loongforge ckpt reshard`: per-TP-rank universal folders
+        return _load_resharded(engine, run_dir, tag, doc, rdir, world=world, zero_stage=zero_stage)
     how = check_layout(doc, run_dir, tag, world=world, zero_stage=zero_stage)
     if how == "universal":
         src = os.path.join(ckpt_root(run_dir), load_tag)
@@ -316,8 +327,9 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
         return doc
     if how == "module":
         log.warning("resuming %s on %d ranks with ZeRO-%d (saved on %d ranks, ZeRO-%s): model weights and data "
-                    "order are kept, the partitioned ZeRO optimizer state is re-initialized", tag, world,
-                    zero_stage, doc["world"], doc["zero_stage"])
+                    "order are kept, the partitioned ZeRO optimizer state is re-initialized (to keep it, convert "
+                    "the checkpoint first: %s)", tag, world, zero_stage, doc["world"], doc["zero_stage"],
+                    reshard_command(run_dir, doc, world=world, zero_stage=zero_stage))
     same_world = how == "same"
     try:
         with weights_only_loads():
@@ -336,4 +348,21 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+    return doc
+
+
+def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, world: int, zero_stage: int) -> dict:
+    """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
+    degree and ZeRO stage 1-3 itself; the TP degree was checked before (wiring.check_resume_layout)."""
+    if zero_stage == 0:
+        raise CheckpointError(f"checkpoint {tag} was resharded for ZeRO-{doc['zero_stage']}; DeepSpeed's universal "
+                              "loader fills ZeRO-1/2/3 optimizers only: resume with --zero 1 (same math on one "
+                              "rank)")
+    path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")
+    src = doc["resharded"]["from"]
+    log.info("resumed %s (resharded from %s: %d ranks, ZeRO-%d, tp=%d) on %d ranks with ZeRO-%d: fp32 weights, "
+             "Adam moments and step kept", tag, doc["resharded"]["from_tag"], src["world"], src["zero_stage"],
+             src["tp"], world, zero_stage)
     return doc

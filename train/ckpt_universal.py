@@ -88,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from loongforge.train.checkpoint import weights_only_loads
 
-    src, dst = (argv if argv is not None else sys.argv[1:])[:2]
-    sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst, "--num_extract_workers", "1",
-                "--num_merge_workers", "1"]
-    with weights_only_loads():
-        ds_to_universal.main(ds_to_universal.parse_arguments())
+    args = argv if argv is not None else sys.argv[1:]
+    for src, dst in zip(args[::2], args[1::2]):  # several pairs: one interpreter, DeepSpeed imported once
+        sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst, "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"]
+        with weights_only_loads():
+            ds_to_universal.main(ds_to_universal.parse_arguments())
     return 0
 
 

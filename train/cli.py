@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     from loongforge.train.tune import register as register_tune
 
     register_tune(subparsers)
+    from loongforge.train.ckpt_cli import register as register_ckpt
+
+    register_ckpt(subparsers)
 
 
 def _train(args) -> int:

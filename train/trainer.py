@@ -146,7 +146,8 @@ class Trainer:
             return
         # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
         tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
-        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world)
+        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world,
+                                   run_dir=self.cfg.run.run_dir, zero_stage=self.cfg.parallel.zero_stage)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])

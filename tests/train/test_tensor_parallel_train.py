@@ -148,7 +148,7 @@ def test_resume_refuses_another_layout():
 
     state = ParallelState(ParallelPlan(tp=2), {}, {})
     check_resume_layout({"parallel": {"tp": 2, "sp": 1}}, state, "step00000002")
-    with pytest.raises(CheckpointError, match="tp=1 sp=1.*same --tp"):
+    with pytest.raises(CheckpointError, match="tp=1 sp=1.*ckpt reshard.*same --tp"):
         check_resume_layout({}, state, "step00000002")  # written before --tp existed: TP 1
-    with pytest.raises(CheckpointError, match="same rank count"):
+    with pytest.raises(CheckpointError, match="another rank count.*loongforge ckpt reshard RUN --to world=2,zero=2,tp=2"):
         check_resume_layout({"parallel": {"tp": 2, "sp": 1}, "world": 4}, state, "step00000002", world=2)

@@ -111,18 +111,23 @@ def layout(state: ParallelState) -> dict:
     return {"tp": state.plan.tp, "sp": state.plan.sp}
 
 
-def check_resume_layout(sidecar: dict, state: ParallelState, tag: str, world: int | None = None) -> None:
-    """Model and ZeRO files are cut per TP rank (mp_rank_XX): a different layout cannot load them,
-    and neither can the universal (re-sharding) path, which knows nothing of TP shards."""
+def check_resume_layout(sidecar: dict, state: ParallelState, tag: str, world: int | None = None, *,
+                        run_dir: str = "RUN", zero_stage: int | None = None) -> None:
+    """Model and ZeRO files are cut per TP rank (mp_rank_XX): a different layout cannot load them as they
+    are; `loongforge ckpt reshard` converts them (ckpt_reshard.py), and the message names its command."""
     saved = {"tp": 1, "sp": 1, **sidecar.get("parallel", {})}
+    w = world if world is not None else sidecar.get("world", 1)
+    z = zero_stage if zero_stage is not None else sidecar.get("zero_stage", 2)
+    fix = f"loongforge ckpt reshard {run_dir} --to world={w},zero={max(int(z), 1)},tp={state.plan.tp}" + \
+        (f",sp={state.plan.sp}" if state.plan.sp > 1 else "")
     if is_hybrid(state) and world is not None and sidecar.get("world", world) != world:
         raise CheckpointError(f"checkpoint {tag} was written by {sidecar['world']} ranks, this run has {world}: "
-                              "with --tp/--sp/--grad-compression a resume needs the same rank count "
-                              "(re-sharding TP shards and per-rank residuals is not supported yet)")
+                              "with --tp/--sp/--grad-compression a resume on another rank count needs the "
+                              f"checkpoint converted first: {fix}")
     if saved != layout(state):
         raise CheckpointError(f"checkpoint {tag} was written with tp={saved['tp']} sp={saved['sp']}, this run has "
                               f"tp={state.plan.tp} sp={state.plan.sp}: its tensor-parallel shards do not fit; "
-                              "resume with the same --tp/--sp (re-sharding a checkpoint is not supported yet)")
+                              f"convert it first: {fix} (or resume with the same --tp/--sp)")
 
 
 def after_engine(engine, state: ParallelState) -> None:
