@@ -17,6 +17,8 @@ class Context:
     socket: str | None  # cache daemon socket; None = the origin (row notes say why)
     source_label: str
     measured: dict = field(default_factory=dict)  # figures later rows reuse (P5 uses P1's)
+    socket_v2: str | None = None  # the format-2 root's own daemon (P1's format-2 cells)
+    source_label_v2: str = "origin mmap"
 
     def baseline_dataset(self, backend: str = "pyav", gop: int | None = None) -> LeRobotVideoDataset:
         cams = tuple(f"observation.images.{c}" for c in self.cfg.cameras)

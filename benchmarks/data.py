@@ -13,8 +13,14 @@ nothing it reads.
 
 The P1-P5 rows compare the format-1 window loader (ShardLoader, K frames per
 sample, `--format-version 1` written explicitly since preprocess defaults to 2)
-with the mp4 baseline over the same windows; the format-2 loader (BlockLoader)
-is measured against v1 in benchmarks/loader_v2.py and storage_v2.py.
+with the mp4 baseline over the same windows. P1 also reads a format-2 root
+(`shards_v2`, the default a user deploys) that `loongforge convert` writes from
+those shards: the same decoded frames of the same mp4, in the blocks preprocess
+writes (B=16, zstd 3), at ~1 s instead of a second Beam job. Convert cannot
+recover an episode's last frame when it was a 1-frame tail window (below
+min_frames) — one frame per episode at most. BlockLoader reads it with video
+deltas -(K-1)..0 and the same stride: K frames per camera per sample.
+benchmarks/loader_v2.py and storage_v2.py measure v2 on its own.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class Prepared:
     generate_s: float
     transcode_s: float  # wall time of the whole `loongforge preprocess` job
     transcode_workers: int
+    shards_v2: str | None = None  # format-2 root of the same frames (P1's format-2 cells)
+    convert_v2_s: float = 0.0
 
 
 def generate(cfg: BenchConfig, root: Path, gop: int | None = None) -> Path:
@@ -88,17 +96,26 @@ def preprocess_argv(cfg: BenchConfig, dataset: Path, out: Path) -> list[str]:
 def transcode(cfg: BenchConfig, dataset: Path, out: Path) -> float:
     """Run the real preprocess job as a user would (`loongforge preprocess ...`);
     returns its wall time, start-up included (what the one-off cost really is)."""
-    argv = [sys.executable, "-m", "loongforge", *preprocess_argv(cfg, dataset, out)]
+    return _run_cli(preprocess_argv(cfg, dataset, out), "preprocess")
+
+
+def convert_v2(cfg: BenchConfig, shards: Path, out: Path) -> float:
+    """`loongforge convert SHARDS --to v2 OUT` as a user migrates a root; returns its wall time."""
+    return _run_cli(["convert", str(shards), "--to", "v2", str(out), "--shard-size", cfg.shard_size], "convert")
+
+
+def _run_cli(args: list[str], what: str) -> float:
+    argv = [sys.executable, "-m", "loongforge", *args]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=PREPROCESS_TIMEOUT_S,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired as exc:
-        raise LoongForgeError(f"`loongforge preprocess` ran past {PREPROCESS_TIMEOUT_S}s") from exc
+        raise LoongForgeError(f"`loongforge {what}` ran past {PREPROCESS_TIMEOUT_S}s") from exc
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        raise LoongForgeError("`loongforge preprocess` failed (exit %d):\n%s" % (proc.returncode, "\n".join(tail)))
+        raise LoongForgeError("`loongforge %s` failed (exit %d):\n%s" % (what, proc.returncode, "\n".join(tail)))
     return seconds
 
 
@@ -133,6 +150,8 @@ def prepare(cfg: BenchConfig, workdir: Path) -> Prepared:
                           f"{cfg.batch_size}; generate more episodes or lower --batch-size")
     log.info("shards: %s", index.summary())
     gop_datasets = generate_gops(cfg, workdir, dataset)
+    convert_s = convert_v2(cfg, shards, workdir / "shards_v2")
     return Prepared(dataset=str(dataset), shards=str(shards), index=index, windows=windows_of(str(shards), index),
                     source_frames=count_source_frames(dataset, len(cfg.cameras)), gop_datasets=gop_datasets,
-                    generate_s=generate_s, transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers)
+                    generate_s=generate_s, transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers,
+                    shards_v2=str(workdir / "shards_v2"), convert_v2_s=convert_s)

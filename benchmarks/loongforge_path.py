@@ -50,6 +50,20 @@ def make_loader(root: str, index: ShardIndex, cfg: BenchConfig, *, workers: int,
                        source=spec, device="cpu", rgb=rgb)
 
 
+def make_loader_v2(root: str, cfg: BenchConfig, *, workers: int, socket: str | None, rgb: bool = False):
+    """The format-2 loader as the trainer builds it, shaped like the v1 windows: K frames per camera
+    at video deltas -(K-1)..0, a sample every `stride` timesteps, the same batch, seed and workers;
+    block order and per-worker block cache at their defaults (what a user gets)."""
+    from loongforge.train.loader_v2 import BlockLoader
+    from loongforge.train.samples_v2 import DeltaSpec
+    from loongforge.train.sources import SourceSpec
+
+    k = cfg.frames_per_sample
+    deltas = DeltaSpec(video=tuple(range(1 - k, 1)), action_horizon=cfg.action_horizon)
+    return BlockLoader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, deltas=deltas,
+                       stride=cfg.stride, device="cpu", rgb=rgb, source=SourceSpec(root=root, cache_socket=socket))
+
+
 @contextmanager
 def opened(loader):
     try:

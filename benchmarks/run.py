@@ -113,7 +113,8 @@ def run(cfg: BenchConfig, *, out_dir: Path = DEFAULT_OUT, workdir: Path | None =
             prep = None
         if prep is not None:
             inputs = {"dataset": prep.dataset, "shards": prep.shards, "index": prep.index.summary(),
-                      "generate_s": prep.generate_s, "transcode_s": prep.transcode_s}
+                      "generate_s": prep.generate_s, "transcode_s": prep.transcode_s,
+                      "shards_v2": prep.shards_v2, "convert_v2_s": prep.convert_v2_s}
             rows = _measure(cfg, prep, workdir, stack, inputs)
     components = _components(cfg.quick) if cfg.components else []
     doc = {"result_version": report.RESULT_VERSION, "started": started.isoformat(timespec="seconds"),
@@ -126,6 +127,20 @@ def run(cfg: BenchConfig, *, out_dir: Path = DEFAULT_OUT, workdir: Path | None =
         doc["plot"] = png.name if png else None
     report.write_json(path, doc)
     return doc, path
+
+
+def _v2_daemon(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: dict) -> tuple[str | None, str]:
+    """A second daemon, warmed the same way, for the format-2 root: P1's v2 cells read hot like v1's."""
+    from loongforge.shared.dataset_v2 import open_v2
+
+    try:
+        daemon = stack.enter_context(CacheDaemon(prep.shards_v2, workdir / "hot2", ram_budget=cfg.ram_budget))
+        shard_index = open_v2(prep.shards_v2).shard_index  # shard names and bytes: what the daemon serves
+        inputs["warm_cache_v2"] = lf.warm_cache(prep.shards_v2, shard_index, daemon.socket)
+        return daemon.socket, "cache daemon, hot"
+    except Exception as exc:  # noqa: BLE001 - the v2 cells then read the origin, and say so
+        log.error("format-2 cache daemon unusable:\n%s", traceback.format_exc())
+        return None, f"origin mmap; cache not available: {type(exc).__name__}: {exc}"[:300]
 
 
 def _measure(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: dict) -> list[Row]:
@@ -147,6 +162,8 @@ def _measure(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: di
         label = f"origin mmap; cache not available: {cache_reason}"
     inputs["loongforge_source"] = label
     ctx = Context(cfg=cfg, prep=prep, socket=socket, source_label=label)
+    if socket is not None and prep.shards_v2:
+        ctx.socket_v2, ctx.source_label_v2 = _v2_daemon(cfg, prep, workdir, stack, inputs)
     for sid, title, fn in SECTIONS:
         if sid == "P4":
             _section(rows, sid, title, p4_rows, ctx, cache_reason)

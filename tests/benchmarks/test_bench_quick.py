@@ -21,7 +21,8 @@ QUICK_BUDGET_S = 600  # ~3 min quiet (3 GOPs x 3 worker counts x 4 passes); the 
 
 
 def p1_cells(gops, workers) -> set[str]:
-    return {f"P1/g{g}/w{w}{s}" for g in gops for w in workers for s in ("", "-nv12", "-threaded")}
+    return {f"P1/g{g}/w{w}{s}" for g in gops for w in workers
+            for s in ("", "-nv12", "-threaded", "-v2", "-v2-threaded")}  # -v2*: the format-2 root, same cell
 
 
 def expected_rows(gops, workers) -> set[str]:
@@ -79,6 +80,7 @@ def check_complete_result(proc, out, gops, workers):
         assert r["params"]["gop"] == gop and r["params"]["workers"] == w, rid  # every row states its GOP
         assert r["params"]["cores"] == max(1, w) and r["params"]["pinned_cores"] is True
         assert r["params"]["baseline_backend"] == ("pyav-threaded" if rid.endswith("-threaded") else "pyav")
+        assert r["params"]["format_version"] == (2 if "-v2" in rid else 1), rid
         assert "(cache daemon, hot)" in r["ours_label"]
         assert r["ratio"]["median"] == pytest.approx(r["ours"]["median"] / r["baseline"]["median"])
         # equal cores, counted: both sides' CPU seconds were read over the timed batches
@@ -93,9 +95,16 @@ def check_complete_result(proc, out, gops, workers):
     decoded = [rows[f"P1/g{g}/w0"]["params"]["baseline_decoded_frames_per_window"] for g in gops]
     assert decoded == sorted(decoded) and decoded[0] < decoded[-1]
     assert len({rows[f"P1/g{g}/w0"]["params"]["samples"] for g in gops}) == 1
+    # The format-2 cells read as many samples of K frames as format 1's windows, from the same mp4.
+    for g in gops:
+        v1, v2 = rows[f"P1/g{g}/w0-nv12"], rows[f"P1/g{g}/w0-v2"]
+        assert v2["params"]["frames_per_sample"] == v1["params"]["frames_per_sample"]
+        assert abs(v2["params"]["samples"] - v1["params"]["samples"]) <= doc["config"]["episodes"]  # tail windows
+        assert v2["baseline"] == v1["baseline"]  # the same baseline passes
     worst = rows["P1/worst"]
-    assert worst["ratio"]["median"] == min(rows[r]["ratio"]["median"] for r in P1_CELLS
-                                           if r.endswith(("w2-nv12", "w2-threaded")))
+    nv12_w2 = ("w2-nv12", "w2-threaded", "w2-v2", "w2-v2-threaded")  # both formats: the headline hides neither
+    assert worst["ratio"]["median"] == min(rows[r]["ratio"]["median"] for r in P1_CELLS if r.endswith(nv12_w2))
+    assert worst["extra"]["format_2_worst_ratio"] is not None
     conv = rows["P1/rgb-conversion"]
     assert conv["baseline"]["median"] > 0 and conv["ours"]["median"] > 0 and conv["goal"] == ">= 3x"
     assert 0 <= rows["P3/share"]["ours"]["median"] <= 1 and 0 <= rows["P3/share"]["baseline"]["median"] <= 1
