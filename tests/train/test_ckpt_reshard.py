@@ -98,6 +98,7 @@ def _tp1_leg(a, root, tmp_path, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two more launches; make test keeps the ZeRO-3 -> ZeRO-2 reshard and the TP split/merge rules
 def test_tp2_resharded_to_tp1_one_rank(tp2_run, train_root, tmp_path):
     """The column/row/qkv shards and their Adam moments are gathered into TP 1: A's losses continue."""
     root, _ = train_root

@@ -104,6 +104,7 @@ def _wait_steps(proc, run_dir, n, timeout=240):
     raise AssertionError(f"no {n} steps before the deadline: {err[-3000:]}")
 
 
+@pytest.mark.full  # ~30 s: make faults runs it; the suite's rank_sigstop row measures the same path
 def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_root, tmp_path):
     """SIGSTOP of rank 1 mid-run: rank 0's watchdog sees no heartbeat, writes one fault record naming rank 1,
     its host and why, fences the stopped rank and exits 75; the launch ends well inside the hang timeout

@@ -66,6 +66,7 @@ def test_sp2_matches_one_rank(sp_run, train_root, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test keeps the TP2 exact-resume test ([zero3]); this is the same path with SP
 def test_sp2_resume_is_exact(sp_run, train_root, tmp_path):
     """4 steps straight == 2 steps + resume (same layout) + 2 steps."""
     run_dir, _ = sp_run
