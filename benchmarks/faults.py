@@ -7,7 +7,8 @@ elastic supervisor, and a table of what happened.
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
 recipe, global batch 8, checkpoint every 2 steps) on a synthetic dataset, read
 through a real cache daemon (`loongforge cache serve`) where the fault needs
-one. A clean run of the same configuration is the wall-time baseline.
+one (with a real redis-server behind it for redis_sigkill). Clean runs of the same configuration,
+one before the faults and one after, are the wall-time baseline.
 
 Columns, all from the run's own records (metrics.jsonl step rows and
 {"event": ...} records, the launch's exit):
