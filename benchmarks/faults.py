@@ -319,7 +319,7 @@ def run_fault(name: str, work: Path, root: str, steps: int, expected) -> dict:
         if needs_cache:
             from loongforge.benchmarks.daemon import CacheDaemon
 
-            daemon = CacheDaemon(setup.root, work / f"{name}-cache", extra_args=setup.daemon_args).start()
+            daemon = CacheDaemon(setup.root, work / f"{name[:8]}-c", extra_args=setup.daemon_args).start()
         run = Run(work, name, setup.root, steps, extra, env, cache_socket=daemon.socket if daemon else None)
         run.daemon, run.setup = daemon, setup
         try:

@@ -225,7 +225,7 @@ def test_fault_suite_rank_sigstop_relaunches_on_the_survivor(tmp_path):
 
 
 @pytest.mark.full
-def test_fault_suite_staged_faults_redis_corrupt_shard_disk_full(tmp_path):
+def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_path (AF_UNIX <= 107 bytes)
     """The three faults staged around the run (faults_env.py): Redis SIGKILL under the cache daemon, one byte
     flipped in a shard at the origin (skipped by policy, never silently lost), the checkpoint tmpfs filled."""
     from loongforge.benchmarks import faults
