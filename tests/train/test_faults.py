@@ -222,3 +222,24 @@ def test_fault_suite_rank_sigstop_relaunches_on_the_survivor(tmp_path):
     row = doc["rows"][0]
     assert row["recovered"] and row["relaunches"] == 1 and "watchdog: rank 1 dead" in row["action"], row
     assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.full
+def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_path (AF_UNIX <= 107 bytes)
+    """The three faults staged around the run (faults_env.py): Redis SIGKILL under the cache daemon, one byte
+    flipped in a shard at the origin (skipped by policy, never silently lost), the checkpoint tmpfs filled."""
+    from loongforge.benchmarks import faults
+
+    names = ["redis_sigkill", "corrupt_shard_at_origin", "checkpoint_disk_full"]
+    doc = faults.run_suite(names, steps=10, work=tmp_path, baseline=False)
+    rows = {r["fault"]: r for r in doc["rows"]}
+    for name in names:
+        row = rows[name]
+        if row.get("status") == "not run":  # e.g. no tmpfs mount without root: the row says why
+            assert name == "checkpoint_disk_full" and "mount" in row["why"], row
+            continue
+        assert row["recovered"] and (row["samples_lost"], row["samples_duplicated"]) == (0, 0), row
+        assert row["detected_after_s"] is not None, row
+    assert "redis unreachable" in rows["redis_sigkill"]["action"]
+    assert 19 in rows["corrupt_shard_at_origin"]["skipped_ids"]
+    assert "(" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]

@@ -1,0 +1,204 @@
+"""The three faults of benchmarks/faults.py that need something set up around the run: a Redis server behind the
+cache daemon, a corrupt copy of the shard root, a small real filesystem under the checkpoints.
+
+Each fault here is a `prepare(work, root, name) -> Setup` (before the run starts) plus a trigger (as in
+faults.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
+checkpoint that stayed `latest`). They keep the suite's accounting: sample ids of every step row against the
+global order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+# tmpfs size for the checkpoint dir: big enough for 2 checkpoints of the tiny recipe with room to spare; the
+# trigger fills it with a ballast once the size of one real checkpoint is known.
+DISK_MB = 256
+
+
+@dataclass
+class Setup:
+    root: str  # the shard root the run (and its cache daemon) reads
+    daemon_args: tuple = ()
+    cleanup: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    skip_why: str | None = None  # set when the fault cannot be staged here: the row says why
+
+    def close(self) -> None:
+        for fn in reversed(self.cleanup):
+            fn()
+
+
+def log_time(line: str) -> float | None:
+    """The timestamp of a logging line ("%(asctime)s ..."), or None."""
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+# -- Redis SIGKILL: the cache daemon coordinates through a real redis-server; kill -9 it mid-run -------------
+def prepare_redis(work: Path, root: str, name: str) -> Setup:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return Setup(root, skip_why="redis-server not installed (make setup installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    setup = Setup(root, daemon_args=("--redis-url", f"redis://127.0.0.1:{port}/0", "--heartbeat-s", "0.5"))
+    setup.info["redis"] = proc
+    setup.cleanup.append(lambda: (proc.kill(), proc.wait()))
+    return setup
+
+
+def f_redis_sigkill(run):
+    run.wait_steps(4)
+    t = run.mark_fault()
+    run.setup.info["redis"].kill()
+    return t
+
+
+def annotate_redis(row: dict, run, setup: Setup) -> None:
+    lines = [ln for ln in run.daemon.log if "redis" in ln and "unreachable" in ln]
+    t = next((log_time(ln) for ln in lines if (log_time(ln) or 0) >= row["t_inject"] - 1), None)
+    if t is not None:
+        row["detected_after_s"] = round(max(0.0, t - row["t_inject"]), 1)
+    row["action"] = ("cache daemon: redis unreachable -> serving without coordination (local tiers + origin), "
+                     "reconnecting with backoff; trainer untouched" if lines else
+                     "no redis error logged by the daemon") + ("; no restart" if row["relaunches"] == 0 else "")
+
+
+# -- corrupt shard at origin: flip a byte inside one sample of a copy of the root, before anything reads it --
+def prepare_corrupt_shard(work: Path, root: str, name: str) -> Setup:
+    from loongforge.shared.index import load_index
+
+    copy = str(work / f"{name}-data")
+    shutil.copytree(root, copy)
+    index = load_index(copy)
+    shard_no, local = 1, 3
+    entry = index.shards[shard_no]
+    path = os.path.join(copy, entry.name)
+    pos = entry.offsets[local] + entry.lengths[local] // 2
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+    gid = sum(s.samples for s in index.shards[:shard_no]) + local
+    setup = Setup(copy)
+    setup.info.update(corrupt_gid=gid, corrupt_where=f"{entry.name}#{local} byte {pos}", shard_first=gid - local,
+                      shard_samples=entry.samples)
+    return setup
+
+
+def f_corrupt_shard(run):
+    run.wait_steps(1)
+    return run.t0  # corrupted before the run started; detection is the first skip warning
+
+
+SKIP_RE = re.compile(r"skipped bad sample \(data\.bad_samples='skip'\): sample (\d+) ")
+
+
+def annotate_corrupt_shard(row: dict, run, setup: Setup) -> None:
+    log = Path(run.log.name).read_text(errors="replace").splitlines()
+    hits = [(ln, int(m.group(1))) for ln in log for m in [SKIP_RE.search(ln)] if m]
+    skipped = sorted({gid for _, gid in hits})
+    if hits and (t := log_time(hits[0][0])) is not None:
+        row["detected_after_s"] = round(t - row["t_inject"], 1)
+    why = hits[0][0].split("): ", 1)[-1][:160] if hits else "no skip logged"
+    row["samples_skipped_by_policy"] = len(skipped)
+    row["skipped_ids"] = skipped
+    shard = set(range(setup.info["shard_first"], setup.info["shard_first"] + setup.info["shard_samples"]))
+    row["action"] = (f"1 byte flipped in global sample {setup.info['corrupt_gid']} ({setup.info['corrupt_where']}) "
+                     f"before launch; detected (s after launch) by {why}; bad-sample policy skip (the default): "
+                     f"{len(skipped)} sample(s) {_ranges(skipped)} masked out of their batches"
+                     + ("; the cache verifies the whole shard's sha256, so the whole shard is skipped"
+                        if len(skipped) > 1 and set(skipped) == shard else ""))
+    # Recovered: the run finished every step, the corrupt sample was caught, and nothing outside its shard skipped.
+    row["recovered"] = row["recovered"] and setup.info["corrupt_gid"] in skipped and set(skipped) <= shard
+
+
+def _ranges(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if ids and ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2 else str(ids)
+
+
+# -- checkpoint disk full: the checkpoints dir on a real tmpfs, filled once one checkpoint's size is known ----
+def prepare_disk_full(work: Path, root: str, name: str) -> Setup:
+    mnt = work / f"{name}-tmpfs"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return Setup(root, skip_why=f"cannot mount a tmpfs here: {out.stderr.strip()} (needs root)")
+    run_dir = work / name
+    run_dir.mkdir()
+    os.symlink(mnt, run_dir / "checkpoints")  # metrics.jsonl and the log stay on the big disk
+    setup = Setup(root)
+    setup.info["mnt"] = mnt
+    setup.cleanup.append(lambda: subprocess.run(["umount", "-l", str(mnt)], check=False))
+    return setup
+
+
+def f_disk_full(run):
+    """Wait for the first published checkpoint, then leave less free space than one checkpoint needs; take the
+    ballast away once a save has failed, so a later interval must succeed."""
+    mnt = run.setup.info["mnt"]
+    while not os.path.exists(mnt / "latest"):
+        if run.proc.poll() is not None:
+            raise RuntimeError("run ended before its first checkpoint")
+        time.sleep(0.05)
+    st = os.statvfs(mnt)
+    ckpt = (st.f_blocks - st.f_bfree) * st.f_frsize  # the first checkpoint (+ a save under way at most)
+    run.setup.info["ckpt_bytes"] = ckpt
+    t = run.mark_fault()
+    with open(mnt / "ballast", "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - ckpt // 4))
+    log = Path(run.log.name)
+    while "NOT saved" not in log.read_text(errors="replace"):
+        if run.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    os.unlink(mnt / "ballast")  # the log reaches us late: on a fast run every later save may fail too
+    run.setup.info["ballast_removed"] = time.time()
+    return t
+
+
+def annotate_disk_full(row: dict, run, setup: Setup) -> None:
+    from loongforge.train import checkpoint
+
+    lines = [ln for ln in Path(run.log.name).read_text(errors="replace").splitlines() if "NOT saved" in ln]
+    if lines and (t := log_time(lines[0])) is not None:
+        row["detected_after_s"] = round(max(0.0, t - row["t_inject"]), 1)
+    mnt = setup.info["mnt"]
+    latest = (mnt / "latest").read_text().strip() if (mnt / "latest").exists() else None
+    try:
+        checkpoint.verify_manifest(run.run_dir, latest)
+        intact = latest is not None
+    except Exception as exc:  # noqa: BLE001 - the row says what was wrong
+        intact, latest = False, f"{latest} ({type(exc).__name__}: {exc})"
+    failed = sorted({ln.split("checkpoint ")[1].split()[0] for ln in lines})
+    enospc = any("No space left" in ln for ln in lines)
+    row["action"] = (f"save of {', '.join(failed) or '-'} failed ({'ENOSPC' if enospc else 'no ENOSPC'}, "
+                     f"{DISK_MB} MiB tmpfs filled to a quarter of the {setup.info.get('ckpt_bytes', 0) >> 10}"
+                     f" KiB in use at the first `latest` left free): partial files removed, training went on; latest = {latest} at the end, "
+                     f"sha256 manifest {'verified' if intact else 'NOT verified'}")
+    row["saves_failed"] = failed
+    # Recovered: every step trained, the ENOSPC was caught, and the `latest` left is whole (verified).
+    row["recovered"] = row["recovered"] and enospc and intact
