@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from loongforge.benchmarks.report import write_timestamped
 from loongforge.shared import paths, storage
 from loongforge.shared.index_v2 import bucket_shift, frame_buckets, manifest_json
 from loongforge.shared.synthetic_v2 import synthetic_dataset_info
@@ -225,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(doc["rows"]))
     print(f"\nv2 meets targets (open < 1 s, RSS < 100 MB, locate < 2 us): {doc['v2_meets']}; "
           f"load average {doc['load_avg'][0]:.2f} -> {doc['load_avg_end'][0]:.2f}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"index-scale-{time.strftime('%Y%m%d-%H%M%S')}-{platform.node()}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"results: {path}")
+    write_timestamped(args.out, "index-scale", doc)
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def result_path(out_dir: Path, when: _dt.datetime, host: str) -> Path:
 def write_json(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(str(path), (json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+
+def write_timestamped(out_dir: str, prefix: str, doc: dict) -> str:
+    """<out_dir>/<prefix>-<local time>-<host>.json (a new file per run, so runs never
+    overwrite each other); prints and returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{platform.node()}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"results: {path}")
+    return path
 
 
 def _fmt(v: float | None) -> str:

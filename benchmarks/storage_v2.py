@@ -18,7 +18,6 @@ table, writes benchmarks/results/storage-v2-<date>-<host>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -27,6 +26,7 @@ import time
 
 import numpy as np
 
+from loongforge.benchmarks.report import write_timestamped
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.episode import read_episode
@@ -179,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(doc))
     print(f"\n{doc['frames']} frames, {doc['episodes']} episodes; load average {doc['load_avg'][0]:.2f} -> "
           f"{doc['load_avg_end'][0]:.2f}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"storage-v2-{time.strftime('%Y%m%d-%H%M%S')}-{platform.node()}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"results: {path}")
+    write_timestamped(args.out, "storage-v2", doc)
     return 0
 
 

@@ -85,9 +85,8 @@ def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, 
                       created_by=f"loongforge.preprocess {__version__}")
 
 
-def _remove_stale_shards(output: str, index: ShardIndex) -> None:
-    """A previous run with more shards leaves higher-numbered files behind."""
-    keep = {s.name for s in index.shards}
+def remove_stale_shards(output: str, keep: set[str]) -> None:
+    """A previous run with more shards leaves higher-numbered files behind (v1 and v2 finalize)."""
     try:
         listed = files.list_files(output, paths.SHARD_DIR)
     except FileNotFoundError:
@@ -101,7 +100,7 @@ def write_outputs(index: ShardIndex, output: str) -> str:
     lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in index.failed)
     storage.write_bytes_atomic(paths.join(output, paths.FAILED_FILE), lines.encode())
     path = save_index(index, output)  # last: its presence means the shard set is complete
-    _remove_stale_shards(output, index)
+    remove_stale_shards(output, {s.name for s in index.shards})
     files.remove_tree(files.join(output, STAGING_DIR))
     return path
 

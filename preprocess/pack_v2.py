@@ -66,17 +66,6 @@ class WriteShardV2Fn(beam.DoFn):
         yield plan.number, entry, tuple(placed)
 
 
-def _remove_stale(output: str, keep: set[str]) -> None:
-    """A previous run with more shards leaves higher-numbered files behind."""
-    try:
-        listed = files.list_files(output, paths.SHARD_DIR)
-    except FileNotFoundError:
-        return
-    for name in sorted(listed - keep):
-        if name.endswith(".tar"):
-            files.remove_file(files.join(output, name))
-
-
 class FinalizeV2Fn(beam.DoFn):
     """Runs once, after every shard is written: failed.jsonl, tables, index.json last."""
 
@@ -84,7 +73,8 @@ class FinalizeV2Fn(beam.DoFn):
         self.meta, self.cfg, self.params = meta, cfg, params
 
     def process(self, _unused, written, failed, stats, staged):
-        from loongforge.preprocess.finalize import build_index  # dataset info, split and stats as in v1
+        # dataset info, split, stats and stale-shard cleanup as in v1
+        from loongforge.preprocess.finalize import build_index, remove_stale_shards
 
         base = build_index(self.meta, self.cfg, self.params, [], list(failed), stats or {}, list(staged))
         dataset = dataclasses.replace(base.dataset, frames_per_sample=1)
@@ -98,7 +88,7 @@ class FinalizeV2Fn(beam.DoFn):
         publish_v2(self.cfg.output, dataset=dataset, params=params, shards=shards, layouts=layouts, shard_of=shard_of,
                    failed=base.failed, val_episodes=base.val_episodes,
                    created_by=f"loongforge.preprocess {__version__}")
-        _remove_stale(self.cfg.output, {s["name"] for s in shards})
+        remove_stale_shards(self.cfg.output, {s["name"] for s in shards})
         files.remove_tree(files.join(self.cfg.output, STAGING_DIR))
         log.info("wrote %s (format 2): %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
                  len(layouts), sum(lay.num_frames for lay in layouts), len(base.failed))

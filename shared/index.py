@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -27,6 +28,35 @@ COLOR_RANGES = ("limited", "full")
 # Top level, not inside each shard entry, because readers of format 1 warn about
 # and ignore unknown top-level keys but refuse unknown keys in a shard entry.
 CHECKSUM_KEY = "sample_xxh3"
+KNOWN_KEYS = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed",
+              "split", CHECKSUM_KEY}
+
+
+def parse_document(raw: bytes | str, origin: str, version: int,
+                   refuse: Callable[[object, str], FormatVersionError], known: set[str],
+                   logger: logging.Logger) -> dict:
+    """The checks every index.json reader (format 1 here, format 2 in index_v2) starts with:
+    valid JSON, our format name, the one version this reader reads (else `refuse(version,
+    origin)` is raised), and a warning (on the caller's logger) for each unknown top-level key."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{origin}: not valid JSON ({exc}); the file is truncated or not an index") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{origin}: not a LoongForge shard index (format != {FORMAT_NAME!r})")
+    if doc.get("format_version") != version:
+        raise refuse(doc.get("format_version"), origin)
+    for key in sorted(set(doc) - known):
+        logger.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
+    return doc
+
+
+def _refuse_version(version, origin: str) -> FormatVersionError:
+    hint = "upgrade loongforge" if isinstance(version, int) and version > FORMAT_VERSION else \
+        "re-run `loongforge preprocess` to rewrite the shards"
+    if version == 2:  # FORMAT.md: a v2 root has its own reader
+        hint = "a version-2 root: open it with loongforge.shared.dataset_v2.open_v2 (or upgrade loongforge)"
+    return FormatVersionError(f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,24 +249,8 @@ class ShardIndex:
 
     @classmethod
     def from_json(cls, raw: bytes | str, origin: str = "index.json") -> "ShardIndex":
-        try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{origin}: not valid JSON ({exc}); the file is truncated or not an index") from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise FormatError(f"{origin}: not a LoongForge shard index (format != {FORMAT_NAME!r})")
-        version = doc.get("format_version")
-        if version != FORMAT_VERSION:
-            hint = "upgrade loongforge" if isinstance(version, int) and version > FORMAT_VERSION else \
-                "re-run `loongforge preprocess` to rewrite the shards"
-            if version == 2:  # FORMAT.md: a v2 root has its own reader
-                hint = "a version-2 root: open it with loongforge.shared.dataset_v2.open_v2 (or upgrade loongforge)"
-            raise FormatVersionError(
-                f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
-        known = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed",
-                 "split", CHECKSUM_KEY}
-        for key in sorted(set(doc) - known):
-            log.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
+        doc = parse_document(raw, origin, FORMAT_VERSION, _refuse_version, KNOWN_KEYS, log)
+        version = doc["format_version"]
         try:
             ds = dict(doc["dataset"])
             ds["cameras"] = tuple(CameraInfo(**c) for c in ds["cameras"])

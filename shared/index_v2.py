@@ -18,7 +18,7 @@ import numpy as np
 
 from loongforge.shared import paths
 from loongforge.shared.errors import FormatError, FormatVersionError
-from loongforge.shared.index import FORMAT_NAME, CameraInfo, DatasetInfo, ShardEntry, ShardIndex
+from loongforge.shared.index import FORMAT_NAME, CameraInfo, DatasetInfo, ShardEntry, ShardIndex, parse_document
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION_V2 = 2
@@ -79,16 +79,7 @@ def refuse_version(version, origin: str) -> FormatVersionError:
 def parse_manifest(raw: bytes | str, origin: str = "index.json") -> dict:
     """Validate a v2 manifest; returns the document (dict). Unknown versions are refused
     with the FORMAT.md hint, unknown top-level keys warned about and ignored."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{origin}: not valid JSON ({exc}); the file is truncated or not an index") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{origin}: not a LoongForge shard index (format != {FORMAT_NAME!r})")
-    if doc.get("format_version") != FORMAT_VERSION_V2:
-        raise refuse_version(doc.get("format_version"), origin)
-    for key in sorted(set(doc) - KNOWN_KEYS):
-        log.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
+    doc = parse_document(raw, origin, FORMAT_VERSION_V2, refuse_version, KNOWN_KEYS, log)
     try:
         block_size = doc["params"]["block_size"]
         if not isinstance(block_size, int) or block_size < 1:

@@ -125,15 +125,26 @@ def fill_batch(source, index: ShardIndex, layout: BatchLayout, norm: Norm, array
                items: list[tuple[int, int, int]], policy: str) -> tuple[int, list[str]]:
     """Decode `items` = [(global sample, shard no, local no)] into `arrays`.
     Returns (bad samples skipped, their reasons). policy 'raise' re-raises the first."""
-    bad, reasons = 0, []
     arrays["frame_mask"][:] = False
-    for row, (gid, shard_no, local) in enumerate(items):
+    return fill_rows(arrays, items, policy,
+                     lambda row, item: _fill_row(source, index, layout, norm, arrays, row, item[1], item[2]),
+                     lambda item: f"{index.shards[item[1]].name}#{item[2]}")
+
+
+def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where) -> tuple[int, list[str]]:
+    """The bad-sample policy of both formats: `fill_row(row, item)` fills one row from
+    item = (global sample id, ...); a LoongForgeError there re-raises as DataWorkerError
+    under policy 'raise', else the row is masked out and counted. `where(item)` names the
+    sample in the reason. Returns (bad samples skipped, their reasons)."""
+    bad, reasons = 0, []
+    for row, item in enumerate(items):
+        gid = item[0]
         arrays["sample_ids"][row] = gid
         try:
-            _fill_row(source, index, layout, norm, arrays, row, shard_no, local)
+            fill_row(row, item)
             arrays["sample_valid"][row] = True
         except LoongForgeError as exc:
-            reason = f"sample {gid} ({index.shards[shard_no].name}#{local}): {type(exc).__name__}: {exc}"
+            reason = f"sample {gid} ({where(item)}): {type(exc).__name__}: {exc}"
             if policy == "raise":
                 raise DataWorkerError(f"bad sample with data.bad_samples='raise': {reason}") from exc
             bad += 1

@@ -34,6 +34,7 @@ from loongforge.shared.storage import HASH_CHUNK
 from loongforge.train import ckpt_delta, ckpt_universal
 from loongforge.train.ckpt_async import (MANIFEST, MANIFEST_VERSION, DeltaPolicy, SaveJob, SnapshotEngine, Writer,
                                          prune_before_write)
+from loongforge.train.ckpt_fallback import raise_unless_rank0_ok
 
 log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 2  # 2: manifest.json with sha256 per file
@@ -230,12 +231,9 @@ def restore_deltas(run_dir: str, tag: str, bases: list[str], *, rank: int, devic
             _materialize(root, tag, bases, out_tag)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             err = f"{type(exc).__name__}: {exc}"
-    ok = torch.tensor([0.0 if err else 1.0], device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    if ok.item() < 1:
-        raise CheckpointError(f"restoring delta checkpoint {tag} from its base {bases} failed"
-                              f"{': ' + err if err else ' on rank 0'}; point `latest` at the base (a full save)")
+    raise_unless_rank0_ok(err, device=device,
+                          failed=f"restoring delta checkpoint {tag} from its base {bases} failed",
+                          hint="point `latest` at the base (a full save)")
     return out_tag
 
 

@@ -81,3 +81,14 @@ def _broadcast_choice(choice: int, device: torch.device) -> int:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast(t, src=0)
     return int(t.item())
+
+
+def raise_unless_rank0_ok(err: str, *, device: torch.device, failed: str, hint: str) -> None:
+    """Every rank calls this after rank 0 did a step alone (err: its error, "" on success and on the
+    other ranks). Collective: a failure on rank 0 raises CheckpointError on every rank, so no peer
+    waits forever in the next collective; only rank 0 knows the reason."""
+    ok = torch.tensor([0.0 if err else 1.0], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    if ok.item() < 1:
+        raise CheckpointError(f"{failed}{': ' + err if err else ' on rank 0'}; {hint}")

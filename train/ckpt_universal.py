@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from loongforge.shared.errors import CheckpointError
+from loongforge.train.ckpt_fallback import raise_unless_rank0_ok
 
 log = logging.getLogger(__name__)
 SUFFIX = "_universal"
@@ -40,12 +40,8 @@ def ensure_universal(src: str, *, rank: int, device: torch.device, timeout_s: fl
     err = ""
     if rank == 0 and not os.path.isdir(dst):
         err = _convert(src, dst, timeout_s)
-    ok = torch.tensor([0.0 if err else 1.0], device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    if ok.item() < 1:
-        raise CheckpointError(f"converting {src} to a universal checkpoint failed{': ' + err if err else ' on rank 0'}"
-                              f"; try it by hand: {convert_command(src)}")
+    raise_unless_rank0_ok(err, device=device, failed=f"converting {src} to a universal checkpoint failed",
+                          hint=f"try it by hand: {convert_command(src)}")
     return dst
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loongforge.shared.errors import DataWorkerError, FormatError, LoongForgeError
-from loongforge.train.batch import BatchLayout, Norm, encode_text
+from loongforge.shared.errors import FormatError
+from loongforge.train.batch import BatchLayout, Norm, encode_text, fill_rows
 from loongforge.train.block_cache import BlockCache
 from loongforge.train.samples_v2 import DeltaSpec, action_rows, gather_actions, state_indices, video_indices
 from loongforge.train.sources import SourceSpec, make_source
@@ -77,22 +77,12 @@ class V2Filler:
     def fill(self, arrays: dict[str, np.ndarray], items, policy: str) -> tuple[int, list[str]]:
         """Decode items = [(sample id, episode, t)] into `arrays` (v1's contract: bad rows
         are kept, masked out and counted under 'skip'; 'raise' stops at the first)."""
-        bad, reasons = 0, []
-        for row, (gid, episode, t) in enumerate(items):
-            arrays["sample_ids"][row] = gid
-            try:
-                self._fill_row(arrays, row, int(episode), int(t))
-                arrays["sample_valid"][row] = True
-            except LoongForgeError as exc:
-                reason = f"sample {gid} (episode {episode}, t {t}): {type(exc).__name__}: {exc}"
-                if policy == "raise":
-                    raise DataWorkerError(f"bad sample with data.bad_samples='raise': {reason}") from exc
-                bad += 1
-                reasons.append(reason)
-                arrays["sample_valid"][row] = False
-                arrays["frame_mask"][row] = False
-                arrays["action_valid"][row] = False
+        def fill_row(row, item):
+            self._fill_row(arrays, row, int(item[1]), int(item[2]))
             self.samples += 1
+
+        bad, reasons = fill_rows(arrays, items, policy, fill_row, lambda item: f"episode {item[1]}, t {item[2]}")
+        self.samples += bad  # every row counts, a masked-out one too
         return bad, reasons
 
     def _episode(self, episode: int) -> dict:

@@ -3,7 +3,15 @@ a real multi-process launch (helpers in train_launch.py)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+# The launch helpers (train_launch.py) sit beside this file; put it on sys.path explicitly so the
+# test files' imports work under pytest's default (prepend) and --import-mode=importlib alike.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 
 @pytest.fixture(scope="session")
 def train_root(tmp_path_factory):

@@ -9,23 +9,12 @@ import sys
 
 import pytest
 
-# The launch helpers sit beside this file; put it on sys.path explicitly so the import works under
-# pytest's default (prepend) and --import-mode=importlib alike.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import deepspeed_launch, launch, torchrun  # noqa: E402
+from tests.train.train_launch import (assert_ok as _ok, deepspeed_launch, launch, read_metrics as _metrics,
+                                      torchrun)
 
 pytestmark = pytest.mark.slow
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3"]
 STEPS = "20"  # 2.5 epochs of the 64-sample root: crosses epoch boundaries
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _ok(proc):
-    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -253,19 +242,16 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
     import subprocess
     import time
 
-    from tests.train.train_launch import VENV_BIN, _port
+    from tests.train.train_launch import deepspeed_cmd, launch_env, torchrun_cmd
 
     root, _ = train_root
     run_dir = str(tmp_path / "run")
     args = ["--data", root, "--run-dir", run_dir, "--zero", "2", "--workers", "1", "--save-every", "4", *COMMON]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env = launch_env()
     if launcher == "torchrun":
-        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), "-m",
-               "loongforge.train", *args, "--steps", "100000"]
+        cmd = torchrun_cmd(2, ["-m", "loongforge.train", *args, "--steps", "100000"])
     else:
-        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), "--module",
-               "loongforge.train", *args, "--steps", "100000"]
+        cmd = deepspeed_cmd(2, ["--module", "loongforge.train", *args, "--steps", "100000"])
     shm_before = _shm_files()
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -318,12 +304,11 @@ def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
     import subprocess
     import time
 
-    from tests.train.train_launch import VENV_BIN
+    from tests.train.train_launch import launch_env
 
     root, _ = train_root
     run_dir = str(tmp_path / "run")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env = launch_env()
     proc = subprocess.Popen([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir,
                              "--steps", "100000", "--workers", "2", *COMMON], cwd=str(tmp_path), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,21 +14,11 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import launch, torchrun  # noqa: E402
+from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _metrics, torchrun
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
           "--steps", "4", "--no-ds-breakdown", "--zero", "3",
           "--ac-every", "2"]  # AC on trunk block 0 only: a recomputed block re-runs its all-to-alls in backward
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _ok(proc):
-    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")

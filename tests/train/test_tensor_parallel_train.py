@@ -13,22 +13,12 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import launch, torchrun  # noqa: E402
+from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _metrics, torchrun
 
 from loongforge.shared.errors import CheckpointError, ConfigError  # noqa: E402
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
           "--steps", "4", "--no-ds-breakdown"]
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _ok(proc):
-    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])

@@ -9,23 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import torchrun  # noqa: E402
+from tests.train.train_launch import assert_ok as _ok, read_metrics as _metrics, torchrun
 
 pytestmark = pytest.mark.slow
 LENGTHS = (30, 14, 41, 22, 9, 36)  # 152 samples; episode 4 (9) held out -> 143 training samples
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "2", "--lr", "3e-3", "--zero", "2",
           "--video-deltas=-2,0", "--action-horizon", "4", "--block-run", "2", "--block-window", "32"]
 STEPS = 20  # 143 // 8 = 17 steps an epoch: crosses the epoch boundary
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _ok(proc):
-    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")

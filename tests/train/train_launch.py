@@ -3,6 +3,7 @@ subprocesses with a timeout; a hang becomes a test failure with the log tail."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,9 +14,33 @@ import pytest
 VENV_BIN = Path(sys.executable).parent
 
 
-def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+def launch_env(env: dict | None = None) -> dict:
+    """The environment of every launch: DeepSpeed on CPU, one OpenMP thread per rank (2 cores
+    shared by all ranks), unbuffered logs, the venv's torchrun/deepspeed first on PATH."""
     env = dict(env or os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    return env
+
+
+def torchrun_cmd(nproc: int, target: list[str]) -> list[str]:
+    return [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()), *target]
+
+
+def deepspeed_cmd(nproc: int, target: list[str]) -> list[str]:
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_port()), *target]
+
+
+def assert_ok(proc) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = launch_env(env)
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -24,8 +49,7 @@ def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None =
 
 
 def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None):
-    return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-                   "-m", "loongforge.train", *args], cwd=cwd, timeout=timeout, env=env)
+    return launch(torchrun_cmd(nproc, ["-m", "loongforge.train", *args]), cwd=cwd, timeout=timeout, env=env)
 
 
 def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, module: bool = False):
@@ -33,8 +57,7 @@ def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 
     import loongforge.train.launch as entry
 
     target = ["--module", "loongforge.train"] if module else [entry.__file__]
-    return launch([str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_port()),
-                   *target, *args], cwd=cwd, timeout=timeout)
+    return launch(deepspeed_cmd(nproc, [*target, *args]), cwd=cwd, timeout=timeout)
 
 
 def _port() -> int:
@@ -47,5 +70,4 @@ def _port() -> int:
 
 def torchrun_script(nproc: int, script: str, args: list[str], *, cwd: str, timeout: float = 240):
     """torchrun of a test worker script (a file path), for checks below the trainer's entry point."""
-    return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-                   script, *args], cwd=cwd, timeout=timeout)
+    return launch(torchrun_cmd(nproc, [script, *args]), cwd=cwd, timeout=timeout)
