@@ -136,6 +136,23 @@ class SampleTable:
         first_block = np.cumsum(blocks_per_ep) - blocks_per_ep
         return first_block[ep] + t // block_size
 
+    def group_table(self, block_size: int, train_episodes: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first sample id, size, episode) of every non-empty (episode, block of t) group, ascending:
+        `block_groups` at O(blocks) instead of O(samples) (the lazy order, order_v2.EpochOrder).
+
+        Episodes where `train_episodes` is False are left out. A group's samples are the
+        consecutive ids first .. first+size-1 (t = k*stride for k in [ceil(bB/s), ceil((b+1)B/s)))."""
+        nb = (self.lengths + block_size - 1) // block_size
+        if train_episodes is not None:
+            nb = np.where(np.asarray(train_episodes, bool), nb, 0)
+        ep = np.repeat(np.arange(len(nb), dtype=np.int64), nb)
+        b = np.arange(len(ep), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+        lo = np.minimum(-(-b * block_size // self.stride), self.counts[ep])
+        hi = np.minimum(-(-(b + 1) * block_size // self.stride), self.counts[ep])
+        real = hi > lo  # a stride above B leaves some blocks without a sample
+        return (self.starts[ep] + lo)[real], (hi - lo)[real], ep[real]
+
     def keep_mask(self, train_episodes: np.ndarray | None) -> np.ndarray | None:
         """Bool per sample id from a bool per episode (the training split); None = all."""
         if train_episodes is None:
