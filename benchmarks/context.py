@@ -20,6 +20,24 @@ class Context:
     socket_v2: str | None = None  # the format-2 root's own daemon (P1's format-2 cells)
     source_label_v2: str = "origin mmap"
 
+    def root_of(self, version: int) -> str:
+        return self.prep.shards_v2 if version == 2 else self.prep.shards
+
+    def socket_of(self, version: int) -> str | None:
+        return self.socket_v2 if version == 2 else self.socket
+
+    def label_of(self, version: int) -> str:
+        return self.source_label_v2 if version == 2 else self.source_label
+
+    def make_loader(self, version: int, *, workers: int, rgb: bool, socket: str | None | bool = True):
+        """LoongForge's loader of either format as the trainer builds it; socket=True: the hot daemon."""
+        from loongforge.benchmarks import loongforge_path as lf
+
+        sock = self.socket_of(version) if socket is True else socket
+        if version == 2:
+            return lf.make_loader_v2(self.prep.shards_v2, self.cfg, workers=workers, socket=sock, rgb=rgb)
+        return lf.make_loader(self.prep.shards, self.prep.index, self.cfg, workers=workers, socket=sock, rgb=rgb)
+
     def baseline_dataset(self, backend: str = "pyav", gop: int | None = None) -> LeRobotVideoDataset:
         cams = tuple(f"observation.images.{c}" for c in self.cfg.cameras)
         root = self.prep.gop_datasets.get(gop, self.prep.dataset) if gop is not None else self.prep.dataset

@@ -96,43 +96,50 @@ class EpochOrder:
         self._bits.advance(len(size) * self._width)
         perm = np.random.Generator(self._bits).permutation(len(size))
         self._runs_state = self._bits.state  # then one key per run, in laid-out order
-        self.group = perm.astype(np.int32 if len(size) < 2**31 else np.int64)  # laid-out -> group row
+        # Per group, int32 while sample ids fit (2^31 samples: ~3 years of 20 fps video): 24 bytes a group.
+        small = np.int32 if int(table.num_samples) + window < 2**31 else np.int64
+        self.group = perm.astype(small)  # laid-out -> group row
         del perm
-        self.first, self.size = first[self.group], size[self.group].astype(np.int32)
-        self.episode = episode[self.group].astype(np.int32)
+        self.first, self.size = first[self.group].astype(small), size[self.group].astype(small)
+        self.episode = episode[self.group].astype(small)
         del first, size, episode
-        self.start = np.cumsum(self.size, dtype=np.int64) - self.size  # laid-out sample position
+        self.start = (np.cumsum(self.size, dtype=np.int64) - self.size).astype(small)  # laid-out sample position
         nruns = -(-self.size // run)
-        self.run0 = np.cumsum(nruns, dtype=np.int64) - nruns  # laid-out number of the group's first run
-        self._last = self.start + (nruns - 1) * run  # where its last run starts
+        self.run0 = (np.cumsum(nruns, dtype=np.int64) - nruns).astype(small)  # laid-out number of its first run
+        self._last = self.start.astype(np.int64) + (nruns - 1) * run  # where its last run starts
+        del nruns
         n_win = -(-self.num_samples // window)
         # Output position where window w begins = laid position of its first run (runs are laid end to end).
         self.win_out = self._first_run_at(np.arange(n_win + 1, dtype=np.int64) * window)
+        self._win_first = np.searchsorted(self._last, np.arange(n_win, dtype=np.int64) * window, "left")
+        del self._last  # only the windows' first groups were needed
         self._windows: dict[int, tuple] = {}
 
     def _first_run_at(self, x: np.ndarray) -> np.ndarray:
         if not len(self.start):
             return np.full(len(x), self.num_samples, np.int64)
         i = np.minimum(np.searchsorted(self._last, x, "left"), len(self.start) - 1)  # _last is increasing
-        k = np.maximum(0, -(-(x - self.start[i]) // self.run))
-        return np.where(x <= self._last[-1], self.start[i] + k * self.run, self.num_samples)
+        st = self.start[i].astype(np.int64)
+        k = np.maximum(0, -(-(x - st) // self.run))
+        return np.where(x <= self._last[-1], st + k * self.run, self.num_samples)
 
     def _runs(self, w: int) -> tuple:
         """Window w's runs in output order: (laid group, run number, length, cumulative length)."""
         if w in self._windows:
             return self._windows[w]
         lo, hi = w * self.window, (w + 1) * self.window
-        gi = np.arange(np.searchsorted(self._last, lo, "left"), np.searchsorted(self.start, hi, "left"))
-        k0 = np.maximum(0, -(-(lo - self.start[gi]) // self.run))
-        k1 = np.minimum(-(-self.size[gi] // self.run), -(-(hi - self.start[gi]) // self.run))
+        gi = np.arange(self._win_first[w], np.searchsorted(self.start, hi, "left"))
+        st, sz = self.start[gi].astype(np.int64), self.size[gi].astype(np.int64)
+        k0 = np.maximum(0, -(-(lo - st) // self.run))
+        k1 = np.minimum(-(-sz // self.run), -(-(hi - st) // self.run))
         cnt = np.maximum(k1 - k0, 0)
         run_g = np.repeat(gi, cnt)
         run_k = np.repeat(k0, cnt) + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        j = self.run0[run_g] + run_k  # consecutive: the window's runs are a stretch of the laid-out runs
+        j = self.run0[run_g].astype(np.int64) + run_k  # consecutive: the window's runs are a stretch of the laid-out runs
         keys = self._draw(self._runs_state, int(j[0]), len(j)) if len(j) else np.zeros(0)  # run > window: none
         order = np.argsort(w + keys, kind="stable")  # block_sequence's `first_pos // window + key`, stable
         run_g, run_k = run_g[order], run_k[order]
-        lens = np.minimum(self.run, self.size[run_g] - run_k * self.run)
+        lens = np.minimum(self.run, self.size[run_g].astype(np.int64) - run_k * self.run)
         out = (run_g, run_k, lens, np.cumsum(lens))
         if len(self._windows) >= 2:
             self._windows.pop(next(iter(self._windows)))
@@ -149,7 +156,7 @@ class EpochOrder:
         rows = np.stack([self._draw(self._keys_state, int(g) * self._width, self._width)
                          for g in self.group[laid]]) if len(laid) else np.zeros((0, self._width))
         rows[np.arange(self._width)[None, :] >= self.size[laid][:, None]] = 2.0  # padding sorts last
-        return self.first[laid][:, None] + np.argsort(rows, axis=1)
+        return self.first[laid].astype(np.int64)[:, None] + np.argsort(rows, axis=1)
 
     def ids(self, a: int, b: int) -> np.ndarray:
         """Sample ids at positions [a, b) of the epoch's sequence."""

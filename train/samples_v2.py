@@ -146,12 +146,18 @@ class SampleTable:
         nb = (self.lengths + block_size - 1) // block_size
         if train_episodes is not None:
             nb = np.where(np.asarray(train_episodes, bool), nb, 0)
-        ep = np.repeat(np.arange(len(nb), dtype=np.int64), nb)
+        # int32 per block where it fits: 100 M samples are 6.25 M blocks of 16, and these are the peak
+        small = np.int32 if max(len(nb), int(self.lengths.max(initial=0)) + block_size) < 2**31 else np.int64
+        ep = np.repeat(np.arange(len(nb), dtype=small), nb)
         b = np.arange(len(ep), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
-        lo = np.minimum(-(-b * block_size // self.stride), self.counts[ep])
-        hi = np.minimum(-(-(b + 1) * block_size // self.stride), self.counts[ep])
+        b = b.astype(small)
+        count = self.counts.astype(small)[ep]
+        lo = np.minimum(-(-b * block_size // self.stride), count)
+        hi = np.minimum(-(-(b + 1) * block_size // self.stride), count)
+        del b, count
         real = hi > lo  # a stride above B leaves some blocks without a sample
-        return (self.starts[ep] + lo)[real], (hi - lo)[real], ep[real]
+        ep, size = ep[real], (hi - lo)[real]
+        return self.starts[ep] + lo[real], size, ep
 
     def keep_mask(self, train_episodes: np.ndarray | None) -> np.ndarray | None:
         """Bool per sample id from a bool per episode (the training split); None = all."""
