@@ -88,7 +88,8 @@ def handle_scale(args: argparse.Namespace) -> int:
                           sizes=args.project_to, project_recipe=args.project_recipe,
                           compute_s=compute_s,
                           dtype_bytes=args.dtype_bytes,
-                          workdir=str(args.workdir) if args.workdir else None, plot=not args.no_plot)
+                          workdir=str(args.workdir) if args.workdir else None, plot=not args.no_plot,
+                          version=getattr(args, "format", None) or 2)
     print(tables(doc))
     print(f"\nresults: {path}" + ("" if args.no_plot else f" (plot: {path.with_suffix('.png')})"))
     return 0

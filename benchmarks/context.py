@@ -44,11 +44,14 @@ class Context:
         return LeRobotVideoDataset(root, list(self.prep.windows), backend=backend,
                                    action_horizon=self.prep.index.dataset.action_horizon, cameras=cams)
 
-    def window_params(self) -> dict:
+    def window_params(self, version: int = 1) -> dict:
         ds = self.prep.index.dataset
+        samples = self.prep.index.num_samples
+        if version == 2 and "v2_shape" in self.measured:  # format 2's sample count (± a tail window an episode)
+            samples = self.measured["v2_shape"][0]
         return {"frames_per_sample": ds.frames_per_sample, "cameras": list(ds.slots),
                 "resolution": [ds.height, ds.width], "batch_size": self.cfg.batch_size,
-                "samples": self.prep.index.num_samples, "gop": self.cfg.gop}
+                "samples": samples, "gop": self.cfg.gop}
 
     def p1_params(self, gop: int, workers: int) -> dict:
         """What every P1 row of one (GOP, workers) cell shares, so rows compare like with like."""

@@ -102,7 +102,7 @@ def _p2_row(ctx: Context, version: int, w: int, limit: Stat, o: Stat, suffix: st
               if version == 2 else "ShardLoader (format 1)")
     row = Row(id=f"P2/w{w}{suffix}", title=f"Frames/s per worker vs zstd limit, {w} worker{'s' if w != 1 else ''}, "
               f"format {version}", unit="frames/s/worker",
-              params={**ctx.window_params(), "workers": w, "ours_batches": ctx.cfg.ours_batches,
+              params={**ctx.window_params(version), "workers": w, "ours_batches": ctx.cfg.ours_batches,
                       "repeats": ctx.cfg.repeats, "output": "NV12 uint8 (RGB conversion is on the GPU)",
                       "ours_source": ctx.label_of(version), "format_version": version},
               baseline_label=("raw zstd decompression of the root's frame blocks" if version == 2 else

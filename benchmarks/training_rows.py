@@ -182,7 +182,7 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     wait_s = {k: Stat.of(v) for k, v in waits.items()}
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
     fmt = ctx.cfg.ours_format
-    params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
+    params = {**ctx.window_params(ctx.cfg.ours_format), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
               "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens, "ours_source": ctx.label_of(fmt), "processes": 1,
               "format_version": fmt,
