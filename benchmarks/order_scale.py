@@ -49,9 +49,10 @@ else:
 out = {"build_s": time.perf_counter() - t0, "build_cpu_s": time.process_time() - c0, "peak_mb": rss(),
        "base_mb": base, "first_sha": hashlib.sha256(first.tobytes()).hexdigest()[:16]}
 if mode == "lazy" and samples <= walk:
-    t0, steps = time.perf_counter(), order.plan_epoch(lazy.num_samples, batch).steps
+    t0, c0, steps = time.perf_counter(), time.process_time(), order.plan_epoch(lazy.num_samples, batch).steps
     got = sum(len(lazy.rank_ids(c * batch, batch, rank, world)) for c in range(steps))
-    out.update(walk_s=time.perf_counter() - t0, walk_samples=got, peak_after_walk_mb=rss())
+    out.update(walk_s=time.perf_counter() - t0, walk_cpu_s=time.process_time() - c0, walk_steps=steps,
+               walk_samples=got, peak_after_walk_mb=rss())
 print(json.dumps(out))
 """
 
@@ -66,10 +67,10 @@ def cell(mode: str, samples: int, args) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| samples | order | build to first batch s (CPU s) | peak RSS MB (base) | whole-epoch walk s "
-             "(samples) | same first batch |", "|---|---|---|---|---|---|"]
+    lines = ["| samples | order | build to first batch s (CPU s) | peak RSS MB (base) | rank's whole-epoch walk s "
+             "(CPU s), samples | same first batch |", "|---|---|---|---|---|---|"]
     for r in rows:
-        walk = f"{r['walk_s']:.1f} ({r['walk_samples']:,})" if "walk_s" in r else "-"
+        walk = f"{r['walk_s']:.1f} ({r['walk_cpu_s']:.1f}), {r['walk_samples']:,}" if "walk_s" in r else "-"
         lines.append(f"| {r['samples']:,} | {r['mode']} | {r['build_s']:.2f} ({r['build_cpu_s']:.2f}) | "
                      f"{r['peak_mb']:,.0f} ({r['base_mb']:.0f}) | {walk} | {r.get('same', '-')} |")
     return "\n".join(lines)
