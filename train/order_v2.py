@@ -91,10 +91,11 @@ class EpochOrder:
         self.run, self.window = run, window
         self.num_samples = int(size.sum())
         self._width = int(size.max()) if len(size) else 0  # block_sequence's key row length
-        self._bits = np.random.default_rng([seed, epoch, 2]).bit_generator
+        self._gen = np.random.default_rng([seed, epoch, 2])
+        self._bits = self._gen.bit_generator  # jumped with advance(); self._gen draws from wherever it stands
         self._keys_state = self._bits.state  # draws 0 .. G*width-1: a row of in-group keys per group
         self._bits.advance(len(size) * self._width)
-        perm = np.random.Generator(self._bits).permutation(len(size))
+        perm = self._gen.permutation(len(size))
         self._runs_state = self._bits.state  # then one key per run, in laid-out order
         # Per group, int32 while sample ids fit (2^31 samples: ~3 years of 20 fps video): 24 bytes a group.
         small = np.int32 if int(table.num_samples) + window < 2**31 else np.int64
@@ -149,12 +150,20 @@ class EpochOrder:
     def _draw(self, state: dict, skip: int, count: int) -> np.ndarray:
         self._bits.state = state
         self._bits.advance(skip)
-        return np.random.Generator(self._bits).random(count)
+        return self._gen.random(count)
 
     def _shuffled(self, laid: np.ndarray) -> np.ndarray:
         """(len(laid), width) sample ids: each group's samples in block_sequence's in-group order."""
-        rows = np.stack([self._draw(self._keys_state, int(g) * self._width, self._width)
-                         for g in self.group[laid]]) if len(laid) else np.zeros((0, self._width))
+        rows = np.empty((len(laid), self._width))
+        row_no = self.group[laid].astype(np.int64)
+        self._bits.state = self._keys_state  # one reset; then jump forward from row to row, lowest first
+        at = 0
+        for i in np.argsort(row_no).tolist():
+            start = int(row_no[i]) * self._width
+            if start > at:
+                self._bits.advance(start - at)
+            self._gen.random(out=rows[i])
+            at = start + self._width
         rows[np.arange(self._width)[None, :] >= self.size[laid][:, None]] = 2.0  # padding sorts last
         return self.first[laid].astype(np.int64)[:, None] + np.argsort(rows, axis=1)
 
