@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     if root_format_version(args.shards) == 2:
         r = block_checks(args.shards, args.rounds)
         print(f"format 2, {r['blocks']} blocks ({r['frames']} frames, {r['bytes'] / 1e6:.1f} MB): check + decode "
-              f"{r['checked_frames_per_cpu_s']:,.0f} frames/CPU-s, decode alone {r['unchecked_frames_per_cpu_s']:,.0f}: "
+              f"{r['checked_frames_per_cpu_s']:,.0f} frames/CPU-s, decode alone "
+              f"{r['unchecked_frames_per_cpu_s']:,.0f}: "
               f"the per-block xxh3 adds {r['added_cpu']:+.1%} CPU time; xxh3_64 {r['xxh3_gb_per_cpu_s']:.2f} GB/CPU-s "
               f"({r['xxh3_over_zstd']:.1%} of the blocks' decompression), zlib.crc32 "
               f"{r['crc32_gb_per_cpu_s']:.2f} GB/CPU-s ({r['crc32_over_zstd']:.1%})")

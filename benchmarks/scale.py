@@ -156,7 +156,8 @@ def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", ou
                        device=device, version=version)
         sizes_of = recipe_sizes(recipe, project_recipe, work, version)
     doc = {"version": FORMAT_VERSION, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "device": device, "recipe": recipe, "steps": steps, "data_format_version": version, "micro_batch_per_replica": micro_batch,
+           "device": device, "recipe": recipe, "steps": steps, "data_format_version": version,
+           "micro_batch_per_replica": micro_batch,
            "load_avg": os.getloadavg()[0], "measured": rows,
            "projection_inputs": {"hardware": hw.to_dict(), "recipe": project_recipe, "recipes": sizes_of,
                                  "compute_s_per_step": compute_s, "dtype_bytes": dtype_bytes,

@@ -184,7 +184,8 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     fmt = ctx.cfg.ours_format
     params = {**ctx.window_params(ctx.cfg.ours_format), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
-              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens, "ours_source": ctx.label_of(fmt), "processes": 1,
+              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens,
+              "ours_source": ctx.label_of(fmt), "processes": 1,
               "format_version": fmt,
               "torch_threads": torch.get_num_threads()}
     loader = "BlockLoader, format 2" if fmt == 2 else "ShardLoader, format 1"

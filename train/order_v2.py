@@ -136,7 +136,7 @@ class EpochOrder:
         cnt = np.maximum(k1 - k0, 0)
         run_g = np.repeat(gi, cnt)
         run_k = np.repeat(k0, cnt) + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        j = self.run0[run_g].astype(np.int64) + run_k  # consecutive: the window's runs are a stretch of the laid-out runs
+        j = self.run0[run_g].astype(np.int64) + run_k  # consecutive: a stretch of the laid-out runs
         keys = self._draw(self._runs_state, int(j[0]), len(j)) if len(j) else np.zeros(0)  # run > window: none
         order = np.argsort(w + keys, kind="stable")  # block_sequence's `first_pos // window + key`, stable
         run_g, run_k = run_g[order], run_k[order]
