@@ -88,7 +88,8 @@ def handle_scale(args: argparse.Namespace) -> int:
                           sizes=args.project_to, project_recipe=args.project_recipe,
                           compute_s=compute_s,
                           dtype_bytes=args.dtype_bytes,
-                          workdir=str(args.workdir) if args.workdir else None, plot=not args.no_plot)
+                          workdir=str(args.workdir) if args.workdir else None, plot=not args.no_plot,
+                          version=getattr(args, "format", None) or 2)
     print(tables(doc))
     print(f"\nresults: {path}" + ("" if args.no_plot else f" (plot: {path.with_suffix('.png')})"))
     return 0
@@ -110,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-components", action="store_true",
                    help="skip the folded-in component benchmarks (benchmarks/preprocess.py, cache.py)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--format", type=int, choices=(1, 2), default=None,
+                   help="shard format P2-P5 and `bench scale` read (default 2, what preprocess writes; 1: the v1 "
+                        "window loader). P1 always measures both")
     add_scale_arguments(p)
 
 
@@ -124,7 +128,7 @@ def handle(args: argparse.Namespace) -> int:
     gop = max(args.gops) if args.gops else None
     cfg = base.with_overrides(repeats=args.repeats, workers=args.workers, batch_size=args.batch_size, gops=args.gops,
                               gop=gop,
-                              components=False if args.no_components else None)
+                              components=False if args.no_components else None, ours_format=args.format)
     doc, path = run(cfg, out_dir=args.out or DEFAULT_OUT, workdir=args.workdir, plot=not args.no_plot)
     print(markdown_table(doc))
     print(f"\nresults: {path}" + (f" (plot: {path.with_suffix('.png')})" if doc.get("plot") else ""))

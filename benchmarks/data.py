@@ -11,16 +11,15 @@ H.264 keyframe spacing differs). LoongForge's shards are made once, from the
 `cfg.gop` dataset: a shard holds decoded frames, so the source's GOP changes
 nothing it reads.
 
-The P1-P5 rows compare the format-1 window loader (ShardLoader, K frames per
-sample, `--format-version 1` written explicitly since preprocess defaults to 2)
-with the mp4 baseline over the same windows. P1 also reads a format-2 root
-(`shards_v2`, the default a user deploys) that `loongforge convert` writes from
-those shards: the same decoded frames of the same mp4, in the blocks preprocess
-writes (B=16, zstd 3), at ~1 s instead of a second Beam job. Convert cannot
-recover an episode's last frame when it was a 1-frame tail window (below
-min_frames) — one frame per episode at most. BlockLoader reads it with video
-deltas -(K-1)..0 and the same stride: K frames per camera per sample.
-benchmarks/loader_v2.py and storage_v2.py measure v2 on its own.
+Two roots of the same frames, each written by the real `loongforge preprocess`:
+`shards_v2` in format 2 (the default a user deploys: frame blocks, B=16, zstd 3), whose
+job is the P5 transcode cost and which P2-P5 read by default (`--format 1` pins them to
+v1), and `shards` in format 1 (`--format-version 1`: K frames per sample), whose sample
+metadata gives the baseline its windows and which P1's format-1 cells and the -v1
+comparison cells read. BlockLoader reads format 2 with video deltas -(K-1)..0 and the
+same stride: K frames per camera per sample, as many samples as format 1's windows
+(± a tail window per episode). benchmarks/loader_v2.py and storage_v2.py measure v2 on
+its own.
 """
 
 from __future__ import annotations
@@ -53,10 +52,13 @@ class Prepared:
     source_frames: int  # video frames in the dataset, all cameras
     gop_datasets: dict  # keyframe interval -> LeRobot root encoded with it (cfg.gop -> `dataset`)
     generate_s: float
-    transcode_s: float  # wall time of the whole `loongforge preprocess` job
+    transcode_s: float  # wall time of the whole format-1 `loongforge preprocess` job
     transcode_workers: int
-    shards_v2: str | None = None  # format-2 root of the same frames (P1's format-2 cells)
-    convert_v2_s: float = 0.0
+    shards_v2: str | None = None  # format-2 root of the same frames (P2-P5 by default, P1's format-2 cells)
+    transcode_v2_s: float = 0.0  # wall time of the format-2 job (the default a user runs): P5's subject
+
+    def transcode_seconds(self, version: int) -> float:
+        return self.transcode_v2_s if version == 2 else self.transcode_s
 
 
 def generate(cfg: BenchConfig, root: Path, gop: int | None = None) -> Path:
@@ -83,25 +85,20 @@ def generate_gops(cfg: BenchConfig, workdir: Path, dataset: Path) -> dict[int, s
     return out
 
 
-SHARD_FORMAT = 1  # the rows' subject is the v1 window loader vs the baseline (module docstring)
-
-
-def preprocess_argv(cfg: BenchConfig, dataset: Path, out: Path) -> list[str]:
-    return ["preprocess", "--input", str(dataset), "--output", str(out), "--format-version", str(SHARD_FORMAT),
-            "--frames-per-sample", str(cfg.frames_per_sample), "--stride", str(cfg.stride),
+def preprocess_argv(cfg: BenchConfig, dataset: Path, out: Path, version: int = 1) -> list[str]:
+    """Format 1 writes K-frame windows every `stride` frames; format 2 writes every frame once
+    (the loader derives the same K-frame samples from video deltas and stride)."""
+    shape = ["--frames-per-sample", str(cfg.frames_per_sample), "--stride", str(cfg.stride)] if version == 1 \
+        else ["--block-frames", str(cfg.block_frames)]
+    return ["preprocess", "--input", str(dataset), "--output", str(out), "--format-version", str(version), *shape,
             "--action-horizon", str(cfg.action_horizon), "--height", str(cfg.height), "--width", str(cfg.width),
             "--workers", str(cfg.preprocess_workers), "--shard-size", cfg.shard_size]
 
 
-def transcode(cfg: BenchConfig, dataset: Path, out: Path) -> float:
+def transcode(cfg: BenchConfig, dataset: Path, out: Path, version: int = 1) -> float:
     """Run the real preprocess job as a user would (`loongforge preprocess ...`);
     returns its wall time, start-up included (what the one-off cost really is)."""
-    return _run_cli(preprocess_argv(cfg, dataset, out), "preprocess")
-
-
-def convert_v2(cfg: BenchConfig, shards: Path, out: Path) -> float:
-    """`loongforge convert SHARDS --to v2 OUT` as a user migrates a root; returns its wall time."""
-    return _run_cli(["convert", str(shards), "--to", "v2", str(out), "--shard-size", cfg.shard_size], "convert")
+    return _run_cli(preprocess_argv(cfg, dataset, out, version), f"preprocess (format {version})")
 
 
 def _run_cli(args: list[str], what: str) -> float:
@@ -143,15 +140,15 @@ def prepare(cfg: BenchConfig, workdir: Path) -> Prepared:
     generate(cfg, dataset)
     generate_s = time.perf_counter() - t0
     log.info("generated %s in %.1fs; transcoding", dataset, generate_s)
-    transcode_s = transcode(cfg, dataset, shards)
+    transcode_v2_s = transcode(cfg, dataset, workdir / "shards_v2", 2)
+    transcode_s = transcode(cfg, dataset, shards, 1)
     index = load_index(str(shards))
     if index.num_samples < cfg.batch_size * 2:
         raise ConfigError(f"bench: the shards hold {index.num_samples} samples, fewer than two batches of "
                           f"{cfg.batch_size}; generate more episodes or lower --batch-size")
     log.info("shards: %s", index.summary())
     gop_datasets = generate_gops(cfg, workdir, dataset)
-    convert_s = convert_v2(cfg, shards, workdir / "shards_v2")
     return Prepared(dataset=str(dataset), shards=str(shards), index=index, windows=windows_of(str(shards), index),
                     source_frames=count_source_frames(dataset, len(cfg.cameras)), gop_datasets=gop_datasets,
                     generate_s=generate_s, transcode_s=transcode_s, transcode_workers=cfg.preprocess_workers,
-                    shards_v2=str(workdir / "shards_v2"), convert_v2_s=convert_s)
+                    shards_v2=str(workdir / "shards_v2"), transcode_v2_s=transcode_v2_s)

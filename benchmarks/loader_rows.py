@@ -1,5 +1,6 @@
 """P2 (LoongForge frames/s per worker vs the zstd limit, with a profile of the
-decode path when the goal is missed). P1 lives in p1_rows.py."""
+decode path when the goal is missed), format 2 by default with format 1 beside it
+(and the other way round with `--format 1`). P1 lives in p1_rows.py."""
 
 from __future__ import annotations
 
@@ -76,36 +77,53 @@ def stage_shares(stats: pstats.Stats) -> dict:
 
 
 def p2_rows(ctx: Context) -> list[Row]:
-    ds = ctx.prep.index.dataset
-    per_sample = ds.frames_per_sample * len(ds.slots)
-    rows = []
+    """P2/w{W}: the default format (`cfg.ours_format`, 2 unless `--format 1`); P2/w{W}-v{other}:
+    the other format in the same repeats, each against its own zstd limit."""
+    main = ctx.cfg.ours_format
+    versions = (main, 3 - main) if ctx.prep.shards_v2 else (1,)
+    per_sample = ctx.cfg.frames_per_sample * len(ctx.cfg.cameras)  # K frames per camera, both formats
     counts = sorted({max(1, w) for w in ctx.cfg.workers})
-    limits, per_worker = [], {w: [] for w in counts}
+    limits = {v: [] for v in versions}
+    per_worker = {(v, w): [] for v in versions for w in counts}
     for _ in range(ctx.cfg.repeats):  # the limit is re-measured beside the loader: load drifts on a shared box
-        limits.append(lf.zstd_limit(ctx.prep.shards, ctx.prep.index))
-        for w in counts:
-            per_worker[w].append(ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False).samples_per_s * per_sample / w)
-    limit = Stat.of(limits)
-    for w in counts:
-        o = Stat.of(per_worker[w])
-        r = ratio(o, limit)
-        row = Row(id=f"P2/w{w}", title=f"Frames/s per worker vs zstd limit, {w} worker{'s' if w != 1 else ''}",
-                  unit="frames/s/worker",
-                  params={**ctx.window_params(), "workers": w, "ours_batches": ctx.cfg.ours_batches,
-                          "repeats": ctx.cfg.repeats, "output": "NV12 uint8 (RGB conversion is on the GPU)",
-                          "ours_source": ctx.source_label},
-                  baseline_label="raw zstd decompression, 1 core, bytes in RAM", ours_label="ShardLoader per worker",
-                  baseline=limit, ours=o, ratio=r, ratio_note="LoongForge / zstd limit",
-                  goal=f">= {P2_GOAL:.0%} of limit", goal_met=r.median >= P2_GOAL)
+        for v in versions:
+            limits[v].append(lf.zstd_limit_v2(ctx.prep.shards_v2) if v == 2
+                             else lf.zstd_limit(ctx.prep.shards, ctx.prep.index))
+            for w in counts:
+                rate = ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False, version=v).samples_per_s
+                per_worker[(v, w)].append(rate * per_sample / w)
+    return [_p2_row(ctx, v, w, Stat.of(limits[v]), Stat.of(per_worker[(v, w)]), suffix="" if v == main else f"-v{v}")
+            for v in versions for w in counts]
+
+
+def _p2_row(ctx: Context, version: int, w: int, limit: Stat, o: Stat, suffix: str) -> Row:
+    r = ratio(o, limit)
+    loader = ("BlockLoader (format 2: B=%d blocks, default order and block cache)" % ctx.cfg.block_frames
+              if version == 2 else "ShardLoader (format 1)")
+    row = Row(id=f"P2/w{w}{suffix}", title=f"Frames/s per worker vs zstd limit, {w} worker{'s' if w != 1 else ''}, "
+              f"format {version}", unit="frames/s/worker",
+              params={**ctx.window_params(version), "workers": w, "ours_batches": ctx.cfg.ours_batches,
+                      "repeats": ctx.cfg.repeats, "output": "NV12 uint8 (RGB conversion is on the GPU)",
+                      "ours_source": ctx.label_of(version), "format_version": version},
+              baseline_label=("raw zstd decompression of the root's frame blocks" if version == 2 else
+                              "raw zstd decompression") + ", 1 core, bytes in RAM",
+              ours_label=f"{loader} per worker", baseline=limit, ours=o, ratio=r, ratio_note="LoongForge / zstd limit",
+              goal=f">= {P2_GOAL:.0%} of limit", goal_met=r.median >= P2_GOAL)
+    if version == 2:
+        row.notes.append("format 2 decodes a block once for the samples of it in a batch (block order + cache), "
+                         "so frames delivered per worker may exceed the frames/s of decompression")
         if not row.goal_met:
-            prof = fill_profile(ctx)
-            row.extra["worker_body_profile"] = prof
-            stages = sorted(prof["stage_share"].items(), key=lambda kv: kv[1], reverse=True)
-            of_body = o.median / prof["frames_per_s"]
-            row.notes.append(
-                f"goal missed; the worker body (fill_batch, in-process, loader order) runs {prof['frames_per_s']:,.0f} "
-                "frames/s; cProfile of it by stage: " + ", ".join(f"{k} {v:.0%}" for k, v in stages)
-                + f"; the loader delivers {of_body:.0%} of that body's rate per worker (the rest: IPC, "
-                "prefetch thread, main process sharing the cores)")
-        rows.append(row)
-    return rows
+            row.notes.append("goal missed; the format-2 worker body (fill_v2.V2Filler) is profiled by "
+                             "`python -m loongforge.benchmarks.loader_v2`")
+        return row
+    if not row.goal_met:
+        prof = fill_profile(ctx)
+        row.extra["worker_body_profile"] = prof
+        stages = sorted(prof["stage_share"].items(), key=lambda kv: kv[1], reverse=True)
+        of_body = o.median / prof["frames_per_s"]
+        row.notes.append(
+            f"goal missed; the worker body (fill_batch, in-process, loader order) runs {prof['frames_per_s']:,.0f} "
+            "frames/s; cProfile of it by stage: " + ", ".join(f"{k} {v:.0%}" for k, v in stages)
+            + f"; the loader delivers {of_body:.0%} of that body's rate per worker (the rest: IPC, "
+            "prefetch thread, main process sharing the cores)")
+    return row

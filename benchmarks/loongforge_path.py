@@ -147,3 +147,42 @@ def cache_counters(root: str, index: ShardIndex, socket: str) -> dict:
         return got.get("daemon", {}).get("counters", got)
     finally:
         close_source(source)
+
+
+def shard_index_of(root: str, version: int) -> ShardIndex:
+    """Shard names and bytes (what the daemon serves and the page cache holds) of either format."""
+    if version == 2:
+        from loongforge.shared.dataset_v2 import open_v2
+
+        return open_v2(root).shard_index
+    from loongforge.shared.index import load_index
+
+    return load_index(root)
+
+
+def zstd_limit_v2(root: str, *, min_seconds: float = 1.0, max_blocks: int = 256) -> float:
+    """Format 2's ceiling: frames/s one core decompresses from the root's own frame blocks
+    (every camera), bytes already in memory, into one reused buffer (`blocks.decode_block`,
+    the codec the loader uses; no checksum, no I/O). The loader may pass it: a decoded block
+    serves up to B/stride samples, so frames delivered can exceed frames decompressed."""
+    from loongforge.shared.blocks import decode_block
+    from loongforge.shared.dataset_v2 import open_v2
+
+    ds = open_v2(root)
+    blobs: list[tuple[bytes, int]] = []
+    for e in range(ds.num_episodes):
+        for b in range(ds.num_blocks(e)):
+            for cam in ds.cameras:
+                name, off, length, n, _ = ds.block_entry(e, cam, b)
+                blobs.append((bytes(ds.source.read_range(name, off, length)), n))
+        if len(blobs) >= max_blocks:
+            break
+    out = np.empty((ds.block_size, *ds.frame_shape(ds.cameras[0])), np.uint8)
+    frames, start = 0, time.perf_counter()
+    while True:
+        for blob, n in blobs:
+            decode_block(blob, out[:n], "zstd limit")
+            frames += n
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return frames / elapsed

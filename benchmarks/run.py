@@ -1,7 +1,8 @@
 """`loongforge bench`: build the inputs once, run every row, write the results.
 
 Order of work: generate a LeRobot dataset -> transcode it with the real
-`loongforge preprocess` -> start a real cache daemon and warm it -> P1..P5 ->
+`loongforge preprocess`, format 2 (the default) and format 1 -> start a real cache
+daemon per root and warm it -> P1..P5 (P2-P5 on format 2 unless `--format 1`) ->
 the component benchmarks (benchmarks/preprocess.py, benchmarks/cache.py) ->
 JSON + PNG + markdown table. A row whose component is missing says
 "not available: <reason>"; a row that crashes says "failed: <error>" and the
@@ -114,7 +115,8 @@ def run(cfg: BenchConfig, *, out_dir: Path = DEFAULT_OUT, workdir: Path | None =
         if prep is not None:
             inputs = {"dataset": prep.dataset, "shards": prep.shards, "index": prep.index.summary(),
                       "generate_s": prep.generate_s, "transcode_s": prep.transcode_s,
-                      "shards_v2": prep.shards_v2, "convert_v2_s": prep.convert_v2_s}
+                      "shards_v2": prep.shards_v2, "transcode_v2_s": prep.transcode_v2_s,
+                      "ours_format": cfg.ours_format}
             rows = _measure(cfg, prep, workdir, stack, inputs)
     components = _components(cfg.quick) if cfg.components else []
     doc = {"result_version": report.RESULT_VERSION, "started": started.isoformat(timespec="seconds"),
@@ -171,4 +173,7 @@ def _measure(cfg: BenchConfig, prep, workdir: Path, stack: ExitStack, inputs: di
             _section(rows, sid, title, fn, ctx)
         if socket is not None and sid == "P3":  # the hot daemon served P1-P3
             inputs["hot_cache_counters_after_p1_p3"] = lf.cache_counters(prep.shards, prep.index, socket)
+            if ctx.socket_v2 is not None:
+                inputs["hot_cache_counters_v2_after_p1_p3"] = lf.cache_counters(
+                    prep.shards_v2, lf.shard_index_of(prep.shards_v2, 2), ctx.socket_v2)
     return rows

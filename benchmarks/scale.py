@@ -29,10 +29,30 @@ FORMAT_VERSION = 1
 SEED_COMPUTE_S = 4.15 - 1.29  # the seed's 32-GPU step minus its comm (issue 9): GPU compute per step, 1.6b
 
 
-def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str) -> list[dict]:
+V2_VIDEO_DELTAS = "-1,0"  # format 2: 2 frames per camera per sample, the v1 synthetic root's K
+
+
+def scale_data(workdir: str, samples: int, version: int) -> tuple[str, list[str]]:
+    """(root, extra trainer flags) of a small synthetic root of `version`: format 2 (the default,
+    what preprocess writes) is episodes of 16 frames, 16x16, 2 cameras, read with 2 frames per
+    camera; format 1 is jobs.synthetic_data's root of 2-frame samples (same shapes)."""
     from loongforge.train.parallel import jobs
 
-    data = jobs.synthetic_data(workdir, samples=max(64, 4 * micro_batch * max(ranks)))
+    if version == 1:
+        return jobs.synthetic_data(workdir, samples=samples), []
+    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+
+    root = os.path.join(workdir, "data-v2")
+    if not os.path.exists(os.path.join(root, "index.json")):
+        make_synthetic_v2_root(root, lengths=(16,) * -(-samples // 16))
+    return root, [f"--video-deltas={V2_VIDEO_DELTAS}"]
+
+
+def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str,
+            version: int = 2) -> list[dict]:
+    from loongforge.train.parallel import jobs
+
+    data, data_flags = scale_data(workdir, max(64, 4 * micro_batch * max(ranks)), version)
     rows = []
     for spec in plans:
         plan, flags = jobs.plan_args(spec)
@@ -43,7 +63,7 @@ def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir:
                 continue
             dp = n // (plan["tp"] * plan["sp"])
             args = [*flags, "--recipe", recipe, "--steps", str(steps), "--batch-size", str(micro_batch * dp),
-                    "--seed", "1", "--no-ds-breakdown"]
+                    "--seed", "1", "--no-ds-breakdown", *data_flags]
             res = jobs.run_job(n, args, data=data, run_dir=os.path.join(workdir, f"{name}-{n}"), device=device)
             log.info("%s at %d ranks: step %.1f ms, comm %.1f%%, %.3f MB sent per rank", name, n, res.step_s * 1e3,
                      100 * res.comm_share, res.wire_bytes / 1e6)
@@ -57,17 +77,26 @@ def _split_params(model) -> int:
                + blk.proj.weight.numel() + blk.fc2.weight.numel() for blk in model.blocks)
 
 
-def recipe_sizes(measured: str, target: str, workdir: str) -> dict:
+def recipe_sizes(measured: str, target: str, workdir: str, version: int = 2) -> dict:
     """Parameters (all, and TP-split) and trunk activation size (dim x depth x tokens) of the
     measured and the target recipe, on the measured data layout."""
     import torch
 
-    from loongforge.shared.index import load_index
     from loongforge.train import recipes
     from loongforge.train.model import VLAModel, count_parameters
 
-    index = load_index(os.path.join(workdir, "data"))
-    frames = max(max(s.frames) for s in index.shards)
+    if version == 2:
+        from loongforge.train.config import DataConfig
+        from loongforge.train.data_v2 import load_training_data
+
+        deltas = tuple(int(x) for x in V2_VIDEO_DELTAS.split(","))
+        index = load_training_data(DataConfig(root=os.path.join(workdir, "data-v2"), video_deltas=deltas))
+        frames = index.max_frames
+    else:
+        from loongforge.shared.index import load_index
+
+        index = load_index(os.path.join(workdir, "data"))
+        frames = max(max(s.frames) for s in index.shards)
     out = {}
     for role, name in (("measured", measured), ("target", target)):
         c = recipes.resolve(name, index, max_text_tokens=32, max_frames=frames)
@@ -120,14 +149,15 @@ def reproject(doc: dict, *, hw: ab.Hardware, sizes, compute_s: float, dtype_byte
 
 def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", out_dir: Path, hw=ab.Hardware(),
         sizes=(32, 64, 128), project_recipe="1.6b", compute_s=SEED_COMPUTE_S, dtype_bytes=2, workdir=None,
-        plot=True) -> tuple:
+        plot=True, version: int = 2) -> tuple:
     with tempfile.TemporaryDirectory(prefix="loongforge-scale-") as tmp:
         work = workdir or tmp
         rows = measure(ranks, plans, recipe=recipe, steps=steps, micro_batch=micro_batch, workdir=work,
-                       device=device)
-        sizes_of = recipe_sizes(recipe, project_recipe, work)
+                       device=device, version=version)
+        sizes_of = recipe_sizes(recipe, project_recipe, work, version)
     doc = {"version": FORMAT_VERSION, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "device": device, "recipe": recipe, "steps": steps, "micro_batch_per_replica": micro_batch,
+           "device": device, "recipe": recipe, "steps": steps, "data_format_version": version,
+           "micro_batch_per_replica": micro_batch,
            "load_avg": os.getloadavg()[0], "measured": rows,
            "projection_inputs": {"hardware": hw.to_dict(), "recipe": project_recipe, "recipes": sizes_of,
                                  "compute_s_per_step": compute_s, "dtype_bytes": dtype_bytes,

@@ -1,7 +1,9 @@
 """P3: data-bound training. The `tiny` recipe's model trains in one process
-from each loader; the share of step time spent blocked on the next batch is
-the data wait. The model is kept cheap (one vision token per frame) so data dominates, as it
-does on a GPU where the step takes milliseconds.
+from each loader (LoongForge's: format 2 unless `--format 1`; the model config
+comes from the format-1 index of the same frames: same cameras, K, dims and
+horizon); the share of step time spent blocked on the next batch is the data
+wait. The model is kept cheap (one vision token per frame) so data dominates, as
+it does on a GPU where the step takes milliseconds.
 """
 
 from __future__ import annotations
@@ -122,8 +124,9 @@ def baseline_train(ctx: Context, workers: int, step) -> list[dict]:
 
 
 def ours_train(ctx: Context, workers: int, step) -> list[dict]:
-    with lf.opened(lf.make_loader(ctx.prep.shards, ctx.prep.index, ctx.cfg, workers=workers,
-                                  socket=ctx.socket, rgb=True)) as loader:
+    """The loader of `cfg.ours_format` (2 by default: BlockLoader, K frames at video deltas
+    -(K-1)..0, same batch dict as ShardLoader's), float RGB out as the model takes it here."""
+    with lf.opened(ctx.make_loader(ctx.cfg.ours_format, workers=workers, rgb=True)) as loader:
         return _train(iter(loader), step, ctx)
 
 
@@ -178,11 +181,15 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     step_s = {k: Stat.of(v) for k, v in steps.items()}
     wait_s = {k: Stat.of(v) for k, v in waits.items()}
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
-    params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
+    fmt = ctx.cfg.ours_format
+    params = {**ctx.window_params(ctx.cfg.ours_format), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
-              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens, "ours_source": ctx.source_label, "processes": 1,
+              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens,
+              "ours_source": ctx.label_of(fmt), "processes": 1,
+              "format_version": fmt,
               "torch_threads": torch.get_num_threads()}
-    labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"ShardLoader ({ctx.source_label})")
+    loader = "BlockLoader, format 2" if fmt == 2 else "ShardLoader, format 1"
+    labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"{loader} ({ctx.label_of(fmt)})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]
     wait_ratio = ratio(wait_s["baseline"], wait_s["ours"])
     share_row = Row(id="P3/share", title="Data-wait share of step time, tiny model", unit="share", params=params,

@@ -85,7 +85,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the trunk's attention and MLP "
                    "split over TP ranks (train/parallel/); data-parallel size = ranks / (tp * sp)")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree: the video tokens split over SP "
-                   "ranks, Ulysses attention (train/parallel/video_sp.py); heads % (tp*sp) == 0")
+                   "ranks, Ulysses attention (train/parallel/video_sp.py); heads %% (tp*sp) == 0")
     p.add_argument("--grad-compression", default="none", choices=("none", "topk"), help="topk: ZeRO-3 shards "
                    "inside each SP group, replicas sync gradients by top-k + error feedback (needs --zero 3)")
     p.add_argument("--compress-ratio", type=float, default=3.0, help="dense all-reduce bytes / bytes sent per "

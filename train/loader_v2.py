@@ -71,9 +71,10 @@ class BlockLoader(ShardLoader):
         info = dataset_info(self.ds)
         self.deltas, self.stride, self.run, self.window = deltas, stride, block_run, block_window
         self.table = SampleTable(np.asarray(self.ds.episode_lengths), stride=stride)
-        self.keep = self.table.keep_mask(train_episodes(self.ds)) if train_only else None
-        self.groups = self.table.block_groups(int(self.ds.block_size))
-        order_v2.block_sequence(self.groups[:1], 0, 0, run=block_run, window=block_window)  # validate now
+        # Per episode, not per sample: the order is built per (episode, block) group (order_v2.EpochOrder).
+        self.train_eps = train_episodes(self.ds) if train_only else None
+        self.block_size = int(self.ds.block_size)
+        order_v2.block_sequence(np.zeros(1, np.int64), 0, 0, run=block_run, window=block_window)  # validate now
         self.index = self.ds.shard_index  # shards only (no samples): what the cache client needs
         self.source_spec = source or SourceSpec(root=root)
         self._episode_shard = np.asarray(self.ds.tables["episode_shard"])
@@ -81,7 +82,8 @@ class BlockLoader(ShardLoader):
         self.rank, self.world, self.seed = rank, world, seed
         self.global_batch = batch_size
         order.rank_positions(batch_size, rank, world)
-        n = self.table.num_samples if self.keep is None else int(self.keep.sum())
+        n = self.table.num_samples if self.train_eps is None else \
+            int(self.table.counts[np.asarray(self.train_eps, bool)].sum())
         self.plan = order.plan_epoch(n, batch_size)
         self.layout = BatchLayout(batch_size // world, tuple(info.slots), info.height, info.width, deltas.frames,
                                   info.state_dim, info.action_dim, deltas.action_horizon, max_text_tokens)
@@ -95,7 +97,7 @@ class BlockLoader(ShardLoader):
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.rgb = rgb
         self.epoch, self.consumed, self.steps_done, self.dropped = 0, 0, 0, 0
-        self._seq_cache = None
+        self._orders: dict[int, order_v2.EpochOrder] = {}  # this epoch and, near its end, the next
         self._pool = self._prefetcher = self._announcer = None
         self._announced_epoch, self._announced_next = -1, -1
 
@@ -103,20 +105,26 @@ class BlockLoader(ShardLoader):
     def num_samples(self) -> int:
         return self.table.num_samples
 
+    def epoch_order(self, epoch: int) -> order_v2.EpochOrder:
+        """The epoch's order, built per group; each rank expands only its own slices."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order_v2.EpochOrder(self.table, self.block_size, self.seed, epoch, run=self.run,
+                                                      window=self.window, train_episodes=self.train_eps)
+        return self._orders[epoch]
+
     def sequence(self, epoch: int) -> np.ndarray:
-        if self._seq_cache is None or self._seq_cache[0] != epoch:
-            seq = order_v2.block_sequence(self.groups, self.seed, epoch, run=self.run, window=self.window,
-                                          keep=self.keep)
-            self._seq_cache = (epoch, seq)
-        return self._seq_cache[1]
+        """The whole epoch's sequence (O(samples): for analysis and tests, not the training path)."""
+        seq_order = self.epoch_order(epoch)
+        return seq_order.ids(0, seq_order.num_samples)
 
     def _plans(self):
         epoch, consumed, step = self.epoch, self.consumed, self.steps_done
         while self.max_steps is None or step < self.max_steps:
-            seq = self.sequence(epoch)
-            ids = order_v2.rank_slice(seq, consumed, self.global_batch, self.rank, self.world)
+            ids = self.epoch_order(epoch).rank_ids(consumed, self.global_batch, self.rank, self.world)
             eps, ts = self.table.locate(ids)
-            self._announce(seq, epoch, consumed)
+            self._announce(epoch, consumed)
             items = list(zip(ids.tolist(), eps.tolist(), ts.tolist()))
             nxt_epoch, nxt_consumed = order.advance(epoch, consumed, self.plan)
             meta = {"epoch": epoch, "consumed": consumed, "step": step, "next_epoch": nxt_epoch,
@@ -124,7 +132,7 @@ class BlockLoader(ShardLoader):
             yield meta, self.deltas.frames, items
             epoch, consumed, step = nxt_epoch, nxt_consumed, step + 1
 
-    def _announce(self, seq, epoch, consumed) -> None:
+    def _announce(self, epoch, consumed) -> None:
         """v1's contract (loader.py): the rest of this epoch's shards once, the next epoch's
         near the end; here a shard is where the sample's episode lives."""
         if self._announcer is None:
@@ -132,20 +140,25 @@ class BlockLoader(ShardLoader):
         end = self.plan.steps * self.global_batch
         if epoch != self._announced_epoch:
             if self._announced_next != epoch:
-                self._send_plan(seq, epoch, consumed, end)
+                self._send_plan(epoch, consumed, end)
             self._announced_epoch = epoch
         if end - consumed <= ANNOUNCE_BATCHES * self.global_batch and self._announced_next != epoch + 1:
-            self._send_plan(self.sequence(epoch + 1), epoch + 1, 0, end)
+            self._send_plan(epoch + 1, 0, end)
             self._announced_next = epoch + 1
 
-    def _send_plan(self, seq, epoch: int, consumed: int, end: int) -> None:
+    def _send_plan(self, epoch: int, consumed: int, end: int) -> None:
         if consumed >= end:
             return
-        mine = np.concatenate([order_v2.rank_slice(seq, c, self.global_batch, self.rank, self.world)
-                               for c in range(consumed, end, self.global_batch)])
-        shard_nos = self._episode_shard[self.table.locate(mine)[0]]
-        _, first = np.unique(shard_nos, return_index=True)
-        shards = [self._names[int(shard_nos[i])] for i in sorted(first)]
+        # Per window of runs, not per sample: no in-group shuffle is drawn for the announcement.
+        seen, shards = np.zeros(len(self._names), bool), []
+        chunks = self.epoch_order(epoch).rank_episodes(consumed, end, self.global_batch, self.rank, self.world)
+        for eps in chunks:  # shard order = first appearance in this rank's batches
+            nos = self._episode_shard[eps]
+            _, first = np.unique(nos, return_index=True)
+            for no in nos[np.sort(first)]:
+                if not seen[no]:
+                    seen[no] = True
+                    shards.append(self._names[int(no)])
         try:
             self._announcer.announce(shards, rank=self.rank, epoch=epoch)
         except Exception as exc:  # noqa: BLE001 - the cache is an accelerator; training goes on without it

@@ -26,8 +26,9 @@ def p1_cells(gops, workers) -> set[str]:
 
 
 def expected_rows(gops, workers) -> set[str]:
-    return p1_cells(gops, workers) | {"P1/rgb-conversion", "P1/worst", "P1/torchcodec", "P2/w1", "P2/w2", "P3/share",
-                                      "P3/step", "P3/wait", "P4", "P5/transcode", "P5/break-even"}
+    return p1_cells(gops, workers) | {"P1/rgb-conversion", "P1/worst", "P1/torchcodec", "P2/w1", "P2/w2", "P2/w1-v1",
+                                      "P2/w2-v1", "P3/share", "P3/step", "P3/wait", "P4", "P5/transcode",
+                                      "P5/transcode-v1", "P5/break-even"}  # P2-P5: format 2, -v1 beside it
 
 
 def _run_quick(tmp, *extra):
@@ -114,6 +115,13 @@ def check_complete_result(proc, out, gops, workers):
     for rid in EXPECTED_ROWS:
         assert f"| {rid} |" in table
     assert doc["inputs"]["warm_cache"]["client"]["origin_reads"] == 0
+    # P2-P5 read format 2 by default (what preprocess writes); P2 and P5 keep a format-1 cell beside it.
+    for rid in ("P2/w1", "P2/w2", "P3/share", "P4", "P5/transcode", "P5/break-even"):
+        assert rows[rid]["params"]["format_version"] == 2, rid
+    for rid in ("P2/w1-v1", "P2/w2-v1", "P5/transcode-v1"):
+        assert rows[rid]["params"]["format_version"] == 1, rid
+    assert "BlockLoader" in rows["P3/share"]["ours_label"] and "BlockLoader" in rows["P2/w1"]["ours_label"]
+    assert doc["inputs"]["warm_cache_v2"]["client"]["origin_reads"] == 0
 
 
 @pytest.mark.slow

@@ -96,4 +96,18 @@ def test_bench_scale_real_runs(tmp_path):
     rows = doc["measured"]
     assert [r["world"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
     assert rows[0]["wire_bytes"] == 0 and rows[1]["wire_bytes"] > 0  # one rank sends nothing
+    assert doc["data_format_version"] == 2  # the jobs trained on a format-2 root (preprocess's default)
     assert path.exists() and path.with_suffix(".png").exists()
+
+
+def test_scale_data_is_format_2_by_default_and_sizes_read_it(tmp_path):
+    """`bench scale` trains on a format-2 root read with 2 frames per camera (the v1 root's K)."""
+    from loongforge.benchmarks.scale import recipe_sizes, scale_data
+    from loongforge.train.loader_v2 import root_format_version
+
+    root, flags = scale_data(str(tmp_path), 64, 2)
+    assert root_format_version(root) == 2 and flags == ["--video-deltas=-1,0"]
+    sizes = recipe_sizes("tiny", "tiny", str(tmp_path), 2)
+    v1_root, v1_flags = scale_data(str(tmp_path), 64, 1)
+    assert root_format_version(v1_root) == 1 and v1_flags == []
+    assert sizes == recipe_sizes("tiny", "tiny", str(tmp_path), 1)  # same shapes either way

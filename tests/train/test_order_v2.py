@@ -5,7 +5,7 @@ import pytest
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train import order
-from loongforge.train.order_v2 import batch_diversity, block_sequence, rank_slice
+from loongforge.train.order_v2 import EpochOrder, batch_diversity, block_sequence, rank_slice
 from loongforge.train.samples_v2 import SampleTable
 
 
@@ -93,3 +93,70 @@ def test_bad_parameters():
         rank_slice(seq, 0, 6, 0, 4)
     with pytest.raises(IndexError):
         rank_slice(seq, 16, 8, 0, 2)
+
+
+def _cases():
+    """Small datasets over the knobs the order depends on: stride (incl. > B: blocks without a
+    sample), B, run (incl. > window: windows without a run), window, a split, empty episodes."""
+    for case in range(60):
+        r = np.random.default_rng(case)
+        lengths = r.integers(0 if case % 3 == 0 else 1, r.integers(2, 120), r.integers(1, 40))
+        stride, block = int(r.choice([1, 1, 2, 3, 20])), int(r.choice([1, 4, 8, 16]))
+        run, window = int(r.choice([1, 2, 3, 4, 16, 40])), int(r.choice([1, 7, 64, 200, 10**9]))
+        table = SampleTable(lengths, stride=stride)
+        train = None if case % 2 else np.arange(len(lengths)) % 4 != 1
+        if table.num_samples and (train is None or table.counts[train].sum()):
+            yield case, table, block, run, window, train
+
+
+def test_epoch_order_is_block_sequence_position_for_position():
+    """The lazy order must give the sequence block_sequence gives (so checkpoints resume exactly)."""
+    for case, table, block, run, window, train in _cases():
+        full = block_sequence(table.block_groups(block), case, case % 3, run=run, window=window,
+                              keep=table.keep_mask(train))
+        lazy = EpochOrder(table, block, case, case % 3, run=run, window=window, train_episodes=train)
+        assert lazy.num_samples == len(full)
+        assert np.array_equal(lazy.ids(0, len(full)), full), case
+        r = np.random.default_rng(case)
+        for a in r.integers(0, len(full), 6):  # any stretch, in any order of asking
+            b = int(r.integers(a, len(full) + 1))
+            assert np.array_equal(lazy.ids(int(a), b), full[a:b]), (case, a, b)
+
+
+def test_rank_ids_and_episodes_match_the_full_rank_slices():
+    table = _table(4, episodes=60)
+    full = block_sequence(table.block_groups(16), 3, 1, run=4, window=96)
+    lazy = EpochOrder(table, 16, 3, 1, run=4, window=96)
+    g, world = 48, 4
+    end = order.plan_epoch(len(full), g).steps * g
+    ep_of = table.locate(np.arange(table.num_samples))[0]
+    for rank in range(world):
+        for c in range(0, end, g):
+            assert np.array_equal(lazy.rank_ids(c, g, rank, world), rank_slice(full, c, g, rank, world))
+        mine = np.concatenate([rank_slice(full, c, g, rank, world) for c in range(g, end, g)])
+        got = np.concatenate(list(lazy.rank_episodes(g, end, g, rank, world)))
+        want = ep_of[mine]
+        _, i = np.unique(want, return_index=True)
+        _, j = np.unique(got, return_index=True)
+        assert np.array_equal(want[np.sort(i)], got[np.sort(j)])  # the same episodes, first seen in the same order
+    with pytest.raises(ConfigError):
+        lazy.rank_ids(5, g, 0, world)
+    with pytest.raises(IndexError):
+        lazy.rank_ids(end, g, 0, world) if end + g > len(full) else lazy.ids(0, len(full) + 1)
+
+
+def test_epoch_order_memory_is_per_group_not_per_sample():
+    """block_sequence holds several int64 arrays per sample on every rank (~90 B a sample at
+    peak); the lazy order holds a few numbers per group of B samples plus one window."""
+    import tracemalloc
+
+    table = SampleTable(np.full(4000, 500))  # 2 M samples, 125 k groups of 16
+    tracemalloc.start()
+    try:
+        lazy = EpochOrder(table, 16, 0, 0, run=4, window=65536)
+        ids = lazy.rank_ids(1024 * 100, 1024, 3, 8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(np.unique(ids)) == 128
+    assert peak < 8 * table.num_samples, f"{peak / table.num_samples:.1f} bytes per sample"

@@ -75,3 +75,10 @@ def test_launch_scripts_exit_2_on_config_error_before_any_rank(script, pre, trai
     assert "config error: recipe" in proc.stderr
     assert "torch.distributed" not in proc.stderr and "rendezvous" not in proc.stderr.lower()
     assert time.monotonic() - t0 < 60
+
+
+def test_help_renders():
+    """argparse %-formats help strings: a bare '%' in one made `--help` raise ValueError."""
+    p = argparse.ArgumentParser()
+    entry.add_train_args(p)
+    assert "--video-deltas" in p.format_help()
