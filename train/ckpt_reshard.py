@@ -1,14 +1,18 @@
 """`loongforge ckpt reshard RUN --to world=W,zero=Z,tp=T`: convert a checkpoint to another layout
-(rank count / DP degree, ZeRO stage 1-3, tensor-parallel degree), both ways, offline.
+(rank count / DP degree, ZeRO stage 0-3, tensor-parallel degree), both ways, offline.
 
-    source tag (any of ZeRO-1/2/3 x TP, any rank count)
+    source tag (any of ZeRO-0/1/2/3 x TP, any rank count)
       -> per TP rank t: DeepSpeed's ds_to_universal on a view of that TP rank's files
+         (fp32 ZeRO-0: the same folders from its torch optimizer state, ckpt_reshard_zero0)
          (one folder per parameter: fp32 master weight, exp_avg, exp_avg_sq)      [layout-free in DP/ZeRO]
       -> our TP merge: the full tensor of every parameter, by the index rules of
          parallel/tensor_parallel.py (qkv per head, column rows, row columns)     [layout-free]
       -> our TP split for the target degree, written per target TP rank as a
          universal folder `universal_tpXX/` holding exactly that rank's shards     [target layout]
-      -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST.
+         (ZeRO-0 target: turned back into ordinary ZeRO-0 files, ckpt_reshard_zero0)
+      -> top-k residuals (--grad-compression topk) by the rule in ckpt_reshard_topk
+      -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST
+         (the elastic supervisor moves it itself, after verifying the tag: elastic_reshard).
 
 The trainer (checkpoint.load) sees `resharded` in the sidecar and loads each rank's
 `universal_tpXX/` through DeepSpeed's load_universal path, which cuts the per-rank shards

@@ -129,3 +129,50 @@ def test_zero0_two_ranks_to_zero2_one_rank_and_back_to_zero0(train_root, tmp_pat
     got = _metrics(b)
     assert [r["world"] for r in got[10:]] == [1] * 5 + [2] * 5
     _same_continuation(_metrics(a), got, 10)
+    # No conversion needed: A's step 10 resumed on 1 rank with --zero 0 loads the torch optimizer as it is.
+    c = str(tmp_path / "c")
+    shutil.copytree(a, c)
+    with open(os.path.join(c, "checkpoints", "latest"), "w") as f:
+        f.write("step00000010")
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", c, "--zero", "0",
+                   "--steps", "12", "--resume", *COMMON], cwd=str(tmp_path), timeout=400)
+    _ok(proc)
+    assert "re-initialized" not in proc.stderr
+    got = _metrics(c)
+    assert [r["world"] for r in got[10:]] == [1, 1]
+    _same_continuation(_metrics(a)[:12], got, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.full  # three launches and two conversions
+def test_topk_run_resharded_to_one_rank_and_back(train_root, tmp_path):
+    """`--grad-compression topk` (ZeRO-3 inside the SP group, top-k across DP): 2 ranks -> step 2 -> 1 rank ->
+    step 3 -> 2 ranks -> 4. The weights and Adam state travel exactly (the first step after the first
+    conversion repeats the 2-rank run's loss), the residuals by the averaging rule (each file the mean), and
+    both resumed launches train on."""
+    from loongforge.train.checkpoint import weights_only_loads
+
+    root, _ = train_root
+    topk = ["--grad-compression", "topk", "--zero", "3"]
+    a = str(tmp_path / "a")
+    _ok(torchrun(2, ["--data", root, "--run-dir", a, *topk, "--steps", "4", "--save-every", "2", *COMMON],
+                 cwd=str(tmp_path), timeout=400))
+    b = str(tmp_path / "b")
+    shutil.copytree(a, b)
+    tag, doc = _reshard(b, "world=1,zero=3", "step00000002", str(tmp_path))
+    assert doc["resharded"]["topk_residuals"] == "averaged"
+    ck = os.path.join(b, "checkpoints")
+    with weights_only_loads():
+        src = [torch.load(os.path.join(ck, "step00000002", f"compressor_rank{r}.pt"))["residuals"] for r in (0, 1)]
+        got = torch.load(os.path.join(ck, tag, "compressor_rank0.pt"))["residuals"]
+    assert all(torch.allclose(g, (x + y) / 2, atol=1e-7) for g, x, y in zip(got, *src, strict=True))
+    _ok(launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", b, *topk, "--steps", "3",
+                "--save-every", "3", "--resume", *COMMON], cwd=str(tmp_path), timeout=400))
+    rows = _metrics(b)
+    assert rows[2]["world"] == 1 and rows[2]["loss"] == pytest.approx(_metrics(a)[2]["loss"], rel=1e-4, abs=1e-4)
+    _, doc = _reshard(b, "world=2,zero=3", "step00000003", str(tmp_path))
+    assert doc["resharded"]["topk_residuals"] == "averaged"
+    _ok(torchrun(2, ["--data", root, "--run-dir", b, *topk, "--steps", "4", "--resume", *COMMON],
+                 cwd=str(tmp_path), timeout=400))
+    rows = _metrics(b)
+    assert [r["world"] for r in rows] == [2, 2, 1, 2] and all(0 < r["loss"] < 10 for r in rows)
