@@ -367,9 +367,10 @@ def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, wor
     """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
     degree and ZeRO stage 1-3 itself; the TP degree was checked before (wiring.check_resume_layout)."""
     if zero_stage == 0:
+        fix = reshard_command(run_dir, doc, world=world, zero_stage=0)
         raise CheckpointError(f"checkpoint {tag} was resharded for ZeRO-{doc['zero_stage']}; DeepSpeed's universal "
-                              "loader fills ZeRO-1/2/3 optimizers only: resume with --zero {doc['zero_stage']}, or "
-                              f"reshard it again with zero=0: {reshard_command(run_dir, doc, world=world, zero_stage=0)}")
+                              f"loader fills ZeRO-1/2/3 optimizers only: resume with --zero {doc['zero_stage']}, or "
+                              f"reshard it again with zero=0: {fix}")
     path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")

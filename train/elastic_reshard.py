@@ -69,14 +69,23 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
     rec = {"action": "reshard", "from_tag": tag, "from_world": doc["world"], "to": layout,
            "seconds": round(time.monotonic() - t0, 2)}
     if err:
+        _remove_debris(checkpoint.ckpt_root(run_dir))
         log.warning("elastic: converting checkpoint %s (%d ranks, ZeRO-%s) to %s failed, resuming it as it is "
-                    "(weights and data order kept, the partitioned optimizer state re-initialized): %s",
+                    "(ZeRO-1/2: weights and data order kept, the partitioned optimizer state re-initialized): %s",
                     tag, doc["world"], doc.get("zero_stage"), layout, err)
         return {**rec, "ok": False, "error": err[:500]}
     new = checkpoint.latest_tag(run_dir)
     log.info("elastic: converted checkpoint %s to %s in %.1fs (%s): fp32 weights, Adam moments, step and LR "
              "schedule kept", tag, new, rec["seconds"], layout)
     return {**rec, "ok": True, "tag": new}
+
+
+def _remove_debris(root: str) -> None:
+    """A child killed at the timeout never ran its own cleanup: its work folder (ckpt_reshard) goes here.
+    Nothing else converts while the supervisor does (no launch is up)."""
+    for name in os.listdir(root):
+        if name.startswith(".reshard-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _cpu():
