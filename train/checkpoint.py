@@ -270,7 +270,9 @@ def read_sidecar(run_dir: str, tag: str) -> dict:
 
 def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: int) -> str:
     """How to load a checkpoint on this layout: "same" (rank count and ZeRO stage unchanged: everything
-    restored), "module" (ZeRO-0/1/2 on both sides: weights kept, partitioned optimizer state re-initialized)
+    restored), "replicated" (ZeRO-0 on both sides, fp32: the optimizer state is whole in every copy, only the
+    per-rank RNG is not restored), "module" (ZeRO-0/1/2 otherwise: weights kept, partitioned optimizer state
+    re-initialized; the elastic supervisor converts first, elastic_reshard)
     or "universal" (ZeRO-3 on both sides, another rank count: converted with ds_to_universal, weights and Adam
     state kept). A change between ZeRO-3 and ZeRO-0/1/2 is refused here, before DeepSpeed fails deep inside
     with a bare AssertionError; the message names the `loongforge ckpt reshard` command that converts it.
@@ -283,6 +285,8 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
                               "the --zero it was written with")
     if saved_stage == 3 and zero_stage == 3:
         return "universal"
+    if saved_stage == 0 and zero_stage == 0 and not _partitioned_files(run_dir, tag):
+        return "replicated"  # a plain torch optimizer, whole in mp_rank_XX: loads on any DP degree
     if 3 in (saved_stage, zero_stage):
         # DeepSpeed's universal loader expects the source's model-states layout: a ZeRO-3 checkpoint
         # (per-rank parameter shards) does not load into ZeRO-0/1/2, nor the reverse. `loongforge ckpt reshard`
@@ -297,9 +301,18 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
     return "module"
 
 
+def _partitioned_files(run_dir: str, tag: str) -> bool:
+    """ZeRO-0 with bf16 runs DeepSpeed's BF16_Optimizer, which partitions its fp32 master weights by DP
+    rank (zero_pp_rank_* files) like ZeRO-1."""
+    try:
+        return any(n.startswith("zero_pp_rank_") for n in os.listdir(os.path.join(ckpt_root(run_dir), tag)))
+    except OSError:
+        return False
+
+
 def reshard_command(run_dir: str, doc: dict, *, world: int, zero_stage: int, tp: int | None = None) -> str:
     tp = tp if tp is not None else int(doc.get("parallel", {}).get("tp", 1))
-    return f"loongforge ckpt reshard {run_dir} --to world={world},zero={max(zero_stage, 1)},tp={tp}"
+    return f"loongforge ckpt reshard {run_dir} --to world={world},zero={zero_stage},tp={tp}"
 
 
 def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: int, device=None) -> dict:
@@ -329,10 +342,11 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
                     "the checkpoint first: %s)", tag, world, zero_stage, doc["world"], doc["zero_stage"],
                     reshard_command(run_dir, doc, world=world, zero_stage=zero_stage))
     same_world = how == "same"
+    whole = how in ("same", "replicated")  # optimizer + LR schedule load as they are
     try:
         with weights_only_loads():
-            path, _ = engine.load_checkpoint(ckpt_root(run_dir), tag=load_tag, load_optimizer_states=same_world,
-                                             load_lr_scheduler_states=same_world, load_module_only=not same_world)
+            path, _ = engine.load_checkpoint(ckpt_root(run_dir), tag=load_tag, load_optimizer_states=whole,
+                                             load_lr_scheduler_states=whole, load_module_only=not whole)
     except Exception as exc:  # pickle.UnpicklingError among them: name the checkpoint, keep the cause
         if "Weights only load failed" in str(exc):
             raise CheckpointError(f"checkpoint {tag} holds objects outside the weights-only allowlist; refusing "
@@ -353,9 +367,10 @@ def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, wor
     """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
     degree and ZeRO stage 1-3 itself; the TP degree was checked before (wiring.check_resume_layout)."""
     if zero_stage == 0:
+        fix = reshard_command(run_dir, doc, world=world, zero_stage=0)
         raise CheckpointError(f"checkpoint {tag} was resharded for ZeRO-{doc['zero_stage']}; DeepSpeed's universal "
-                              "loader fills ZeRO-1/2/3 optimizers only: resume with --zero 1 (same math on one "
-                              "rank)")
+                              f"loader fills ZeRO-1/2/3 optimizers only: resume with --zero {doc['zero_stage']}, or "
+                              f"reshard it again with zero=0: {fix}")
     path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")

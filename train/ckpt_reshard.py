@@ -1,14 +1,18 @@
 """`loongforge ckpt reshard RUN --to world=W,zero=Z,tp=T`: convert a checkpoint to another layout
-(rank count / DP degree, ZeRO stage 1-3, tensor-parallel degree), both ways, offline.
+(rank count / DP degree, ZeRO stage 0-3, tensor-parallel degree), both ways, offline.
 
-    source tag (any of ZeRO-1/2/3 x TP, any rank count)
+    source tag (any of ZeRO-0/1/2/3 x TP, any rank count)
       -> per TP rank t: DeepSpeed's ds_to_universal on a view of that TP rank's files
+         (fp32 ZeRO-0: the same folders from its torch optimizer state, ckpt_reshard_zero0)
          (one folder per parameter: fp32 master weight, exp_avg, exp_avg_sq)      [layout-free in DP/ZeRO]
       -> our TP merge: the full tensor of every parameter, by the index rules of
          parallel/tensor_parallel.py (qkv per head, column rows, row columns)     [layout-free]
       -> our TP split for the target degree, written per target TP rank as a
          universal folder `universal_tpXX/` holding exactly that rank's shards     [target layout]
-      -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST.
+         (ZeRO-0 target: turned back into ordinary ZeRO-0 files, ckpt_reshard_zero0)
+      -> top-k residuals (--grad-compression topk) by the rule in ckpt_reshard_topk
+      -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST
+         (the elastic supervisor moves it itself, after verifying the tag: elastic_reshard).
 
 The trainer (checkpoint.load) sees `resharded` in the sidecar and loads each rank's
 `universal_tpXX/` through DeepSpeed's load_universal path, which cuts the per-rank shards
@@ -44,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from loongforge.shared.errors import CheckpointError, ConfigError
-from loongforge.train import checkpoint, ckpt_universal
+from loongforge.train import checkpoint, ckpt_reshard_topk, ckpt_reshard_zero0, ckpt_universal
 from loongforge.train.ckpt_reshard_io import (META_NAMES, RESHARD_VERSION, load_trusted, publish, read_step,
                                               save_tensor_file, source_meta, target_meta, target_optimizer_state)
 
@@ -55,7 +59,7 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     world: int  # ranks (= tp * sp * dp)
-    zero: int  # ZeRO stage (1, 2, 3)
+    zero: int  # ZeRO stage (0: plain torch optimizer, ckpt_reshard_zero0; 1, 2, 3)
     tp: int = 1  # tensor-parallel degree
     sp: int = 1  # sequence-parallel degree: Ulysses keeps weights replicated over SP, so it only changes the DP
     # partition, which DeepSpeed's universal loader cuts (TP stays innermost in the rank placement, plan.py)
@@ -63,10 +67,11 @@ class Layout:
     def __post_init__(self):
         if self.world < 1:
             raise ConfigError(f"--to world={self.world}: must be >= 1")
-        if self.zero not in (1, 2, 3):
-            raise ConfigError(f"--to zero={self.zero}: reshard writes ZeRO-1, 2 or 3 (ZeRO-0 keeps a plain torch "
-                              "optimizer state DeepSpeed's universal loader does not fill); use zero=1, which "
-                              "trains identically on one rank")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--to zero={self.zero}: ZeRO stages are 0, 1, 2 and 3")
+        if self.zero == 0 and self.tp > 1:
+            raise ConfigError(f"--to zero=0,tp={self.tp}: ZeRO-0 output is written for tp=1 only (torch's "
+                              "optimizer indexes the TP-swapped model's parameters); use zero=1")
         if self.tp < 1 or self.sp < 1 or self.world % (self.tp * self.sp):
             raise ConfigError(f"--to world={self.world},tp={self.tp}: world must be a multiple of tp*sp")
 
@@ -99,9 +104,9 @@ class Layout:
 def source_layout(doc: dict) -> Layout:
     par = {"tp": 1, "sp": 1, **doc.get("parallel", {})}
     stage = doc.get("zero_stage")
-    if stage not in (1, 2, 3):
-        raise CheckpointError(f"checkpoint was written with ZeRO-{stage}: reshard reads ZeRO-1/2/3 checkpoints (a "
-                              "ZeRO-0 one resumes on any rank count with --zero 0 directly: it is not partitioned)")
+    if stage not in (0, 1, 2, 3):
+        raise CheckpointError(f"checkpoint sidecar records ZeRO stage {stage!r}: reshard reads ZeRO-0/1/2/3 "
+                              "checkpoints")
     return Layout(world=doc["world"], zero=stage, tp=par["tp"], sp=par["sp"])
 
 
@@ -257,28 +262,26 @@ def _write_target(src_udirs: list[str], out_dirs: list[str], doc: dict, *, step:
     return len(names)
 
 
-def reshard(run_dir: str, to: Layout, *, tag: str | None = None) -> str:
+def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bool = True) -> str:
     """Convert checkpoint `tag` (default: latest) of `run_dir` to layout `to`; returns the new tag, which
-    `latest` names afterwards (the source tag is kept)."""
+    `latest` names afterwards unless move_latest=False (the source tag is kept)."""
     root = checkpoint.ckpt_root(run_dir)
     tag = tag or checkpoint.latest_tag(run_dir)
     if tag is None:
         raise CheckpointError(f"no checkpoint under {root}; train with --save-every first")
     doc = checkpoint.read_sidecar(run_dir, tag)
     src_layout = source_layout(doc)
-    if any(n.startswith("compressor_rank") for n in os.listdir(os.path.join(root, tag))):
-        # Top-k error-feedback residuals are per rank and per ZeRO partition: no layout-free form to carry.
-        raise CheckpointError(f"checkpoint {tag} was written with --grad-compression topk; its per-rank residuals "
-                              "cannot be resharded: resume it with the layout that wrote it")
     new_tag = f"{checkpoint.tag_for(int(doc['step']))}_{to.slug()}"
     work = os.path.join(root, f".reshard-{new_tag}")  # no "step" prefix: never taken for save debris
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     try:
         src = _full_source(run_dir, tag, doc, work)
-        if doc.get("resharded"):  # resharded again before any save: its folders are universal per TP rank already
+        if doc.get("resharded", {}).get("dir"):  # resharded again before any save: universal per TP rank already
             udirs = [os.path.join(root, load_tag_dir(doc, tag, t)) for t in range(src_layout.tp)]
             src = udirs[0]
+        elif src_layout.zero == 0 and ckpt_reshard_zero0.is_plain(src):
+            udirs = ckpt_reshard_zero0.universal_from_zero0(src, work, src_layout.tp)
         else:
             udirs = _universal_per_tp(src, work, src_layout.tp)
         out_tag_dir = os.path.join(work, "out")
@@ -286,23 +289,33 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None) -> str:
         meta = source_meta(src)
         step = read_step(udirs[0], meta)
         n = _write_target(udirs, out_dirs, doc, step=step, target=to)
-        optim = target_optimizer_state(load_trusted(os.path.join(udirs[0], "zero", "optimizer_state.pt")),
-                                       meta, step=step, target=to)
-        for t, out in enumerate(out_dirs):
-            torch.save(optim, os.path.join(out, "zero", "optimizer_state.pt"))
-            for meta_name in META_NAMES:
-                torch.save(target_meta(meta, to), os.path.join(out, meta_name.format(tp=t)))
+        src_optim = load_trusted(os.path.join(udirs[0], "zero", "optimizer_state.pt"))
+        if to.zero == 0:  # ordinary ZeRO-0 files: DeepSpeed's universal loader does not fill a torch optimizer
+            names = list(full_shapes(doc))
+            for t, out in enumerate(out_dirs):
+                ckpt_reshard_zero0.to_zero0_files(out_tag_dir, out, t, target_meta(meta, to), src_optim, step=step,
+                                                  names=names)
+        else:
+            optim = target_optimizer_state(src_optim, meta, step=step, target=to)
+            for t, out in enumerate(out_dirs):
+                torch.save(optim, os.path.join(out, "zero", "optimizer_state.pt"))
+                for meta_name in META_NAMES:
+                    torch.save(target_meta(meta, to), os.path.join(out, meta_name.format(tp=t)))
+        topk = None
+        if ckpt_reshard_topk.has_residuals(os.path.join(root, tag)):  # --grad-compression topk: the rule there
+            topk = ckpt_reshard_topk.carry(os.path.join(root, tag), out_tag_dir, src_layout, to)
         new_doc = {**doc, "world": to.world, "zero_stage": to.zero, "parallel": {"tp": to.tp, "sp": to.sp},
                    "resharded": {"version": RESHARD_VERSION, "from_tag": tag, "step": step, "parameters": n,
                                  "from": {"world": src_layout.world, "zero_stage": src_layout.zero,
                                           "tp": src_layout.tp, "sp": src_layout.sp},
-                                 "dir": "universal_tp{tp:02d}"}}
-        publish(root, out_tag_dir, new_tag, new_doc)
+                                 "dir": None if to.zero == 0 else "universal_tp{tp:02d}",
+                                 **({"topk_residuals": topk} if topk else {})}}
+        publish(root, out_tag_dir, new_tag, new_doc, move_latest=move_latest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("resharded %s (%d ranks, ZeRO-%d, tp=%d) -> %s (%d ranks, ZeRO-%d, tp=%d): %d parameters with fp32 "
-             "master weights and Adam moments, step %d; `latest` now names it", tag, src_layout.world,
-             src_layout.zero, src_layout.tp, new_tag, to.world, to.zero, to.tp, n, step)
+             "master weights and Adam moments, step %d%s", tag, src_layout.world, src_layout.zero, src_layout.tp,
+             new_tag, to.world, to.zero, to.tp, n, step, "; `latest` now names it" if move_latest else "")
     return new_tag
 
 
@@ -329,5 +342,7 @@ def load_tag_dir(doc: dict, tag: str, rank: int) -> str | None:
     if info.get("version") != RESHARD_VERSION:
         raise CheckpointError(f"checkpoint {tag} was resharded with format version {info.get('version')!r}, this "
                               f"build reads {RESHARD_VERSION}; reshard it again with this LoongForge version")
+    if info.get("dir") is None:  # resharded into ordinary ZeRO-0 files (ckpt_reshard_zero0): a normal load
+        return None
     tp = int(doc.get("parallel", {}).get("tp", 1))
     return os.path.join(tag, info["dir"].format(tp=rank % tp))

@@ -51,6 +51,7 @@ def source_meta(src: str) -> dict:
         raise CheckpointError(f"{src}: no mp_rank_00 model-states file; not a DeepSpeed checkpoint directory")
     meta = load_trusted(names[0])
     meta.pop("module", None)
+    meta.pop("optimizer", None)  # ZeRO-0: the torch optimizer state, carried per parameter instead
     return meta
 
 
@@ -97,9 +98,10 @@ def target_meta(meta: dict, target) -> dict:
     return out
 
 
-def publish(root: str, out_dir: str, tag: str, doc: dict) -> None:
+def publish(root: str, out_dir: str, tag: str, doc: dict, *, move_latest: bool = True) -> None:
     """Sidecar and manifest into out_dir, move it to root/tag, then `latest` (last, atomically): a crash
-    before that leaves the previous `latest` in place."""
+    before that leaves the previous `latest` in place. move_latest=False: the caller verifies the new tag
+    first and moves `latest` itself (elastic_reshard)."""
     with open(os.path.join(out_dir, checkpoint.SIDECAR), "w") as f:
         json.dump(doc, f, indent=2, sort_keys=True)
     files = {}
@@ -114,4 +116,5 @@ def publish(root: str, out_dir: str, tag: str, doc: dict) -> None:
     final = os.path.join(root, tag)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(out_dir, final)
-    write_bytes_atomic(os.path.join(root, "latest"), tag.encode())
+    if move_latest:
+        write_bytes_atomic(os.path.join(root, "latest"), tag.encode())

@@ -13,7 +13,10 @@ and new gloo connections) of `python -m loongforge.train ... --resume`:
   micro batch x ranks x accum = global batch, the micro batch no larger than the
   full layout's (memory per rank stays bounded). The loader state is one global
   sample counter, so the data position is exact; noise is seeded per sample id;
-  ZeRO-3 partitions are resharded through the universal checkpoint;
+  before a launch on another rank count, the checkpoint is converted to the new layout
+  (elastic_reshard: ZeRO-1/2 partitions with their Adam moments; a failed conversion is a WARNING
+  and the launch resumes the original tag), ZeRO-3 partitions are resharded by the trainer through
+  the universal checkpoint;
 * capacity: a rank slot "returns" when the capacity file (--capacity-file, one
   integer: ranks available on this machine; absent = --max-ranks) allows more
   than the current count. The supervisor then waits for the next published
@@ -87,6 +90,8 @@ class Supervisor:
                               "1 <= min <= max")
         self.capacity_file, self.max_restarts = args.capacity_file, args.max_restarts
         self.run_dir, self.batch, self.steps = args.run_dir, args.batch_size, args.steps
+        self.layout = {"zero": getattr(args, "zero", 2), "tp": getattr(args, "tp", 1), "sp": getattr(args, "sp", 1),
+                       "topk": getattr(args, "grad_compression", "none") == "topk"}
         self.max_micro = max(1, args.batch_size // (self.max_ranks * args.grad_accum))
         accum_for(self.batch, self.min_ranks, self.max_micro)  # every count in range must split the batch
         self.argv = strip_flags(train_argv)
@@ -134,6 +139,11 @@ class Supervisor:
 
     def _attempt(self, ranks: int, reason: str):
         accum = accum_for(self.batch, ranks, self.max_micro)
+        from loongforge.train.elastic_reshard import convert_for_launch
+
+        converted = convert_for_launch(self.run_dir, world=ranks, **self.layout)
+        if converted:
+            self._event(**converted, ranks=ranks)
         self._event("launch", ranks=ranks, grad_accum=accum, reason=reason, latest=_latest(self.run_dir))
         log.info("elastic: launching %d ranks (grad accum %d, global batch %d, from the last checkpoint if any): %s",
                  ranks, accum, self.batch, reason)
@@ -148,7 +158,7 @@ class Supervisor:
                 time.sleep(POLL_S)
                 latest = _latest(self.run_dir)
                 if not scaling and ranks < self.capacity() and latest not in (None, start_latest) \
-                        and int(latest[4:]) < self.steps:  # never stop a launch at its final checkpoint
+                        and _tag_step(latest) < self.steps:  # never stop a launch at its final checkpoint
                     log.info("elastic: capacity for %d ranks and checkpoint %s published: stopping the launch to "
                              "scale up", self.capacity(), _latest(self.run_dir))
                     scaling = True
@@ -178,6 +188,11 @@ def _latest(run_dir: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def _tag_step(tag: str) -> int:
+    """stepNNNNNNNN, or a converted stepNNNNNNNN_wWzZtT (elastic_reshard)."""
+    return int(tag[4:].split("_", 1)[0])
 
 
 def _events_since(run_dir: str, t0: float) -> list[dict]:

@@ -123,7 +123,7 @@ def test_layout_parse():
     assert Layout(world=4, zero=2, tp=2).slug() == "w4z2t2"
     assert Layout.parse("dp=1,zero=3,sp=2", default_world=1) == Layout(world=2, zero=3, sp=2)
     for bad, match in (("world=3,zero=2,tp=2", "multiple of tp"), ("world=2", "ZeRO stage"),
-                       ("world=2,zero=0", "zero=1"), ("world=2,zero=2,tp=2,sp=2", "multiple of tp"),
+                       ("world=2,zero=0,tp=2", "zero=1"), ("world=2,zero=2,tp=2,sp=2", "multiple of tp"),
                        ("w=2,zero=2", "expected")):
         with pytest.raises(ConfigError, match=match):
             Layout.parse(bad, default_world=2)

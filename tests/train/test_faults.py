@@ -159,9 +159,12 @@ def _global_order(index, steps, batch, seed=1, window=8):
 
 
 def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
-    """`loongforge train --elastic --min-ranks 1 --max-ranks 2`: SIGKILL rank 1 after step 5; the supervisor
-    relaunches on 1 rank with grad accum 2 (same global batch 8) from the last checkpoint and finishes. The
-    samples of every step are exactly that step's slice of the global order: none lost, none twice."""
+    """`loongforge train --elastic --min-ranks 1 --max-ranks 2`, ZeRO-2: rank 1 blocks at the start of step 7
+    (test hook, so the fault point is exact) and is SIGKILLed; the supervisor converts the step-4 checkpoint
+    to 1 rank (elastic_reshard: the partitioned Adam moments kept) and relaunches on 1 rank with grad accum 2
+    (same global batch 8). The redone steps 4 and 5 repeat the 2-rank run's losses (step 5's depends on the
+    Adam moments of step 4's update: a re-initialized optimizer misses it), and the samples of every step are
+    exactly that step's slice of the global order: none lost, none twice."""
     import signal
     import subprocess
 
@@ -171,16 +174,19 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
 
     root, index = train_root
     run_dir = str(tmp_path / "run")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               LOONGFORGE_INJECT_HANG="7@1")  # a 1-rank relaunch has no rank 1: it runs through
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     steps = 12
     proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1",
                              "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root,
-                             "--run-dir", run_dir, "--steps", str(steps),
-                             "--save-every", "2", *COMMON], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                             "--run-dir", run_dir, "--steps", str(steps), "--zero", "2",
+                             "--save-every", "4", *COMMON], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_steps(proc, run_dir, 5)
+        _wait_steps(proc, run_dir, 6)
+        # Rows are written one step late: step 5's once step 6 ran; step 7 never starts, so no save at 8.
+        before = [r for r in _metrics(run_dir) if "event" not in r]
         (tmp_path / "capacity").write_text("1")  # the node of rank 1 is gone: no slot to scale back up to
         os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
         _, err = proc.communicate(timeout=400)
@@ -197,8 +203,15 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     assert launches == [(2, 1), (1, 2)], events
     assert [r["step"] for r in steps_rows] == list(range(steps))
     assert steps_rows[0]["world"] == 2 and steps_rows[-1]["world"] == 1
+    assert [r["step"] for r in before] == list(range(6))
+    for a, b in zip(before[4:6], steps_rows[4:6], strict=True):  # redone on 1 rank from the converted tag
+        for key in ("loss", "flow_loss", "ce_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-4), (b["step"], key, a[key], b[key])
     seen = [sorted(i for rank_ids in r["sample_ids"] for i in rank_ids) for r in steps_rows]
     assert seen == _global_order(index, steps, 8)  # each step: its slice of the global order, exactly once
+    conv = [e for e in events if e["action"] == "reshard"]
+    assert len(conv) == 1 and conv[0]["ok"] and conv[0]["from_tag"] == "step00000004", conv
+    assert conv[0]["tag"] == "step00000004_w1z2t1" and "Adam moments and step kept" in err
 
 
 def test_fault_suite_fast_subset_nan_loss(tmp_path):
