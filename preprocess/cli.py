@@ -72,6 +72,9 @@ def register(subparsers) -> None:
                    help="inject real-world defects into the dataset")
     s.add_argument("--task", choices=("default", "learnable"), default=None,
                    help="learnable: actions are an exact function of state and frame content (for eval checks)")
+    s.add_argument("--footage", choices=("grain", "camera"), default=None,
+                   help="grain (default): scrolling noise texture, worst case for storing frames; "
+                        "camera: a fixed robot camera model (static scene, moving arm, sensor noise)")
     s.set_defaults(func=_sample_data)
 
 
@@ -146,7 +149,7 @@ def _sample_data(args: argparse.Namespace) -> int:
              "fps": args.fps, "cameras": tuple(args.cameras) if args.cameras else None,
              "state_dim": args.state_dim, "action_dim": args.action_dim, "gop": args.gop, "crf": args.crf,
              "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None,
-             "task": args.task}
+             "task": args.task, "footage": args.footage}
     root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
     print(f"wrote LeRobot v2.0 dataset ({args.preset}) to {root}", file=sys.stderr)
     return 0
