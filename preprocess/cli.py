@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     c.add_argument("--to", choices=("v2",), required=True, help="target format (v2)")
     c.add_argument("out", metavar="OUT", help="shard root to write")
     c.add_argument("--block-frames", type=int, default=16, metavar="B", help="frames per zstd block (16)")
+    c.add_argument("--block-codec", choices=("zstd", "delta-zstd"), default="zstd",
+                   help="zstd (default) or delta-zstd (frame-to-frame differences; shared/FORMAT.md)")
     c.add_argument("--zstd-level", type=int, default=3)
     c.add_argument("--shard-size", default="64MiB", help="target shard size (64MiB)")
     c.add_argument("--strict", action="store_true",
@@ -136,6 +138,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.block_frames < 1:
         raise ConfigError(f"--block-frames {args.block_frames}: must be >= 1")
     summary = convert_v1_to_v2(args.root, args.out, block_size=args.block_frames, zstd_level=args.zstd_level,
+                               block_codec=args.block_codec,
                                shard_size=parse_size(args.shard_size, "--shard-size"), strict=args.strict)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
