@@ -66,6 +66,7 @@ def test_v2_stats_exclude_val_and_summary(converted_v2):
     np.testing.assert_allclose(ds.stats["state"]["mean"], state.mean(0), rtol=1e-5, atol=1e-6)
     s = summarize(out)
     assert s["format_version"] == 2 and s["block_size"] == B and s["bytes_out"] > 0
+    assert s["block_codec"] == "delta-zstd"
 
 
 def test_inspect_verifies_a_v2_root(converted_v2, capsys):
