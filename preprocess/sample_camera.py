@@ -78,7 +78,8 @@ def _background(h: int, w: int, rng: np.random.Generator) -> tuple[np.ndarray, i
     wall_rgb = np.array(rng.uniform([160, 160, 150], [205, 200, 195]), np.float32)
     tile = max(6, h // 10)
     tiles = rng.uniform(-6, 6, size=(h // tile + 1, w // tile + 1)).astype(np.float32)
-    wall = wall_rgb * (1.05 - 0.25 * yy[..., None] / h) + tiles[yy.astype(int) // tile, xx.astype(int) // tile][..., None]
+    tile_shade = tiles[yy.astype(int) // tile, xx.astype(int) // tile][..., None]
+    wall = wall_rgb * (1.05 - 0.25 * yy[..., None] / h) + tile_shade
     grout = ((yy % tile) < 1.5) | ((xx % tile) < 1.5)
     wall = np.where(grout[..., None], wall * 0.8, wall) + 4 * _smooth_noise(h, w, (3, 4), rng)[..., None]
     # a cabinet on one side of the wall: a darker panel with a frame and a handle
