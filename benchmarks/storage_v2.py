@@ -85,17 +85,19 @@ def _cpu_best(fn, repeats: int) -> float:
     return best
 
 
-def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str = "zstd", level: int = 3,
-               loader_batches: int = 0) -> dict:
+def _write_v2(root: str, episodes, info, block: int, codec: str, level: int) -> float:
+    """Write the root; returns the encode CPU seconds."""
     from loongforge.preprocess.convert import episode_arrays
 
-    root = os.path.join(work, f"v2-b{block}-{codec}-{level}")
     t = time.thread_time()
     with RootWriterV2(root, info, block_size=block, block_codec=codec, zstd_level=level) as w:
         for ep, frames, table in episodes:
             w.add_episode(ep, frames, episode_arrays(table))
-    encode_cpu = time.thread_time() - t
-    ds = open_v2(root)
+    return time.thread_time() - t
+
+
+def _reader(ds, block: int):
+    """A function reading every block of `ds` through the library reader into one reused buffer."""
     buf = np.empty((block, *ds.frame_shape(ds.cameras[0])), np.uint8)
 
     def read_all():
@@ -103,6 +105,15 @@ def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str =
             for cam in ds.cameras:
                 for b in range(ds.num_blocks(e)):
                     ds.read_block(e, cam, b, out=buf)
+    return read_all, buf
+
+
+def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str = "zstd", level: int = 3,
+               loader_batches: int = 0) -> dict:
+    root = os.path.join(work, f"v2-b{block}-{codec}-{level}")
+    encode_cpu = _write_v2(root, episodes, info, block, codec, level)
+    ds = open_v2(root)
+    read_all, buf = _reader(ds, block)
 
     frames = ds.num_frames * len(ds.cameras)
     cpu = _cpu_best(read_all, repeats)
@@ -117,6 +128,26 @@ def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str =
         row.update(_loader(root, loader_batches, min(32, ds.num_frames)))
     shutil.rmtree(root)  # the loader read it; keep the work dir small
     return row
+
+
+def codec_decode_cost(work: str, episodes, info, block: int, codecs: list[str], rounds: int) -> dict:
+    """Decode CPU per frame of each codec on the same frames, reads interleaved round by round
+    (a shared machine's load drifts; the median of each codec's rounds is reported)."""
+    readers, times = {}, {c: [] for c in codecs}
+    for codec in codecs:
+        root = os.path.join(work, f"decode-{codec}")
+        _write_v2(root, episodes, info, block, codec, 3)
+        ds = open_v2(root)
+        readers[codec] = (_reader(ds, block)[0], ds.num_frames * len(ds.cameras))
+    for _ in range(rounds):
+        for codec, (read_all, frames) in readers.items():
+            t = time.thread_time()
+            read_all()
+            times[codec].append((time.thread_time() - t) / frames * 1e6)
+    for codec in codecs:
+        shutil.rmtree(os.path.join(work, f"decode-{codec}"))
+    return {"block": block, "rounds": rounds, "us_per_frame": {c: float(np.median(v)) for c, v in times.items()},
+            "all_us_per_frame": times}
 
 
 def _loader(root: str, batches: int, batch: int) -> dict:
@@ -195,10 +226,12 @@ def run_footage(work: str, footage: str, args) -> dict:
         rows += [measure_v2(work, eps, info, b, args.repeats, codec, 3, args.loader_batches) for codec in args.codecs]
     for level in (lv for lv in args.levels if lv != 3):
         rows += [measure_v2(work, eps, info, args.level_block, args.repeats, codec, level) for codec in args.codecs]
+    decode = codec_decode_cost(work, eps, info, args.level_block, args.codecs, args.decode_rounds) \
+        if args.decode_rounds else None
     raw = sum(f.nbytes for _, frames, _ in eps for f in frames.values())
     for r in rows:
         r["over_mp4"] = r["bytes"] / mp4
-    return {"rows": rows, "mp4_bytes": mp4, "raw_bytes": raw, "frames": sum(t.length for _, _, t in eps),
+    return {"rows": rows, "decode_interleaved": decode, "mp4_bytes": mp4, "raw_bytes": raw, "frames": sum(t.length for _, _, t in eps),
             "episodes": args.episodes, "gop": args.gop, "resolution": [info.height, info.width]}
 
 
@@ -215,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codecs", default="zstd,delta-zstd", help="block codecs to compare (zstd,delta-zstd)")
     p.add_argument("--levels", default="3", help="zstd levels: 3 for every B; others only at --level-block")
     p.add_argument("--level-block", type=int, default=16)
+    p.add_argument("--decode-rounds", type=int, default=7,
+                   help="interleaved decode-CPU rounds per codec at B=--level-block (0: skip)")
     p.add_argument("--loader-batches", type=int, default=20, help="batches of 32 for the loader column (0: skip)")
     p.add_argument("--gop", type=int, default=20, help="source keyframe interval (20, the gr00t-like preset's)")
     p.add_argument("--repeats", type=int, default=3)
@@ -228,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             doc["footage"][footage] = part = run_footage(work, footage, args)
             print(f"\n{footage} footage: {part['frames']} frames, {part['episodes']} episodes, load average "
                   f"{os.getloadavg()[0]:.2f}\n" + markdown(part), flush=True)
+            if part["decode_interleaved"]:
+                d = part["decode_interleaved"]
+                print(f"decode CPU per frame at B={d['block']}, median of {d['rounds']} interleaved rounds: " +
+                      ", ".join(f"{c} {us:.1f} us" for c, us in d["us_per_frame"].items()), flush=True)
     doc["load_avg_end"] = os.getloadavg()
     print(f"\nload average {doc['load_avg'][0]:.2f} -> {doc['load_avg_end'][0]:.2f}")
     write_timestamped(args.out, "storage-v2", doc)
