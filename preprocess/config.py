@@ -60,7 +60,7 @@ class PreprocessConfig:
     # by the loader (FORMAT.md "Version 2"); 1 = per-sample windows (still written for v1 tooling and comparisons).
     format_version: int = 2
     block_frames: int = DEFAULT_BLOCK_FRAMES  # B, frames per block (format 2 only)
-    block_codec: str = "zstd"  # format 2: how a block's frames are coded before zstd (delta-zstd: ~20 % smaller)
+    block_codec: str = "zstd"  # format 2: block codec before zstd (FORMAT.md; delta-zstd: 11-23 % smaller)
 
     def __post_init__(self):
         if self.min_frames is None:  # K=1 (one frame per sample) must work without a flag
@@ -178,8 +178,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-frames", type=int, default=DEFAULT_BLOCK_FRAMES, metavar="B",
                         help=f"format 2: consecutive frames per zstd block ({DEFAULT_BLOCK_FRAMES})")
     parser.add_argument("--block-codec", choices=BLOCK_CODEC_CHOICES, default="zstd",
-                        help="format 2: zstd (default) or delta-zstd (frame-to-frame differences, lossless, ~20%% "
-                        "smaller at the same decode CPU; shared/FORMAT.md)")
+                        help="format 2: zstd (default) or delta-zstd (frame-to-frame differences, lossless, 11-23%% "
+                        "smaller on synthetic footage at the same decode CPU; shared/FORMAT.md)")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
                         help="local runner: a progress line every S seconds (0 = off; 10)")
 

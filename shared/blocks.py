@@ -18,8 +18,8 @@ Block codecs (manifest `params.block_codec`, absent = "zstd"): "zstd" stores a
 block's frames as they are; "delta-zstd" stores frame 0 as it is and frame i as
 (frame i - frame i-1) mod 256, then zstd. Both are lossless and a block still
 decodes alone. The delta turns a fixed camera's unchanged pixels into runs of
-zeros and moving content into small residuals, which zstd codes ~20 % smaller
-at the same decode CPU (benchmarks/README.md, storage table). The per-block
+zeros and moving content into small residuals, which zstd codes 11-23 % smaller
+at the same decode CPU on synthetic footage (benchmarks/README.md, storage table). The per-block
 xxh3 covers the stored (compressed) bytes whatever the codec.
 """
 
@@ -73,8 +73,9 @@ def _predict(block: np.ndarray, codec: str) -> np.ndarray:
 
 
 def _unpredict(out: np.ndarray, codec: str) -> None:
-    """Invert `_predict` in place. One add per frame (not np.cumsum over axis 0, which
-    numpy runs ~30x slower): ~10 us per 256x256 frame, about a tenth of its zstd cost."""
+    """Invert `_predict` in place, one add per frame: np.cumsum over axis 0 made the whole
+    block decode ~8x slower in a probe; these adds cost about what zstd saves on the
+    smaller payload (interleaved decode CPU equal, benchmarks/README.md)."""
     if codec == "delta-zstd":
         for i in range(1, len(out)):
             np.add(out[i], out[i - 1], out=out[i])
