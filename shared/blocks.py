@@ -52,7 +52,8 @@ def check_block_codec(codec, origin: str) -> str:
     """The codec name if this reader decodes it; FormatError with the fix otherwise."""
     if codec not in BLOCK_CODECS:
         raise FormatError(f"{origin}: block codec {codec!r} is unknown to this reader (it decodes {BLOCK_CODECS}): "
-                          "upgrade loongforge (a newer one wrote it), or re-run `loongforge preprocess --block-codec zstd`")
+                          "upgrade loongforge (a newer one wrote it), or re-run `loongforge preprocess "
+                          "--block-codec zstd`")
     return codec
 
 
