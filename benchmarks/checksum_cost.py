@@ -102,11 +102,11 @@ def block_checks(root: str, rounds: int) -> dict:
         for blob, n, digest in blocks:
             if xxhash.xxh3_64_intdigest(blob) != digest:
                 raise AssertionError("block checksum mismatch: the root is corrupt")
-            decode_block(blob, out[:n], "checksum_cost")
+            decode_block(blob, out[:n], "checksum_cost", ds.block_codec)
 
     def unchecked():
         for blob, n, _ in blocks:
-            decode_block(blob, out[:n], "checksum_cost")
+            decode_block(blob, out[:n], "checksum_cost", ds.block_codec)
 
     _cpu(checked), _cpu(unchecked)  # warm the caches
     on, off = [], []

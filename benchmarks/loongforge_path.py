@@ -181,7 +181,7 @@ def zstd_limit_v2(root: str, *, min_seconds: float = 1.0, max_blocks: int = 256)
     frames, start = 0, time.perf_counter()
     while True:
         for blob, n in blobs:
-            decode_block(blob, out[:n], "zstd limit")
+            decode_block(blob, out[:n], "zstd limit", ds.block_codec)
             frames += n
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:

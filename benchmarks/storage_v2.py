@@ -1,18 +1,28 @@
 """Storage of format 2 against the source mp4 and format 1, with decode CPU per frame.
 
-    python -m loongforge.benchmarks.storage_v2                      # 4 episodes x 200-300 frames
-    python -m loongforge.benchmarks.storage_v2 --episodes 2 --frames 60 80 --blocks 4,16   # quick
+    python -m loongforge.benchmarks.storage_v2                      # grain + camera footage, 4 episodes each
+    python -m loongforge.benchmarks.storage_v2 --footage camera --episodes 2 --frames 60 80 --blocks 4,16  # quick
 
 On GR00T-shaped data (`sample_data` preset gr00t-like: one 256x256 H.264
-camera, 20 fps, GOP 20, 44-D state/action; every timestep a sample): the
-mp4s are decoded once (PyAV, as preprocess does), then written as real roots:
-format 2 with blocks of B frames for each B (`RootWriterV2`, shards + tables +
-index.json), and format 1 with K=1, stride 1, H=16 (one sample per timestep,
-what GR00T semantics cost in v1). Bytes are the whole root on disk over the
-source mp4 bytes. Decode CPU per frame is `time.thread_time` over reading every
-frame back through the library reader (range read + xxh3 + zstd into a reused
-buffer; v1: its per-sample reader), best of `--repeats`. Prints a markdown
-table, writes benchmarks/results/storage-v2-<date>-<host>.json.
+camera, 20 fps, GOP 20, 44-D state/action; every timestep a sample), for each
+`--footage` kind: `grain` (the default sample footage: a scrolling noise
+texture, every pixel changes every frame: the worst case for storing decoded
+frames) and `camera` (sample_camera.py's fixed robot camera model: static
+scene, moving arm and cube, sensor noise before x264). The mp4s are decoded
+once (PyAV, as preprocess does), then written as real roots: format 2 with
+blocks of B frames for each B and each block codec (`RootWriterV2`, shards +
+tables + index.json), and format 1 with K=1, stride 1, H=16 (one sample per
+timestep, what GR00T semantics cost in v1). Bytes are the whole root on disk
+over the source mp4 bytes; "block ratio" is raw NV12 bytes over the stored
+block (v1: frame) bytes, the figure issue 12 quotes as ~17.7:1 for 16-frame
+blocks of the real GR00T demo data. Decode CPU per frame is `time.thread_time`
+over reading every frame back through the library reader (range read + xxh3 +
+zstd (+ the codec's inverse) into a reused buffer; v1: its per-sample reader),
+best of `--repeats`. Loader samples/s: the decode worker's body
+(`loader_v2.v2_row`: V2Filler over BlockLoader's order, run 4, 256 MiB LRU, one
+process) for `--loader-batches` batches of 32. `--levels 3,9` adds rows at
+other zstd levels for B=`--level-block`. Prints markdown tables, writes
+benchmarks/results/storage-v2-<date>-<host>.json.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -74,16 +85,19 @@ def _cpu_best(fn, repeats: int) -> float:
     return best
 
 
-def measure_v2(work: str, episodes, info, block: int, repeats: int) -> dict:
+def _write_v2(root: str, episodes, info, block: int, codec: str, level: int) -> float:
+    """Write the root; returns the encode CPU seconds."""
     from loongforge.preprocess.convert import episode_arrays
 
-    root = os.path.join(work, f"v2-b{block}")
     t = time.thread_time()
-    with RootWriterV2(root, info, block_size=block) as w:
+    with RootWriterV2(root, info, block_size=block, block_codec=codec, zstd_level=level) as w:
         for ep, frames, table in episodes:
             w.add_episode(ep, frames, episode_arrays(table))
-    encode_cpu = time.thread_time() - t
-    ds = open_v2(root)
+    return time.thread_time() - t
+
+
+def _reader(ds, block: int):
+    """A function reading every block of `ds` through the library reader into one reused buffer."""
     buf = np.empty((block, *ds.frame_shape(ds.cameras[0])), np.uint8)
 
     def read_all():
@@ -91,14 +105,58 @@ def measure_v2(work: str, episodes, info, block: int, repeats: int) -> dict:
             for cam in ds.cameras:
                 for b in range(ds.num_blocks(e)):
                     ds.read_block(e, cam, b, out=buf)
+    return read_all, buf
+
+
+def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str = "zstd", level: int = 3,
+               loader_batches: int = 0) -> dict:
+    root = os.path.join(work, f"v2-b{block}-{codec}-{level}")
+    encode_cpu = _write_v2(root, episodes, info, block, codec, level)
+    ds = open_v2(root)
+    read_all, buf = _reader(ds, block)
 
     frames = ds.num_frames * len(ds.cameras)
     cpu = _cpu_best(read_all, repeats)
     nblocks = int(ds.manifest["blocks"])
-    return {"format": f"v2 B={block}", "bytes": _root_bytes(root), "frames": frames,
-            "decode_cpu_us_per_frame": cpu / frames * 1e6, "encode_cpu_us_per_frame": encode_cpu / frames * 1e6,
-            # a sample read out of order decodes its whole block (until a block cache holds it)
-            "decode_cpu_us_per_block": cpu / nblocks * 1e6}
+    stored = int(np.asarray(ds.tables["blocks"])[:, 1].sum())
+    row = {"format": f"v2 B={block}", "codec": codec, "zstd_level": level, "bytes": _root_bytes(root),
+           "frames": frames, "block_ratio": frames * buf[0].nbytes / stored,
+           "decode_cpu_us_per_frame": cpu / frames * 1e6, "encode_cpu_us_per_frame": encode_cpu / frames * 1e6,
+           # a sample read out of order decodes its whole block (until a block cache holds it)
+           "decode_cpu_us_per_block": cpu / nblocks * 1e6}
+    if loader_batches:
+        row.update(_loader(root, loader_batches, min(32, ds.num_frames)))
+    shutil.rmtree(root)  # the loader read it; keep the work dir small
+    return row
+
+
+def codec_decode_cost(work: str, episodes, info, block: int, codecs: list[str], rounds: int) -> dict:
+    """Decode CPU per frame of each codec on the same frames, reads interleaved round by round
+    (a shared machine's load drifts; the median of each codec's rounds is reported)."""
+    readers, times = {}, {c: [] for c in codecs}
+    for codec in codecs:
+        root = os.path.join(work, f"decode-{codec}")
+        _write_v2(root, episodes, info, block, codec, 3)
+        ds = open_v2(root)
+        readers[codec] = (_reader(ds, block)[0], ds.num_frames * len(ds.cameras))
+    for _ in range(rounds):
+        for codec, (read_all, frames) in readers.items():
+            t = time.thread_time()
+            read_all()
+            times[codec].append((time.thread_time() - t) / frames * 1e6)
+    for codec in codecs:
+        shutil.rmtree(os.path.join(work, f"decode-{codec}"))
+    return {"block": block, "rounds": rounds, "us_per_frame": {c: float(np.median(v)) for c, v in times.items()},
+            "all_us_per_frame": times}
+
+
+def _loader(root: str, batches: int, batch: int) -> dict:
+    """The decode worker's body over the loader's order (loader_v2's v2 row, 1 worker, 256 MiB LRU)."""
+    from loongforge.benchmarks.loader_v2 import v2_row
+
+    r = v2_row(root, batch=batch, max_batches=batches, run=4, window=65536)
+    return {"loader_samples_per_s": r["samples_per_s"], "loader_cpu_us_per_sample": r["cpu_us_per_sample"],
+            "loader_block_decodes_per_sample": r["block_decodes_per_sample"]}
 
 
 def measure_v1(work: str, episodes, info, repeats: int) -> dict:
@@ -135,50 +193,82 @@ def measure_v1(work: str, episodes, info, repeats: int) -> dict:
 
     frames = len(reader) * len(slots)
     cpu = _cpu_best(read_all, repeats)
-    return {"format": "v1 K=1 stride 1", "bytes": _root_bytes(root), "frames": frames,
+    stored = sum(len(reader.parts(n).frames_blob(slot)) for n in range(len(reader)) for slot in slots)
+    return {"format": "v1 K=1 stride 1", "codec": "zstd", "zstd_level": 3, "bytes": _root_bytes(root),
+            "frames": frames, "block_ratio": frames * buf[0].nbytes / stored,
             "decode_cpu_us_per_frame": cpu / frames * 1e6, "encode_cpu_us_per_frame": encode_cpu / frames * 1e6}
 
 
-def markdown(doc: dict) -> str:
-    lines = ["| format | bytes (MB) | x source mp4 | decode CPU per frame (us) | per block = per uncached "
-             "sample read (us) | encode CPU per frame (us) |", "|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
+def markdown(part: dict) -> str:
+    lines = ["| format | block codec | zstd level | bytes (MB) | x source mp4 | block ratio (raw:stored) | decode CPU "
+             "per frame (us) | per block = per uncached sample read (us) | encode CPU per frame (us) | loader "
+             "samples/s (1 worker) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in part["rows"]:
         block = r.get("decode_cpu_us_per_block", r["decode_cpu_us_per_frame"])
-        lines.append(f"| {r['format']} | {r['bytes'] / 1e6:.2f} | {r['over_mp4']:.2f} | "
-                     f"{r['decode_cpu_us_per_frame']:.1f} | {block:.0f} | {r['encode_cpu_us_per_frame']:.1f} |")
-    lines.append(f"| source mp4 (H.264, GOP {doc['gop']}) | {doc['mp4_bytes'] / 1e6:.2f} | 1.00 | - | - | - |")
+        loader = f"{r['loader_samples_per_s']:.0f}" if "loader_samples_per_s" in r else "-"
+        lines.append(f"| {r['format']} | {r['codec']} | {r['zstd_level']} | {r['bytes'] / 1e6:.2f} | "
+                     f"{r['over_mp4']:.2f} | {r['block_ratio']:.1f} | {r['decode_cpu_us_per_frame']:.1f} | "
+                     f"{block:.0f} | {r['encode_cpu_us_per_frame']:.1f} | {loader} |")
+    lines.append(f"| source mp4 (H.264 CRF 23, GOP {part['gop']}) | - | - | {part['mp4_bytes'] / 1e6:.2f} | 1.00 | "
+                 f"{part['raw_bytes'] / part['mp4_bytes']:.0f} | - | - | - | - |")
     return "\n".join(lines)
 
 
-def run(work: str, episodes: int, frames: tuple[int, int], blocks: list[int], repeats: int, gop: int) -> dict:
-    load_start = os.getloadavg()
-    src = os.path.join(work, "gr00t-like")
-    generate_preset(src, "gr00t-like", episodes=episodes, frames=frames, gop=gop, quirks=())
+def run_footage(work: str, footage: str, args) -> dict:
+    src = os.path.join(work, f"gr00t-like-{footage}")
+    generate_preset(src, "gr00t-like", episodes=args.episodes, frames=tuple(args.frames), gop=args.gop, quirks=(),
+                    footage=footage)
     eps, info, mp4 = load_source(src)
-    rows = [measure_v1(work, eps, info, repeats)] + [measure_v2(work, eps, info, b, repeats) for b in blocks]
+    shutil.rmtree(src)
+    rows = [measure_v1(work, eps, info, args.repeats)]
+    shutil.rmtree(os.path.join(work, "v1-k1"))
+    for b in args.blocks:
+        rows += [measure_v2(work, eps, info, b, args.repeats, codec, 3, args.loader_batches) for codec in args.codecs]
+    for level in (lv for lv in args.levels if lv != 3):
+        rows += [measure_v2(work, eps, info, args.level_block, args.repeats, codec, level) for codec in args.codecs]
+    decode = codec_decode_cost(work, eps, info, args.level_block, args.codecs, args.decode_rounds) \
+        if args.decode_rounds else None
+    raw = sum(f.nbytes for _, frames, _ in eps for f in frames.values())
     for r in rows:
         r["over_mp4"] = r["bytes"] / mp4
-    return {"benchmark": "storage-v2", "rows": rows, "mp4_bytes": mp4, "frames": sum(t.length for _, _, t in eps),
-            "episodes": episodes, "gop": gop, "resolution": [info.height, info.width], "repeats": repeats,
-            "load_avg": load_start, "host": platform.node()}
+    return {"rows": rows, "decode_interleaved": decode, "mp4_bytes": mp4, "raw_bytes": raw, "frames": sum(t.length for _, _, t in eps),
+            "episodes": args.episodes, "gop": args.gop, "resolution": [info.height, info.width]}
+
+
+def _csv(text: str, cast=str) -> list:
+    return [cast(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.storage_v2", description=__doc__.splitlines()[0])
+    p.add_argument("--footage", default="grain,camera", help="sample footage kinds (grain,camera; FOOTAGE_KINDS)")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--frames", type=int, nargs=2, default=(200, 300), metavar=("A", "B"))
     p.add_argument("--blocks", default="4,8,16,32", help="block sizes B to compare (4,8,16,32)")
+    p.add_argument("--codecs", default="zstd,delta-zstd", help="block codecs to compare (zstd,delta-zstd)")
+    p.add_argument("--levels", default="3", help="zstd levels: 3 for every B; others only at --level-block")
+    p.add_argument("--level-block", type=int, default=16)
+    p.add_argument("--decode-rounds", type=int, default=7,
+                   help="interleaved decode-CPU rounds per codec at B=--level-block (0: skip)")
+    p.add_argument("--loader-batches", type=int, default=20, help="batches of 32 for the loader column (0: skip)")
     p.add_argument("--gop", type=int, default=20, help="source keyframe interval (20, the gr00t-like preset's)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
-    blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
+    args.blocks, args.codecs, args.levels = _csv(args.blocks, int), _csv(args.codecs), _csv(args.levels, int)
+    doc = {"benchmark": "storage-v2", "load_avg": os.getloadavg(), "host": platform.node(), "repeats": args.repeats,
+           "codecs": args.codecs, "footage": {}}
     with tempfile.TemporaryDirectory(prefix="storage-v2-") as work:
-        doc = run(work, args.episodes, tuple(args.frames), blocks, args.repeats, args.gop)
+        for footage in _csv(args.footage):
+            doc["footage"][footage] = part = run_footage(work, footage, args)
+            print(f"\n{footage} footage: {part['frames']} frames, {part['episodes']} episodes, load average "
+                  f"{os.getloadavg()[0]:.2f}\n" + markdown(part), flush=True)
+            if part["decode_interleaved"]:
+                d = part["decode_interleaved"]
+                print(f"decode CPU per frame at B={d['block']}, median of {d['rounds']} interleaved rounds: " +
+                      ", ".join(f"{c} {us:.1f} us" for c, us in d["us_per_frame"].items()), flush=True)
     doc["load_avg_end"] = os.getloadavg()
-    print(markdown(doc))
-    print(f"\n{doc['frames']} frames, {doc['episodes']} episodes; load average {doc['load_avg'][0]:.2f} -> "
-          f"{doc['load_avg_end'][0]:.2f}")
+    print(f"\nload average {doc['load_avg'][0]:.2f} -> {doc['load_avg_end'][0]:.2f}")
     write_timestamped(args.out, "storage-v2", doc)
     return 0
 

@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     c.add_argument("--to", choices=("v2",), required=True, help="target format (v2)")
     c.add_argument("out", metavar="OUT", help="shard root to write")
     c.add_argument("--block-frames", type=int, default=16, metavar="B", help="frames per zstd block (16)")
+    c.add_argument("--block-codec", choices=("zstd", "delta-zstd"), default="zstd",
+                   help="zstd (default) or delta-zstd (frame-to-frame differences; shared/FORMAT.md)")
     c.add_argument("--zstd-level", type=int, default=3)
     c.add_argument("--shard-size", default="64MiB", help="target shard size (64MiB)")
     c.add_argument("--strict", action="store_true",
@@ -72,6 +74,9 @@ def register(subparsers) -> None:
                    help="inject real-world defects into the dataset")
     s.add_argument("--task", choices=("default", "learnable"), default=None,
                    help="learnable: actions are an exact function of state and frame content (for eval checks)")
+    s.add_argument("--footage", choices=("grain", "camera"), default=None,
+                   help="grain (default): scrolling noise texture, worst case for storing frames; "
+                        "camera: a fixed robot camera model (static scene, moving arm, sensor noise)")
     s.set_defaults(func=_sample_data)
 
 
@@ -133,6 +138,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.block_frames < 1:
         raise ConfigError(f"--block-frames {args.block_frames}: must be >= 1")
     summary = convert_v1_to_v2(args.root, args.out, block_size=args.block_frames, zstd_level=args.zstd_level,
+                               block_codec=args.block_codec,
                                shard_size=parse_size(args.shard_size, "--shard-size"), strict=args.strict)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
@@ -146,7 +152,7 @@ def _sample_data(args: argparse.Namespace) -> int:
              "fps": args.fps, "cameras": tuple(args.cameras) if args.cameras else None,
              "state_dim": args.state_dim, "action_dim": args.action_dim, "gop": args.gop, "crf": args.crf,
              "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None,
-             "task": args.task}
+             "task": args.task, "footage": args.footage}
     root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
     print(f"wrote LeRobot v2.0 dataset ({args.preset}) to {root}", file=sys.stderr)
     return 0

@@ -53,6 +53,7 @@ class ConvertParams:
     format_version: int = 1
     block_frames: int = 16  # format 2: frames per zstd block
     slots: tuple[str, ...] = ()  # format 2: camera slots in dataset order (block order in the shard)
+    block_codec: str = "zstd"  # format 2: FORMAT.md "Block codec"
 
 
 def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
@@ -141,7 +142,7 @@ class ConvertEpisodeFn(beam.DoFn):
         path = staging_path(p.output, spec.index)
         with storage.open_atomic(path) as f:
             layout = encode_episode(f, spec.index, frames, episode_arrays(table), slots=list(p.slots),
-                                    block_size=p.block_frames, zstd_level=p.zstd_level)
+                                    block_size=p.block_frames, zstd_level=p.zstd_level, codec=p.block_codec)
         self.converted.inc()
         self.samples.inc(table.length)
         self.frames.inc(table.length * len(frames))

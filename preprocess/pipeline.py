@@ -95,7 +95,7 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget |
                          frames_per_sample=cfg.frames_per_sample, stride=cfg.stride, frame_step=cfg.frame_step,
                          action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level,
                          color=color, format_version=cfg.format_version, block_frames=cfg.block_frames,
-                         slots=tuple(c.slot for c in meta.cameras))
+                         slots=tuple(c.slot for c in meta.cameras), block_codec=cfg.block_codec)
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],

@@ -16,7 +16,7 @@ def _summary_v2(root: str) -> tuple[dict, object, int, int, list]:
     out = {"format_version": 2, "episodes": v2.num_episodes, "samples": v2.num_frames, "frames": v2.num_frames,
            "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
            "resolution": [ds.height, ds.width], "fps": ds.fps, "failed": len(m["failed"]),
-           "block_size": v2.block_size}
+           "block_size": v2.block_size, "block_codec": v2.block_codec}
     return out, ds, v2.num_frames, total, list(m["failed"])
 
 
@@ -51,7 +51,8 @@ def summarize(root: str, seconds: float | None = None) -> dict:
 def format_summary(s: dict) -> str:
     lines = [
         f"episodes   {s['episodes']} converted, {s['failed']} failed",
-        f"samples    {s['samples']} (every timestep; frames stored once, zstd blocks of {s['block_size']})"
+        f"samples    {s['samples']} (every timestep; frames stored once, {s.get('block_codec', 'zstd')} blocks of "
+        f"{s['block_size']})"
         if s.get("format_version") == 2 else f"samples    {s['samples']} ({s['frames']} window frames per camera)",
         f"shards     {s['shards']}, {s['bytes_out'] / 1e6:.2f} MB",
         f"cameras    {', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}, {s['fps']:g} fps",

@@ -6,7 +6,10 @@
 
 Videos are real H.264 (libx264, yuv420p) encoded through PyAV, with moving
 content (drifting gradient, a moving square, a scrolling noise texture), so
-decoders, resizers and zstd see realistic, non-trivial frames. Encoding is
+decoders, resizers and zstd see non-trivial frames. `footage="camera"`
+renders a fixed robot camera instead (sample_camera.py: static scene, a moving
+arm and cube, slow lighting change, sensor noise): what storage of decoded
+frames should be measured on, since the grain makes every pixel change. Encoding is
 single-threaded, which makes x264 output (and so the whole tree) a pure
 function of the arguments.
 
@@ -31,11 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
+from loongforge.preprocess.sample_camera import camera_frames
 from loongforge.preprocess.sample_learnable import learnable_episode, learnable_frames
 from loongforge.shared import color
 from loongforge.shared.errors import ConfigError
 
 TASK_MODES = ("default", "learnable")
+# grain: the original drifting gradient + scrolling noise texture (every pixel changes every frame:
+# the worst case for storing decoded frames); camera: sample_camera's fixed robot camera model.
+FOOTAGE_KINDS = ("grain", "camera")
 QUIRKS = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
 DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
 VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
@@ -222,8 +229,10 @@ def _write_jsonl(path: Path, rows) -> None:
 def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 60), height: int = 64,
                      width: int = 64, fps: int = 20, cameras: tuple[str, ...] = ("ego_view", "wrist_view"),
                      state_dim: int = 8, action_dim: int = 8, gop: int = 10, crf: int = 23, seed: int = 0,
-                     quirks: tuple[str, ...] = (), robot_type: str = "sim_arm", task: str = "default") -> Path:
-    """Write a LeRobot v2.0 dataset under `root` and return its path."""
+                     quirks: tuple[str, ...] = (), robot_type: str = "sim_arm", task: str = "default",
+                     footage: str = "grain") -> Path:
+    """Write a LeRobot v2.0 dataset under `root` and return its path. `footage` picks what the
+    default task's videos show (FOOTAGE_KINDS); the learnable task draws its own frames."""
     import pyarrow.parquet as pq
 
     unknown = sorted(set(quirks) - set(QUIRKS))
@@ -231,6 +240,8 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
         raise ConfigError(f"quirks {unknown}: unknown; choose from {QUIRKS}")
     if task not in TASK_MODES:
         raise ConfigError(f"task {task!r}: unknown; choose from {TASK_MODES}")
+    if footage not in FOOTAGE_KINDS:
+        raise ConfigError(f"footage {footage!r}: unknown; choose from {FOOTAGE_KINDS}")
     if episodes < 1 or frames[0] < 2 or frames[1] < frames[0]:
         raise ConfigError(f"episodes={episodes}, frames={frames}: need episodes >= 1 and 2 <= A <= B")
     if height % 2 or width % 2 or gop < 1:
@@ -258,6 +269,9 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
             n_video = max(1, n - 5) if ep == short_ep else n
             if task == "learnable":
                 rgb = learnable_frames(cue[:n_video], height, width, camera=c)
+            elif footage == "camera":
+                # its own seed per (episode, camera), drawn from the dataset's stream
+                rgb = camera_frames(n_video, height, width, seed=int(rng.integers(2**31)))
             else:
                 rgb = _frames_rgb(n_video, height, width, phase=ep * 0.7 + c * 1.3, rng=rng)
             mp4 = root / VIDEO_PATH.format(episode_chunk=chunk, video_key=f"observation.images.{cam}",

@@ -13,6 +13,14 @@ block's offset and reads exactly its compressed bytes.
 `encode_episode` streams an episode into any binary file object and returns its
 layout with offsets relative to the fragment start; the writer adds the
 episode's offset in its shard.
+
+Block codecs (manifest `params.block_codec`, absent = "zstd"): "zstd" stores a
+block's frames as they are; "delta-zstd" stores frame 0 as it is and frame i as
+(frame i - frame i-1) mod 256, then zstd. Both are lossless and a block still
+decodes alone. The delta turns a fixed camera's unchanged pixels into runs of
+zeros and moving content into small residuals, which zstd codes 11-23 % smaller
+at the same decode CPU on synthetic footage (benchmarks/README.md, storage table). The per-block
+xxh3 covers the stored (compressed) bytes whatever the codec.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from loongforge.shared.errors import FormatError
+from loongforge.shared.errors import ConfigError, FormatError
 from loongforge.shared.format import BLOCK, DEFAULT_ZSTD_LEVEL, NV12_SUFFIX, _member, decompress_into
 from loongforge.shared.paths import camera_slot
 
@@ -34,6 +42,44 @@ BLOCK_KEY_TEMPLATE = "e{episode:06d}_b{block:06d}"
 # Arrays every episode carries (FORMAT.md); writers may add more (e.g. action_known).
 REQUIRED_ARRAYS = {"state": np.float32, "action": np.float32, "timestamp": np.float64,
                    "frame_index": np.int64, "task_index": np.int64}
+
+
+BLOCK_CODECS = ("zstd", "delta-zstd")
+DEFAULT_BLOCK_CODEC = "zstd"
+
+
+def check_block_codec(codec, origin: str) -> str:
+    """The codec name if this reader decodes it; FormatError with the fix otherwise."""
+    if codec not in BLOCK_CODECS:
+        raise FormatError(f"{origin}: block codec {codec!r} is unknown to this reader (it decodes {BLOCK_CODECS}): "
+                          "upgrade loongforge (a newer one wrote it), or re-run `loongforge preprocess "
+                          "--block-codec zstd`")
+    return codec
+
+
+def block_codec_param(codec: str) -> dict:
+    """The manifest `params` entry for `codec`: none for plain zstd, so roots written
+    without a codec choice stay byte-identical to those from before codecs existed."""
+    return {} if codec == DEFAULT_BLOCK_CODEC else {"block_codec": codec}
+
+
+def _predict(block: np.ndarray, codec: str) -> np.ndarray:
+    """What is stored for one block's frames (n, 3h/2, w) under `codec`, before zstd."""
+    if codec == "zstd":
+        return np.ascontiguousarray(block)
+    out = np.empty(block.shape, np.uint8)
+    out[0] = block[0]
+    np.subtract(block[1:], block[:-1], out=out[1:])  # uint8 arithmetic wraps: mod 256
+    return out
+
+
+def _unpredict(out: np.ndarray, codec: str) -> None:
+    """Invert `_predict` in place, one add per frame: np.cumsum over axis 0 made the whole
+    block decode ~8x slower in a probe; these adds cost about what zstd saves on the
+    smaller payload (interleaved decode CPU equal, benchmarks/README.md)."""
+    if codec == "delta-zstd":
+        for i in range(1, len(out)):
+            np.add(out[i], out[i - 1], out=out[i])
 
 
 def episode_key(episode: int) -> str:
@@ -90,11 +136,14 @@ def check_arrays(episode: int, arrays: dict[str, np.ndarray], frames: int) -> di
 
 
 def encode_episode(out: BinaryIO, episode: int, frames: dict[str, np.ndarray], arrays: dict[str, np.ndarray],
-                   *, slots: list[str], block_size: int, zstd_level: int = DEFAULT_ZSTD_LEVEL) -> EpisodeLayout:
+                   *, slots: list[str], block_size: int, zstd_level: int = DEFAULT_ZSTD_LEVEL,
+                   codec: str = DEFAULT_BLOCK_CODEC) -> EpisodeLayout:
     """Write one episode's members to `out` (positioned at the fragment start).
     `frames`: slot -> uint8 (T, 3h/2, w) NV12. Deterministic for equal input."""
     if block_size < 1:
         raise FormatError(f"block_size={block_size}: must be >= 1")
+    if codec not in BLOCK_CODECS:
+        raise ConfigError(f"block codec {codec!r}: choose one of {BLOCK_CODECS}")
     if sorted(frames) != sorted(slots):
         raise FormatError(f"episode {episode}: cameras {sorted(frames)} != dataset cameras {sorted(slots)}")
     t = int(frames[slots[0]].shape[0])
@@ -119,7 +168,7 @@ def encode_episode(out: BinaryIO, episode: int, frames: dict[str, np.ndarray], a
     for b in range(num_blocks(t, block_size)):
         lo, hi = b * block_size, min(t, (b + 1) * block_size)
         for c, slot in enumerate(slots):
-            blob = cctx.compress(np.ascontiguousarray(frames[slot][lo:hi]).data)
+            blob = cctx.compress(_predict(frames[slot][lo:hi], codec).data)
             member = _member(f"{block_key(episode, b)}.{slot}{NV12_SUFFIX}", blob)
             out.write(member)
             per_cam[c].append((pos + BLOCK, len(blob), hi - lo, xxhash.xxh3_64_intdigest(blob)))
@@ -128,11 +177,12 @@ def encode_episode(out: BinaryIO, episode: int, frames: dict[str, np.ndarray], a
                          blocks=tuple(tuple(cam) for cam in per_cam))
 
 
-def decode_block(blob, out: np.ndarray, what: str) -> np.ndarray:
-    """zstd-decompress one block straight into `out` (uint8 (n, 3h/2, w), no temp
-    copy); FormatError naming `what` unless the payload fills it exactly."""
+def decode_block(blob, out: np.ndarray, what: str, codec: str = DEFAULT_BLOCK_CODEC) -> np.ndarray:
+    """Decode one block straight into `out` (uint8 (n, 3h/2, w), no temp copy; `codec`
+    already checked); FormatError naming `what` unless the payload fills it exactly."""
     try:
         decompress_into(blob, out)
     except FormatError as exc:
         raise FormatError(f"{what}: {exc}") from exc
+    _unpredict(out, codec)
     return out

@@ -94,7 +94,7 @@ class _Episode:
 
 
 def convert_v1_to_v2(src: str, dst: str, *, block_size: int = DEFAULT_BLOCK_FRAMES, zstd_level: int = 3,
-                     shard_size: int = 64 << 20, strict: bool = False) -> dict:
+                     shard_size: int = 64 << 20, strict: bool = False, block_codec: str = "zstd") -> dict:
     """Rewrite `src` (format 1) under `dst` (format 2); returns a summary. Reads every
     sample once, in index order (checksums verified), holding one episode at a time."""
     reader = ShardReader(src)
@@ -103,7 +103,7 @@ def convert_v1_to_v2(src: str, dst: str, *, block_size: int = DEFAULT_BLOCK_FRAM
     dataset = dataclasses.replace(index.dataset, frames_per_sample=1)
     params = {"converted_from": {"format_version": 1, "params": index.params}}
     writer = RootWriterV2(dst, dataset, block_size=block_size, zstd_level=zstd_level, shard_size=shard_size,
-                          params=params, created_by="loongforge.convert v1->v2")
+                          params=params, created_by="loongforge.convert v1->v2", block_codec=block_codec)
     done: set[int] = set()
     current: _Episode | None = None
     filled = samples = 0

@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from loongforge.shared import paths, storage
-from loongforge.shared.blocks import decode_block, episode_key
+from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, decode_block, episode_key
 from loongforge.shared.errors import FormatError, IntegrityError
 from loongforge.shared.format import _load_npy, split_members
 from loongforge.shared.index import ShardIndex
@@ -69,6 +69,7 @@ class DatasetV2:
         self.cameras = list(self.info.slots)
         self._camera = {**{slot: c for c, slot in enumerate(self.cameras)}, **{c: c for c in range(len(self.cameras))}}
         self.block_size = int(manifest["params"]["block_size"])
+        self.block_codec = manifest["params"].get("block_codec", DEFAULT_BLOCK_CODEC)  # checked by parse_manifest
         self._shard_names = [s["name"] for s in manifest["shards"]]
         self.episode_lengths = tables["episode_length"]
         self.episode_starts = tables["episode_start"]
@@ -189,7 +190,7 @@ class DatasetV2:
         target = np.empty((n, *self._frame_shape), np.uint8) if out is None else out[:n]
         if target.shape != (n, *self._frame_shape) or target.dtype != np.uint8 or not target.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous uint8 with >= {n} frames of {self._frame_shape}")
-        return decode_block(view, target, what)
+        return decode_block(view, target, what, self.block_codec)
 
     def read_arrays(self, e: int) -> dict[str, np.ndarray]:
         """The episode's per-frame arrays: state (T,S) f32, action (T,A) f32, timestamp (T,) f64,

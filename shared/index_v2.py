@@ -17,6 +17,7 @@ from dataclasses import asdict
 import numpy as np
 
 from loongforge.shared import paths
+from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, check_block_codec
 from loongforge.shared.errors import FormatError, FormatVersionError
 from loongforge.shared.index import FORMAT_NAME, CameraInfo, DatasetInfo, ShardEntry, ShardIndex, parse_document
 
@@ -84,6 +85,7 @@ def parse_manifest(raw: bytes | str, origin: str = "index.json") -> dict:
         block_size = doc["params"]["block_size"]
         if not isinstance(block_size, int) or block_size < 1:
             raise FormatError(f"{origin}: params.block_size {block_size!r} must be an integer >= 1")
+        check_block_codec(doc["params"].get("block_codec", DEFAULT_BLOCK_CODEC), origin)  # absent: plain zstd
         for s in doc["shards"]:
             paths.check_relative(s["name"])
             if len(s["sha256"]) != 64 or int(s["bytes"]) < 0:

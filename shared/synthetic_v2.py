@@ -47,13 +47,13 @@ def synthetic_dataset_info(height: int, width: int, cameras: tuple[str, ...], st
 def make_synthetic_v2_root(root: str, *, lengths: tuple[int, ...] = (23, 9, 40, 17), episode_ids=None,
                            height: int = 16, width: int = 16, cameras: tuple[str, ...] = ("front", "wrist"),
                            state_dim: int = 6, action_dim: int = 4, block_size: int = 4, shard_size: int = 1 << 16,
-                           val_episodes=(), seed: int = 0) -> dict[int, tuple[dict, dict]]:
+                           val_episodes=(), seed: int = 0, block_codec: str = "zstd") -> dict[int, tuple[dict, dict]]:
     """Write a v2 root; returns {episode id: (frames, arrays)} as written (the expected values)."""
     ids = list(episode_ids) if episode_ids is not None else list(range(len(lengths)))
     info = synthetic_dataset_info(height, width, cameras, state_dim, action_dim)
     written = {}
     w = RootWriterV2(root, info, block_size=block_size, shard_size=shard_size, params={"synthetic": True},
-                     created_by="loongforge.synthetic_v2")
+                     created_by="loongforge.synthetic_v2", block_codec=block_codec)
     for ep, n in zip(ids, lengths):
         frames, arrays = synthetic_episode(ep, n, height, width, cameras, state_dim, action_dim, seed)
         w.add_episode(ep, frames, arrays)

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from loongforge.shared import paths, storage
-from loongforge.shared.blocks import EpisodeLayout, encode_episode
-from loongforge.shared.errors import FormatError
+from loongforge.shared.blocks import (BLOCK_CODECS, DEFAULT_BLOCK_CODEC, EpisodeLayout, block_codec_param,
+                                      encode_episode)
+from loongforge.shared.errors import ConfigError, FormatError
 from loongforge.shared.format import DEFAULT_ZSTD_LEVEL, END_OF_ARCHIVE
 from loongforge.shared.index import DatasetInfo
 from loongforge.shared.index_v2 import TABLES, bucket_shift, frame_buckets, manifest_json, table_name
@@ -133,12 +134,16 @@ class RootWriterV2:
 
     def __init__(self, root: str, dataset: DatasetInfo, *, block_size: int = DEFAULT_BLOCK_FRAMES,
                  zstd_level: int = DEFAULT_ZSTD_LEVEL, shard_size: int = 64 << 20, params: dict | None = None,
-                 created_by: str = "loongforge.shared.writer_v2"):
+                 created_by: str = "loongforge.shared.writer_v2", block_codec: str = DEFAULT_BLOCK_CODEC):
         if block_size < 1:
             raise FormatError(f"block_size={block_size}: must be >= 1")
+        if block_codec not in BLOCK_CODECS:
+            raise ConfigError(f"block_codec={block_codec!r}: choose one of {BLOCK_CODECS}")
+        self.block_codec = block_codec
         self.root, self.dataset = root, dataset
         self.block_size, self.zstd_level, self.shard_size = block_size, zstd_level, shard_size
-        self.params = {**(params or {}), "block_size": block_size, "zstd_level": zstd_level, "shard_size": shard_size}
+        self.params = {**(params or {}), "block_size": block_size, "zstd_level": zstd_level, "shard_size": shard_size,
+                       **block_codec_param(block_codec)}
         self.created_by = created_by
         self._pending: list[tuple[EpisodeLayout, bytes]] = []
         self._pending_bytes = len(END_OF_ARCHIVE)
@@ -150,7 +155,7 @@ class RootWriterV2:
     def add_episode(self, episode: int, frames: dict[str, np.ndarray], arrays: dict[str, np.ndarray]) -> EpisodeLayout:
         buf = io.BytesIO()
         layout = encode_episode(buf, episode, frames, arrays, slots=self.dataset.slots, block_size=self.block_size,
-                                zstd_level=self.zstd_level)
+                                zstd_level=self.zstd_level, codec=self.block_codec)
         if self._pending and self._pending_bytes + layout.length > self.shard_size:
             self._flush()
         self._pending.append((layout, buf.getvalue()))

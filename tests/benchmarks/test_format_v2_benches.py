@@ -30,9 +30,22 @@ def test_index_scale_synthetic_tables_locate_like_brute_force(tmp_path):
 
 
 def test_storage_v2_runs(tmp_path, capsys):
-    assert storage_v2.main(["--episodes", "1", "--frames", "20", "24", "--blocks", "4,8", "--repeats", "1",
+    assert storage_v2.main(["--footage", "grain,camera", "--episodes", "1", "--frames", "20", "24", "--blocks", "4,8",
+                            "--levels", "3,5", "--level-block", "4", "--loader-batches", "1", "--repeats", "1",
+                            "--decode-rounds", "2",
                             "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("storage-v2-*.json")).read_text())
-    assert [r["format"] for r in doc["rows"]] == ["v1 K=1 stride 1", "v2 B=4", "v2 B=8"]
-    assert all(r["over_mp4"] > 0 and r["frames"] > 0 for r in doc["rows"])
+    assert sorted(doc["footage"]) == ["camera", "grain"]
+    for part in doc["footage"].values():
+        rows = part["rows"]
+        assert [(r["format"], r["codec"], r["zstd_level"]) for r in rows] == [
+            ("v1 K=1 stride 1", "zstd", 3), ("v2 B=4", "zstd", 3), ("v2 B=4", "delta-zstd", 3), ("v2 B=8", "zstd", 3),
+            ("v2 B=8", "delta-zstd", 3), ("v2 B=4", "zstd", 5), ("v2 B=4", "delta-zstd", 5)]
+        assert all(r["over_mp4"] > 0 and r["frames"] > 0 and r["block_ratio"] > 1 for r in rows)
+        assert all(r["loader_samples_per_s"] > 0 for r in rows[1:5])
+        d = part["decode_interleaved"]
+        assert d["block"] == 4 and sorted(d["us_per_frame"]) == ["delta-zstd", "zstd"]
+        assert all(len(v) == 2 for v in d["all_us_per_frame"].values())
+    # the camera model is what lossless block coding can exploit; the grain is not
+    assert doc["footage"]["camera"]["rows"][3]["block_ratio"] > 2 * doc["footage"]["grain"]["rows"][3]["block_ratio"]
     assert "| source mp4" in capsys.readouterr().out

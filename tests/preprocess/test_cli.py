@@ -108,3 +108,15 @@ def test_allow_failed_is_validated(tmp_path, capsys):
     assert main(["preprocess", "--input", str(tmp_path), "--output", str(tmp_path / "o"),
                  "--allow-failed", "lots"]) == 1
     assert "allow_failed='lots'" in capsys.readouterr().err
+
+
+def test_sample_data_footage_flag(tmp_path):
+    """--footage camera reaches the generator: the same mp4 bytes as generate_dataset(footage="camera")."""
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    args = ["--episodes", "1", "--frames", "6", "6", "--cameras", "front"]
+    assert main(["sample-data", str(tmp_path / "cam"), *args, "--footage", "camera"]) == 0
+    assert main(["sample-data", str(tmp_path / "grain"), *args]) == 0
+    want = generate_dataset(tmp_path / "ref", episodes=1, frames=(6, 6), cameras=("front",), footage="camera")
+    mp4 = sorted(Path(want).rglob("*.mp4"))[0].relative_to(want)
+    assert (tmp_path / "cam" / mp4).read_bytes() == (want / mp4).read_bytes() != (tmp_path / "grain" / mp4).read_bytes()

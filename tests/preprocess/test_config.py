@@ -27,6 +27,8 @@ def test_parse_size_rejects(text):
     ({"output": "in"}, "output must differ"),
     ({"format_version": 3}, "format_version"),
     ({"format_version": 2, "block_frames": 0}, "block_frames"),
+    ({"block_codec": "lz4"}, "block_codec"),
+    ({"format_version": 1, "block_codec": "delta-zstd"}, "format-2 option"),
 ])
 def test_config_rejects_with_field_name(kw, field):
     with pytest.raises(ConfigError, match=field):
@@ -56,6 +58,16 @@ def test_format_version_flag_and_params():
     assert v1.format_version == 1 and "format_version" not in v1.output_params()  # v1 params keep their bytes
     v2 = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--block-frames", "8"]))
     assert v2.output_params()["format_version"] == 2 and v2.output_params()["block_frames"] == 8
+    assert "block_codec" not in v2.output_params()  # absent = zstd: default params keep their bytes
+    delta = config_from_args(parser.parse_args(["--input", "in", "--output", "out", "--block-codec", "delta-zstd"]))
+    assert delta.output_params()["block_codec"] == "delta-zstd"
+
+
+def test_block_codec_choices_match_the_format():
+    from loongforge.preprocess.config import BLOCK_CODEC_CHOICES
+    from loongforge.shared.blocks import BLOCK_CODECS
+
+    assert BLOCK_CODEC_CHOICES == BLOCK_CODECS
 
 
 def test_v1_window_flags_without_format_1_are_refused():

@@ -31,12 +31,13 @@ def roots(sample_dataset, tmp_path_factory, run_in_memory):
 def test_convert_round_trip_equals_the_direct_v2_job(roots, capsys):
     v1, direct, base = roots
     out = str(base / "converted")
-    assert main(["convert", v1, "--to", "v2", out, "--block-frames", "8"]) == 0
+    assert main(["convert", v1, "--to", "v2", out, "--block-frames", "8", "--block-codec", "delta-zstd"]) == 0
     summary = json.loads(capsys.readouterr().out)
     conv, want = open_v2(out), open_v2(direct)
     assert summary["v1_samples"] == load_index(v1).num_samples
     assert load_index(v1).num_frames > conv.num_frames == summary["frames"]  # duplicates dropped
     assert conv.block_size == 8 and conv.num_episodes == want.num_episodes
+    assert (conv.block_codec, want.block_codec) == ("delta-zstd", "zstd")  # same frames, either codec
     assert conv.manifest["split"] == {"val_episodes": [2]} and conv.stats == load_index(v1).dataset.stats
     assert conv.verify() == []
     for e in range(conv.num_episodes):

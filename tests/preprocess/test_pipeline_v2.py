@@ -22,8 +22,9 @@ B = 4
 @pytest.fixture(scope="module")
 def converted_v2(sample_dataset, tmp_path_factory, run_in_memory):
     out = str(tmp_path_factory.mktemp("shards") / "v2")
+    # delta-zstd here (the zstd default runs in test_convert_v1's direct job and the determinism test)
     summary = run_in_memory(sample_dataset, out, format_version=2, block_frames=B, shard_size=1 << 16,
-                            val_episodes="1")
+                            val_episodes="1", block_codec="delta-zstd")
     return out, summary
 
 
@@ -33,6 +34,7 @@ def test_v2_job_stores_every_frame_once(sample_dataset, converted_v2):
     ds = open_v2(out)
     assert ds.verify() == []
     assert ds.block_size == B and ds.manifest["params"]["format_version"] == 2
+    assert ds.block_codec == "delta-zstd" == ds.manifest["params"]["block_codec"]
     assert ds.num_episodes == 3 == summary["episodes"] and summary["failed"] == 0
     assert summary["samples"] == ds.num_frames == sum(e.length for e in episodes)
     assert len(ds.manifest["shards"]) > 1  # 64 KB shards force several
@@ -64,6 +66,7 @@ def test_v2_stats_exclude_val_and_summary(converted_v2):
     np.testing.assert_allclose(ds.stats["state"]["mean"], state.mean(0), rtol=1e-5, atol=1e-6)
     s = summarize(out)
     assert s["format_version"] == 2 and s["block_size"] == B and s["bytes_out"] > 0
+    assert s["block_codec"] == "delta-zstd"
 
 
 def test_inspect_verifies_a_v2_root(converted_v2, capsys):
