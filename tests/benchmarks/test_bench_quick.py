@@ -177,5 +177,5 @@ def test_p1_formats_compares_both_roots_and_counts_block_decodes(quick_run, tmp_
     assert 2 * 4 / d["block_size"] <= d["block_decodes_per_sample"]
     assert round(d["block_decodes_per_sample"] * d["samples"]) <= blocks
     assert d["frames_decompressed_per_sample_v1"] == 8
-    with pytest.raises(ConfigError, match="past the epoch"):
+    with pytest.raises(ConfigError, match="pass the epoch"):
         p1_formats.main([*base, "--batches", "40", "--workers", "0"])
