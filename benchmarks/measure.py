@@ -48,7 +48,8 @@ class PassTiming:
 
     samples: int = 0
     seconds: float = 0.0
-    startup_s: float = 0.0  # from iter() to the first warm-up batch
+    startup_s: float = 0.0  # from iter() to the end of the warm-up (worker start-up and settling included)
+    settle_batches: int = 0  # untimed batches after the warm-up: those decoded ahead while workers started
     cpu_s: float = 0.0  # CPU seconds of the process tree over the timed batches (0 without a meter)
     wait_s: list[float] = field(default_factory=list)  # per timed batch: time blocked in next()
 
@@ -89,14 +90,23 @@ def endless(make_iter: Callable[[], Iterable]) -> Iterator:
 
 
 def time_pass(batches: Iterator, *, warmup: int, timed: int,
-              on_batch: Callable[[object], None] | None = None, meter=None) -> PassTiming:
+              on_batch: Callable[[object], None] | None = None, meter=None,
+              ready: Callable[[], int] | None = None) -> PassTiming:
     """Pull `warmup` then `timed` batches from `batches`; `on_batch` runs on each
     timed batch after the wait (the model step in a training loop). `meter`
-    (a cores.CpuMeter) counts CPU seconds over the timed batches only."""
+    (a cores.CpuMeter) counts CPU seconds over the timed batches only. `ready`
+    (e.g. ShardLoader.wait_ready), called after the warm-up, blocks until every
+    worker is up and returns how many batches were decoded ahead meanwhile; those
+    are pulled untimed too (`settle_batches`), so neither a worker's start-up nor
+    a queue filled during it lands in the timed window."""
     out = PassTiming()
     t0 = time.perf_counter()
     for _ in range(warmup):
         next(batches)
+    if ready is not None:
+        out.settle_batches = ready()
+        for _ in range(out.settle_batches):
+            next(batches)
     out.startup_s = time.perf_counter() - t0
     if meter is not None:
         meter.start()

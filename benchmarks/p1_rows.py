@@ -52,8 +52,8 @@ def baseline_pass(ctx: Context, workers: int, batches: int, backend: str = "pyav
     loader = make_baseline_loader(ctx.baseline_dataset(backend, gop), batch_size=ctx.cfg.batch_size,
                                   num_workers=workers, seed=ctx.cfg.seed)
     stream = endless(lambda: loader)
-    try:
-        return time_pass(stream, warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter())
+    try:  # a DataLoader hands batch i out from worker i % W, in order: W warm-up batches = every worker up
+        return time_pass(stream, warmup=max(ctx.cfg.warmup_batches, workers), timed=batches, meter=CpuMeter())
     finally:
         stream.close()  # shuts the DataLoader's workers down now, not at garbage collection
 
@@ -62,8 +62,9 @@ def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True, ver
     loader = ctx.make_loader(version, workers=workers, rgb=rgb)
     if version == 2:
         ctx.measured["v2_shape"] = (loader.num_samples, loader.deltas.frames)
-    with lf.opened(loader):
-        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter())
+    with lf.opened(loader):  # every worker up before the window opens (DecodePool.wait_ready)
+        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter(),
+                         ready=loader.wait_ready)
 
 
 def decoded_per_window(windows, gop: int) -> float:

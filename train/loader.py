@@ -183,6 +183,17 @@ class ShardLoader:
     def bad_samples(self) -> int:
         return self._pool.bad_samples if self._pool else 0
 
+    def wait_ready(self, timeout_s: float = 120.0) -> int:
+        """Block until every decode worker is past start-up (call after the first batch).
+        Returns how many batches may already be decoded ahead (ring slots + prefetch queue):
+        a throughput window that skips them times decoding, not a queue filled while waiting."""
+        if self._pool is None:
+            raise RuntimeError("wait_ready() before the first batch: iterate the loader first")
+        if self.num_workers == 0:
+            return self.prefetch
+        self._pool.wait_ready(timeout_s)
+        return self._pool_args["slots"] + self.prefetch
+
     # -- state -------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"version": LOADER_STATE_VERSION, "seed": self.seed, "epoch": self.epoch,

@@ -149,3 +149,33 @@ def test_baseline_and_shards_serve_the_same_windows(quick_run):
             # Same pixels up to chroma subsampling and rounding of the transcode.
             assert float(np.abs(ours - base).mean()) < 0.03
         np.testing.assert_allclose(item["observation.state"].numpy(), sample.state, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_p1_formats_compares_both_roots_and_counts_block_decodes(quick_run, tmp_path):
+    """benchmarks/p1_formats.py on the quick run's two roots: both formats timed per worker count,
+    format 2's decodes counted (not timed), and a pass that would run past the epoch refused."""
+    import json
+
+    from loongforge.benchmarks import p1_formats
+    from loongforge.shared.errors import ConfigError
+
+    proc, _, work = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = ["--workdir", str(work), "--reuse", "--rounds", "1", "--out", str(tmp_path)]
+    assert p1_formats.main([*base, "--batches", "3", "--workers", "0,1"]) == 0
+    doc = json.loads(next(tmp_path.glob("p1-formats-*.json")).read_text())
+    assert [r["workers"] for r in doc["rows"]] == [0, 1]
+    for r in doc["rows"]:
+        assert r["v1_samples_per_s"]["median"] > 0 and r["v2_samples_per_s"]["median"] > 0
+    from loongforge.shared.dataset_v2 import open_v2
+
+    d, ds = doc["decodes"], open_v2(str(work / "shards_v2"))
+    blocks = sum(ds.num_blocks(e) for e in range(ds.num_episodes)) * len(ds.cameras)
+    # K=4 at stride 4 over blocks of B=16, 2 cameras: a block serves at most B/stride samples, so >= 2*4/16
+    # decodes a sample; the quick root fits a worker's block cache, so no block is decoded twice.
+    assert 2 * 4 / d["block_size"] <= d["block_decodes_per_sample"]
+    assert round(d["block_decodes_per_sample"] * d["samples"]) <= blocks
+    assert d["frames_decompressed_per_sample_v1"] == 8
+    with pytest.raises(ConfigError, match="pass the epoch"):
+        p1_formats.main([*base, "--batches", "40", "--workers", "0"])

@@ -33,6 +33,26 @@ def test_time_pass_excludes_warmup_and_counts_samples():
     assert t.samples_per_s > 0
 
 
+def test_time_pass_waits_for_ready_and_skips_batches_decoded_meanwhile():
+    import numpy as np
+
+    pulled, calls = [], []
+
+    def batches():
+        for i in range(20):
+            pulled.append(i)
+            yield {"x": np.zeros((i + 1, 1))}
+
+    def ready():  # a loader whose workers came up while 3 batches were decoded ahead
+        calls.append(len(pulled))
+        return 3
+
+    seen = []
+    t = time_pass(batches(), warmup=1, timed=4, on_batch=lambda b: seen.append(len(b["x"])), ready=ready)
+    assert calls == [1]  # after the warm-up, before any timed batch
+    assert t.settle_batches == 3 and seen == [5, 6, 7, 8] and t.samples == 26
+
+
 def test_endless_restarts_epochs_and_refuses_an_empty_loader():
     epochs = iter([[1, 2], [3]])
     it = endless(lambda: next(epochs))

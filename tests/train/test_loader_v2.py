@@ -69,13 +69,38 @@ def test_real_workers_match_inline_and_count_cache_hits(v2_root):
     for workers in (0, 2):
         with _loader(root, deltas=spec, num_workers=workers, max_steps=10, rank=1, world=2,
                      block_run=2, block_window=16) as loader:
+            it = iter(loader)
+            got = [next(it)]
+            # The bench opens its timed window here: every worker past start-up, and it is told how
+            # many batches may already sit decoded ahead (ring slots + prefetch queue) to skip.
+            assert loader.wait_ready(60) == (2 * workers + 1 + 2 if workers else 2)
+            assert workers == 0 or loader._pool.workers_ready == workers
+            got += [next(it) for _ in range(9)]  # not list(it): iter() would restart the pipeline
+            with pytest.raises(StopIteration):
+                next(it)
             runs.append([(b["sample_ids"].clone(), b["frames"]["front"].clone(), b["action"].clone())
-                         for b in loader])
+                         for b in got])
             counters.append(loader.cache_counters())
     for (ia, fa, aa), (ib, fb, ab) in zip(*runs):
         assert torch.equal(ia, ib) and torch.equal(fa, fb) and torch.equal(aa, ab)
     for c in counters:
         assert c["hits"] > 0 and c["misses"] > 0 and c["samples"] == 20
+
+
+@pytest.mark.slow
+def test_wait_ready_raises_when_a_worker_cannot_start(tmp_path):
+    root = str(tmp_path / "r")
+    make_synthetic_v2_root(root, lengths=(6, 6), height=8, width=8, block_size=4)
+    loader = _loader(root, num_workers=1, max_steps=2)
+    import shutil
+
+    shutil.rmtree(f"{root}/index")  # the worker opens the tables itself: its start-up fails
+    try:
+        iter(loader)
+        with pytest.raises(DataWorkerError, match="died|failed to start"):
+            loader.wait_ready(60)  # never a hang, never a silent partial pool
+    finally:
+        loader.close()
 
 
 def _flip_block_byte(root, episode, camera, block):
