@@ -239,7 +239,7 @@ class CacheClient:
             # The whole-shard sha256 failed (daemon fill or direct origin read): neither would ever serve this
             # shard, so read its members individually from the origin, each checked against its own checksum;
             # only the ranges whose bytes are corrupt fail (the bad-sample policy), not the whole shard.
-            if not self._ranges_checkable():
+            if not self._ranges_checkable(name):
                 raise
             log.warning("%s; reading its samples/blocks one by one from origin %s, each checked against its xxh3 "
                         "(only the corrupt ones fail)", exc, self.root)
@@ -249,7 +249,7 @@ class CacheClient:
             raise IntegrityError(f"{name}: range {offset}+{length} beyond {len(view)} bytes")
         return view[offset: offset + length]
 
-    def _ranges_checkable(self) -> bool:
+    def _ranges_checkable(self, name: str) -> bool:
         """Whether a range of a shard that fails its sha256 may be served: only where every range a reader asks
         for has its own checksum to be verified against (a format-1 index with per-sample xxh3, checked here and
         by the reader; a format-2 manifest's per-block/arrays xxh3, checked by DatasetV2 on every read). An old
@@ -258,7 +258,7 @@ class CacheClient:
             return False  # fallback=False: never read the origin behind the daemon's back
         if self.index.format_version >= 2:
             return True
-        return all(s.xxh3 for s in self.index.shards)
+        return bool(self._check(name).xxh3)
 
     def _origin_range(self, name: str, offset: int, length: int, shard_exc: IntegrityError) -> memoryview:
         """A range of a shard whose whole-file hash failed, from the origin. A format-1 range must be exactly one
