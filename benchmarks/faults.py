@@ -13,7 +13,8 @@ one before the faults and one after, are the wall-time baseline.
 Columns, all from the run's own records (metrics.jsonl step rows and
 {"event": ...} records, the launch's exit):
 * detected after: injection -> the first fault record (watchdog) or the
-  supervisor's fault event, or -> the WARNING / skip that handled it;
+  supervisor's fault event, or -> the WARNING / skip that handled it (for a
+  corrupt checkpoint: -> the relaunch's {"event": "ckpt_fallback"} record);
 * steps redone: steps finished before the fault minus the step the relaunch
   resumed from;
 * samples lost / duplicated: the sample ids of every step row against the
