@@ -10,6 +10,7 @@ global order.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -174,8 +175,12 @@ def f_disk_full(run):
     ckpt = (st.f_blocks - st.f_bfree) * st.f_frsize  # the first checkpoint (+ a save under way at most)
     run.setup.info["ckpt_bytes"] = ckpt
     t = run.mark_fault()
-    with open(mnt / "ballast", "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - ckpt // 4))
+    try:
+        with open(mnt / "ballast", "wb") as f:
+            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - ckpt // 4))
+    except OSError as exc:  # a save in flight took the room first: the disk is full either way, as wanted
+        if exc.errno != errno.ENOSPC:
+            raise
     log = Path(run.log.name)
     while "NOT saved" not in log.read_text(errors="replace"):
         if run.proc.poll() is not None:
@@ -257,12 +262,15 @@ def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
             problems.append(f"loaded {loaded}, not a checkpoint before {tag}")
         if f"resumed from {loaded} at step {loaded_step}" not in log:
             problems.append(f"no 'resumed from {loaded} at step {loaded_step}' line in the log")
-        row["detected_after_s"] = round(rec["t"] - row["t_inject"], 1)
+        row["detected_after_s"] = round(rec["t"] - row["t_inject"], 1)  # includes the relaunch's start-up
+        ended = [e["t"] for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "fault"]
+        row["launch_ended_after_s"] = round(ended[0] - row["t_inject"], 1) if ended else None
         row["steps_redone"] = info["stopped_after"] - loaded_step  # steps finished before the fault - resumed at
         row["fallback"] = {"rejected": tag, "file": os.path.relpath(info["corrupt_file"], run.run_dir),
                            "loaded": loaded}
         row["action"] = (f"both ranks frozen (SIGSTOP) after step {info['stopped_after'] - 1}, 1 byte flipped in "
-                         f"{row['fallback']['file']} of `latest`, ranks SIGKILLed; relaunch on 1 rank: {tag} "
+                         f"{row['fallback']['file']} of `latest`, ranks SIGKILLed (launch ended after "
+                         f"{row['launch_ended_after_s']} s); relaunch on 1 rank: {tag} "
                          f"rejected (sha256 mismatch, ckpt_fallback record), {loaded} loaded, steps {loaded_step}-"
                          f"{info['stopped_after'] - 1} redone")
     if problems:
