@@ -27,6 +27,7 @@ from pathlib import Path
 # tmpfs size for the checkpoint dir: big enough for 2 checkpoints of the tiny recipe with room to spare; the
 # trigger fills it with a ballast once the size of one real checkpoint is known.
 DISK_MB = 256
+BALLAST_FREE = 64 << 10  # bytes the ballast leaves free: less than any checkpoint's model/optimizer file
 
 
 @dataclass
@@ -164,31 +165,46 @@ def prepare_disk_full(work: Path, root: str, name: str) -> Setup:
 
 
 def f_disk_full(run):
-    """Wait for the first published checkpoint, then leave less free space than one checkpoint needs; take the
-    ballast away once a save has failed, so a later interval must succeed."""
+    """Once the first checkpoint is published, freeze both ranks (SIGSTOP: no save takes room meanwhile), fallocate
+    a ballast that leaves BALLAST_FREE bytes, and let them go on; until a save has failed, top the ballast up
+    whenever room appears again (a save that was nearly done publishes and prunes an older checkpoint). Once a
+    save has failed, the ballast goes, so a later interval must succeed."""
     mnt = run.setup.info["mnt"]
     while not os.path.exists(mnt / "latest"):
         if run.proc.poll() is not None:
             raise RuntimeError("run ended before its first checkpoint")
         time.sleep(0.05)
-    st = os.statvfs(mnt)
-    ckpt = (st.f_blocks - st.f_bfree) * st.f_frsize  # the first checkpoint (+ a save under way at most)
-    run.setup.info["ckpt_bytes"] = ckpt
-    t = run.mark_fault()
-    try:
-        with open(mnt / "ballast", "wb") as f:
-            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - ckpt // 4))
-    except OSError as exc:  # a save in flight took the room first: the disk is full either way, as wanted
-        if exc.errno != errno.ENOSPC:
-            raise
+    pids = [run.rank_pid(r) for r in (0, 1)]
+    fd = os.open(mnt / "ballast", os.O_CREAT | os.O_WRONLY, 0o600)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:  # milliseconds: fallocate writes nothing, so the watchdog's 5 s never come near
+        st = os.statvfs(mnt)
+        run.setup.info["ckpt_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+        t = run.mark_fault()
+        _top_up(fd, mnt)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     log = Path(run.log.name)
-    while "NOT saved" not in log.read_text(errors="replace"):
-        if run.proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    os.unlink(mnt / "ballast")  # the log reaches us late: on a fast run every later save may fail too
+    while "NOT saved" not in log.read_text(errors="replace") and run.proc.poll() is None:
+        _top_up(fd, mnt)
+        time.sleep(0.02)
+    os.close(fd)
+    os.unlink(mnt / "ballast")
     run.setup.info["ballast_removed"] = time.time()
     return t
+
+
+def _top_up(fd: int, mnt: Path) -> None:
+    st = os.statvfs(mnt)
+    extra = st.f_bavail * st.f_frsize - BALLAST_FREE
+    if extra > 0:
+        try:
+            os.posix_fallocate(fd, os.fstat(fd).st_size, extra)
+        except OSError as exc:  # a save took the room first: the disk is full either way, as wanted
+            if exc.errno != errno.ENOSPC:
+                raise
 
 
 def annotate_disk_full(row: dict, run, setup: Setup) -> None:
@@ -206,9 +222,10 @@ def annotate_disk_full(row: dict, run, setup: Setup) -> None:
         intact, latest = False, f"{latest} ({type(exc).__name__}: {exc})"
     failed = sorted({ln.split("checkpoint ")[1].split()[0] for ln in lines})
     enospc = any("No space left" in ln for ln in lines)
-    row["action"] = (f"save of {', '.join(failed) or '-'} failed ({'ENOSPC' if enospc else 'no ENOSPC'}, "
-                     f"{DISK_MB} MiB tmpfs filled to a quarter of the {setup.info.get('ckpt_bytes', 0) >> 10}"
-                     f" KiB in use at the first `latest` left free): partial files removed, training went on; latest = {latest} at the end, "
+    row["action"] = (f"save of {', '.join(failed) or '-'} failed ({'ENOSPC' if enospc else 'no ENOSPC'}: ranks "
+                     f"frozen while a ballast left {BALLAST_FREE >> 10} KiB free on the {DISK_MB} MiB tmpfs, "
+                     f"{setup.info.get('ckpt_bytes', 0) >> 10} KiB of checkpoints on it): partial files removed, "
+                     f"training went on; ballast removed after the first failure; latest = {latest} at the end, "
                      f"sha256 manifest {'verified' if intact else 'NOT verified'}")
     row["saves_failed"] = failed
     # Recovered: every step trained, the ENOSPC was caught, and the `latest` left is whole (verified).
