@@ -277,8 +277,11 @@ def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
             problems.append(f"the record does not name {info['corrupt_file']}: {rec['rejected']}")
         if loaded_step >= int(tag[4:]):
             problems.append(f"loaded {loaded}, not a checkpoint before {tag}")
-        if f"resumed from {loaded} at step {loaded_step}" not in log:
-            problems.append(f"no 'resumed from {loaded} at step {loaded_step}' line in the log")
+        # The supervisor may first convert it to the new rank count (elastic_reshard: stepNNNNNNNN_wWzZtT).
+        if not re.search(rf"resumed from {loaded}(_w\w+)? at step {loaded_step}\b", log):
+            problems.append(f"no 'resumed from {loaded}[_wWzZtT] at step {loaded_step}' line in the log")
+        conv = [e for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "reshard"
+                and e.get("from_tag") == loaded]
         row["detected_after_s"] = round(rec["t"] - row["t_inject"], 1)  # includes the relaunch's start-up
         ended = [e["t"] for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "fault"]
         row["launch_ended_after_s"] = round(ended[0] - row["t_inject"], 1) if ended else None
@@ -288,8 +291,10 @@ def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
         row["action"] = (f"both ranks frozen (SIGSTOP) after step {info['stopped_after'] - 1}, 1 byte flipped in "
                          f"{row['fallback']['file']} of `latest`, ranks SIGKILLed (launch ended after "
                          f"{row['launch_ended_after_s']} s); relaunch on 1 rank: {tag} "
-                         f"rejected (sha256 mismatch, ckpt_fallback record), {loaded} loaded, steps {loaded_step}-"
-                         f"{info['stopped_after'] - 1} redone")
+                         f"rejected (sha256 mismatch, ckpt_fallback record), {loaded} loaded"
+                         + (f" (converted to {conv[0]['to']} first: {'ok' if conv[0].get('ok') else 'failed'})"
+                            if conv else "")
+                         + f", steps {loaded_step}-{info['stopped_after'] - 1} redone")
     if problems:
         row["check_failed"] = "; ".join(problems)
         row["action"] = f"CHECK FAILED: {row['check_failed']}"

@@ -277,11 +277,14 @@ def test_corrupt_checkpoint_row_fails_without_a_fallback_record(tmp_path):
     rows.append({"event": "elastic", "action": "fault", "t": 1.0})
     rows.append({"event": "ckpt_fallback", "latest": "step00000006", "loaded": "step00000004", "t": 3.0,
                  "rejected": [f"step00000006: {setup.info['corrupt_file']}: sha256 ..."]})
-    log.write_text("resumed from step00000004 at step 4\n")
+    rows.append({"event": "elastic", "action": "reshard", "from_tag": "step00000004", "to": "world=1,zero=2,tp=1",
+                 "ok": True, "t": 2.0})  # the supervisor converted the fallback to 1 rank first (elastic_reshard)
+    log.write_text("resumed from step00000004_w1z2t1 at step 4 (loader epoch 0)\n")
     row = {"recovered": True, "t_inject": 0.0, "action": "relaunched"}
     fe.annotate_corrupt_checkpoint(row, run, setup)
     assert row["recovered"] and row["steps_redone"] == 4 and row["detected_after_s"] == 3.0, row
     assert row["launch_ended_after_s"] == 1.0 and "launch ended after 1.0 s" in row["action"]
+    assert "converted to world=1,zero=2,tp=1 first: ok" in row["action"]
 
 
 @pytest.mark.full
