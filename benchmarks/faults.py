@@ -13,7 +13,8 @@ one before the faults and one after, are the wall-time baseline.
 Columns, all from the run's own records (metrics.jsonl step rows and
 {"event": ...} records, the launch's exit):
 * detected after: injection -> the first fault record (watchdog) or the
-  supervisor's fault event, or -> the WARNING / skip that handled it;
+  supervisor's fault event, or -> the WARNING / skip that handled it (for a
+  corrupt checkpoint: -> the relaunch's {"event": "ckpt_fallback"} record);
 * steps redone: steps finished before the fault minus the step the relaunch
   resumed from;
 * samples lost / duplicated: the sample ids of every step row against the
@@ -132,23 +133,6 @@ def f_writer_killed_mid_save(run):
     return t
 
 
-def f_corrupt_checkpoint(run):
-    """Flip a byte of the newest published checkpoint, then kill a rank: the relaunch must skip it."""
-    run.wait_steps(7)
-    ck = os.path.join(run.run_dir, "checkpoints")
-    tag = open(os.path.join(ck, "latest")).read().strip()
-    victim = sorted(glob.glob(os.path.join(ck, tag, "*optim_states.pt")))[-1]
-    with open(victim, "r+b") as f:
-        f.seek(os.path.getsize(victim) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
-    run.capacity.write_text("1")
-    t = run.mark_fault()
-    os.kill(run.rank_pid(1), signal.SIGKILL)
-    return t
-
-
 def f_decode_worker_sigkill(run):
     run.wait_steps(2)  # early: the 2 workers fill 5 slots + 2 prefetched batches ahead, a late kill hits idle ones
     rank0 = run.rank_pid(0)
@@ -186,7 +170,7 @@ FAULTS = {  # name -> (trigger, extra train args, env, needs a cache daemon)
     "decode_worker_sigkill": (f_decode_worker_sigkill, ("--workers", "2"), {}, False),
     "cache_daemon_sigkill": (f_cache_daemon_sigkill, (), {}, True),
     "writer_killed_mid_save": (f_writer_killed_mid_save, ("--save-mbps", "0.2"), {}, False),
-    "corrupt_checkpoint": (f_corrupt_checkpoint, (), {}, False),
+    "corrupt_checkpoint": (fe.f_corrupt_checkpoint, (), {}, False),
     "nan_loss": (f_nan_loss, (), {"LOONGFORGE_INJECT_NAN": "5@1"}, False),
 }
 FAULTS.update({  # faults_env.py: staged around the run (prepare before it starts, annotate the row after)
@@ -194,7 +178,8 @@ FAULTS.update({  # faults_env.py: staged around the run (prepare before it start
     "corrupt_shard_at_origin": (fe.f_corrupt_shard, (), {}, True),
     "checkpoint_disk_full": (fe.f_disk_full, (), {}, False),
 })
-STAGED = {"redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
+STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
+          "redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
           "corrupt_shard_at_origin": (fe.prepare_corrupt_shard, fe.annotate_corrupt_shard),
           "checkpoint_disk_full": (fe.prepare_disk_full, fe.annotate_disk_full)}
 

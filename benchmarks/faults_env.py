@@ -1,5 +1,6 @@
-"""The three faults of benchmarks/faults.py that need something set up around the run: a Redis server behind the
-cache daemon, a corrupt copy of the shard root, a small real filesystem under the checkpoints.
+"""The faults of benchmarks/faults.py that need something set up around the run or checked after it: a Redis
+server behind the cache daemon, a corrupt copy of the shard root, a small real filesystem under the checkpoints,
+a corrupt `latest` checkpoint that the relaunch must reject.
 
 Each fault here is a `prepare(work, root, name) -> Setup` (before the run starts) plus a trigger (as in
 faults.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
@@ -9,10 +10,14 @@ global order.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
+import signal
 import socket
+import sys
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -22,6 +27,7 @@ from pathlib import Path
 # tmpfs size for the checkpoint dir: big enough for 2 checkpoints of the tiny recipe with room to spare; the
 # trigger fills it with a ballast once the size of one real checkpoint is known.
 DISK_MB = 256
+BALLAST_FREE = 64 << 10  # bytes the ballast leaves free: less than any checkpoint's model/optimizer file
 
 
 @dataclass
@@ -125,14 +131,16 @@ def annotate_corrupt_shard(row: dict, run, setup: Setup) -> None:
     why = hits[0][0].split("): ", 1)[-1][:160] if hits else "no skip logged"
     row["samples_skipped_by_policy"] = len(skipped)
     row["skipped_ids"] = skipped
+    per_sample = any("one by one from origin" in ln for ln in log)  # the cache client's WARNING (cache/client.py)
     shard = set(range(setup.info["shard_first"], setup.info["shard_first"] + setup.info["shard_samples"]))
     row["action"] = (f"1 byte flipped in global sample {setup.info['corrupt_gid']} ({setup.info['corrupt_where']}) "
-                     f"before launch; detected (s after launch) by {why}; bad-sample policy skip (the default): "
-                     f"{len(skipped)} sample(s) {_ranges(skipped)} masked out of their batches"
-                     + ("; the cache verifies the whole shard's sha256, so the whole shard is skipped"
-                        if len(skipped) > 1 and set(skipped) == shard else ""))
-    # Recovered: the run finished every step, the corrupt sample was caught, and nothing outside its shard skipped.
-    row["recovered"] = row["recovered"] and setup.info["corrupt_gid"] in skipped and set(skipped) <= shard
+                     f"before launch; detected (s after launch) by {why}; "
+                     + ("the daemon refused the shard (sha256), the client read its samples one by one from origin, "
+                        "each checked by xxh3; " if per_sample else "")
+                     + f"bad-sample policy skip (the default): {len(skipped)} sample(s) {_ranges(skipped)} masked "
+                     f"out of their batches, the shard's other {len(shard) - len(set(skipped) & shard)} delivered")
+    # Recovered: the run finished every step and exactly the corrupt sample was skipped (not its whole shard).
+    row["recovered"] = row["recovered"] and skipped == [setup.info["corrupt_gid"]]
 
 
 def _ranges(ids: list[int]) -> str:
@@ -157,27 +165,46 @@ def prepare_disk_full(work: Path, root: str, name: str) -> Setup:
 
 
 def f_disk_full(run):
-    """Wait for the first published checkpoint, then leave less free space than one checkpoint needs; take the
-    ballast away once a save has failed, so a later interval must succeed."""
+    """Once the first checkpoint is published, freeze both ranks (SIGSTOP: no save takes room meanwhile), fallocate
+    a ballast that leaves BALLAST_FREE bytes, and let them go on; until a save has failed, top the ballast up
+    whenever room appears again (a save that was nearly done publishes and prunes an older checkpoint). Once a
+    save has failed, the ballast goes, so a later interval must succeed."""
     mnt = run.setup.info["mnt"]
     while not os.path.exists(mnt / "latest"):
         if run.proc.poll() is not None:
             raise RuntimeError("run ended before its first checkpoint")
         time.sleep(0.05)
-    st = os.statvfs(mnt)
-    ckpt = (st.f_blocks - st.f_bfree) * st.f_frsize  # the first checkpoint (+ a save under way at most)
-    run.setup.info["ckpt_bytes"] = ckpt
-    t = run.mark_fault()
-    with open(mnt / "ballast", "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - ckpt // 4))
+    pids = [run.rank_pid(r) for r in (0, 1)]
+    fd = os.open(mnt / "ballast", os.O_CREAT | os.O_WRONLY, 0o600)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:  # milliseconds: fallocate writes nothing, so the watchdog's 5 s never come near
+        st = os.statvfs(mnt)
+        run.setup.info["ckpt_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+        t = run.mark_fault()
+        _top_up(fd, mnt)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     log = Path(run.log.name)
-    while "NOT saved" not in log.read_text(errors="replace"):
-        if run.proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    os.unlink(mnt / "ballast")  # the log reaches us late: on a fast run every later save may fail too
+    while "NOT saved" not in log.read_text(errors="replace") and run.proc.poll() is None:
+        _top_up(fd, mnt)
+        time.sleep(0.02)
+    os.close(fd)
+    os.unlink(mnt / "ballast")
     run.setup.info["ballast_removed"] = time.time()
     return t
+
+
+def _top_up(fd: int, mnt: Path) -> None:
+    st = os.statvfs(mnt)
+    extra = st.f_bavail * st.f_frsize - BALLAST_FREE
+    if extra > 0:
+        try:
+            os.posix_fallocate(fd, os.fstat(fd).st_size, extra)
+        except OSError as exc:  # a save took the room first: the disk is full either way, as wanted
+            if exc.errno != errno.ENOSPC:
+                raise
 
 
 def annotate_disk_full(row: dict, run, setup: Setup) -> None:
@@ -195,10 +222,81 @@ def annotate_disk_full(row: dict, run, setup: Setup) -> None:
         intact, latest = False, f"{latest} ({type(exc).__name__}: {exc})"
     failed = sorted({ln.split("checkpoint ")[1].split()[0] for ln in lines})
     enospc = any("No space left" in ln for ln in lines)
-    row["action"] = (f"save of {', '.join(failed) or '-'} failed ({'ENOSPC' if enospc else 'no ENOSPC'}, "
-                     f"{DISK_MB} MiB tmpfs filled to a quarter of the {setup.info.get('ckpt_bytes', 0) >> 10}"
-                     f" KiB in use at the first `latest` left free): partial files removed, training went on; latest = {latest} at the end, "
+    row["action"] = (f"save of {', '.join(failed) or '-'} failed ({'ENOSPC' if enospc else 'no ENOSPC'}: ranks "
+                     f"frozen while a ballast left {BALLAST_FREE >> 10} KiB free on the {DISK_MB} MiB tmpfs, "
+                     f"{setup.info.get('ckpt_bytes', 0) >> 10} KiB of checkpoints on it): partial files removed, "
+                     f"training went on; ballast removed after the first failure; latest = {latest} at the end, "
                      f"sha256 manifest {'verified' if intact else 'NOT verified'}")
     row["saves_failed"] = failed
     # Recovered: every step trained, the ENOSPC was caught, and the `latest` left is whole (verified).
     row["recovered"] = row["recovered"] and enospc and intact
+
+
+# -- corrupt checkpoint: the `latest` the relaunch WILL load, with nothing left running that could publish a newer one
+def f_corrupt_checkpoint(run):
+    """Freeze both ranks (SIGSTOP stops their checkpoint-writer threads too, so `latest` cannot move; rank 0, the
+    publisher, first), flip one byte in the largest file of `latest`'s manifest, then SIGKILL them. The relaunch
+    (1 rank: the capacity file) must reject that checkpoint by its sha256 and load the one before it."""
+    run.wait_steps(7)
+    pids = [run.rank_pid(r) for r in (0, 1)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    t = run.mark_fault()  # nothing trains or publishes from here: the count of finished steps is final
+    ck = Path(run.run_dir) / "checkpoints"
+    tag = (ck / "latest").read_text().strip()
+    files = json.loads((ck / tag / "manifest.json").read_text())["files"]
+    victim = ck / tag / max(files, key=lambda n: (files[n]["bytes"], n))
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    run.capacity.write_text("1")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    run.setup.info.update(corrupt_tag=tag, corrupt_file=str(victim), stopped_after=run.steps_before_fault)
+    return t
+
+
+def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
+    """The row holds only if the relaunch's {"event": "ckpt_fallback"} record rejects the corrupted tag, names the
+    flipped file, and loads an earlier checkpoint, and the relaunch says it resumed there; otherwise the row
+    fails (recovered n, exit code 1) and says which check did not hold."""
+    info, problems = setup.info, []
+    tag = info.get("corrupt_tag")
+    recs = [e for e in run.rows() if e.get("event") == "ckpt_fallback" and e.get("latest") == tag]
+    log = Path(run.log.name).read_text(errors="replace")
+    if tag is None:
+        problems.append("the trigger corrupted nothing")
+    elif not recs:
+        problems.append(f"no ckpt_fallback record rejecting {tag}: the relaunch did not fall back")
+    else:
+        rec = recs[0]
+        loaded, loaded_step = rec["loaded"], int(rec["loaded"][4:])
+        if not any(info["corrupt_file"] in r for r in rec["rejected"]):
+            problems.append(f"the record does not name {info['corrupt_file']}: {rec['rejected']}")
+        if loaded_step >= int(tag[4:]):
+            problems.append(f"loaded {loaded}, not a checkpoint before {tag}")
+        # The supervisor may first convert it to the new rank count (elastic_reshard: stepNNNNNNNN_wWzZtT).
+        if not re.search(rf"resumed from {loaded}(_w\w+)? at step {loaded_step}\b", log):
+            problems.append(f"no 'resumed from {loaded}[_wWzZtT] at step {loaded_step}' line in the log")
+        conv = [e for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "reshard"
+                and e.get("from_tag") == loaded]
+        row["detected_after_s"] = round(rec["t"] - row["t_inject"], 1)  # includes the relaunch's start-up
+        ended = [e["t"] for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "fault"]
+        row["launch_ended_after_s"] = round(ended[0] - row["t_inject"], 1) if ended else None
+        row["steps_redone"] = info["stopped_after"] - loaded_step  # steps finished before the fault - resumed at
+        row["fallback"] = {"rejected": tag, "file": os.path.relpath(info["corrupt_file"], run.run_dir),
+                           "loaded": loaded}
+        row["action"] = (f"both ranks frozen (SIGSTOP) after step {info['stopped_after'] - 1}, 1 byte flipped in "
+                         f"{row['fallback']['file']} of `latest`, ranks SIGKILLed (launch ended after "
+                         f"{row['launch_ended_after_s']} s); relaunch on 1 rank: {tag} "
+                         f"rejected (sha256 mismatch, ckpt_fallback record), {loaded} loaded"
+                         + (f" (converted to {conv[0]['to']} first: {'ok' if conv[0].get('ok') else 'failed'})"
+                            if conv else "")
+                         + f", steps {loaded_step}-{info['stopped_after'] - 1} redone")
+    if problems:
+        row["check_failed"] = "; ".join(problems)
+        row["action"] = f"CHECK FAILED: {row['check_failed']}"
+        print(f"corrupt_checkpoint: CHECK FAILED: {row['check_failed']} (log: {run.log.name})", file=sys.stderr)
+    row["recovered"] = row["recovered"] and not problems

@@ -12,8 +12,11 @@ Retention (ckpt_async.prune) keeps at least one published checkpoint before
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import time
 
 import torch
 
@@ -73,7 +76,22 @@ def pick_resume_tag(run_dir: str, latest: str, *, rank: int, device: torch.devic
     if tag != latest:
         log.warning("resuming from %s instead of `latest` %s (it failed verification); the steps after %s are "
                     "redone", tag, latest, tag)
+        if rank == 0:
+            _record_fallback(run_dir, latest, tag, reasons)
     return tag
+
+
+def _record_fallback(run_dir: str, latest: str, loaded: str, reasons: list[str]) -> None:
+    """One {"event": "ckpt_fallback"} line in metrics.jsonl (kept across resumes, like the watchdog's fault
+    records): which `latest` was rejected and why (the file and its hash), and which checkpoint was loaded."""
+    from loongforge.train.metrics import METRICS_FILE, METRICS_VERSION
+
+    record = {"v": METRICS_VERSION, "event": "ckpt_fallback", "latest": latest, "loaded": loaded,
+              "rejected": reasons, "t": time.time()}
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, METRICS_FILE), "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _broadcast_choice(choice: int, device: torch.device) -> int:

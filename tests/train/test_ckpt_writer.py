@@ -152,6 +152,11 @@ def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
     assert bad in caplog.text and "is corrupt" in caplog.text
     assert os.path.join(root, "step00000004", checkpoint.SIDECAR) in caplog.text
     assert "resuming from step00000002 instead of `latest` step00000006" in caplog.text
+    from loongforge.train.metrics import read_events
+
+    (rec,) = read_events(run_dir)  # one record of the fallback (the fault suite's corrupt_checkpoint row reads it)
+    assert (rec["event"], rec["latest"], rec["loaded"]) == ("ckpt_fallback", "step00000006", "step00000002")
+    assert bad in rec["rejected"][0] and checkpoint.SIDECAR in rec["rejected"][1]
     _flip_byte(os.path.join(root, "step00000002", "model.pt"))
     with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
         pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu)

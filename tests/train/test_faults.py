@@ -40,7 +40,12 @@ def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_pa
     warn = [ln for ln in done.stderr.splitlines() if "WARNING" in ln and "failed verification" in ln]
     assert warn and bad in warn[0] and "corrupt" in warn[0], done.stderr[-3000:]
     assert "resumed from step00000002 at step 2" in done.stderr
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
+    assert [r["step"] for r in _metrics(run_dir) if "event" not in r] == list(range(6))
+    from loongforge.train.metrics import read_events
+
+    rec = [e for e in read_events(run_dir) if e["event"] == "ckpt_fallback"]  # the record the fault suite checks
+    assert len(rec) == 1 and (rec[0]["latest"], rec[0]["loaded"]) == ("step00000004", "step00000002"), rec
+    assert bad in rec[0]["rejected"][0] and "sha256" in rec[0]["rejected"][0]
     assert open(os.path.join(ckpts, "latest")).read().strip() == "step00000006"
 
 
@@ -238,6 +243,51 @@ def test_fault_suite_rank_sigstop_relaunches_on_the_survivor(tmp_path):
 
 
 @pytest.mark.full
+def test_fault_suite_corrupt_checkpoint_row_falls_back(tmp_path):
+    """The relaunch must load a corrupt `latest`: both ranks are frozen before the byte flips, so nothing newer
+    is published; the row is built from the relaunch's ckpt_fallback record."""
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["corrupt_checkpoint"], steps=10, work=tmp_path, baseline=False)
+    row = doc["rows"][0]
+    assert row["recovered"] and "check_failed" not in row, row
+    fb = row["fallback"]
+    assert int(fb["loaded"][4:]) < int(fb["rejected"][4:]) and fb["file"].startswith(f"checkpoints/{fb['rejected']}/")
+    assert row["steps_redone"] >= int(fb["rejected"][4:]) - int(fb["loaded"][4:]) > 0
+    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)
+
+
+def test_corrupt_checkpoint_row_fails_without_a_fallback_record(tmp_path):
+    """The suite's own check: a relaunch that loaded something without rejecting the corrupted tag (no
+    ckpt_fallback record, as when a newer checkpoint was published after the flip) fails the row."""
+    from types import SimpleNamespace
+
+    from loongforge.benchmarks import faults_env as fe
+
+    log = tmp_path / "run.log"
+    log.write_text("resumed from step00000008 at step 8\n")
+    rows = [{"step": s} for s in range(10)] + [{"event": "elastic", "action": "launch", "t": 1.0}]
+    run = SimpleNamespace(rows=lambda: rows, log=SimpleNamespace(name=str(log)), run_dir=str(tmp_path))
+    setup = fe.Setup(str(tmp_path), info={"corrupt_tag": "step00000006", "stopped_after": 8,
+                                          "corrupt_file": str(tmp_path / "checkpoints/step00000006/x.pt")})
+    row = {"recovered": True, "t_inject": 0.0, "action": "relaunched"}
+    fe.annotate_corrupt_checkpoint(row, run, setup)
+    assert not row["recovered"] and "no ckpt_fallback record rejecting step00000006" in row["check_failed"]
+    assert row["action"].startswith("CHECK FAILED")
+    rows.append({"event": "elastic", "action": "fault", "t": 1.0})
+    rows.append({"event": "ckpt_fallback", "latest": "step00000006", "loaded": "step00000004", "t": 3.0,
+                 "rejected": [f"step00000006: {setup.info['corrupt_file']}: sha256 ..."]})
+    rows.append({"event": "elastic", "action": "reshard", "from_tag": "step00000004", "to": "world=1,zero=2,tp=1",
+                 "ok": True, "t": 2.0})  # the supervisor converted the fallback to 1 rank first (elastic_reshard)
+    log.write_text("resumed from step00000004_w1z2t1 at step 4 (loader epoch 0)\n")
+    row = {"recovered": True, "t_inject": 0.0, "action": "relaunched"}
+    fe.annotate_corrupt_checkpoint(row, run, setup)
+    assert row["recovered"] and row["steps_redone"] == 4 and row["detected_after_s"] == 3.0, row
+    assert row["launch_ended_after_s"] == 1.0 and "launch ended after 1.0 s" in row["action"]
+    assert "converted to world=1,zero=2,tp=1 first: ok" in row["action"]
+
+
+@pytest.mark.full
 def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_path (AF_UNIX <= 107 bytes)
     """The three faults staged around the run (faults_env.py): Redis SIGKILL under the cache daemon, one byte
     flipped in a shard at the origin (skipped by policy, never silently lost), the checkpoint tmpfs filled."""
@@ -254,5 +304,5 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
         assert row["recovered"] and (row["samples_lost"], row["samples_duplicated"]) == (0, 0), row
         assert row["detected_after_s"] is not None, row
     assert "redis unreachable" in rows["redis_sigkill"]["action"]
-    assert 19 in rows["corrupt_shard_at_origin"]["skipped_ids"]
+    assert rows["corrupt_shard_at_origin"]["skipped_ids"] == [19]  # that sample only, not its shard (16-31)
     assert "(" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
