@@ -2,6 +2,7 @@
 
     python -m loongforge.benchmarks.storage_v2                      # grain + camera footage, 4 episodes each
     python -m loongforge.benchmarks.storage_v2 --footage camera --episodes 2 --frames 60 80 --blocks 4,16  # quick
+    python -m loongforge.benchmarks.storage_v2 --footage "" --lerobot /data/my_lerobot_root   # your real footage
 
 On GR00T-shaped data (`sample_data` preset gr00t-like: one 256x256 H.264
 camera, 20 fps, GOP 20, 44-D state/action; every timestep a sample), for each
@@ -21,7 +22,9 @@ zstd (+ the codec's inverse) into a reused buffer; v1: its per-sample reader),
 best of `--repeats`. Loader samples/s: the decode worker's body
 (`loader_v2.v2_row`: V2Filler over BlockLoader's order, run 4, 256 MiB LRU, one
 process) for `--loader-batches` batches of 32. `--levels 3,9` adds rows at
-other zstd levels for B=`--level-block`. Prints markdown tables, writes
+other zstd levels for B=`--level-block`. `--lerobot ROOT` measures an existing LeRobot
+v2.x root instead (real footage: its own mp4s are the reference, its own GOP and
+codec). Prints markdown tables, writes
 benchmarks/results/storage-v2-<date>-<host>.json.
 """
 
@@ -209,7 +212,8 @@ def markdown(part: dict) -> str:
         lines.append(f"| {r['format']} | {r['codec']} | {r['zstd_level']} | {r['bytes'] / 1e6:.2f} | "
                      f"{r['over_mp4']:.2f} | {r['block_ratio']:.1f} | {r['decode_cpu_us_per_frame']:.1f} | "
                      f"{block:.0f} | {r['encode_cpu_us_per_frame']:.1f} | {loader} |")
-    lines.append(f"| source mp4 (H.264 CRF 23, GOP {part['gop']}) | - | - | {part['mp4_bytes'] / 1e6:.2f} | 1.00 | "
+    src = f"source mp4 ({part['gop']})" if "source" in part else f"source mp4 (H.264 CRF 23, GOP {part['gop']})"
+    lines.append(f"| {src} | - | - | {part['mp4_bytes'] / 1e6:.2f} | 1.00 | "
                  f"{part['raw_bytes'] / part['mp4_bytes']:.0f} | - | - | - | - |")
     return "\n".join(lines)
 
@@ -220,6 +224,33 @@ def run_footage(work: str, footage: str, args) -> dict:
                     footage=footage)
     eps, info, mp4 = load_source(src)
     shutil.rmtree(src)
+    return measure_source(work, eps, info, mp4, args, gop=args.gop)
+
+
+def run_lerobot(work: str, root: str, args) -> dict:
+    """The same table on an existing LeRobot root: its mp4s (codec, GOP, bitrate as recorded) are the reference."""
+    eps, info, mp4 = load_source(root)
+    # the loader column's worker body is built for the gr00t-like shape (loader_v2.v2_row): not measured here
+    part = measure_source(work, eps, info, mp4, argparse.Namespace(**{**vars(args), "loader_batches": 0}),
+                          gop=_source_gop(root))
+    part["episodes"], part["source"] = len(eps), os.path.abspath(root)
+    return part
+
+
+def _source_gop(root: str) -> str:
+    """'codec, keyframes/frames' of the root's first mp4 (what the source costs per frame depends on it)."""
+    import av
+
+    from loongforge.preprocess.discover import discover as _discover
+
+    path = _discover(root)[1][0].videos[0][1]
+    with av.open(path) as c:
+        keys = [p.is_keyframe for p in c.demux(video=0) if p.size]
+        name = c.streams.video[0].codec_context.name
+    return f"{name}, {sum(keys)} keyframes in {len(keys)} frames"
+
+
+def measure_source(work: str, eps, info, mp4: int, args, gop) -> dict:
     rows = [measure_v1(work, eps, info, args.repeats)]
     shutil.rmtree(os.path.join(work, "v1-k1"))
     for b in args.blocks:
@@ -231,8 +262,9 @@ def run_footage(work: str, footage: str, args) -> dict:
     raw = sum(f.nbytes for _, frames, _ in eps for f in frames.values())
     for r in rows:
         r["over_mp4"] = r["bytes"] / mp4
-    return {"rows": rows, "decode_interleaved": decode, "mp4_bytes": mp4, "raw_bytes": raw, "frames": sum(t.length for _, _, t in eps),
-            "episodes": args.episodes, "gop": args.gop, "resolution": [info.height, info.width]}
+    return {"rows": rows, "decode_interleaved": decode, "mp4_bytes": mp4, "raw_bytes": raw,
+            "frames": sum(t.length for _, _, t in eps), "episodes": args.episodes, "gop": gop,
+            "resolution": [info.height, info.width]}
 
 
 def _csv(text: str, cast=str) -> list:
@@ -242,6 +274,7 @@ def _csv(text: str, cast=str) -> list:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.storage_v2", description=__doc__.splitlines()[0])
     p.add_argument("--footage", default="grain,camera", help="sample footage kinds (grain,camera; FOOTAGE_KINDS)")
+    p.add_argument("--lerobot", default="", help="comma-separated LeRobot roots to measure as they are (real footage)")
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--frames", type=int, nargs=2, default=(200, 300), metavar=("A", "B"))
     p.add_argument("--blocks", default="4,8,16,32", help="block sizes B to compare (4,8,16,32)")
@@ -259,8 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "storage-v2", "load_avg": os.getloadavg(), "host": platform.node(), "repeats": args.repeats,
            "codecs": args.codecs, "footage": {}}
     with tempfile.TemporaryDirectory(prefix="storage-v2-") as work:
-        for footage in _csv(args.footage):
-            doc["footage"][footage] = part = run_footage(work, footage, args)
+        sources = [(f, lambda f=f: run_footage(work, f, args)) for f in _csv(args.footage)] + \
+            [(f"lerobot:{r}", lambda r=r: run_lerobot(work, r, args)) for r in _csv(args.lerobot)]
+        if not sources:
+            p.error("nothing to measure: give --footage kinds and/or --lerobot roots")
+        for footage, run in sources:
+            doc["footage"][footage] = part = run()
             print(f"\n{footage} footage: {part['frames']} frames, {part['episodes']} episodes, load average "
                   f"{os.getloadavg()[0]:.2f}\n" + markdown(part), flush=True)
             if part["decode_interleaved"]:

@@ -49,3 +49,32 @@ def test_storage_v2_runs(tmp_path, capsys):
     # the camera model is what lossless block coding can exploit; the grain is not
     assert doc["footage"]["camera"]["rows"][3]["block_ratio"] > 2 * doc["footage"]["grain"]["rows"][3]["block_ratio"]
     assert "| source mp4" in capsys.readouterr().out
+
+
+def test_storage_v2_measures_an_existing_lerobot_root(tmp_path, capsys):
+    """--lerobot: a user's own (real) footage, its mp4s the reference, its codec and GOP reported."""
+    import os
+
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    root = generate_dataset(tmp_path / "lerobot", episodes=2, frames=(12, 16), height=32, width=32,
+                            cameras=("image",), state_dim=8, action_dim=7, gop=5)
+    mp4 = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs if f.endswith(".mp4"))
+    assert storage_v2.main(["--footage", "", "--lerobot", str(root), "--blocks", "4", "--codecs", "zstd",
+                            "--repeats", "1", "--decode-rounds", "0", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("storage-v2-*.json")).read_text())
+    (key, part), = doc["footage"].items()
+    assert key == f"lerobot:{root}" and part["mp4_bytes"] == mp4 and part["episodes"] == 2
+    import re
+
+    keys, frames = map(int, re.fullmatch(r"h264, (\d+) keyframes in (\d+) frames", part["gop"]).groups())
+    assert 12 <= frames <= 16 and keys == -(-frames // 5)  # the first episode's mp4, GOP 5
+    assert [r["format"] for r in part["rows"]] == ["v1 K=1 stride 1", "v2 B=4"]
+    assert "| source mp4 (h264, " in capsys.readouterr().out
+
+
+def test_storage_v2_refuses_nothing_to_measure(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        storage_v2.main(["--footage", "", "--out", str(tmp_path)])
