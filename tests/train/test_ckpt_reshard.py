@@ -43,6 +43,8 @@ def _same_continuation(want, got, first):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 60+ s; make test converts through the elastic test (test_faults.py, ZeRO-2 w2 -> w1 losses) and
+# test_ckpt_resilience's ZeRO-3 rank-count change
 def test_zero3_two_ranks_resharded_to_zero2_one_rank(train_root, tmp_path):
     root, _ = train_root
     a = str(tmp_path / "a")

@@ -69,12 +69,12 @@ def _kill_tree(pid):
 
 
 def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
-    """Writes throttled to 0.5 MB/s so the step-4 save is caught mid-file; SIGKILL every process.
+    """Writes throttled to 2 MB/s so the step-4 save is caught mid-file; SIGKILL every process.
     `latest` must still name step 2, which verifies and resumes; the debris is replaced."""
     root, _ = train_root
     run_dir = str(tmp_path / "run")
     proc = _popen_torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "8", "--zero", "2",
-                               "--save-every", "2", "--save-mbps", "0.5", *COMMON], str(tmp_path))
+                               "--save-every", "2", "--save-mbps", "2", *COMMON], str(tmp_path))
     deadline = time.monotonic() + 400
     try:
         while not glob.glob(os.path.join(run_dir, "checkpoints", "step00000004", "*.tmp")):

@@ -127,7 +127,8 @@ def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--zero", "3", "--grad-compression", "topk")], ids=["plain", "topk"])
+@pytest.mark.parametrize("extra", [pytest.param((), marks=pytest.mark.full, id="plain"),  # topk covers the plumbing
+                                   pytest.param(("--zero", "3", "--grad-compression", "topk"), id="topk")])
 def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path, extra):
     """The gpu-check script's run + profile + checks, driven on CPU: it must complete and flag
     exactly what only a GPU provides (so its first GPU run does not die on its own plumbing).
