@@ -137,6 +137,7 @@ class ParallelConfig:
     grad_accum: int = 1
     reduce_bucket_size: int = 50_000_000
     overlap_comm: bool = True
+    zero3_leaf_blocks: bool = False  # ZeRO-3: trunk/head blocks are DeepSpeed leaf modules (one fetch per block)
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     wall_clock_breakdown: bool = True  # DeepSpeed's own fwd/bwd/allreduce timers (printed every micro step)
     dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs

@@ -27,6 +27,9 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+LEAF_BLOCKS = ("loongforge.train.layers.TrunkBlock", "loongforge.train.layers.HeadBlock")
+
+
 def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
     """The DeepSpeed JSON, from the typed config. One place, so it can be printed and diffed."""
     p, o = cfg.parallel, cfg.optim
@@ -42,6 +45,8 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
     if p.zero_stage == 3:
         zero.pop("allgather_bucket_size")
         zero.update({"stage3_prefetch_bucket_size": p.reduce_bucket_size, "stage3_param_persistence_threshold": 0})
+        if p.zero3_leaf_blocks:  # one gather and one hook pair per block instead of per sub-layer
+            zero["leaf_module"] = {"classes": list(LEAF_BLOCKS)}
     conf = {
         "train_batch_size": step_batch,
         "train_micro_batch_size_per_gpu": micro,

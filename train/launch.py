@@ -80,6 +80,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="attention kernel for the multimodal mask (train/README.md); the log says which runs")
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000)
     p.add_argument("--no-overlap-comm", action="store_true")
+    p.add_argument("--zero3-leaf-blocks", action="store_true", help="ZeRO-3: fetch each transformer block's "
+                   "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and "
+                   "gathers; for small models, whose per-layer hooks cost more than their math")
     p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
                    "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: the trunk's attention and MLP "
@@ -138,6 +141,7 @@ def config_from_args(a: argparse.Namespace):
         optim=OptimConfig(lr=a.lr),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
+                                zero3_leaf_blocks=getattr(a, "zero3_leaf_blocks", False),
                                 dist_timeout_s=a.dist_timeout, wall_clock_breakdown=not a.no_ds_breakdown,
                                 tp=getattr(a, "tp", 1), sp=getattr(a, "sp", 1),
                                 grad_compression=getattr(a, "grad_compression", "none"),

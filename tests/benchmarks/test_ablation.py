@@ -60,6 +60,32 @@ def test_hybrid_row_uses_sp_only_when_the_trainer_takes_it_and_says_so():
     assert next(r for r in two if r.id == "C5").skip.startswith("needs >= 2 data-parallel")
 
 
+def test_zero3_rows_fetch_blocks_whole_through_the_trainer_flag():
+    """The ZeRO-3 rows run what a user of a small model sets: DeepSpeed leaf modules for the
+    transformer blocks (--zero3-leaf-blocks), reaching the DeepSpeed JSON with class names
+    DeepSpeed resolves; the ZeRO-2 rows leave it off."""
+    import argparse
+
+    import torch
+
+    from loongforge.train.engine import ds_config
+    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.layers import HeadBlock, TrunkBlock
+
+    rows = {r.id: r for r in ladder(Plan(ranks=4, cuda=False, sp_accepted=True))}
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    leaves = {}
+    for rid in ("C4", "A5", "C3", "0"):
+        argv = train_argv(rows[rid].setting, shards="s", run_dir="r", recipe="tiny", batch=8, steps=3, seed=0,
+                          cuda=False, cache_socket=None)
+        conf = ds_config(config_from_args(p.parse_args(argv)), world=2, device=torch.device("cpu"))
+        leaves[rid] = conf["zero_optimization"].get("leaf_module")
+    assert leaves["C3"] is None and leaves["0"] is None  # ZeRO-2 rows
+    names = {f"{c.__module__}.{c.__qualname__}" for c in (TrunkBlock, HeadBlock)}  # how DeepSpeed matches
+    assert set(leaves["C4"]["classes"]) == names and set(leaves["A5"]["classes"]) == names
+
+
 def _rank_doc(steps, wait=0.1, comm=0.02, over=0.005, comp=0.2, tp_comm=0.0):
     recs = [{"step_s": wait + comm + tp_comm + over + comp, "data_wait_s": wait, "comm_s": comm, "overhead_s": over,
              "forward_s": comp / 2 + tp_comm, "backward_s": comp / 2 + comm, "optimizer_s": 0.0,

@@ -145,6 +145,25 @@ _INPUT = {"all_reduce": "tensor", "broadcast": "tensor", "all_gather": "tensor",
           "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input", "all_to_all_single": "input"}
 
 
+class _TimedWork:
+    """An async collective's handle whose wait() adds its blocked time to the counter. ZeRO-3
+    gathers parameters with async_op=True and waits in its fetch hook: without this, the wait
+    (the transfer, or a late peer) would land in compute and only the launch would count."""
+
+    def __init__(self, work, counter: CommCounter, key: tuple[str, str]):
+        self._work, self._counter, self._key = work, counter, key
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._counter.seconds[self._key] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _patched(op: str, fn):
     sig = inspect.signature(_ORIG[op])
 
@@ -152,8 +171,11 @@ def _patched(op: str, fn):
         bound = sig.bind_partial(*args, **kwargs).arguments  # DeepSpeed passes tensor=..., others positionally
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        if _COUNTER is not None:
-            _COUNTER.record(op, bound.get("group"), _nbytes(bound[_INPUT[op]]), time.perf_counter() - t0)
+        counter = _COUNTER
+        if counter is not None:
+            counter.record(op, bound.get("group"), _nbytes(bound[_INPUT[op]]), time.perf_counter() - t0)
+            if bound.get("async_op") and out is not None:
+                out = _TimedWork(out, counter, (group_name(bound.get("group")), op))
         return out
 
     wrapper.__name__ = op
