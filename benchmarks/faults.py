@@ -57,8 +57,9 @@ class Run:
         args = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
                 "--capacity-file", str(self.capacity), "--data", root, "--run-dir", self.run_dir,
                 "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch-size", str(BATCH), "--recipe",
-                "tiny", "--seed", "1", "--shuffle-window", str(fd.SHUFFLE_WINDOW), "--no-ds-breakdown", "--heartbeat-s", "0.5",
-                "--hang-timeout-s", "30", *extra, *(["--cache-socket", cache_socket] if cache_socket else [])]
+                "tiny", "--seed", "1", "--shuffle-window", str(fd.SHUFFLE_WINDOW), "--no-ds-breakdown",
+                "--heartbeat-s", "0.5", "--hang-timeout-s", "30", *extra,
+                *(["--cache-socket", cache_socket] if cache_socket else [])]
         self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.log = open(work / f"{name}.log", "w")
@@ -157,7 +158,8 @@ def _is_decode_worker(pid: int) -> bool:
 
 def f_cache_daemon_sigkill(run):
     # Early: a rank maps each shard once and reads it without the daemon afterwards, so the kill must come while
-    # shards are still to be mapped (faults_data.py: each rank maps a new one at steps 5-7 of either root).
+    # shards are still to be mapped (faults_data.py: a rank maps a new one at step 6 or 7 of either root, and
+    # its prefetch reads at most 2 steps ahead).
     run.wait_steps(2)
     t = run.mark_fault()
     run.daemon.proc.kill()  # the loader's cache client falls back to the origin
@@ -273,7 +275,8 @@ def run_suite(names, *, steps: int, work: Path, baseline: bool = True, fmt: int 
             r["wall_cost_s"] = round(r["wall_s"] - base_wall, 1)
     return {"suite": "faults", "format_version": 2, "host": socket.gethostname(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "steps": steps,
-            "data_format": fmt, "data": fd.describe(root), "ranks": 2, "global_batch": BATCH, "save_every": SAVE_EVERY, "clean_wall_s": round(base_wall, 1),
+            "data_format": fmt, "data": fd.describe(root), "ranks": 2, "global_batch": BATCH,
+            "save_every": SAVE_EVERY, "clean_wall_s": round(base_wall, 1),
             "clean_runs_wall_s": [round(c, 1) for c in clean],
             "baseline": "median of a clean run before the faults and one after (mean of the two)",
             "load_avg": os.getloadavg(), "rows": rows}

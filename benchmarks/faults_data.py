@@ -55,9 +55,9 @@ def describe(root: str) -> str:
         from loongforge.shared.dataset_v2 import open_v2
 
         ds = open_v2(root)
-        return (f"format 2 (make_synthetic_v2_root): {ds.num_episodes} episodes of {list(map(int, ds.episode_lengths))} "
-                f"frames, blocks of {ds.block_size} frames, {len(ds.manifest['shards'])} shards, cameras "
-                f"{list(ds.cameras)}")
+        lengths = list(map(int, ds.episode_lengths))
+        return (f"format 2 (make_synthetic_v2_root): {ds.num_episodes} episodes of {lengths} frames, blocks of "
+                f"{ds.block_size} frames, {len(ds.manifest['shards'])} shards, cameras {list(ds.cameras)}")
     from loongforge.shared.index import load_index
 
     index = load_index(root)
