@@ -176,7 +176,7 @@ def annotate_corrupt_shard(row: dict, run, setup) -> None:
     skipped = sorted({gid for _, gid in hits})
     if hits and (t := log_time(hits[0][0])) is not None:
         row["detected_after_s"] = round(t - row["t_inject"], 1)
-    why = hits[0][0].split("): ", 1)[-1][:160] if hits else "no skip logged"
+    why = hits[0][0].split("): ", 1)[-1].split("; re-fetch")[0][:200] if hits else "no skip logged"
     # The samples that show the bad bytes AND were in a batch of this run (a sample of the epoch's dropped tail
     # never is): exactly those must be skipped. metrics.jsonl keeps a skipped row's id (sample_valid is False).
     trained = {i for r in run.rows() if "sample_ids" in r for ids in r["sample_ids"] for i in ids}
