@@ -5,7 +5,8 @@ elastic supervisor, and a table of what happened.
     make faults
 
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
-recipe, global batch 8, checkpoint every 2 steps) on a synthetic dataset, read
+recipe, global batch 8, checkpoint every 2 steps) on a synthetic dataset (format 2, frame
+blocks, by default; `--format 1` for the old per-sample root: faults_data.py), read
 through a real cache daemon (`loongforge cache serve`) where the fault needs
 one (with a real redis-server behind it for redis_sigkill). Clean runs of the same configuration,
 one before the faults and one after, are the wall-time baseline.
@@ -18,7 +19,8 @@ Columns, all from the run's own records (metrics.jsonl step rows and
 * steps redone: steps finished before the fault minus the step the relaunch
   resumed from;
 * samples lost / duplicated: the sample ids of every step row against the
-  global order (train/order.py) for steps 0..N-1; both must be 0;
+  global order for steps 0..N-1 (format 2: the BlockLoader's order_v2.EpochOrder; format 1:
+  train/order.py; faults_data.py); both must be 0;
 * wall cost: wall time of the faulted run minus the median of the clean runs' (one before the faults, one
   after: under a shared machine's changing load a single clean run made some costs negative).
 """
@@ -39,6 +41,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
+from loongforge.benchmarks import faults_data as fd
 from loongforge.benchmarks import faults_env as fe
 
 VENV_BIN = Path(sys.executable).parent
@@ -54,8 +57,9 @@ class Run:
         args = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
                 "--capacity-file", str(self.capacity), "--data", root, "--run-dir", self.run_dir,
                 "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch-size", str(BATCH), "--recipe",
-                "tiny", "--seed", "1", "--shuffle-window", "8", "--no-ds-breakdown", "--heartbeat-s", "0.5",
-                "--hang-timeout-s", "30", *extra, *(["--cache-socket", cache_socket] if cache_socket else [])]
+                "tiny", "--seed", "1", "--shuffle-window", str(fd.SHUFFLE_WINDOW), "--no-ds-breakdown",
+                "--heartbeat-s", "0.5", "--hang-timeout-s", "30", *extra,
+                *(["--cache-socket", cache_socket] if cache_socket else [])]
         self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.log = open(work / f"{name}.log", "w")
@@ -153,7 +157,10 @@ def _is_decode_worker(pid: int) -> bool:
 
 
 def f_cache_daemon_sigkill(run):
-    run.wait_steps(4)
+    # Early: a rank maps each shard once and reads it without the daemon afterwards, so the kill must come while
+    # shards are still to be mapped (faults_data.py: a rank maps a new one at step 6 or 7 of either root, and
+    # its prefetch reads at most 2 steps ahead).
+    run.wait_steps(2)
     t = run.mark_fault()
     run.daemon.proc.kill()  # the loader's cache client falls back to the origin
     return t
@@ -175,12 +182,12 @@ FAULTS = {  # name -> (trigger, extra train args, env, needs a cache daemon)
 }
 FAULTS.update({  # faults_env.py: staged around the run (prepare before it starts, annotate the row after)
     "redis_sigkill": (fe.f_redis_sigkill, (), {}, True),
-    "corrupt_shard_at_origin": (fe.f_corrupt_shard, (), {}, True),
+    "corrupt_shard_at_origin": (fd.f_corrupt_shard, (), {}, True),
     "checkpoint_disk_full": (fe.f_disk_full, (), {}, False),
 })
 STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
           "redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
-          "corrupt_shard_at_origin": (fe.prepare_corrupt_shard, fe.annotate_corrupt_shard),
+          "corrupt_shard_at_origin": (fd.prepare_corrupt_shard, fd.annotate_corrupt_shard),
           "checkpoint_disk_full": (fe.prepare_disk_full, fe.annotate_disk_full)}
 
 
@@ -189,17 +196,6 @@ def _ppid(pid: int) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
-
-
-def expected_order(root: str, steps: int) -> list[list[int]]:
-    from loongforge.shared.index import load_index
-    from loongforge.train import order
-
-    index = load_index(root)
-    sizes = [s.samples for s in index.shards]
-    per_epoch = index.num_samples // BATCH
-    return [sorted(int(g) for g in order.epoch_sequence(sizes, 1, s // per_epoch, 8)
-                   [(s % per_epoch) * BATCH:(s % per_epoch + 1) * BATCH]) for s in range(steps)]
 
 
 def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, expected) -> dict:
@@ -228,11 +224,13 @@ def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, e
     if "failed verification" in log:
         action += "; corrupt latest rejected (sha256), previous checkpoint loaded"
     if name == "cache_daemon_sigkill":
-        first = next((ln for ln in log.splitlines() if "reading shards from origin" in ln), None)
-        if first is not None and detected_t is None:  # the client notices at its next read
-            detected_t = datetime.strptime(first[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        action = "cache client fell back to the origin at its next read; no restart" if len(launches) == 1 \
-            else action
+        noticed = [t for ln in log.splitlines() if "reading shards from origin" in ln
+                   and (t := fe.log_time(ln)) is not None and t >= t_inject - 1]
+        if noticed and detected_t is None:  # the client notices at its next request (a shard not yet mapped)
+            detected_t = noticed[0]
+        action = ("cache client fell back to the origin at its next read; no restart" if noticed else
+                  "kill not noticed: no read asked the daemon after it (every shard already mapped)") \
+            if len(launches) == 1 else action
     if name == "decode_worker_sigkill" and not (faults or el_faults):
         action = "decode worker replaced in place; no restart"
     redone = steps_redone(log)
@@ -259,12 +257,10 @@ def steps_redone(log: str) -> int:
     return redone
 
 
-def run_suite(names, *, steps: int, work: Path, baseline: bool = True) -> dict:
-    from loongforge.shared.synthetic import make_synthetic_root
-
+def run_suite(names, *, steps: int, work: Path, baseline: bool = True, fmt: int = 2) -> dict:
     root = str(work / "data")
-    make_synthetic_root(root, shards=4, samples_per_shard=16)
-    expected = expected_order(root, steps)
+    fd.make_root(root, fmt)
+    expected = fd.expected_order(root, steps, BATCH)
     clean = [clean_run(work, "clean-0", root, steps)] if baseline else []
     rows = []
     for name in names:
@@ -279,7 +275,8 @@ def run_suite(names, *, steps: int, work: Path, baseline: bool = True) -> dict:
             r["wall_cost_s"] = round(r["wall_s"] - base_wall, 1)
     return {"suite": "faults", "format_version": 2, "host": socket.gethostname(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "steps": steps,
-            "ranks": 2, "global_batch": BATCH, "save_every": SAVE_EVERY, "clean_wall_s": round(base_wall, 1),
+            "data_format": fmt, "data": fd.describe(root), "ranks": 2, "global_batch": BATCH,
+            "save_every": SAVE_EVERY, "clean_wall_s": round(base_wall, 1),
             "clean_runs_wall_s": [round(c, 1) for c in clean],
             "baseline": "median of a clean run before the faults and one after (mean of the two)",
             "load_avg": os.getloadavg(), "rows": rows}
@@ -358,6 +355,8 @@ def main(argv=None) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {', '.join(FAULTS)}")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--format", type=int, choices=(1, 2), default=2, dest="fmt",
+                   help="shard root format the runs train on (2: frame blocks, the default; 1: the old root)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp dir)")
 
@@ -371,7 +370,7 @@ def handle(args) -> int:
     with tempfile.TemporaryDirectory(prefix="lf-faults-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        doc = run_suite(names, steps=args.steps, work=work)
+        doc = run_suite(names, steps=args.steps, work=work, fmt=args.fmt)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"faults-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(doc, indent=1))

@@ -1,6 +1,6 @@
 """The faults of benchmarks/faults.py that need something set up around the run or checked after it: a Redis
-server behind the cache daemon, a corrupt copy of the shard root, a small real filesystem under the checkpoints,
-a corrupt `latest` checkpoint that the relaunch must reject.
+server behind the cache daemon, a small real filesystem under the checkpoints, a corrupt `latest` checkpoint
+that the relaunch must reject. (The corrupt copy of the shard root depends on the format: faults_data.py.)
 
 Each fault here is a `prepare(work, root, name) -> Setup` (before the run starts) plus a trigger (as in
 faults.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
@@ -89,62 +89,6 @@ def annotate_redis(row: dict, run, setup: Setup) -> None:
     row["action"] = ("cache daemon: redis unreachable -> serving without coordination (local tiers + origin), "
                      "reconnecting with backoff; trainer untouched" if lines else
                      "no redis error logged by the daemon") + ("; no restart" if row["relaunches"] == 0 else "")
-
-
-# -- corrupt shard at origin: flip a byte inside one sample of a copy of the root, before anything reads it --
-def prepare_corrupt_shard(work: Path, root: str, name: str) -> Setup:
-    from loongforge.shared.index import load_index
-
-    copy = str(work / f"{name}-data")
-    shutil.copytree(root, copy)
-    index = load_index(copy)
-    shard_no, local = 1, 3
-    entry = index.shards[shard_no]
-    path = os.path.join(copy, entry.name)
-    pos = entry.offsets[local] + entry.lengths[local] // 2
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0xFF]))
-    gid = sum(s.samples for s in index.shards[:shard_no]) + local
-    setup = Setup(copy)
-    setup.info.update(corrupt_gid=gid, corrupt_where=f"{entry.name}#{local} byte {pos}", shard_first=gid - local,
-                      shard_samples=entry.samples)
-    return setup
-
-
-def f_corrupt_shard(run):
-    run.wait_steps(1)
-    return run.t0  # corrupted before the run started; detection is the first skip warning
-
-
-SKIP_RE = re.compile(r"skipped bad sample \(data\.bad_samples='skip'\): sample (\d+) ")
-
-
-def annotate_corrupt_shard(row: dict, run, setup: Setup) -> None:
-    log = Path(run.log.name).read_text(errors="replace").splitlines()
-    hits = [(ln, int(m.group(1))) for ln in log for m in [SKIP_RE.search(ln)] if m]
-    skipped = sorted({gid for _, gid in hits})
-    if hits and (t := log_time(hits[0][0])) is not None:
-        row["detected_after_s"] = round(t - row["t_inject"], 1)
-    why = hits[0][0].split("): ", 1)[-1][:160] if hits else "no skip logged"
-    row["samples_skipped_by_policy"] = len(skipped)
-    row["skipped_ids"] = skipped
-    per_sample = any("one by one from origin" in ln for ln in log)  # the cache client's WARNING (cache/client.py)
-    shard = set(range(setup.info["shard_first"], setup.info["shard_first"] + setup.info["shard_samples"]))
-    row["action"] = (f"1 byte flipped in global sample {setup.info['corrupt_gid']} ({setup.info['corrupt_where']}) "
-                     f"before launch; detected (s after launch) by {why}; "
-                     + ("the daemon refused the shard (sha256), the client read its samples one by one from origin, "
-                        "each checked by xxh3; " if per_sample else "")
-                     + f"bad-sample policy skip (the default): {len(skipped)} sample(s) {_ranges(skipped)} masked "
-                     f"out of their batches, the shard's other {len(shard) - len(set(skipped) & shard)} delivered")
-    # Recovered: the run finished every step and exactly the corrupt sample was skipped (not its whole shard).
-    row["recovered"] = row["recovered"] and skipped == [setup.info["corrupt_gid"]]
-
-
-def _ranges(ids: list[int]) -> str:
-    return f"{ids[0]}-{ids[-1]}" if ids and ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2 else str(ids)
 
 
 # -- checkpoint disk full: the checkpoints dir on a real tmpfs, filled once one checkpoint's size is known ----

@@ -220,12 +220,14 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
 
 
 def test_fault_suite_fast_subset_nan_loss(tmp_path):
-    """`loongforge bench faults`' harness on its fastest fault (the full list runs in `make faults`): the row
-    says detected, recovered, nothing redone, no sample lost or seen twice."""
+    """`loongforge bench faults`' harness on its fastest fault (the full list runs in `make faults`), on its
+    default format-2 root: the row says detected, recovered, nothing redone, no sample lost or seen twice
+    against the BlockLoader's global order (10 steps: across the epoch boundary)."""
     from loongforge.benchmarks import faults
 
-    doc = faults.run_suite(["nan_loss"], steps=8, work=tmp_path, baseline=False)
+    doc = faults.run_suite(["nan_loss"], steps=10, work=tmp_path, baseline=False)
     row = doc["rows"][0]
+    assert doc["data_format"] == 2 and doc["data"].startswith("format 2"), doc
     assert row["fault"] == "nan_loss" and row["recovered"], row
     assert row["detected_after_s"] == 0.0 and "skipped on every rank" in row["action"]
     assert (row["steps_redone"], row["samples_lost"], row["samples_duplicated"]) == (0, 0, 0)
@@ -304,5 +306,22 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
         assert row["recovered"] and (row["samples_lost"], row["samples_duplicated"]) == (0, 0), row
         assert row["detected_after_s"] is not None, row
     assert "redis unreachable" in rows["redis_sigkill"]["action"]
-    assert rows["corrupt_shard_at_origin"]["skipped_ids"] == [19]  # that sample only, not its shard (16-31)
-    assert "(" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
+    cs = rows["corrupt_shard_at_origin"]
+    assert doc["data_format"] == 2  # the default root: frame blocks
+    # Block 1 (t 4-5) of episode 2 (ids 11..16) of shard 1, not the shard (ids 11-21): its samples only, each
+    # skipped again when the next epoch trains it (skip_events), none silently lost.
+    assert cs["skipped_ids"] == cs["expected_skipped_ids"] == [15, 16] and cs["skip_events"] >= 2, cs
+    assert "blocks one by one from origin" in cs["action"] and "other 9 trained delivered" in cs["action"], cs
+    assert "(2 skipped by policy)" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
+
+
+@pytest.mark.full
+def test_corrupt_shard_format1_skips_the_one_sample(tmp_path):
+    """`--format 1` keeps the old root: the flipped byte lies inside one sample, that sample only is skipped."""
+    from loongforge.benchmarks import faults
+
+    doc = faults.run_suite(["corrupt_shard_at_origin"], steps=10, work=tmp_path, baseline=False, fmt=1)
+    row = doc["rows"][0]
+    assert doc["data_format"] == 1 and row["recovered"], row
+    assert row["skipped_ids"] == row["expected_skipped_ids"] == [19]  # that sample only, not its shard (16-31)
+    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)

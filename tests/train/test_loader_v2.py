@@ -156,6 +156,29 @@ def test_resume_continues_the_exact_sequence_and_refuses_another_order(v2_root):
             other.load_state_dict(state)
 
 
+def test_resume_with_another_loader_batch_for_grad_accum_reads_the_same_positions(tmp_path):
+    """An elastic resume on 1 rank with grad accum 2 (loader batch 4) from a 2-rank run (global batch 8): the two
+    micro batches after the resume are the two ranks' slices of the step the 2-rank run would have taken next.
+    Before, the v2 loader refused the state ("checkpoint has global_batch=8 but this run has 4") and the
+    fault suite's rank-kill rows on a format-2 root lost every later sample."""
+    root, lengths = str(tmp_path), (9, 5, 12, 3, 7, 6)
+    make_synthetic_v2_root(root, lengths=lengths, height=8, width=8, block_size=4)
+    kw = dict(seed=5, block_run=2, block_window=8)
+    assert sum(lengths) // 8 * 8 == sum(lengths) // 4 * 4  # the same tail dropped at either batch (else refused)
+    ranks = [_loader(root, batch_size=8, rank=r, world=2, max_steps=5, **kw) for r in (0, 1)]
+    steps = [[b["sample_ids"].tolist() for b in r] for r in ranks]
+    with _loader(root, batch_size=8, rank=0, world=2, max_steps=3, **kw) as first:
+        list(first)
+        state = first.state_dict()
+    for r in ranks:
+        r.close()
+    with _loader(root, batch_size=4, max_steps=10, **kw) as one:
+        one.load_state_dict(state)
+        assert one.steps_done == 6  # 3 optimizer steps of 2 micro batches
+        micro = [b["sample_ids"].tolist() for b in one]
+    assert micro == [steps[0][3], steps[1][3], steps[0][4], steps[1][4]]
+
+
 def test_loss_ignores_the_padded_action_rows(tmp_path):
     """A v2 batch whose samples run past their episode's end: the loss takes no gradient from the
     predictions at padded rows (action_valid False) and does from the real ones. As in GR00T, padded
