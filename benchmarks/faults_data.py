@@ -100,12 +100,14 @@ def _expected_v2(root: str, steps: int, batch: int, seed: int) -> list[list[int]
         loader.close()
 
 
-def _flip(path: str, pos: int) -> None:
+def flip_byte(path: str, pos: int | None = None, mask: int = 0xFF) -> None:
+    """XOR one byte of `path` (at `pos`, default the middle) with `mask`: the suite's and tests' corruption."""
+    pos = os.path.getsize(path) // 2 if pos is None else pos
     with open(path, "r+b") as f:
         f.seek(pos)
         b = f.read(1)
         f.seek(pos)
-        f.write(bytes([b[0] ^ 0xFF]))
+        f.write(bytes([b[0] ^ mask]))
 
 
 def prepare_corrupt_shard(work: Path, root: str, name: str):
@@ -126,7 +128,7 @@ def _corrupt_v1(root: str) -> dict:
     shard_no, local = 1, 3
     entry = index.shards[shard_no]
     pos = entry.offsets[local] + entry.lengths[local] // 2
-    _flip(os.path.join(root, entry.name), pos)
+    flip_byte(os.path.join(root, entry.name), pos)
     gid = sum(s.samples for s in index.shards[:shard_no]) + local
     first = gid - local
     return {"format": 1, "show_ids": [gid], "shard_ids": list(range(first, first + entry.samples)),
@@ -145,7 +147,7 @@ def _corrupt_v2(root: str) -> dict:
     e = int(np.flatnonzero(shard_of == shard_no)[0])
     cam, b = ds.cameras[-1], 1 if ds.num_blocks(e) > 1 else 0
     shard, off, length, _, _ = ds.block_entry(e, cam, b)
-    _flip(os.path.join(root, shard), off + length // 2)
+    flip_byte(os.path.join(root, shard), off + length // 2)
     d = DataConfig(root=root)
     spec, table = DeltaSpec(video=tuple(d.video_deltas)), SampleTable(np.asarray(ds.episode_lengths),
                                                                      stride=d.sample_stride)

@@ -200,12 +200,21 @@ class ShardLoader:
                 "consumed": self.consumed, "global_batch": self.global_batch, "steps_done": self.steps_done,
                 "dropped": self.dropped, "shuffle_window": self.window, "num_samples": self.index.num_samples}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _check_state_version(self, state: dict) -> None:
         if state.get("version") != LOADER_STATE_VERSION:
             raise CheckpointError(f"loader state version {state.get('version')!r}, this build reads "
                                   f"{LOADER_STATE_VERSION}; resume with the LoongForge that wrote it")
-        for key, mine in (("global_batch", self.global_batch), ("seed", self.seed), ("shuffle_window", self.window),
-                          ("num_samples", self.index.num_samples)):
+
+    def _state_keys(self) -> tuple:
+        """(key, this run's value) that must equal the checkpoint's for the sample sequence to be the same."""
+        return (("global_batch", self.global_batch), ("seed", self.seed), ("shuffle_window", self.window),
+                ("num_samples", self.index.num_samples))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._check_state_version(state)
+        for key, mine in self._state_keys():
+            # Another loader batch with the same optimizer-step batch (an elastic resume on fewer ranks: grad
+            # accum absorbs them) reads the same global positions (_same_positions).
             if state[key] != mine and not (key == "global_batch" and self._same_positions(state)):
                 raise CheckpointError(f"checkpoint has {key}={state[key]} but this run has {mine}: the sample "
                                       f"sequence would change; resume with the same {key}")

@@ -184,23 +184,17 @@ class BlockLoader(ShardLoader):
                 "consumed": self.consumed, "global_batch": self.global_batch, "steps_done": self.steps_done,
                 "dropped": self.dropped, "num_samples": self.num_samples, "order": self._order_key()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _check_state_version(self, state: dict) -> None:
         if state.get("version") != LOADER_STATE_VERSION or state.get("format_version") != 2:
             raise CheckpointError(f"loader state version {state.get('version')!r} / format "
                                   f"{state.get('format_version', 1)!r}: this loader reads a format-2 state of "
                                   f"version {LOADER_STATE_VERSION}; resume on the shard root the run started on")
-        for key, mine in (("global_batch", self.global_batch), ("seed", self.seed),
-                          ("num_samples", self.num_samples), ("order", self._order_key())):
-            # Another loader batch with the same optimizer-step batch (an elastic resume on fewer ranks: grad
-            # accum absorbs them) reads the same global positions: rank slices and micro batches are both
-            # contiguous stretches of them (order_v2), and the order does not depend on the batch.
-            if state[key] != mine and not (key == "global_batch" and self._same_positions(state)):
-                raise CheckpointError(f"checkpoint has {key}={state[key]} but this run has {mine}: the sample "
-                                      f"sequence would change; resume with the same {key}")
-        self._stop_pipeline()
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self.steps_done, self.dropped = int(state["steps_done"]), int(state["dropped"])
-        self.steps_done = self.steps_done * int(state["global_batch"]) // self.global_batch
+
+    def _state_keys(self) -> tuple:
+        # rank slices and micro batches are both contiguous stretches of the order (order_v2), which does not
+        # depend on the batch: ShardLoader.load_state_dict's batch-change rule holds here too
+        return (("global_batch", self.global_batch), ("seed", self.seed), ("num_samples", self.num_samples),
+                ("order", self._order_key()))
 
     def close(self) -> None:
         super().close()

@@ -151,7 +151,7 @@ class DecodePool:
 
     @property
     def workers_ready(self) -> int:
-        """Workers past start-up (imports, source, mmaps); inline mode counts as all."""
+        """Workers past start-up (imports, source, mmaps); 0 inline (no workers: wait_ready returns at once)."""
         return self._ready.value if self.num_workers else 0
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loongforge.shared.errors import CheckpointError
+from loongforge.benchmarks.faults_data import flip_byte
 from loongforge.train import checkpoint
 from loongforge.train.ckpt_async import SaveJob, SnapshotEngine, prune, run_job
 
@@ -114,14 +115,6 @@ def test_noise_is_a_function_of_the_sample_not_of_its_batch():
     assert not torch.equal(n_next[0], n4[0])
 
 
-def _flip_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
-
-
 def test_keep_last_one_still_keeps_a_fallback_and_drops_it_just_before_the_next_write(tmp_path):
     from loongforge.train.ckpt_async import prune_before_write
 
@@ -145,7 +138,7 @@ def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
     cpu = torch.device("cpu")
     assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000006"
     bad = os.path.join(root, "step00000006", "model.pt")
-    _flip_byte(bad)
+    flip_byte(bad, mask=1)
     os.unlink(os.path.join(root, "step00000004", checkpoint.SIDECAR))
     with caplog.at_level(logging.WARNING):
         assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000002"
@@ -157,6 +150,6 @@ def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
     (rec,) = read_events(run_dir)  # one record of the fallback (the fault suite's corrupt_checkpoint row reads it)
     assert (rec["event"], rec["latest"], rec["loaded"]) == ("ckpt_fallback", "step00000006", "step00000002")
     assert bad in rec["rejected"][0] and checkpoint.SIDECAR in rec["rejected"][1]
-    _flip_byte(os.path.join(root, "step00000002", "model.pt"))
+    flip_byte(os.path.join(root, "step00000002", "model.pt"), mask=1)
     with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
         pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu)

@@ -12,16 +12,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.test_ckpt_resilience import COMMON, _metrics, _ok  # noqa: E402
 from tests.train.train_launch import torchrun  # noqa: E402
+from loongforge.benchmarks.faults_data import flip_byte  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _flip_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
 
 
 def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_path):
@@ -34,7 +27,7 @@ def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_pa
     ckpts = os.path.join(run_dir, "checkpoints")
     assert sorted(d for d in os.listdir(ckpts) if d.startswith("step")) == ["step00000002", "step00000004"]
     bad = os.path.join(ckpts, "step00000004", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    _flip_byte(bad)
+    flip_byte(bad, mask=1)
     done = torchrun(2, [*args, "--steps", "6", "--resume"], cwd=str(tmp_path))
     _ok(done)
     warn = [ln for ln in done.stderr.splitlines() if "WARNING" in ln and "failed verification" in ln]
