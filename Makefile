@@ -49,10 +49,10 @@ bench-quick: setup
 	$(BIN)/loongforge bench --quick
 
 # Fault-injection suite: each fault against a real 2-rank gloo run under `loongforge train --elastic`;
-# table + JSON under benchmarks/results/ (README "Reliability"). Its tests: tests/train/test_faults.py.
+# table + JSON under results/ (README "Reliability"). Its tests: tests/train/resilience/test_faults.py.
 faults: setup
 	$(BIN)/loongforge bench faults
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m full tests/train/test_faults.py $(PYTEST_ARGS)
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
 
 # GPU box: the same pin, CUDA build. On Linux x86-64 pip's default index (PyPI) serves the CUDA
 # build of torch==2.13.0, so a fresh box needs no override; a venv that holds a CPU build
@@ -62,7 +62,7 @@ gpu-check: setup
 	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || { \
 	  echo "torch in $(VENV) is a CPU build: installing $(TORCH) from $(GPU_TORCH_INDEX)"; \
 	  $(BIN)/pip install -q --force-reinstall '$(TORCH)' --index-url $(GPU_TORCH_INDEX); }
-	$(BIN)/python -m loongforge.benchmarks.gpu_check
+	$(BIN)/python -m loongforge.benchmarks.micro.gpu_check
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,6 +1,6 @@
 """`loongforge bench`: LoongForge's data path against the loaders users run
 today, timed in the same run on the same machine. Prints one markdown table
-and writes benchmarks/results/<date>-<host>.json (+ .png beside it)."""
+and writes results/<date>-<host>.json (+ .png beside it)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_scale_arguments(p: argparse.ArgumentParser) -> None:
-    """`loongforge bench scale` (benchmarks/scale.py)."""
+    """`loongforge bench scale` (benchmarks/scale/run.py)."""
     g = p.add_argument_group("scale (loongforge bench scale)")
     g.add_argument("--ranks", type=_ints, default=(1, 2, 4, 8), help="rank counts to run (default 1,2,4,8)")
     g.add_argument("--plan", action="append", help="dp or tp=T,sp=S[,zero=Z][,compress=R]; repeat to compare "
@@ -65,10 +65,10 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def handle_scale(args: argparse.Namespace) -> int:
-    from loongforge.benchmarks import scale
-    from loongforge.benchmarks.alpha_beta import Hardware
-    from loongforge.benchmarks.run import DEFAULT_OUT
-    from loongforge.benchmarks.scale_report import tables
+    from loongforge.benchmarks.scale import run as scale
+    from loongforge.benchmarks.scale.alpha_beta import Hardware
+    from loongforge.benchmarks.harness.run import DEFAULT_OUT
+    from loongforge.benchmarks.scale.report import tables
 
     hw = Hardware(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                   nvlink_latency_us=args.nvlink_latency_us, ib_gbps=args.ib_gbps, ib_latency_us=args.ib_latency_us)
@@ -105,11 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gops", type=_gops, help="P1's keyframe intervals, e.g. 2,20,250 (default 2,20,250; "
                                                 "2,20,100 with --quick); the largest is the source GOP of the shards")
     p.add_argument("--batch-size", type=int, help="samples per batch, both loaders (default 8, 4 with --quick)")
-    p.add_argument("--out", type=Path, help="results folder (default benchmarks/results)")
+    p.add_argument("--out", type=Path, help="results folder (default results)")
     p.add_argument("--workdir", type=Path, help="keep the generated dataset and shards here (default: a temp dir); "
                                               "must be new, empty or an earlier bench workdir: it is wiped")
     p.add_argument("--no-components", action="store_true",
-                   help="skip the folded-in component benchmarks (benchmarks/preprocess.py, cache.py)")
+                   help="skip the folded-in component benchmarks (benchmarks/loader/preprocess.py, cache.py)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--format", type=int, choices=(1, 2), default=None,
                    help="shard format P2-P5 and `bench scale` read (default 2, what preprocess writes; 1: the v1 "
@@ -120,9 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     if getattr(args, "suite", "data") == "scale":
         return handle_scale(args)
-    from loongforge.benchmarks.config import BenchConfig
-    from loongforge.benchmarks.report import markdown_table
-    from loongforge.benchmarks.run import DEFAULT_OUT, run
+    from loongforge.benchmarks.harness.config import BenchConfig
+    from loongforge.benchmarks.harness.report import markdown_table
+    from loongforge.benchmarks.harness.run import DEFAULT_OUT, run
 
     base = BenchConfig.quick_preset() if args.quick else BenchConfig()
     gop = max(args.gops) if args.gops else None
@@ -141,9 +141,9 @@ def register(subparsers) -> None:
                               description=__doc__)
     add_arguments(p)
     p.set_defaults(func=handle)
-    from loongforge.benchmarks.ablation_cli import register as register_ablation
+    from loongforge.benchmarks.ablation.cli import register as register_ablation
 
-    from loongforge.benchmarks.faults import register as register_faults
+    from loongforge.benchmarks.faults.run import register as register_faults
 
     sub = p.add_subparsers(dest="bench_cmd", metavar="{ablation,faults}")
     register_ablation(sub)

@@ -5,7 +5,7 @@ shards it will read. With the future known, the best eviction is Belady's:
 drop the shard whose next use is farthest away. Shards nobody announced fall
 back to LRU (and go first: no known future use beats any known one).
 
-The daemon (store.py) and the trace replay (benchmarks/cache.py, tests) both
+The daemon (store.py) and the trace replay (benchmarks/loader/cache.py, tests) both
 drive this module, so the policy measured is the policy deployed.
 """
 

@@ -3,7 +3,7 @@
 Time advances in steps; in each step every rank reads its next shard. Before
 the reads, the prefetcher may fill up to `fills_per_step` shards (origin
 bandwidth, in shards per step). A read is a hit if its shard is resident.
-Used by benchmarks/cache.py and tests/cache/test_policy.py.
+Used by benchmarks/loader/cache.py and tests/cache/test_policy.py.
 """
 
 from __future__ import annotations

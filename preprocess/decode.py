@@ -59,7 +59,7 @@ def _plane(frame, i: int, width: int) -> np.ndarray:
 class NV12Converter:
     """Frame -> NV12 into a caller's buffer row; the mode is fixed per file.
 
-    Speed (benchmarks/preprocess.py): `frame.reformat()` builds a new swscale
+    Speed (benchmarks/loader/preprocess.py): `frame.reformat()` builds a new swscale
     context on every call, which cost ~5x the H.264 decode itself at 128x128.
     So: same-size yuv420p is repacked in numpy (two plane copies, exact), and
     scaling goes through one reused VideoReformatter (cached swscale context)."""

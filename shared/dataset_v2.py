@@ -79,7 +79,7 @@ class DatasetV2:
         self._shift = int(manifest["frame_bucket_shift"])
         # Flat memoryviews over the mapped tables: indexing one returns a Python int in
         # ~30 ns, where a numpy scalar read plus int() costs ~10x that; this is what
-        # keeps locate/block_entry O(1) and under 2 us (benchmarks/index_scale.py).
+        # keeps locate/block_entry O(1) and under 2 us (benchmarks/micro/index_scale.py).
         mv = {name: _flat(arr) for name, arr in tables.items()}
         self._starts, self._bucket, self._lengths = mv["episode_start"], mv["frame_bucket"], mv["episode_length"]
         self._ids, self._shard, self._arrays = mv["episode_id"], mv["episode_shard"], mv["episode_arrays"]

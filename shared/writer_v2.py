@@ -23,7 +23,7 @@ from loongforge.shared.format import DEFAULT_ZSTD_LEVEL, END_OF_ARCHIVE
 from loongforge.shared.index import DatasetInfo
 from loongforge.shared.index_v2 import TABLES, bucket_shift, frame_buckets, manifest_json, table_name
 
-DEFAULT_BLOCK_FRAMES = 16  # chosen by `python -m loongforge.benchmarks.storage_v2` (benchmarks/README.md)
+DEFAULT_BLOCK_FRAMES = 16  # chosen by `python -m loongforge.benchmarks.micro.storage` (benchmarks/README.md)
 
 
 def plan_episode_shards(sizes: Iterable[tuple[int, int]], shard_size: int) -> list[list[int]]:

@@ -10,7 +10,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a VLA model with DeepSpeed (run under torchrun/deepspeed "
                                             "for several ranks: python -m loongforge.train ...)")
     add_train_args(p)
-    el = p.add_argument_group("elastic (train/elastic.py): a supervisor relaunches torchrun on the surviving ranks")
+    el = p.add_argument_group("elastic (train/resilience/elastic.py): a supervisor relaunches torchrun on the surviving ranks")
     el.add_argument("--elastic", action="store_true", help="supervise the launch: on a fault relaunch from the last "
                     "checkpoint on the surviving ranks (same global batch), scale up when capacity returns")
     el.add_argument("--min-ranks", type=int, default=1, help="fewer ranks than this: stop instead of relaunching")
@@ -36,10 +36,10 @@ def register(subparsers) -> None:
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=_eval)
-    from loongforge.train.tune import register as register_tune
+    from loongforge.train.tune.ac import register as register_tune
 
     register_tune(subparsers)
-    from loongforge.train.ckpt_cli import register as register_ckpt
+    from loongforge.train.ckpt.cli import register as register_ckpt
 
     register_ckpt(subparsers)
 
@@ -50,7 +50,7 @@ def _train(args) -> int:
     if args.elastic:  # this process only supervises; the ranks are torchrun's children
         import sys
 
-        from loongforge.train.elastic import supervise
+        from loongforge.train.resilience.elastic import supervise
 
         return supervise(args, getattr(args, "raw_argv", None) or sys.argv[1:])
 
@@ -60,7 +60,7 @@ def _train(args) -> int:
 
 
 def _profile(args) -> int:
-    from loongforge.train import report
+    from loongforge.train.observe import breakdown as report
 
     b = report.breakdown(args.run_dir)
     print(report.to_json(b) if args.json else report.format_table(b))
@@ -78,8 +78,8 @@ def _eval(args) -> int:
 
     import torch
 
-    from loongforge.train.openloop import format_table, run_eval
-    from loongforge.train.policy import Policy
+    from loongforge.train.eval.openloop import format_table, run_eval
+    from loongforge.train.eval.policy import Policy
 
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     policy = Policy.load(args.run_dir, args.data, tag=args.tag, device=device)

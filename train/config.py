@@ -15,7 +15,7 @@ from loongforge.shared.errors import ConfigError
 
 BAD_SAMPLE_POLICIES = ("skip", "raise")
 TAIL_POLICIES = ("drop",)  # see order.py: padding would duplicate samples within an epoch
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")  # train/attention.py
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")  # train/model/attention.py
 TIME_SCHEDULES = ("beta", "uniform")
 
 
@@ -41,7 +41,7 @@ class DataConfig:
     cache_tcp: str | None = None
     image_mean: float = 0.5
     image_std: float = 0.25
-    # Format-2 roots only (train/samples_v2.py, order_v2.py): samples are (episode, t).
+    # Format-2 roots only (train/data/samples.py, order_v2.py): samples are (episode, t).
     video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
     state_deltas: tuple[int, ...] = ()  # () = the video offsets
     action_horizon: int = 0  # H action rows from t; 0 = what preprocess recorded
@@ -89,7 +89,7 @@ class ModelConfig:
     flow_weight: float = 1.0
     ce_weight: float = 0.1
     dropout: float = 0.0
-    attention: str = "auto"  # auto | sdpa | flex | flash: train/attention.py (auto = sdpa on CPU)
+    attention: str = "auto"  # auto | sdpa | flex | flash: train/model/attention.py (auto = sdpa on CPU)
     # Filled from the shard index by recipes.resolve(): the model never reads the index itself.
     image_size: tuple[int, int] = (16, 16)
     cameras: int = 2

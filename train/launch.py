@@ -165,7 +165,7 @@ def config_from_args(a: argparse.Namespace):
 def _global_batch(a: argparse.Namespace) -> int:
     if not getattr(a, "batch_plan", None):
         return a.batch_size
-    from loongforge.train.tune_batch import load_plan
+    from loongforge.train.tune.batch import load_plan
 
     # WORLD_SIZE is set by torchrun / the deepspeed launcher before this process starts.
     return load_plan(a.batch_plan)["micro_batch"] * int(os.environ.get("WORLD_SIZE", "1")) * a.grad_accum
@@ -173,7 +173,7 @@ def _global_batch(a: argparse.Namespace) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     """Build, run, close. Returns an exit code; never raises past here."""
-    from loongforge.train import engine
+    from loongforge.train.parallel import engine
     from loongforge.train.trainer import Trainer
 
     log = logging.getLogger("loongforge.train")

@@ -39,7 +39,8 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     """Everything about the config that can be wrong, checked without a process group."""
     import torch
 
-    from loongforge.train import engine, recipes
+    from loongforge.train.parallel import engine
+    from loongforge.train.model import recipes
     from loongforge.train.trainer import model_config
 
     world = launch_world() if world is None else world
@@ -50,7 +51,7 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
     # Divisibility only depends on the world and the config; the device does not matter here.
     conf = engine.ds_config(cfg, world=dp, device=torch.device("cpu"))
-    from loongforge.train.data_v2 import load_training_data
+    from loongforge.train.data.training_data import load_training_data
 
     try:
         index = load_training_data(cfg.data)  # v1 ShardIndex, or data_v2.V2Data for a format-2 root
@@ -64,7 +65,7 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     model_cfg = model_config(cfg, index)
     check_layout(cfg, world, model_cfg)  # heads and MLP width split by tp
     if cfg.memory.cuda_graphs:
-        from loongforge.train import graphs
+        from loongforge.train.kernels import graphs
 
         graphs.check(device=engine.pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,
                      ac_every=cfg.memory.ac_every, tp=cfg.parallel.tp)

@@ -17,18 +17,21 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.train import checkpoint, ckpt_fallback, data_v2, engine as eng, recipes
+from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
+from loongforge.train.data import training_data as data_v2
+from loongforge.train.parallel import engine as eng
+from loongforge.train.model import recipes
 from loongforge.train.config import ModelConfig, TrainConfig
-from loongforge.train.evaluate import ValSet, val_metrics, val_sample_ids
-from loongforge.train.loader import ShardLoader
-from loongforge.train.metrics import MetricsLog
-from loongforge.train.model import VLAModel
-from loongforge.train.nan_guard import NanGuard
+from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
+from loongforge.train.data.loader_v1 import ShardLoader
+from loongforge.train.observe.metrics import MetricsLog
+from loongforge.train.model.model import VLAModel
+from loongforge.train.resilience.nan_guard import NanGuard
 from loongforge.train.parallel import wiring
-from loongforge.train.policies import apply_memory_policies
-from loongforge.train.profiler import LateWriter, StepTimer, TraceWindow
-from loongforge.train.sources import SourceSpec
-from loongforge.train.watchdog import Watchdog
+from loongforge.train.parallel.parallelize import apply_memory_policies
+from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
+from loongforge.train.data.sources import SourceSpec
+from loongforge.train.resilience.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> tuple[torch.T
 def model_config(cfg: TrainConfig, index) -> ModelConfig:
     d = cfg.data
     max_frames = index.max_frames if getattr(index, "format_version", 1) == 2 else \
-        max(max(s.frames) for s in index.shards)  # v2: len(video deltas) (train/data_v2.py)
+        max(max(s.frames) for s in index.shards)  # v2: len(video deltas) (train/data/training_data.py)
     return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
                            max_frames=max(max_frames, *(d.frame_buckets or (0,))), **_model_overrides(cfg))
 
@@ -90,7 +93,7 @@ class Trainer:
         self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
         accum = cfg.parallel.grad_accum
         self.v2 = getattr(self.index, "format_version", 1) == 2
-        if self.v2:  # format-2 root: samples are (episode, t), block-aware order (train/loader_v2.py)
+        if self.v2:  # format-2 root: samples are (episode, t), block-aware order (train/data/loader.py)
             self.loader = data_v2.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
                                               rank=self.data_rank, world=self.data_world, device=self.device)
         else:

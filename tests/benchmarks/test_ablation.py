@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from loongforge.benchmarks import ablation_report as report
-from loongforge.benchmarks.ablation_order import epoch_coverage
-from loongforge.benchmarks.ablation_rows import OPTIMIZATIONS, Plan, Setting, ladder, train_argv
+from loongforge.benchmarks.ablation import report
+from loongforge.benchmarks.ablation.order import epoch_coverage
+from loongforge.benchmarks.ablation.rows import OPTIMIZATIONS, Plan, Setting, ladder, train_argv
 
 QUICK_BUDGET_S = 600  # < 90 s on an idle 2-core machine; the margin absorbs a loaded one
 
@@ -68,9 +68,9 @@ def test_zero3_rows_fetch_blocks_whole_through_the_trainer_flag():
 
     import torch
 
-    from loongforge.train.engine import ds_config
+    from loongforge.train.parallel.engine import ds_config
     from loongforge.train.launch import add_train_args, config_from_args
-    from loongforge.train.layers import HeadBlock, TrunkBlock
+    from loongforge.train.model.layers import HeadBlock, TrunkBlock
 
     rows = {r.id: r for r in ladder(Plan(ranks=4, cuda=False, sp_accepted=True))}
     p = argparse.ArgumentParser()
@@ -151,7 +151,7 @@ def test_quick_ablation_produces_a_consistent_table(tmp_path):
 def test_baseline_collate_pads_short_windows_and_masks_them():
     import torch
 
-    from loongforge.benchmarks.ablation_rank import pad_collate
+    from loongforge.benchmarks.ablation.rank import pad_collate
 
     def item(k):
         return {"frames": {"ego": torch.ones(k, 3, 2, 2)}, "state": torch.ones(k, 3),
@@ -170,5 +170,5 @@ def test_bench_cli_keeps_its_flags_and_routes_ablation():
     plain = p.parse_args(["bench", "--quick", "--workers", "0,1"])
     assert plain.func.__module__ == "loongforge.benchmarks.cli" and plain.workers == (0, 1)
     abl = p.parse_args(["bench", "ablation", "--ranks", "8", "--rows", "0,C10"])
-    assert abl.func.__module__ == "loongforge.benchmarks.ablation_cli" and abl.ranks == 8
+    assert abl.func.__module__ == "loongforge.benchmarks.ablation.cli" and abl.ranks == 8
     assert abl.rows == ("0", "C10")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loongforge.benchmarks.baseline import (LeRobotVideoDataset, Window, decode_frames_pyav, decode_span, make_baseline_loader,
+from loongforge.benchmarks.loader.baseline import (LeRobotVideoDataset, Window, decode_frames_pyav, decode_span, make_baseline_loader,
                                             torchcodec_status)
 from loongforge.shared.errors import ConfigError, SourceDataError
 
@@ -34,9 +34,9 @@ def test_threaded_pyav_decodes_the_same_frames(lerobot_root, decode_all, frames)
 
 def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobot_root, decode_all, tmp_path):
     # P1's GOP axis regenerates the dataset per GOP; only the keyframe spacing may change.
-    from loongforge.benchmarks.data import generate_gops
-    from loongforge.benchmarks.config import BenchConfig
-    from loongforge.benchmarks.p1_rows import decoded_per_window
+    from loongforge.benchmarks.harness.data import generate_gops
+    from loongforge.benchmarks.harness.config import BenchConfig
+    from loongforge.benchmarks.loader.p1_rows import decoded_per_window
 
     cfg = BenchConfig(episodes=2, episode_frames=(150, 160), height=32, width=32, gop=100, gops=(2, 100), seed=3)
     roots = generate_gops(cfg, tmp_path, lerobot_root)

@@ -128,8 +128,8 @@ def check_complete_result(proc, out, gops, workers):
 def test_baseline_and_shards_serve_the_same_windows(quick_run):
     """The baseline's frames of window i are the shard's sample i (same episode,
     frames, resolution), up to the NV12 round trip of the transcode."""
-    from loongforge.benchmarks.baseline import LeRobotVideoDataset
-    from loongforge.benchmarks.data import windows_of
+    from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset
+    from loongforge.benchmarks.harness.data import windows_of
     from loongforge.shared.reader import ShardReader
 
     proc, _, work = quick_run
@@ -153,11 +153,11 @@ def test_baseline_and_shards_serve_the_same_windows(quick_run):
 
 @pytest.mark.slow
 def test_p1_formats_compares_both_roots_and_counts_block_decodes(quick_run, tmp_path):
-    """benchmarks/p1_formats.py on the quick run's two roots: both formats timed per worker count,
+    """benchmarks/loader/p1_formats.py on the quick run's two roots: both formats timed per worker count,
     format 2's decodes counted (not timed), and a pass that would run past the epoch refused."""
     import json
 
-    from loongforge.benchmarks import p1_formats
+    from loongforge.benchmarks.loader import p1_formats
     from loongforge.shared.errors import ConfigError
 
     proc, _, work = quick_run

@@ -1,8 +1,8 @@
-"""benchmarks/checksum_cost.py reads format-2 roots (per-block xxh3) as well as format 1."""
+"""benchmarks/micro/checksum_cost.py reads format-2 roots (per-block xxh3) as well as format 1."""
 
 import pytest
 
-from loongforge.benchmarks.checksum_cost import block_checks, main
+from loongforge.benchmarks.micro.checksum_cost import block_checks, main
 from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
 
 

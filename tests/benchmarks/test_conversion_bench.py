@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loongforge.benchmarks import conversion
+from loongforge.benchmarks.micro import conversion
 
 
 def test_row_measurement_on_the_bench_batch_shape():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from loongforge.benchmarks.cores import CpuMeter, cores_for, pinned, usable_cores
+from loongforge.benchmarks.harness.cores import CpuMeter, cores_for, pinned, usable_cores
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from loongforge.benchmarks.daemon import CacheDaemon
-from loongforge.benchmarks.loongforge_path import cache_counters, warm_cache
+from loongforge.benchmarks.harness.daemon import CacheDaemon
+from loongforge.benchmarks.loader.fast_path import cache_counters, warm_cache
 from loongforge.shared.errors import CacheUnavailableError
 
 

@@ -1,4 +1,4 @@
-"""The fault suite's data (benchmarks/faults_data.py), checked against the real loaders without a launch:
+"""The fault suite's data (benchmarks/faults/data.py), checked against the real loaders without a launch:
 the global order its sample accounting uses is the order the loader really serves (2 ranks, format 2 and 1),
 and the corrupt-shard fault's expected skips are exactly the samples a loader masks out of the corrupt copy."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loongforge.benchmarks import faults_data as fd
+from loongforge.benchmarks.faults import data as fd
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,8 @@ def _rank_batches(root: str, steps: int, rank: int):
     from itertools import islice
 
     from loongforge.train.config import DataConfig
-    from loongforge.train.data_v2 import load_training_data, make_loader
-    from loongforge.train.loader import ShardLoader
+    from loongforge.train.data.training_data import load_training_data, make_loader
+    from loongforge.train.data.loader_v1 import ShardLoader
 
     d = DataConfig(root=root, seed=1, shuffle_window=fd.SHUFFLE_WINDOW)  # the suite's --seed / --shuffle-window
     data = load_training_data(d)
@@ -72,7 +72,7 @@ def test_v2_corrupt_block_expected_skips_are_what_the_loader_masks(roots):
 def test_annotate_corrupt_shard_fails_a_row_that_skipped_more_than_the_block(tmp_path):
     """The row holds only when the skipped ids are exactly the trained samples showing the block: a whole shard
     refused (the old v2 behaviour: every sample of it skipped) fails it."""
-    from loongforge.benchmarks.faults_env import Setup
+    from loongforge.benchmarks.faults.env import Setup
 
     show, shard = [15, 16], list(range(11, 22))
     rows = [{"step": 0, "sample_ids": [[11, 12, 13, 14], [15, 16, 17, 18]]},

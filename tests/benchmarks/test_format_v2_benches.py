@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from loongforge.benchmarks import index_scale, storage_v2
+from loongforge.benchmarks.micro import index_scale, storage as storage_v2
 
 
 def test_index_scale_runs_and_builds_a_valid_v2_index(tmp_path, capsys):

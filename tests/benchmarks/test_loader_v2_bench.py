@@ -1,7 +1,7 @@
-"""The format-2 loader benchmark's order table (benchmarks/loader_v2.py) on a small table: the
+"""The format-2 loader benchmark's order table (benchmarks/loader/block_loader.py) on a small table: the
 counted columns it reports follow the order's design (decodes per sample ~ 1/run at fleet scale)."""
 
-from loongforge.benchmarks.loader_v2 import locate_cost, order_table
+from loongforge.benchmarks.loader.block_loader import locate_cost, order_table
 
 
 def test_order_table_counts_follow_the_run_length():

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from loongforge.benchmarks.config import BenchConfig
-from loongforge.benchmarks.measure import Stat, batch_size_of, endless, ratio, time_pass
-from loongforge.benchmarks.report import markdown_table, plot, result_path, write_json
-from loongforge.benchmarks.rows import Row
+from loongforge.benchmarks.harness.config import BenchConfig
+from loongforge.benchmarks.harness.measure import Stat, batch_size_of, endless, ratio, time_pass
+from loongforge.benchmarks.harness.report import markdown_table, plot, result_path, write_json
+from loongforge.benchmarks.harness.rows import Row
 from loongforge.shared.errors import ConfigError
 
 
@@ -119,7 +119,7 @@ def test_plot_and_json_are_written(tmp_path):
 
 
 def test_workdir_with_foreign_files_is_never_wiped(tmp_path):
-    from loongforge.benchmarks.run import _claim_workdir
+    from loongforge.benchmarks.harness.run import _claim_workdir
 
     mine = tmp_path / "bench"
     _claim_workdir(mine)
@@ -147,7 +147,7 @@ def _nv12_row(busy: float) -> Row:
 def test_a_missed_p1_goal_names_what_bounded_loongforge():
     from types import SimpleNamespace
 
-    from loongforge.benchmarks.p1_rows import _explain, goal_for
+    from loongforge.benchmarks.loader.p1_rows import _explain, goal_for
 
     assert (goal_for(2), goal_for(20), goal_for(250)) == (20.0, 20.0, 50.0)
     ds = SimpleNamespace(frames_per_sample=4, slots=("a", "b"))

@@ -1,8 +1,8 @@
-"""benchmarks/order_scale.py at a small size: both orders agree and the row is complete."""
+"""benchmarks/micro/order_scale.py at a small size: both orders agree and the row is complete."""
 
 import json
 
-from loongforge.benchmarks.order_scale import main
+from loongforge.benchmarks.micro.order_scale import main
 
 
 def test_order_scale_small(tmp_path, capsys):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from loongforge.benchmarks import alpha_beta as ab
-from loongforge.benchmarks.scale import analyse, byte_scale
-from loongforge.benchmarks.scale_report import plot, tables
+from loongforge.benchmarks.scale import alpha_beta as ab
+from loongforge.benchmarks.scale.run import analyse, byte_scale
+from loongforge.benchmarks.scale.report import plot, tables
 
 
 def test_fit_link_recovers_alpha_beta():
@@ -90,7 +90,7 @@ def test_analyse_report_and_plot(tmp_path):
 @pytest.mark.slow
 @pytest.mark.full
 def test_bench_scale_real_runs(tmp_path):
-    from loongforge.benchmarks.scale import run
+    from loongforge.benchmarks.scale.run import run
 
     doc, path = run((1, 2), ["dp"], steps=3, out_dir=tmp_path, workdir=str(tmp_path / "w"))
     rows = doc["measured"]
@@ -102,8 +102,8 @@ def test_bench_scale_real_runs(tmp_path):
 
 def test_scale_data_is_format_2_by_default_and_sizes_read_it(tmp_path):
     """`bench scale` trains on a format-2 root read with 2 frames per camera (the v1 root's K)."""
-    from loongforge.benchmarks.scale import recipe_sizes, scale_data
-    from loongforge.train.loader_v2 import root_format_version
+    from loongforge.benchmarks.scale.run import recipe_sizes, scale_data
+    from loongforge.train.data.loader import root_format_version
 
     root, flags = scale_data(str(tmp_path), 64, 2)
     assert root_format_version(root) == 2 and flags == ["--video-deltas=-1,0"]

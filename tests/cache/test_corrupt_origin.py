@@ -17,11 +17,11 @@ from loongforge.shared.errors import IntegrityError
 from loongforge.shared.index import load_index
 from loongforge.shared.synthetic import make_synthetic_root
 from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
-from loongforge.train.loader import ShardLoader
-from loongforge.train.loader_v2 import BlockLoader
-from loongforge.train.sources import SourceSpec
-from tests.train.test_integrity import flip_state_byte
-from tests.train.test_loader_v2 import _flip_block_byte
+from loongforge.train.data.loader_v1 import ShardLoader
+from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.sources import SourceSpec
+from tests.train.data.test_integrity import flip_state_byte
+from tests.train.data.test_loader_v2 import _flip_block_byte
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from loongforge.shared.errors import ConfigError
 from loongforge.shared.index import ShardIndex, load_index, save_index
 from loongforge.shared.split import choose_val_episodes, parse_val_spec, sample_episodes, train_mask
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.train.order import epoch_sequence
+from loongforge.train.data.order_v1 import epoch_sequence
 
 
 def test_specs():

@@ -10,12 +10,13 @@ import torch
 
 def build(root, run_dir, memory, depth=3):
     from loongforge.shared.index import load_index
-    from loongforge.train import engine as eng, recipes
+    from loongforge.train.parallel import engine as eng
+    from loongforge.train.model import recipes
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-    from loongforge.train.model import VLAModel
-    from loongforge.train.policies import apply_memory_policies
+    from loongforge.train.model.model import VLAModel
+    from loongforge.train.parallel.parallelize import apply_memory_policies
     from loongforge.train.trainer import noise_for
-    from loongforge.train.tune import _one_batch
+    from loongforge.train.tune.ac import _one_batch
 
     rank = torch.distributed.get_rank()
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4), run=RunConfig(run_dir=run_dir),
@@ -108,7 +109,7 @@ class Toy(torch.nn.Module):
 def toy_grads(every):
     import deepspeed
 
-    from loongforge.train.memory import apply_ac
+    from loongforge.train.kernels.checkpointing import apply_ac
 
     torch.manual_seed(0)
     model = Toy()
@@ -125,7 +126,7 @@ def toy_grads(every):
 
 
 def main():
-    from loongforge.train import engine as eng
+    from loongforge.train.parallel import engine as eng
 
     root, run_dir = sys.argv[1], sys.argv[2]
     eng.init_distributed(torch.device("cpu"))

@@ -124,7 +124,7 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
     # they differed by ~0.5%. (test_ckpt_resilience's 2 -> 1 -> 4 variant is `full`.)
     for key in ("loss", "flow_loss", "ce_loss"):
         assert got[5][key] == pytest.approx(want[5][key], rel=1e-5, abs=1e-6), key
-    from loongforge.train import report
+    from loongforge.train.observe import breakdown as report
 
     segs = report.breakdown(resumed)["segments"]  # one table per rank count, each without its warm-up
     assert [(s["world"], s["first_step"], s["last_step"]) for s in segs] == [(2, 0, 4), (1, 5, 19)]

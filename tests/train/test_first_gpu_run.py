@@ -13,14 +13,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, _port, launch  # noqa: E402
 
-from loongforge.train import engine  # noqa: E402
+from loongforge.train.parallel import engine  # noqa: E402
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
-from loongforge.train.loader import ShardLoader  # noqa: E402
+from loongforge.train.data.loader_v1 import ShardLoader  # noqa: E402
 
 
 def test_bare_cuda_resolves_to_the_current_device(monkeypatch):
     """torch.cuda.set_device(torch.device("cuda")) raises "Expected a torch.device with a specified index"."""
-    from loongforge.train.prefetch import resolve_device
+    from loongforge.train.data.prefetch import resolve_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device("cuda") == torch.device("cuda", 3)
@@ -120,7 +120,7 @@ def test_bare_cuda_loader_delivers_on_the_current_device(train_root):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
-    from loongforge.benchmarks import gpu_check
+    from loongforge.benchmarks.micro import gpu_check
 
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
@@ -133,7 +133,7 @@ def test_gpu_check_run_plumbing_on_cpu(train_root, tmp_path, extra):
     """The gpu-check script's run + profile + checks, driven on CPU: it must complete and flag
     exactly what only a GPU provides (so its first GPU run does not die on its own plumbing).
     The topk run (1 rank) must also pass the check that the compressor synced every step."""
-    from loongforge.benchmarks import gpu_check
+    from loongforge.benchmarks.micro import gpu_check
 
     assert extra in ((), gpu_check.TOPK)
     root, _ = train_root

@@ -34,7 +34,7 @@ def learn_root(tmp_path_factory):
     from loongforge.preprocess.pipeline import run_job
     from loongforge.preprocess.sample_data import generate_dataset
     from loongforge.train.config import DataConfig
-    from loongforge.train.data_v2 import load_training_data
+    from loongforge.train.data.training_data import load_training_data
 
     base = tmp_path_factory.mktemp("learnable")
     source = generate_dataset(base / "lerobot", episodes=10, frames=(40, 56), cameras=("ego_view",),
@@ -48,7 +48,7 @@ def learn_root(tmp_path_factory):
 
 
 def _table(index):
-    from loongforge.train.samples_v2 import SampleTable
+    from loongforge.train.data.samples import SampleTable
 
     return SampleTable(np.asarray(index.ds.episode_lengths))  # stride-1 sample ids, as the trainer logs them
 
@@ -111,9 +111,9 @@ def test_policy_beats_baselines_and_untrained_model(trained, learn_root, tmp_pat
     assert mse["policy"] < BAR * min(mse["mean"], mse["repeat_last"]), mse
 
     # The same bar for an untrained model of the same recipe: it must not pass.
-    from loongforge.train.model import VLAModel
-    from loongforge.train.openloop import run_eval
-    from loongforge.train.policy import Policy
+    from loongforge.train.model.model import VLAModel
+    from loongforge.train.eval.openloop import run_eval
+    from loongforge.train.eval.policy import Policy
 
     trained_policy = Policy.load(trained, root)
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def test_policy_takes_raw_observations(trained, learn_root):
     """Raw RGB uint8 frames + state in dataset units + text -> actions in dataset units; NV12 input
     gives the same actions as the RGB it converts to."""
     from loongforge.shared.color import nv12_to_rgb
-    from loongforge.train.policy import Policy
+    from loongforge.train.eval.policy import Policy
 
     root, index = learn_root
     policy = Policy.load(trained, root)
@@ -145,7 +145,7 @@ def test_policy_takes_raw_observations(trained, learn_root):
     b = policy.act([{**obs, "frames": {slot: rgb}}], seed=1)
     np.testing.assert_allclose(a[:1], b, atol=1e-4)
     # The raw path equals the training input path (decode, normalise) for the same sample.
-    from loongforge.train.data_v2 import ValSetV2
+    from loongforge.train.data.training_data import ValSetV2
 
     batch = ValSetV2(index, np.asarray([_table(index).sample_id(e, t)]), device="cpu").batches[0]
     c = policy.unnormalize(policy.model.predict_action(batch, seed=1))
@@ -160,7 +160,7 @@ def test_zero3_checkpoint_loads_as_a_policy(split_root, tmp_path):
                         "--recipe", "tiny", "--eval-every", "1", "--no-ds-breakdown"], cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(np.isfinite(r["val_action_mse"]) for r in _metrics(run_dir))
-    from loongforge.train.policy import Policy
+    from loongforge.train.eval.policy import Policy
 
     policy = Policy.load(run_dir, root)
     params = dict(policy.model.named_parameters())
@@ -178,8 +178,8 @@ def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root):
 def test_eval_never_reads_the_ground_truth(trained, learn_root):
     """The bar above cannot be met by leaking: the open-loop predictions (flow and discrete decoding)
     of the trained model do not change when the batch's ground-truth actions are replaced."""
-    from loongforge.train.data_v2 import ValSetV2, val_ids
-    from loongforge.train.policy import Policy
+    from loongforge.train.data.training_data import ValSetV2, val_ids
+    from loongforge.train.eval.policy import Policy
 
     root, index = learn_root
     policy = Policy.load(trained, root)

@@ -11,7 +11,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import launch  # noqa: E402
 
-from loongforge.train import engine, launch as entry  # noqa: E402
+from loongforge.train.parallel import engine
+from loongforge.train import launch as entry  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

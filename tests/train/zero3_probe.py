@@ -8,9 +8,10 @@ import sys
 import torch
 
 from loongforge.shared.index import load_index
-from loongforge.train import engine, recipes
+from loongforge.train.parallel import engine
+from loongforge.train.model import recipes
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-from loongforge.train.model import VLAModel
+from loongforge.train.model.model import VLAModel
 
 
 def main(root: str, out_dir: str) -> None:

@@ -1,6 +1,6 @@
 """Sequence parallel on the VLA model's video tokens, installed from outside the model.
 
-The model (train/model.py) hands its trunk sequence to `model.trunk_tokens`: `split(seq,
+The model (train/model/model.py) hands its trunk sequence to `model.trunk_tokens`: `split(seq,
 n_video, mask)` before the trunk blocks and `merge(seq)` after them. `VideoTokens` shards
 there: each SP rank keeps ceil(Nv/S) consecutive video tokens (the video span padded to a
 multiple of S; with the recipes' vision_tokens a multiple of S no frame bucket ever pads)
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train import mask as masks
+from loongforge.train.model import mask as masks
 from loongforge.train.parallel.mappings import gather_from
 from loongforge.train.parallel.sequence_parallel import (SequenceParallel, SPLayout, _RepGradScale,
                                                           apply_sequence_parallel, pad_mask,
@@ -103,7 +103,7 @@ class VideoTokens:
 
 
 def apply_video_sequence_parallel(model: nn.Module, sp: SequenceParallel, *, zero_divisor: float = 1.0) -> list:
-    """Install SP on a model with `trunk_tokens` and `blocks` (train/model.py's VLAModel): the
+    """Install SP on a model with `trunk_tokens` and `blocks` (train/model/model.py's VLAModel): the
     split/merge hook, Ulysses in the trunk blocks' attention, replicated-row weighting on the
     trunk's token-local modules, and the loss gradient seeded with zero_divisor / S (module
     docstring). Returns the hook handles; S = 1 installs nothing."""

@@ -73,7 +73,7 @@ def build_model(make_model: Callable[[], torch.nn.Module], conf: dict, state: Pa
     shard group (zero.partition_zero3), never over the pure DP group.
     NOTE: that is one full fp32 copy per rank before partitioning, unlike the plain ZeRO-3 path
     (zero.Init at construction); for the 1.6b recipe ~6.4 GB of host memory per rank, transient."""
-    from loongforge.train.engine import construct_model
+    from loongforge.train.parallel.engine import construct_model
     from loongforge.train.parallel.sequence_parallel import SequenceParallel
     from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
     from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
@@ -214,7 +214,7 @@ class CompressedDPSync:
     def load(self, run_dir: str, tag: str) -> None:
         import os
 
-        from loongforge.train import checkpoint
+        from loongforge.train.ckpt import checkpoint
 
         path = os.path.join(checkpoint.ckpt_root(run_dir), tag, self._name())
         try:

@@ -162,7 +162,7 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
     import io
     import os
 
-    from loongforge.train import checkpoint
+    from loongforge.train.ckpt import checkpoint
     from loongforge.train.parallel.wiring import CompressedDPSync
 
     res = torch.arange(6.0)

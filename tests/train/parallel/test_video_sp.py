@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongforge.train import mask as masks
+from loongforge.train.model import mask as masks
 from loongforge.train.config import ModelConfig
-from loongforge.train.model import VLAModel
+from loongforge.train.model.model import VLAModel
 from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel, SPLayout, pad_mask
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor

@@ -1,0 +1,1 @@
+"""`loongforge bench ablation`: the seed's ablation ladder, measured on this machine."""

@@ -1,0 +1,1 @@
+"""`loongforge bench faults`: fault injection against real elastic runs."""

@@ -1,0 +1,1 @@
+"""What every benchmark shares: config, inputs, timing, equal cores, the cache daemon, result rows and reports."""

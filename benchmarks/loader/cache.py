@@ -1,0 +1,289 @@
+"""Cache benchmark: `python benchmarks/loader/cache.py [--quick]` (also folded into `loongforge bench`).
+
+Three measurements, each next to a baseline timed in the same run:
+  1. hit rate of plan-aware caching vs LRU, cache = 30% of the dataset, two
+     epochs of the trainer's real order (loongforge.train.data.order_v1), replayed
+     through the daemon's own policy module (cache/policy.py, no I/O);
+  2. RAM-tier read bandwidth through CacheClient (mmap of the tier file) vs a
+     plain numpy memcpy of the same bytes;
+  3. cold-miss latency through a real daemon vs reading origin directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from loongforge.cache.replay import replay
+from loongforge.shared.index import CameraInfo, DatasetInfo, ShardIndex, save_index
+from loongforge.shared.writer import write_shard
+
+CACHE_FRACTION = 0.30
+READY = "cache daemon ready on"
+
+
+# -- 1. hit rate -------------------------------------------------------------
+def node_access_sequence(samples_per_shard: list[int], seed: int, epoch: int, window: int,
+                         global_batch: int) -> tuple[list[int], str]:
+    """Shard numbers in the order one node's readers first ask the daemon for
+    them. All ranks read the same global batches' shards at once, and a
+    client keeps a shard mapped while the bounded shuffle still draws from
+    it, so the daemon sees each shard once per epoch, in first-touch order."""
+    try:
+        from loongforge.train.data import order_v1 as order
+        seq = order.epoch_sequence(samples_per_shard, seed, epoch, window)
+        source = "loongforge.train.data.order_v1.epoch_sequence"
+    except ImportError:  # trainer not installed: its documented order, shard level only
+        perm = np.random.default_rng([seed, epoch]).permutation(len(samples_per_shard))
+        seq = np.concatenate([np.full(samples_per_shard[s], s) for s in perm])
+        starts = None
+        source = "numpy default_rng([seed, epoch]).permutation (trainer not importable)"
+    else:
+        starts = np.concatenate(([0], np.cumsum(samples_per_shard)[:-1]))
+    shards = np.searchsorted(starts, seq, side="right") - 1 if starts is not None else seq
+    steps = len(shards) // global_batch  # the tail batch is dropped, as the trainer does
+    return list(dict.fromkeys(shards[:steps * global_batch].tolist())), source
+
+
+def hit_rate_rows(quick: bool) -> list[dict]:
+    n = 120 if quick else 400
+    rng = np.random.default_rng(0)
+    samples = rng.integers(24, 41, n).tolist()  # shards of uneven length, like real episodes
+    sizes = {f"s{i}": samples[i] * 100_000 for i in range(n)}  # bytes proportional to samples
+    capacity = int(CACHE_FRACTION * sum(sizes.values()))
+    epochs, source = [], ""
+    for e in range(2):
+        seq, source = node_access_sequence(samples, seed=0, epoch=e, window=64, global_batch=16)
+        epochs.append({0: [f"s{i}" for i in seq]})
+    w = 4
+    horizon = 8 * 16 // 32 + 2  # shards that ANNOUNCE_BATCHES=8 global batches of 16 span (~32 samples/shard)
+    cases = [
+        ("LRU, fill on miss (baseline: Mosaic/fsspec style)", dict(plan_aware=False)),
+        ("LRU + prefetch next 4", dict(plan_aware=False, window=w, fills_per_step=1)),
+        ("plan-aware, rolling plan (8 batches ahead) + prefetch 4", dict(plan_aware=True, window=w, fills_per_step=1,
+                                                                          horizon=horizon)),
+        ("plan-aware, both epochs announced, no prefetch (Belady only)", dict(plan_aware=True)),
+        ("plan-aware, both epochs announced + prefetch 4 (LoongForge)", dict(plan_aware=True, window=w,
+                                                                             fills_per_step=1)),
+        ("LRU + prefetch 4, origin at 0.6 fills/read", dict(plan_aware=False, window=w, fills_per_step=0.6)),
+        ("plan-aware + prefetch 4, origin at 0.6 fills/read", dict(plan_aware=True, window=w, fills_per_step=0.6)),
+    ]
+    rows = []
+    base = None
+    for i, (title, kw) in enumerate(cases):
+        r = replay(epochs, sizes, capacity, name=title, **kw)
+        base = base or r
+        rows.append({"id": f"hit-{i}", "title": title, "metric": "hit rate", "epoch1": round(r.hit_rate(0), 4),
+                     "epoch2": round(r.hit_rate(1), 4), "vs_lru_epoch2": _ratio(r.hit_rate(1), base.hit_rate(1)),
+                     "origin_fills": r.origin_fills, "reads": sum(r.reads), "shards": n,
+                     "cache_fraction": CACHE_FRACTION, "order": source})
+    return rows
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+# -- helpers for the I/O measurements -----------------------------------------
+def make_random_root(root: str, shards: int, shard_bytes: int) -> ShardIndex:
+    """A shard root of incompressible bytes (like encoded video): the daemon
+    moves and hashes bytes, it never parses samples."""
+    rng = np.random.default_rng(1)
+    per = 4
+    entries = []
+    for s in range(shards):
+        frags = [(f"e{s:06d}_f{i:06d}", 1, rng.integers(0, 256, shard_bytes // per, np.uint8).tobytes())
+                 for i in range(per)]
+        entries.append(write_shard(root, f"shards/shard-{s:06d}.tar", frags))
+    ds = DatasetInfo(fps=20.0, height=16, width=16, cameras=(CameraInfo("observation.images.front", "front", 16, 16),))
+    index = ShardIndex(dataset=ds, shards=tuple(entries), episodes=shards, created_by="benchmarks/loader/cache.py")
+    save_index(index, root)
+    return index
+
+
+class _Daemon:
+    def __init__(self, origin: str, work: Path, ram_budget: str, ram_base: str = "/dev/shm"):
+        self.work = work
+        self.socket = str(work / "c.sock")
+        shm = Path(ram_base) if os.access(ram_base, os.W_OK) else work
+        self.ram = shm / f"lf-cache-bench-{os.getpid()}"
+        self.args = [sys.executable, "-m", "loongforge.cache", "serve", "--origin", origin, "--socket", self.socket,
+                     "--ram-dir", str(self.ram), "--ram-budget", ram_budget, "--ssd-dir", str(work / "ssd"),
+                     "--ssd-budget", "8GiB", "--prefetch-window", "0"]
+
+    def __enter__(self):
+        self.log = open(self.work / "daemon.log", "w")
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if READY in (self.work / "daemon.log").read_text():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("cache daemon did not start: " + (self.work / "daemon.log").read_text()[-2000:])
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.ram, ignore_errors=True)
+        shutil.rmtree(self.work / "ssd", ignore_errors=True)
+
+
+def _drop_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# -- 2. RAM-tier read bandwidth ------------------------------------------------
+def _tmpfs_pages(path: str) -> str:
+    """'huge=...' option of the tmpfs holding `path`, from /proc/mounts."""
+    best, opts = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mnt, fstype, options = line.split()[:4]
+            if path.startswith(mnt) and len(mnt) > len(best):
+                best = mnt
+                opts = next((o for o in options.split(",") if o.startswith("huge=")), f"{fstype}, 4 KiB pages")
+    return opts
+
+
+def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, ram_base: str = "/dev/shm",
+                       tag: str = "") -> list[dict]:
+    from loongforge.cache.client import CacheClient
+
+    names = [s.name for s in index.shards]
+    total = sum(s.bytes for s in index.shards)
+    dst = np.empty(max(s.bytes for s in index.shards), np.uint8)
+    dst.fill(0)  # fault the destination in once, for both sides
+    with _Daemon(root, work, ram_budget=f"{2 * total // 2**20 + 64}MiB", ram_base=ram_base) as d:
+        with CacheClient(root, index, socket_path=d.socket) as warm:
+            for n in names:
+                warm.read_shard(n)  # fill the RAM tier
+        # numpy-allocated (huge pages where the kernel allows): the fastest memcpy source this box has.
+        in_memory = [np.frombuffer(Path(root, n).read_bytes(), np.uint8).copy() for n in names]
+        cold, hot, memcpy = [], [], []
+        for _ in range(repeats):  # interleaved, best of N: a busy machine hits both sides alike
+            t0 = time.perf_counter()
+            for src in in_memory:
+                np.copyto(dst[:len(src)], src)
+            memcpy.append(time.perf_counter() - t0)
+            with CacheClient(root, index, socket_path=d.socket) as client:
+                t0 = time.perf_counter()
+                for n in names:  # request + mmap of the tier file + read every byte
+                    src = np.frombuffer(client.read_shard(n), np.uint8)
+                    np.copyto(dst[:len(src)], src)
+                cold.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for n in names:  # already mapped: the steady state of a worker re-reading samples
+                    src = np.frombuffer(client.read_shard(n), np.uint8)
+                    np.copyto(dst[:len(src)], src)
+                hot.append(time.perf_counter() - t0)
+                del src
+    base = total / min(memcpy) / 1e9
+    rows = []
+    where = f" [{ram_base}: {_tmpfs_pages(ram_base)}]"
+    for i, (title, times) in enumerate([("numpy memcpy of the same bytes (baseline)", memcpy),
+                                        ("CacheClient.read_shard + read, first map" + where, cold),
+                                        ("CacheClient.read_shard + read, already mapped" + where, hot)]):
+        gbps = total / min(times) / 1e9
+        rows.append({"id": f"ram-read{tag}-{i}", "title": title, "metric": "GB/s", "value": round(gbps, 2),
+                     "vs_memcpy": round(gbps / base, 2), "bytes": total, "repeats": repeats, "ram_dir": ram_base})
+    return rows
+
+
+# -- 3. cold-miss latency ----------------------------------------------------------
+def cold_miss_rows(root: str, index: ShardIndex, work: Path) -> list[dict]:
+    from loongforge.cache.client import CacheClient
+    from loongforge.shared.source import OriginSource
+
+    names = [s.name for s in index.shards]
+    size = index.shards[0].bytes
+    direct, through = [], []
+    for n in names:
+        _drop_page_cache(os.path.join(root, n))
+        t0 = time.perf_counter()
+        view = OriginSource(root, index).read_shard(n)  # mmap + sha256, what the client falls back to
+        direct.append(time.perf_counter() - t0)
+        del view
+    with _Daemon(root, work, ram_budget=f"{2 * index.total_bytes // 2**20 + 64}MiB") as d:
+        with CacheClient(root, index, socket_path=d.socket, timeout=60.0) as client:
+            client.stats()  # connect outside the timed region
+            for n in names:
+                _drop_page_cache(os.path.join(root, n))
+                t0 = time.perf_counter()
+                client.read_shard(n)  # origin read + verify + RAM/SSD write + map
+                through.append(time.perf_counter() - t0)
+            assert client.counts["origin_reads"] == 0, "client fell back to origin: daemon not serving"
+    rows = []
+    for i, (title, times) in enumerate([("origin read + verify, no cache (baseline)", direct),
+                                        ("cold miss through the daemon (fill RAM+SSD, map)", through)]):
+        med = float(np.median(times))
+        rows.append({"id": f"cold-miss-{i}", "title": title, "metric": "ms per shard", "value": round(med * 1e3, 2),
+                     "MB/s": round(size / med / 1e6, 1), "vs_origin": round(med / float(np.median(direct)), 2),
+                     "shard_bytes": size, "shards": len(names)})
+    return rows
+
+
+def run(quick: bool, ram_dirs: tuple[str, ...] = ()) -> list[dict]:
+    """Rows for `loongforge bench`. `ram_dirs`: extra RAM-tier bases to measure,
+    e.g. a tmpfs mounted with huge=within_size (see infra/cache/README)."""
+    rows = hit_rate_rows(quick)
+    shards, shard_mib, repeats = (4, 16, 3) if quick else (8, 64, 7)
+    with tempfile.TemporaryDirectory(prefix="lf-cache-bench-") as tmp:
+        work = Path(tmp)
+        root = str(work / "origin")
+        index = make_random_root(root, shards, shard_mib << 20)
+        rows += ram_bandwidth_rows(root, index, work, repeats)
+        for i, extra in enumerate(ram_dirs):
+            rows += ram_bandwidth_rows(root, index, work, repeats, ram_base=extra, tag=f"-{i + 1}")
+        rows += cold_miss_rows(root, index, work)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = []
+    hit = [r for r in rows if r["metric"] == "hit rate"]
+    if hit:
+        lines += [f"Hit rate, cache = {CACHE_FRACTION:.0%} of {hit[0]['shards']} shards, 2 epochs "
+                  f"(order: {hit[0]['order']})", "",
+                  f"| {'policy':<62} | epoch 1 | epoch 2 | epoch 2 vs LRU | origin fills |", "|" + "-" * 64 +
+                  "|---------|---------|----------------|--------------|"]
+        lines += [f"| {r['title']:<62} | {r['epoch1']:>7.1%} | {r['epoch2']:>7.1%} | "
+                  f"{(str(r['vs_lru_epoch2']) + 'x') if r['vs_lru_epoch2'] else '-':>14} | {r['origin_fills']:>12} |"
+                  for r in hit]
+    for metric, key, ratio in (("GB/s", "value", "vs_memcpy"), ("ms per shard", "value", "vs_origin")):
+        sel = [r for r in rows if r["metric"] == metric]
+        if sel:
+            width = max(52, *(len(r["title"]) for r in sel))
+            lines += ["", f"| {'measurement':<{width}} | {metric:>12} | {ratio:>9} |",
+                      "|" + "-" * (width + 2) + "|" + "-" * 14 + "|" + "-" * 11 + "|"]
+            lines += [f"| {r['title']:<{width}} | {r[key]:>12} | {r[ratio]:>9} |" for r in sel]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller trace and shards (~20 s)")
+    p.add_argument("--ram-dir", action="append", default=[],
+                   help="also measure a RAM tier under this directory (e.g. a huge=within_size tmpfs)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = run(args.quick, tuple(args.ram_dir))
+    print(render(rows))
+    print(f"\n({time.perf_counter() - t0:.1f}s, {os.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Single-question benchmarks: conversion, checksums, storage, index and order scale, checkpoint stall, GPU check."""

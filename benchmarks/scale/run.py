@@ -1,0 +1,176 @@
+"""`loongforge bench scale`: the same training job at 1, 2, 4, 8 ranks (gloo, tiny recipe), then a
+calibrated alpha-beta projection to 32, 64 and 128 GPUs.
+
+  loongforge bench scale --ranks 1,2,4,8 --plan dp --plan tp=2,sp=2
+
+Weak scaling: every data-parallel replica trains `--micro-batch` samples per step, so the work
+per replica is fixed and what grows with the rank count is communication. Each (plan, size)
+is one real trainer launch (train/tune/jobs.py); a size the plan does not divide
+(world % (tp*sp)) is listed as skipped. Measured per step: wall time, host seconds inside
+collectives (gloo blocks: exposed comm), comm share, bytes this rank sent by group kind.
+Projected (benchmarks/scale/alpha_beta.py): comm time and share at 32/64/128 GPUs from the fitted
+bytes per group and the NVLink / InfiniBand inputs; sizes whose share passes 30% are flagged.
+Writes results/scale-<date>.json and .png.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from loongforge.benchmarks.scale import alpha_beta as ab
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+SEED_COMPUTE_S = 4.15 - 1.29  # the seed's 32-GPU step minus its comm (issue 9): GPU compute per step, 1.6b
+
+
+V2_VIDEO_DELTAS = "-1,0"  # format 2: 2 frames per camera per sample, the v1 synthetic root's K
+
+
+def scale_data(workdir: str, samples: int, version: int) -> tuple[str, list[str]]:
+    """(root, extra trainer flags) of a small synthetic root of `version`: format 2 (the default,
+    what preprocess writes) is episodes of 16 frames, 16x16, 2 cameras, read with 2 frames per
+    camera; format 1 is jobs.synthetic_data's root of 2-frame samples (same shapes)."""
+    from loongforge.train.tune import jobs
+
+    if version == 1:
+        return jobs.synthetic_data(workdir, samples=samples), []
+    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+
+    root = os.path.join(workdir, "data-v2")
+    if not os.path.exists(os.path.join(root, "index.json")):
+        make_synthetic_v2_root(root, lengths=(16,) * -(-samples // 16))
+    return root, [f"--video-deltas={V2_VIDEO_DELTAS}"]
+
+
+def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str,
+            version: int = 2) -> list[dict]:
+    from loongforge.train.tune import jobs
+
+    data, data_flags = scale_data(workdir, max(64, 4 * micro_batch * max(ranks)), version)
+    rows = []
+    for spec in plans:
+        plan, flags = jobs.plan_args(spec)
+        name = jobs.plan_name(plan)
+        for n in ranks:
+            if n % (plan["tp"] * plan["sp"]):
+                rows.append({"plan_name": name, "plan": plan, "world": n, "status": "skipped: world % (tp*sp) != 0"})
+                continue
+            dp = n // (plan["tp"] * plan["sp"])
+            args = [*flags, "--recipe", recipe, "--steps", str(steps), "--batch-size", str(micro_batch * dp),
+                    "--seed", "1", "--no-ds-breakdown", *data_flags]
+            res = jobs.run_job(n, args, data=data, run_dir=os.path.join(workdir, f"{name}-{n}"), device=device)
+            log.info("%s at %d ranks: step %.1f ms, comm %.1f%%, %.3f MB sent per rank", name, n, res.step_s * 1e3,
+                     100 * res.comm_share, res.wire_bytes / 1e6)
+            rows.append({"plan_name": name, "plan": plan, "status": "ok", **res.to_dict()})
+    return rows
+
+
+def _split_params(model) -> int:
+    """Elements TP shards (qkv, fc1 weights + biases; proj, fc2 weights) over the trunk blocks."""
+    return sum(blk.qkv.weight.numel() + blk.qkv.bias.numel() + blk.fc1.weight.numel() + blk.fc1.bias.numel()
+               + blk.proj.weight.numel() + blk.fc2.weight.numel() for blk in model.blocks)
+
+
+def recipe_sizes(measured: str, target: str, workdir: str, version: int = 2) -> dict:
+    """Parameters (all, and TP-split) and trunk activation size (dim x depth x tokens) of the
+    measured and the target recipe, on the measured data layout."""
+    import torch
+
+    from loongforge.train.model import recipes
+    from loongforge.train.model.model import VLAModel, count_parameters
+
+    if version == 2:
+        from loongforge.train.config import DataConfig
+        from loongforge.train.data.training_data import load_training_data
+
+        deltas = tuple(int(x) for x in V2_VIDEO_DELTAS.split(","))
+        index = load_training_data(DataConfig(root=os.path.join(workdir, "data-v2"), video_deltas=deltas))
+        frames = index.max_frames
+    else:
+        from loongforge.shared.index import load_index
+
+        index = load_index(os.path.join(workdir, "data"))
+        frames = max(max(s.frames) for s in index.shards)
+    out = {}
+    for role, name in (("measured", measured), ("target", target)):
+        c = recipes.resolve(name, index, max_text_tokens=32, max_frames=frames)
+        with torch.device("meta"):
+            model = VLAModel(c)
+        tokens = c.cameras * c.max_frames * c.vision_tokens + c.max_frames + c.max_text_tokens
+        out[role] = {"recipe": name, "params": count_parameters(model), "tp_split_params": _split_params(model),
+                     "act": c.dim * c.depth * tokens}
+    return out
+
+
+def byte_scale(sizes: dict, plan: dict, dtype_bytes: int) -> dict:
+    """Multipliers from the measured (fp32) bytes to the target's (dtype_bytes): ZeRO moves the
+    parameters one TP rank holds, TP/SP move trunk activations. NOTE: the projection holds the global
+    batch per GPU fixed across plans (so compute per rank is the same input for every plan): a
+    replica of T*S ranks then trains T*S times the measured samples per replica, and its activation
+    traffic grows by T*S."""
+    held = lambda r: r["params"] - r["tp_split_params"] * (plan["tp"] - 1) / plan["tp"]  # noqa: E731
+    m, t = sizes["measured"], sizes["target"]
+    dtype = dtype_bytes / 4
+    return {"param": dtype * held(t) / held(m), "act": dtype * t["act"] / m["act"] * plan["tp"] * plan["sp"]}
+
+
+def analyse(rows: list[dict], *, hw: ab.Hardware, sizes, compute_s: float, recipes: dict, dtype_bytes: int) -> dict:
+    ok = [r for r in rows if r["status"] == "ok"]
+    link = [(g["calls"], g["wire_bytes"], g["seconds"]) for r in ok for g in r["groups"].values()]
+    alpha, beta = ab.fit_link(link)
+    for r in ok:  # how well calls*alpha + bytes*beta explains the measured comm time
+        r["model_comm_s"] = sum(g["calls"] * alpha + g["wire_bytes"] * beta for g in r["groups"].values())
+    plans = {}
+    for name in dict.fromkeys(r["plan_name"] for r in ok):
+        mine = [r for r in ok if r["plan_name"] == name]
+        plan, fit = mine[0]["plan"], ab.fit_plan(mine)
+        scale = byte_scale(recipes, plan, dtype_bytes)
+        plans[name] = {"plan": plan, "fit": fit, "byte_scale": scale,
+                       "projection": [ab.project(fit, plan, n, hw, compute_s, scale) for n in sizes
+                                      if n % (plan["tp"] * plan["sp"]) == 0]}
+    return {"link_fit": {"alpha_s": alpha, "beta_s_per_byte": beta,
+                         "bandwidth_mb_s": (1 / beta / 1e6) if beta else None}, "plans": plans}
+
+
+def reproject(doc: dict, *, hw: ab.Hardware, sizes, compute_s: float, dtype_bytes: int) -> dict:
+    """The projection of an earlier run's measured rows with other inputs (no new measurement)."""
+    doc = dict(doc, projection_inputs={**doc["projection_inputs"], "hardware": hw.to_dict(), "sizes": list(sizes),
+                                       "compute_s_per_step": compute_s, "dtype_bytes": dtype_bytes})
+    doc.update(analyse(doc["measured"], hw=hw, sizes=sizes, compute_s=compute_s,
+                       recipes=doc["projection_inputs"]["recipes"], dtype_bytes=dtype_bytes))
+    return doc
+
+
+def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", out_dir: Path, hw=ab.Hardware(),
+        sizes=(32, 64, 128), project_recipe="1.6b", compute_s=SEED_COMPUTE_S, dtype_bytes=2, workdir=None,
+        plot=True, version: int = 2) -> tuple:
+    with tempfile.TemporaryDirectory(prefix="loongforge-scale-") as tmp:
+        work = workdir or tmp
+        rows = measure(ranks, plans, recipe=recipe, steps=steps, micro_batch=micro_batch, workdir=work,
+                       device=device, version=version)
+        sizes_of = recipe_sizes(recipe, project_recipe, work, version)
+    doc = {"version": FORMAT_VERSION, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "device": device, "recipe": recipe, "steps": steps, "data_format_version": version,
+           "micro_batch_per_replica": micro_batch,
+           "load_avg": os.getloadavg()[0], "measured": rows,
+           "projection_inputs": {"hardware": hw.to_dict(), "recipe": project_recipe, "recipes": sizes_of,
+                                 "compute_s_per_step": compute_s, "dtype_bytes": dtype_bytes,
+                                 "sizes": list(sizes)},
+           **analyse(rows, hw=hw, sizes=sizes, compute_s=compute_s, recipes=sizes_of, dtype_bytes=dtype_bytes)}
+    return doc, save(doc, out_dir / f"scale-{dt.date.today():%Y%m%d}.json", plot)
+
+
+def save(doc: dict, path: Path, plot: bool = True) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    if plot:
+        from loongforge.benchmarks.scale.report import plot as draw
+
+        draw(doc, path.with_suffix(".png"))
+    return path

@@ -1,0 +1,191 @@
+"""`loongforge ckpt reshard`: train 10 steps in layout A, reshard, continue 10 steps in layout B; the
+losses equal those of continuing in A (fp32, CPU, real gloo launches). Plus the TP index rules
+against the trainer's own TP module swap, and the layout parser."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _metrics, torchrun
+
+from loongforge.shared.errors import CheckpointError, ConfigError  # noqa: E402
+
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
+          "--no-ds-breakdown", "--workers", "1"]
+
+
+def _reshard(run_dir, to, tag, cwd):
+    proc = launch([sys.executable, "-m", "loongforge", "ckpt", "reshard", run_dir, "--to", to, "--tag", tag],
+                  cwd=cwd, timeout=400)
+    _ok(proc)
+    root = os.path.join(run_dir, "checkpoints")
+    new = open(os.path.join(root, "latest")).read().strip()
+    assert new.startswith(tag + "_") and os.path.isdir(os.path.join(root, tag))  # source kept, latest moved
+    return new, json.load(open(os.path.join(root, new, "loongforge.json")))
+
+
+def _same_continuation(want, got, first):
+    """Steps first.. of `got` (layout B) against `want` (layout A): same samples, losses within 1e-4."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    ids = lambda r: sorted(x for row in r["sample_ids"] for x in row)  # noqa: E731 - rank split differs
+    for a, b in zip(want[first:], got[first:], strict=True):
+        assert ids(a) == ids(b), b["step"]
+        for key in ("loss", "flow_loss", "ce_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-4), (b["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+@pytest.mark.full  # 60+ s; make test converts through the elastic test (test_faults.py, ZeRO-2 w2 -> w1 losses) and
+# test_ckpt_resilience's ZeRO-3 rank-count change
+def test_zero3_two_ranks_resharded_to_zero2_one_rank(train_root, tmp_path):
+    root, _ = train_root
+    a = str(tmp_path / "a")
+    _ok(torchrun(2, ["--data", root, "--run-dir", a, "--zero", "3", "--steps", "20", "--save-every", "10", *COMMON],
+                 cwd=str(tmp_path), timeout=400))
+    b = str(tmp_path / "b")
+    shutil.copytree(a, b)
+    tag, doc = _reshard(b, "world=1,zero=2", "step00000010", str(tmp_path))
+    src = json.load(open(os.path.join(b, "checkpoints", "step00000010", "loongforge.json")))
+    assert (doc["world"], doc["zero_stage"], doc["step"]) == (1, 2, 10)
+    assert doc["loader"] == src["loader"] and doc["model"] == src["model"]  # data position, model config kept
+    assert doc["resharded"]["from"] == {"world": 2, "zero_stage": 3, "tp": 1, "sp": 1}
+    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", b, "--zero", "2",
+                   "--steps", "20", "--resume", *COMMON], cwd=str(tmp_path), timeout=400)
+    _ok(proc)
+    assert "Adam moments and step kept" in proc.stderr
+    got = _metrics(b)
+    assert all(r["world"] == 1 for r in got[10:])
+    _same_continuation(_metrics(a), got, 10)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(train_root, tmp_path_factory):
+    """Layout A for the TP tests: TP 2 on 2 ranks, ZeRO-2, 20 steps, checkpoints at 10 and 20."""
+    root, _ = train_root
+    work = tmp_path_factory.mktemp("reshard_tp2")
+    a = str(work / "a")
+    _ok(torchrun(2, ["--data", root, "--run-dir", a, "--zero", "2", "--tp", "2", "--steps", "20",
+                     "--save-every", "10", *COMMON], cwd=str(work), timeout=400))
+    return a
+
+
+def _tp1_leg(a, root, tmp_path, steps):
+    """A's step 10 resharded to TP 1 on 1 rank, trained to `steps` (saving there)."""
+    b = str(tmp_path / "b")
+    shutil.copytree(a, b)
+    _, doc = _reshard(b, "world=1,zero=2,tp=1", "step00000010", str(tmp_path))
+    assert doc["parallel"] == {"tp": 1, "sp": 1} and doc["resharded"]["from"]["tp"] == 2
+    _ok(launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", b, "--zero", "2",
+                "--steps", str(steps), "--save-every", str(steps), "--resume", *COMMON], cwd=str(tmp_path),
+               timeout=400))
+    return b
+
+
+@pytest.mark.slow
+@pytest.mark.full  # two more launches; make test keeps the ZeRO-3 -> ZeRO-2 reshard and the TP split/merge rules
+def test_tp2_resharded_to_tp1_one_rank(tp2_run, train_root, tmp_path):
+    """The column/row/qkv shards and their Adam moments are gathered into TP 1: A's losses continue."""
+    root, _ = train_root
+    b = _tp1_leg(tp2_run, root, tmp_path, 20)
+    got = _metrics(b)
+    assert [(r["tp"], r["world"]) for r in got[10:]] == [(1, 1)] * 10
+    _same_continuation(_metrics(tp2_run), got, 10)
+
+
+@pytest.mark.full
+def test_tp1_resharded_back_to_tp2_zero3(tp2_run, train_root, tmp_path):
+    """TP 2 -> step 10 -> TP 1 (1 rank) -> step 15 -> TP 2 with ZeRO-3 (2 ranks) -> 20: split again, and
+    every step continues the TP-2 run's losses."""
+    root, _ = train_root
+    b = _tp1_leg(tp2_run, root, tmp_path, 15)
+    _, doc = _reshard(b, "world=2,zero=3,tp=2", "step00000015", str(tmp_path))
+    assert doc["parallel"] == {"tp": 2, "sp": 1} and doc["resharded"]["from"] == \
+        {"world": 1, "zero_stage": 2, "tp": 1, "sp": 1}
+    _ok(torchrun(2, ["--data", root, "--run-dir", b, "--zero", "3", "--tp", "2", "--steps", "20", "--resume",
+                     *COMMON], cwd=str(tmp_path), timeout=400))
+    got = _metrics(b)
+    assert [r["tp"] for r in got[10:]] == [1] * 5 + [2] * 5
+    _same_continuation(_metrics(tp2_run), got, 10)
+
+
+def test_layout_parse():
+    from loongforge.train.ckpt.reshard import Layout
+
+    assert Layout.parse("world=4,zero=2,tp=1", default_world=2) == Layout(world=4, zero=2, tp=1)
+    assert Layout.parse("dp=2,zero=3,tp=2", default_world=1) == Layout(world=4, zero=3, tp=2)
+    assert Layout.parse("zero=1", default_world=8).world == 8
+    assert Layout(world=4, zero=2, tp=2).slug() == "w4z2t2"
+    assert Layout.parse("dp=1,zero=3,sp=2", default_world=1) == Layout(world=2, zero=3, sp=2)
+    for bad, match in (("world=3,zero=2,tp=2", "multiple of tp"), ("world=2", "ZeRO stage"),
+                       ("world=2,zero=0,tp=2", "zero=1"), ("world=2,zero=2,tp=2,sp=2", "multiple of tp"),
+                       ("w=2,zero=2", "expected")):
+        with pytest.raises(ConfigError, match=match):
+            Layout.parse(bad, default_world=2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_rules_match_the_trainers_module_swap(tp):
+    """split_tp cuts exactly the shards apply_tensor_parallel gives TP rank t (qkv per head, fc1 rows,
+    proj/fc2 columns, the rest replicated), and merge_tp inverts it bit for bit."""
+    from loongforge.train.ckpt.reshard import full_shapes, local_shape, merge_tp, split_tp, tp_kinds
+    from loongforge.train.model.model import VLAModel
+    from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
+    from loongforge.train.model.recipes import tiny
+
+    class _Rank:  # the three things apply_tensor_parallel asks of the parallel state
+        def __init__(self, t):
+            self.t = t
+
+        def group(self, kind):
+            return None
+
+        def size(self, kind):
+            return tp
+
+        def rank_in(self, kind):
+            return self.t
+
+    torch.manual_seed(0)
+    cfg = tiny(state_dim=6, action_dim=4, cameras=2, max_frames=2, image_size=(16, 16), max_text_tokens=8)
+    full_model = VLAModel(cfg)
+    full = {n: p.detach().clone() for n, p in full_model.named_parameters()}
+    kinds = tp_kinds({"model": dataclasses.asdict(cfg)})
+    assert full_shapes({"model": dataclasses.asdict(cfg)}) == {n: v.shape for n, v in full.items()}
+    assert set(kinds.values()) == {"qkv", "col", "row"} and len(kinds) == 6 * cfg.depth
+    shards = []
+    for t in range(tp):
+        m = copy.deepcopy(full_model)
+        apply_tensor_parallel(m, _Rank(t))
+        local = dict(m.named_parameters())
+        assert local.keys() == full.keys()  # the swap keeps every name: checkpoints stay interchangeable
+        for name, value in full.items():
+            assert torch.equal(split_tp(value, kinds.get(name), t, tp), local[name].detach()), (name, t)
+            # ZeRO-3's universal files are flat: the TP-local shape is rebuilt from the sidecar's model
+            assert local_shape(value.shape, kinds.get(name), tp) == local[name].shape, name
+        shards.append(local)
+    for name, value in full.items():
+        assert torch.equal(merge_tp([s[name].detach() for s in shards], kinds.get(name), name), value), name
+
+
+def test_refusals_name_the_converter():
+    from loongforge.train.ckpt.checkpoint import check_layout
+    from loongforge.train.ckpt.reshard import load_tag_dir
+
+    with pytest.raises(CheckpointError, match=r"loongforge ckpt reshard RUN --to world=1,zero=2,tp=1"):
+        check_layout({"world": 2, "zero_stage": 3}, "RUN", "step00000010", world=1, zero_stage=2)
+    with pytest.raises(CheckpointError, match=r"loongforge ckpt reshard RUN --to world=4,zero=3,tp=2"):
+        check_layout({"world": 2, "zero_stage": 2, "parallel": {"tp": 2}}, "RUN", "step00000010", world=4,
+                     zero_stage=3)
+    doc = {"parallel": {"tp": 2}, "resharded": {"version": 1, "dir": "universal_tp{tp:02d}"}}
+    assert load_tag_dir(doc, "step00000010_w4z2t2", 3) == os.path.join("step00000010_w4z2t2", "universal_tp01")
+    assert load_tag_dir({}, "step00000010", 0) is None
+    with pytest.raises(CheckpointError, match="reshard it again"):
+        load_tag_dir({**doc, "resharded": {"version": 99}}, "t", 0)

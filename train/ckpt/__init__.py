@@ -1,0 +1,1 @@
+"""Checkpoints: async + delta writes, verified resume with fallback, layout conversion (reshard)."""

@@ -1,0 +1,97 @@
+"""Resume across a layout change that DeepSpeed cannot load directly (ZeRO-3 on
+either side: parameters and optimizer state are partitioned by rank count).
+
+The checkpoint is converted once with DeepSpeed's own converter
+(`deepspeed.checkpoint.ds_to_universal`: one folder per parameter holding the
+fp32 weight and both Adam moments) into `stepNNNNNNNN_universal/`, then loaded
+with DeepSpeed's `load_universal` path, which slices every tensor for the new
+rank count and stage: weights, Adam moments and the step are all kept.
+
+The converter calls torch.load(weights_only=False); it runs in a child process
+(`python -m loongforge.train.ckpt.universal SRC DST`) under the same
+weights-only guard as every other load, after the manifest was verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from loongforge.train.ckpt.fallback import raise_unless_rank0_ok
+
+log = logging.getLogger(__name__)
+SUFFIX = "_universal"
+
+
+def convert_command(src: str) -> str:
+    return (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {src} "
+            f"--output_folder {src}{SUFFIX}")
+
+
+def ensure_universal(src: str, *, rank: int, device: torch.device, timeout_s: float = 1800.0) -> str:
+    """Rank 0 converts `src` (once; an existing conversion is reused); every rank returns the folder.
+    Collective: a failed conversion raises CheckpointError on every rank, none waits forever."""
+    dst = src.rstrip("/") + SUFFIX
+    err = ""
+    if rank == 0 and not os.path.isdir(dst):
+        err = _convert(src, dst, timeout_s)
+    raise_unless_rank0_ok(err, device=device, failed=f"converting {src} to a universal checkpoint failed",
+                          hint=f"try it by hand: {convert_command(src)}")
+    return dst
+
+
+def _convert(src: str, dst: str, timeout_s: float) -> str:
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting %s to a universal checkpoint (DeepSpeed ds_to_universal) for the new layout", src)
+    env = dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "loongforge.train.ckpt.universal", src, tmp], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"timed out after {timeout_s:.0f}s"
+    # The converter also writes `latest_universal` beside its output; that pointer is not ours.
+    latest_u = os.path.join(os.path.dirname(dst), "latest_universal")
+    if os.path.exists(latest_u):
+        os.unlink(latest_u)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1][:500]
+    os.replace(tmp, dst)
+    return ""
+
+
+def load_universal(engine, root: str, tag: str):
+    """DeepSpeed's load_universal path for one load only (it reads the flag at load time)."""
+    from loongforge.train.ckpt.checkpoint import weights_only_loads
+
+    engine._config.load_universal_checkpoint = True
+    try:
+        with weights_only_loads():
+            return engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    finally:
+        engine._config.load_universal_checkpoint = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deepspeed.checkpoint import ds_to_universal
+
+    from loongforge.train.ckpt.checkpoint import weights_only_loads
+
+    args = argv if argv is not None else sys.argv[1:]
+    for src, dst in zip(args[::2], args[1::2]):  # several pairs: one interpreter, DeepSpeed imported once
+        sys.argv = ["ds_to_universal", "--input_folder", src, "--output_folder", dst, "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"]
+        with weights_only_loads():
+            ds_to_universal.main(ds_to_universal.parse_arguments())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

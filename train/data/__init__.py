@@ -1,0 +1,1 @@
+"""The data path: global order, samples, decode workers, batches, prefetch, colour conversion."""

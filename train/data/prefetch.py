@@ -1,0 +1,217 @@
+"""Async prefetch: batch N+1 is decoded, copied and colour-converted while
+batch N computes.
+
+One background thread owns the decode pool (submit, wait, release) and stages
+each batch onto the device:
+  CUDA: host slot -> pinned buffer (allocated once per buffer set, reused) ->
+        non_blocking copy on a side stream -> NV12->RGB + normalization on that
+        stream -> an event. The consumer makes its current stream wait on the
+        event and calls `record_stream`, so the caching allocator never hands
+        the memory to another stream early.
+  CPU:  the same thread and hand-off, with no stream: convert, clone, release.
+depth=0 runs everything synchronously in the caller (debugging, num_workers=0).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loongforge.shared.errors import DataWorkerError
+from loongforge.train.data import colorspace_jit
+from loongforge.train.data.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
+
+_END = object()
+JOIN_TIMEOUT_S = 30.0  # only reached if pull() cannot be interrupted; normally the join takes < 0.2 s
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    tensors: dict  # name -> tensor on device; "frames" -> {slot: tensor}
+    meta: dict  # host-side: sample_ids (np), epoch, consumed, seq, bad
+    event: object = None  # torch.cuda.Event on CUDA
+    host_set: int = -1
+    extra: dict = field(default_factory=dict)
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A device with an index: a bare "cuda" means the caller's current device.
+
+    torch.cuda.set_device / Stream need an index, and the current device is per
+    thread (the prefetch thread's default would be cuda:0, not the rank's GPU),
+    so the index is fixed here, in the thread that made the loader."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Prefetcher:
+    def __init__(self, pull: Callable[[], tuple[dict, dict[str, np.ndarray], Callable[[], None]]], *,
+                 device: torch.device, matrix: str, color_range: str, mean: float, std: float,
+                 rgb: bool = True, depth: int = 2, timeout_s: float = 300.0):
+        self.pull, self.device, self.depth, self.timeout_s = pull, resolve_device(device), depth, timeout_s
+        self.conv = dict(matrix=matrix, color_range=color_range, mean=mean, std=std)
+        self.rgb = rgb
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # depth+2 pinned sets: `depth` queued, one being consumed, one being filled.
+        self._pinned: list[dict[str, torch.Tensor]] = [{} for _ in range(depth + 2)] if self.cuda else []
+        self._set_events = [None] * len(self._pinned)
+        self._next_set = 0
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="loongforge-prefetch", daemon=True)
+            self._thread.start()
+
+    # -- producer side (background thread) -------------------------------------
+    def _run(self) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread; default would be cuda:0
+            elif self.rgb:
+                serial_cpu_ops_in_this_thread()  # one pipeline stage: the workers and the model hold the other cores
+                colorspace_jit.warm_up()  # compile (or load) the NV12 kernel now, while the workers decode
+            while not self._stop.is_set():
+                staged = self._stage_next()
+                if staged is None:
+                    self._put(_END)
+                    return
+                self._put(staged)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(_Failure(exc))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _stage_next(self) -> Staged | None:
+        try:
+            meta, arrays, release = self.pull()
+        except StopIteration:
+            return None
+        try:
+            return self._stage_cuda(meta, arrays) if self.cuda else self._stage_cpu(meta, arrays)
+        finally:
+            release()  # the slot's bytes are copied out (pinned or cloned) before this returns
+
+    def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return nv12_to_input(t, **self.conv) if self.rgb and name.startswith("frames.") else t
+
+    def _stage_cpu(self, meta, arrays) -> Staged:
+        out = {}
+        for name, arr in arrays.items():
+            t = torch.from_numpy(arr)
+            conv = self._convert(name, t)
+            out[name] = conv if conv is not t else t.clone()
+        return Staged(_nest(out), meta)
+
+    def _stage_cuda(self, meta, arrays) -> Staged:
+        idx = self._next_set
+        self._next_set = (idx + 1) % len(self._pinned)
+        if self._set_events[idx] is not None:
+            self._set_events[idx].synchronize()  # the last H2D copy out of this pinned set has finished
+        pinned = self._pinned[idx]
+        out = {}
+        with torch.cuda.stream(self.stream):
+            for name, arr in arrays.items():
+                buf = pinned.get(name)
+                if buf is None or buf.numel() < arr.size:
+                    # First sight of this field at this size; buckets cap the sizes, so this stops after warm-up.
+                    buf = pinned[name] = torch.empty(arr.size, dtype=_TORCH_DTYPES[arr.dtype.str],
+                                                     pin_memory=True)
+                host = buf[: arr.size].view(arr.shape)
+                host.copy_(torch.from_numpy(arr))
+                dev = host.to(self.device, non_blocking=True)
+                out[name] = self._convert(name, dev)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._set_events[idx] = event
+        return Staged(_nest(out), meta, event=event, host_set=idx)
+
+    # -- consumer side -----------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Staged:
+        if self._thread is None:
+            staged = self._stage_next()
+            if staged is None:
+                raise StopIteration
+            return self._ready(staged)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                item = self._q.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    raise DataWorkerError("prefetch thread ended without a batch or an error") from None
+                if time.monotonic() > deadline:
+                    raise DataWorkerError(f"no batch for {self.timeout_s:.0f} s from the prefetch thread") from None
+        if item is _END:
+            self._q.put(_END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.exc
+        return self._ready(item)
+
+    def _ready(self, staged: Staged) -> Staged:
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(staged.event)
+            for t in _flat(staged.tensors):
+                t.record_stream(current)  # allocated on the side stream, used on the compute stream
+        return staged
+
+    def close(self) -> None:
+        """Signal, unblock, join. The owner interrupts a pull() blocked in the pool first
+        (ShardLoader does); a full queue is unblocked here, since _put polls _stop."""
+        self._stop.set()
+        if self._thread is not None:
+            while True:  # a producer waiting on a full queue sees _stop within 0.1 s
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    break
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+            if self._thread.is_alive():  # a pull() that nothing can interrupt (inline decode of a huge batch)
+                log.error("prefetch thread still running %.0f s after close(); abandoning it", JOIN_TIMEOUT_S)
+            self._thread = None
+
+
+_TORCH_DTYPES = {np.dtype(np.uint8).str: torch.uint8, np.dtype(np.float32).str: torch.float32,
+                 np.dtype(np.int64).str: torch.int64, np.dtype(np.bool_).str: torch.bool}
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict:
+    out: dict = {"frames": {}}
+    for name, t in flat.items():
+        if name.startswith("frames."):
+            out["frames"][name.split(".", 1)[1]] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _flat(tensors: dict) -> list[torch.Tensor]:
+    return [t for k, v in tensors.items() for t in (v.values() if k == "frames" else [v])]

@@ -1,0 +1,273 @@
+"""Decode worker pool: shard bytes -> NV12 batches in shared-memory slots.
+
+The main process sends only integers (batch number, slot, sample locations)
+through multiprocessing queues; workers read shards through their own
+ShardSource (mmap, zero-copy), zstd-decompress straight into a slot of a ring
+of `multiprocessing.shared_memory` buffers, and answer with a few integers.
+Frames are never pickled. `num_workers=0` fills the same layout inline.
+
+A dead worker is noticed within one poll interval (`is_alive()` on every
+wait) and reported as DataWorkerError naming the worker and its exit code;
+a worker that stops answering hits `timeout_s`. Nothing blocks forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import traceback
+from multiprocessing import get_context
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from loongforge.shared.errors import DataWorkerError, LoongForgeError
+from loongforge.shared.index import ShardIndex
+from loongforge.train.data.batch import BatchLayout, Norm, fill_batch
+from loongforge.train.data.sources import SourceSpec, close_source, make_source
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+CLOSE_GRACE_S = 0.5  # how long close() lets workers finish their batch before killing them
+
+
+class PoolClosedError(DataWorkerError):
+    """get() was interrupted because the pool is closing (never seen by a caller that closes it)."""
+
+
+class _V1Filler:
+    """Format 1: one byte-range read per sample through the worker's own ShardSource."""
+
+    def __init__(self, spec: SourceSpec, index: ShardIndex, layout: BatchLayout):
+        self.index, self.layout = index, layout
+        self.norm = Norm.from_index(index)
+        self.source = make_source(spec, index)
+
+    def fill(self, arrays, items, policy):
+        return fill_batch(self.source, self.index, self.layout, self.norm, arrays, items, policy)
+
+    def counters(self):
+        return None
+
+    def close(self):
+        close_source(self.source)
+
+
+def _open_filler(spec: SourceSpec, index_json: bytes | None, layout: BatchLayout, filler_spec):
+    # filler_spec (format 2: train/fill_v2.FillerSpec) opens its own memory-mapped dataset.
+    if filler_spec is not None:
+        return filler_spec.open()
+    return _V1Filler(spec, ShardIndex.from_json(index_json), layout)
+
+
+def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes | None, layout: BatchLayout,
+                 shm_names: list[str], policy: str, tasks, results, filler_spec=None, ready=None) -> None:
+    # Runs in a fresh (spawned) process: no torch import, own source, own mmaps.
+    try:
+        filler = _open_filler(spec, index_json, layout, filler_spec)
+        shms = [SharedMemory(name=n) for n in shm_names]
+    except BaseException:  # noqa: BLE001 - report why we could not start, then exit non-zero
+        results.put(("fatal", worker_id, -1, traceback.format_exc(limit=8)))
+        raise SystemExit(3) from None
+    if ready is not None:  # start-up done (imports, source, mmaps): DecodePool.wait_ready counts these
+        with ready.get_lock():
+            ready.value += 1
+    parent = multiprocessing.parent_process()
+    try:
+        while True:
+            try:
+                task = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return  # the trainer was killed: do not linger as an orphan
+                continue
+            if task is None:
+                return
+            seq, slot, k, items = task
+            try:
+                arrays = layout.views(shms[slot].buf, k)
+                bad, reasons = filler.fill(arrays, items, policy)
+                del arrays
+                results.put(("ok", worker_id, seq, (slot, k, bad, reasons, filler.counters())))
+            except LoongForgeError as exc:
+                results.put(("error", worker_id, seq, f"{type(exc).__name__}: {exc}"))
+            except Exception:  # noqa: BLE001 - a bug must surface in the trainer, with its traceback
+                results.put(("error", worker_id, seq, traceback.format_exc(limit=8)))
+    finally:
+        filler.close()
+        for shm in shms:
+            shm.close()
+
+
+class DecodePool:
+    """Ring of `slots` batch buffers filled by `num_workers` processes (or inline)."""
+
+    def __init__(self, index: ShardIndex, layout: BatchLayout, spec: SourceSpec, *, num_workers: int,
+                 slots: int, policy: str = "skip", timeout_s: float = 120.0, start_method: str = "spawn",
+                 filler_spec=None):
+        # filler_spec: None = format 1 (`index` is the full ShardIndex); a fill_v2.FillerSpec = format 2
+        # (`index` may be None: each worker memory-maps the dataset's tables itself).
+        self.index, self.layout, self.spec, self.policy = index, layout, spec, policy
+        self.worker_counters: dict[int, dict] = {}  # worker id -> its block-cache counters (format 2)
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.bad_samples = 0
+        self.bad_reasons: list[str] = []
+        self._free = list(range(slots))
+        self._done: dict[int, tuple] = {}
+        self._pending: dict[int, tuple] = {}  # inline mode: seq -> task
+        self._shms: list[SharedMemory] = []
+        self._procs = []
+        self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
+        if num_workers == 0:
+            self._bufs = [np.empty(layout.nbytes, np.uint8) for _ in range(slots)]
+            self._filler = _open_filler(spec, None, layout, filler_spec) if filler_spec is not None \
+                else _V1Filler(spec, index, layout)
+            return
+        self._filler = None
+        self._shms = [SharedMemory(create=True, size=max(1, layout.nbytes)) for _ in range(slots)]
+        self._bufs = [s.buf for s in self._shms]
+        ctx = get_context(start_method)
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        self._ready = ctx.Value("i", 0)  # workers past start-up (a benchmark times only after all are)
+        names = [s.name for s in self._shms]
+        index_json = index.to_json() if filler_spec is None else None
+        try:
+            for wid in range(num_workers):
+                p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
+                                args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results,
+                                      filler_spec, self._ready))
+                p.start()
+                self._procs.append(p)
+        except BaseException:
+            self.close()  # the shared-memory slots would outlive this process in /dev/shm otherwise
+            raise
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def workers_ready(self) -> int:
+        """Workers past start-up (imports, source, mmaps); 0 inline (no workers: wait_ready returns at once)."""
+        return self._ready.value if self.num_workers else 0
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every worker is past start-up. A spawned worker imports numpy and
+        the loader (~0.4-2 s on a loaded box) while the first-ready one already serves
+        batches, so a throughput window opened before this measures start-up, not decoding.
+        Raises DataWorkerError if a worker dies or `timeout_s` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while self.workers_ready < self.num_workers:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise DataWorkerError(f"only {self.workers_ready} of {self.num_workers} data workers started "
+                                      f"within {timeout_s:.0f} s")
+            time.sleep(POLL_S / 5)
+
+    def submit(self, seq: int, k: int, items: list[tuple[int, int, int]]) -> None:
+        if not self._free:
+            raise DataWorkerError("no free batch slot: release() consumed batches before submitting more")
+        slot = self._free.pop()
+        task = (seq, slot, k, [tuple(int(v) for v in it) for it in items])
+        if self.num_workers == 0:
+            self._pending[seq] = task
+        else:
+            self._tasks.put(task)
+
+    def get(self, seq: int) -> tuple[int, dict[str, np.ndarray]]:
+        """Wait for batch `seq`; returns (slot, arrays viewing the slot). Call release(slot) after use."""
+        if self.num_workers == 0:
+            _, slot, k, items = self._pending.pop(seq)
+            arrays = self.layout.views(self._bufs[slot], k)
+            try:
+                bad, reasons = self._filler.fill(arrays, items, self.policy)
+            except BaseException:
+                self._free.append(slot)
+                raise
+            return self._finish(slot, k, bad, reasons, 0, self._filler.counters())
+        deadline = time.monotonic() + self.timeout_s
+        # Checked on every call, not only on a timeout: the surviving workers would otherwise
+        # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
+        self._check_alive()
+        while seq not in self._done:
+            if self._closing.is_set():
+                raise PoolClosedError("decode pool is closing")
+            try:
+                kind, wid, rseq, payload = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise DataWorkerError(f"no decoded batch for {self.timeout_s:.0f} s (data.worker_timeout_s): "
+                                          f"workers alive={[p.is_alive() for p in self._procs]}") from None
+                continue
+            if kind == "fatal":
+                raise DataWorkerError(f"data worker {wid} failed to start:\n{payload}")
+            if kind == "error":
+                raise DataWorkerError(f"data worker {wid} failed on batch {rseq}: {payload}")
+            self._done[rseq] = (*payload[:4], (wid, payload[4]))
+        slot, k, bad, reasons, counters = self._done.pop(seq)
+        return self._finish(slot, k, bad, reasons, *counters)
+
+    def _finish(self, slot, k, bad, reasons, wid=0, counters=None):
+        if counters is not None:
+            self.worker_counters[wid] = counters
+        if bad:
+            self.bad_samples += bad
+            self.bad_reasons.extend(reasons[-16:])
+            for r in reasons:
+                log.warning("skipped bad sample (data.bad_samples='skip'): %s", r)
+        return slot, self.layout.views(self._bufs[slot], k)
+
+    def _check_alive(self) -> None:
+        for wid, p in enumerate(self._procs):
+            if not p.is_alive():
+                if (p.exitcode or 0) < 0:
+                    why = f" (killed by signal {-p.exitcode}); check dmesg for the OOM killer or lower --workers"
+                else:  # it raised before our worker loop could report: its traceback went to stderr
+                    why = ("; its traceback is on stderr above. If it died at start: workers are spawned and "
+                           "re-import the main module, so a script that makes a ShardLoader with workers must "
+                           "do so under `if __name__ == '__main__':`")
+                raise DataWorkerError(f"data worker {wid} (pid {p.pid}) died with exit code {p.exitcode}{why}")
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def interrupt(self) -> None:
+        """Make a get() blocked in another thread raise PoolClosedError within POLL_S (close() first step)."""
+        self._closing.set()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._filler is not None:
+            self._filler.close()
+            self._filler = None
+        for _ in self._procs:
+            try:
+                self._tasks.put_nowait(None)
+            except Exception:  # noqa: BLE001 - queue may be broken if a worker died mid-put
+                break
+        # One shared deadline, not one per worker: a worker stuck in a read (slow origin, stopped
+        # process) is killed, so close() is bounded by ~CLOSE_GRACE_S whatever the workers do.
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()  # SIGKILL: also ends a stopped process, where SIGTERM would stay pending
+                p.join(timeout=2.0)
+        self._procs = []
+        self._bufs = []
+        for shm in self._shms:
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping dies with the process
+            shm.unlink()
+        self._shms = []
+        if self.num_workers:
+            for q in (self._tasks, self._results):
+                q.cancel_join_thread()
+                q.close()

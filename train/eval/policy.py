@@ -1,0 +1,118 @@
+"""A trained policy: checkpoint + the index's normalisation stats -> actions in dataset units.
+
+    policy = Policy.load("runs/demo", data_root="shards")
+    actions = policy.act([{"frames": {"front": rgb_uint8_KxHxWx3}, "state": state_Kx44, "task": "pick"}])
+
+Observations are raw: frames as uint8 RGB (K, h, w, 3) or NV12 (K, 3h/2, w) per camera slot,
+state (K, Ds) in dataset units, instruction text. The model sees exactly what training fed it:
+the same colour conversion (the index's matrix and range), image normalisation, state
+normalisation and byte tokenizer; the output is un-normalised with the index's action stats.
+
+Weights: DeepSpeed ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32, ZeRO-0
+ones read from the module state file; every torch.load inside is forced weights-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from loongforge.shared.errors import CheckpointError
+from loongforge.shared.index import ShardIndex
+from loongforge.train.ckpt import checkpoint
+from loongforge.train.data.batch import Norm, encode_text
+from loongforge.train.data.colorspace import nv12_to_input
+from loongforge.train.config import ModelConfig
+from loongforge.train.model.model import VLAModel
+
+
+def model_config_from(doc: dict) -> ModelConfig:
+    raw = doc.get("model")
+    if not isinstance(raw, dict):
+        raise CheckpointError("checkpoint sidecar has no 'model' config (written by an older trainer); "
+                              "retrain, or rebuild the ModelConfig by hand and use Policy(...)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items() if k in known}
+    return ModelConfig(**fields)
+
+
+def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """fp32 state dict of the model from a DeepSpeed checkpoint directory."""
+    tag_dir = os.path.join(checkpoint.ckpt_root(run_dir), tag)
+    with checkpoint.weights_only_loads():
+        if zero_stage == 0:
+            path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path} missing: checkpoint {tag} is incomplete")
+            state = torch.load(path, map_location="cpu", weights_only=True)["module"]
+        else:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(checkpoint.ckpt_root(run_dir), tag=tag)
+    return {k: v.float() for k, v in state.items()}
+
+
+class Policy:
+    def __init__(self, model: VLAModel, index: ShardIndex, *, image_mean: float = 0.5, image_std: float = 0.25,
+                 text_len: int | None = None, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.cfg = model.cfg
+        self.index, self.norm = index, Norm.from_index(index)
+        self.image_mean, self.image_std = image_mean, image_std
+        self.text_len = text_len or self.cfg.max_text_tokens
+
+    @classmethod
+    def load(cls, run_dir: str, data_root: str | None = None, *, index: ShardIndex | None = None,
+             tag: str | None = None, device: str | torch.device = "cpu") -> "Policy":
+        tag = tag or checkpoint.latest_tag(run_dir)
+        if tag is None:
+            raise CheckpointError(f"no checkpoint under {checkpoint.ckpt_root(run_dir)}; did training finish?")
+        doc = checkpoint.read_sidecar(run_dir, tag)
+        model = VLAModel(model_config_from(doc))
+        model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
+        if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)
+            from loongforge.train.data.training_data import load_for_policy
+
+            index = load_for_policy(data_root, doc, model.cfg.action_horizon)
+        data = doc.get("data", {})
+        return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),
+                   text_len=data.get("max_text_tokens"), device=device)
+
+    def batch(self, observations: list[dict]) -> dict:
+        """Raw observations (same frame count each) -> the model's input batch on the device."""
+        ds = self.index.dataset
+        frames = {}
+        for slot in ds.slots:
+            raw = torch.from_numpy(np.stack([np.asarray(o["frames"][slot], np.uint8) for o in observations]))
+            frames[slot] = self._frames(raw.to(self.device))
+        state = np.stack([np.asarray(o["state"], np.float32) for o in observations])
+        state = (state - self.norm.state_mean) / self.norm.state_std
+        text = [encode_text(o.get("task", ""), self.text_len) for o in observations]
+        b, k = state.shape[:2]
+        return {"frames": frames, "state": torch.from_numpy(state).to(self.device),
+                "task_tokens": torch.from_numpy(np.stack([t[0] for t in text])).to(self.device),
+                "task_mask": torch.from_numpy(np.stack([t[1] for t in text])).to(self.device),
+                "frame_mask": torch.ones(b, k, dtype=torch.bool, device=self.device)}
+
+    def _frames(self, raw: torch.Tensor) -> torch.Tensor:
+        ds = self.index.dataset
+        if raw.shape[-1] == 3 and raw.ndim == 5:  # (B, K, h, w, 3) RGB
+            x = raw.permute(0, 1, 4, 2, 3).float()
+            return x.sub_(self.image_mean * 255.0).mul_(1.0 / (255.0 * self.image_std))
+        return nv12_to_input(raw, ds.color_matrix, ds.color_range, mean=self.image_mean, std=self.image_std)
+
+    def unnormalize(self, action: torch.Tensor) -> np.ndarray:
+        return action.float().cpu().numpy() * self.norm.action_std + self.norm.action_mean
+
+    def unnormalize_state(self, state: torch.Tensor) -> np.ndarray:
+        return state.float().cpu().numpy() * self.norm.state_std + self.norm.state_mean
+
+    def act(self, observations: list[dict], *, steps: int = 4, seed: int = 0, discrete: bool = False) -> np.ndarray:
+        """(B, H, Da) actions in dataset units: flow integration (default) or the discrete head."""
+        batch = self.batch(observations)
+        out = self.model.predict_discrete(batch) if discrete else self.model.predict_action(batch, steps, seed)
+        return self.unnormalize(out)

@@ -1,0 +1,1 @@
+"""The model: layers, attention, masks, recipes. Knows nothing of parallelism."""

@@ -1,0 +1,1 @@
+"""Run observability: per-step metrics, profiler, timeline arithmetic, the `loongforge profile` breakdown."""

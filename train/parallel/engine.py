@@ -1,0 +1,213 @@
+"""DeepSpeed wiring: the JSON config generated from the typed config, process
+group setup/teardown, the engine, and per-step communication time.
+
+The model module knows nothing of any of this (torchtitan's split).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from loongforge.shared.errors import ConfigError
+from loongforge.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device: cuda requested but torch.cuda.is_available() is False; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+LEAF_BLOCKS = ("loongforge.train.model.layers.TrunkBlock", "loongforge.train.model.layers.HeadBlock")
+
+
+def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
+    """The DeepSpeed JSON, from the typed config. One place, so it can be printed and diffed."""
+    p, o = cfg.parallel, cfg.optim
+    step_batch = cfg.data.global_batch_size
+    micro = step_batch // (world * p.grad_accum)
+    if micro * world * p.grad_accum != step_batch:
+        raise ConfigError(f"data.global_batch_size: {step_batch} must equal micro batch x {world} data-parallel "
+                          f"ranks x {p.grad_accum} accumulation steps; pick a multiple of {world * p.grad_accum}")
+    cuda = device.type == "cuda"
+    bf16 = p.precision == "bf16" or (p.precision == "auto" and cuda)
+    zero = {"stage": p.zero_stage, "reduce_bucket_size": p.reduce_bucket_size, "overlap_comm": p.overlap_comm,
+            "contiguous_gradients": True, "allgather_bucket_size": p.reduce_bucket_size}
+    if p.zero_stage == 3:
+        zero.pop("allgather_bucket_size")
+        zero.update({"stage3_prefetch_bucket_size": p.reduce_bucket_size, "stage3_param_persistence_threshold": 0})
+        if p.zero3_leaf_blocks:  # one gather and one hook pair per block instead of per sub-layer
+            zero["leaf_module"] = {"classes": list(LEAF_BLOCKS)}
+    conf = {
+        "train_batch_size": step_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": p.grad_accum,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": 1e-8,
+                                                  "weight_decay": o.weight_decay, **_adam_impl(cuda)}},
+        "wall_clock_breakdown": p.wall_clock_breakdown,
+        # Enabled so deepspeed.comm times every collective (see comm_seconds). On CUDA the logger
+        # synchronizes after each op, which would serialize overlap_comm: there NCCL time comes from traces.
+        "comms_logger": {"enabled": not cuda, "prof_all": True, "verbose": False},
+        "steps_per_print": 1 << 30,
+    }
+    if o.warmup_steps:
+        conf["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                                                            "warmup_num_steps": o.warmup_steps}}
+    return conf
+
+
+def _adam_impl(cuda: bool) -> dict:
+    """Which AdamW DeepSpeed builds. Never one that needs an op compiled at run time: its CPU Adam
+    costs a ~40 s g++ build, and on CUDA its FusedAdam JIT-builds with nvcc + CUDA_HOME + ninja,
+    which pip's torch does not ship (a fresh GPU box fails, or compiles for minutes). torch's own
+    AdamW (`torch_adam`; fused kernel on CUDA) needs no build. A DeepSpeed installed with the op
+    prebuilt (DS_BUILD_FUSED_ADAM=1) keeps its FusedAdam."""
+    if cuda and fused_adam_prebuilt():
+        return {}
+    return {"torch_adam": True, **({"fused": True} if cuda else {})}
+
+
+def fused_adam_prebuilt() -> bool:
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get("fused_adam"))
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
+    from datetime import timedelta
+
+    import deepspeed
+
+    # Single-process runs (no launcher) still get a 1-rank group, so the code path is one.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
+                               timeout=timedelta(seconds=timeout_s))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def construct_model(make_model: Callable[[], torch.nn.Module], conf: dict, *, data_parallel_group=None,
+                    mpu=None) -> torch.nn.Module:
+    """Build the model the way the ZeRO stage needs. Stage 3: inside deepspeed.zero.Init, which
+    partitions each module's parameters as soon as the module is constructed, so no rank ever
+    materialises the full fp32 model (~6.4 GB per rank for the 1.6b recipe). The one place that
+    constructs it: a parallel plan passes its own data-parallel group / mpu here."""
+    if conf["zero_optimization"]["stage"] != 3:
+        return make_model()
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=conf, data_parallel_group=data_parallel_group, mpu=mpu):
+        return make_model()
+
+
+def param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(full, local) parameter elements: under ZeRO-3 `p.numel()` is 0 and `ds_numel` is the full size."""
+    full = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    local = sum(int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    return full, local
+
+
+def build_engine(make_model: Callable[[], torch.nn.Module], cfg: TrainConfig, *, world: int,
+                 device: torch.device, state=None):
+    """(engine, ds config, model): the model is constructed here (see construct_model). `state`: the
+    parallel plan (train/parallel/wiring.py): batch sizes count its DP ranks, it swaps in the TP
+    shards and becomes DeepSpeed's mpu."""
+    import deepspeed
+
+    conf = ds_config(cfg, world=world if state is None else state.get_data_parallel_world_size(), device=device)
+    if state is None:
+        model, mpu = construct_model(make_model, conf), None
+    else:
+        from loongforge.train.parallel.wiring import build_model
+
+        model, mpu = build_model(make_model, conf, state)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                           config=conf, mpu=mpu)
+    return engine, conf, model
+
+
+def comm_seconds() -> float:
+    """Seconds spent inside deepspeed.comm collectives since the last call (then reset).
+
+    Read from deepspeed.comm's per-op timers directly: its comms logger records
+    the cumulative timer value per op (elapsed(reset=False)), not each op's own
+    latency, so summing the logger's list would over-count."""
+    from deepspeed.comm import comm as dscomm
+
+    total = 0.0
+    for t in list(dscomm.timers.get_timers().values()):
+        if t.started_:
+            continue
+        for et in t.event_timers:
+            total += et if isinstance(et, float) else et.get_elapsed_msec() / 1000.0
+        t.reset()
+    return total
+
+
+def write_ds_config(conf: dict, run_dir: str) -> None:
+    from loongforge.shared.storage import write_bytes_atomic
+
+    write_bytes_atomic(os.path.join(run_dir, "ds_config.json"), json.dumps(conf, indent=2, sort_keys=True).encode())
+
+
+def shutdown(barrier: bool = True) -> None:
+    """destroy_process_group: without it gloo processes sometimes abort at exit. After a failure
+    pass barrier=False: peers may be gone, and a barrier could hang."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if barrier:
+            try:
+                torch.distributed.barrier()
+            except Exception as exc:  # noqa: BLE001 - a peer may already be gone; still tear down
+                log.warning("barrier at shutdown failed: %s", exc)
+        world = torch.distributed.get_world_size()
+        torch.distributed.destroy_process_group()
+        release_cpu_shm_buffers(world)
+
+
+# DeepSpeed's CPU shm allreduce (all ranks on one host) maps one ~66 MB /dev/shm segment per rank
+# and never unlinks it (deepspeed/ops/csrc/cpu/comm/shm.cpp, name below): every CPU run would leave
+# 66 MB x ranks of RAM behind. At teardown every rank is past its last collective, or dead, and a
+# segment a peer still maps stays valid after the unlink, so each rank removes all of them.
+_DS_SHM = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def release_cpu_shm_buffers(world: int) -> int:
+    """Unlink this launch's DeepSpeed CPU allreduce segments; returns how many were removed."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return 0
+    removed = 0
+    for rank in range(world):
+        try:
+            os.unlink(_DS_SHM.format(uid=os.getuid(), addr=addr, port=port, rank=rank))
+            removed += 1
+        except FileNotFoundError:
+            pass  # not a CPU run, or a peer removed it first
+        except OSError as exc:
+            log.warning("could not remove DeepSpeed's shm allreduce buffer of rank %d: %s", rank, exc)
+    return removed

@@ -1,0 +1,1 @@
+"""Surviving faults: the elastic supervisor, the hang watchdog, the NaN guard."""

@@ -1,0 +1,217 @@
+"""`loongforge train --elastic`: a supervisor process around torchrun that
+survives rank loss and scales back up.
+
+    loongforge train --elastic --min-ranks 1 --max-ranks 2 --data D --run-dir R --save-every 50 ...
+
+Each attempt is a fresh, static torchrun launch (new port, so a new TCPStore
+and new gloo connections) of `python -m loongforge.train ... --resume`:
+* a fault (a rank killed, OOM, or stopped/hung: the watchdog's exit 75 and
+  fault record) ends the launch; the supervisor relaunches without the ranks the
+  attempt's fault records name, and no more than the capacity allows, from the
+  last verified checkpoint (ckpt_fallback), refusing to go below --min-ranks;
+* the global batch never changes: --grad-accum is recomputed so that
+  micro batch x ranks x accum = global batch, the micro batch no larger than the
+  full layout's (memory per rank stays bounded). The loader state is one global
+  sample counter, so the data position is exact; noise is seeded per sample id;
+  before a launch on another rank count, the checkpoint is converted to the new layout
+  (elastic_reshard: ZeRO-1/2 partitions with their Adam moments; a failed conversion is a WARNING
+  and the launch resumes the original tag), ZeRO-3 partitions are resharded by the trainer through
+  the universal checkpoint;
+* capacity: a rank slot "returns" when the capacity file (--capacity-file, one
+  integer: ranks available on this machine; absent = --max-ranks) allows more
+  than the current count. The supervisor then waits for the next published
+  checkpoint (`latest` moves), stops the launch (SIGTERM: a clean 143 on every
+  rank) and relaunches with more ranks from that checkpoint.
+
+Why not torchrun's own elastic agent: it restarts the whole local worker group
+with the same --nproc-per-node (elastic only in the NUMBER OF NODES), so on one
+node it cannot drop a rank; its in-place restart reuses the rendezvous and its
+first restart can time out in gloo's connectFullMesh (issue 11); and it knows
+nothing of the global batch / grad accumulation or of which checkpoint verifies.
+A fresh launch per attempt avoids all three. Multi-node: run one supervisor per
+job with torchrun's --nnodes/--rdzv options passed through LOONGFORGE_TORCHRUN_ARGS.
+
+Every decision is appended to metrics.jsonl as {"event": "elastic", ...}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from loongforge.shared.errors import ConfigError, TrainError
+
+log = logging.getLogger(__name__)
+ELASTIC_FLAGS = {"--elastic": 0, "--min-ranks": 1, "--max-ranks": 1, "--capacity-file": 1, "--max-restarts": 1,
+                 "--grad-accum": 1, "--resume": 0}  # flag -> values it takes; the supervisor sets the last two
+POLL_S = 0.5
+
+
+def accum_for(global_batch: int, ranks: int, max_micro: int) -> int:
+    """Smallest accumulation with micro x ranks x accum = global batch and micro <= max_micro."""
+    for accum in range(1, global_batch + 1):
+        if global_batch % (ranks * accum) == 0 and global_batch // (ranks * accum) <= max_micro:
+            return accum
+    raise ConfigError(f"--batch-size {global_batch} cannot be split over {ranks} ranks (micro batch x ranks x "
+                      f"--grad-accum); use a global batch divisible by every rank count from --min-ranks to "
+                      "--max-ranks")
+
+
+def strip_flags(argv: list[str]) -> list[str]:
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in ELASTIC_FLAGS:
+            skip = ELASTIC_FLAGS[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    return out
+
+
+class Supervisor:
+    def __init__(self, args, train_argv: list[str]):
+        if getattr(args, "batch_plan", None):
+            raise ConfigError("--elastic with --batch-plan: the plan's global batch depends on the rank count; "
+                              "give --batch-size")
+        self.min_ranks = args.min_ranks
+        self.max_ranks = args.max_ranks or args.min_ranks
+        if not 1 <= self.min_ranks <= self.max_ranks:
+            raise ConfigError(f"--min-ranks {self.min_ranks} / --max-ranks {self.max_ranks}: need "
+                              "1 <= min <= max")
+        self.capacity_file, self.max_restarts = args.capacity_file, args.max_restarts
+        self.run_dir, self.batch, self.steps = args.run_dir, args.batch_size, args.steps
+        self.layout = {"zero": getattr(args, "zero", 2), "tp": getattr(args, "tp", 1), "sp": getattr(args, "sp", 1),
+                       "topk": getattr(args, "grad_compression", "none") == "topk"}
+        self.max_micro = max(1, args.batch_size // (self.max_ranks * args.grad_accum))
+        accum_for(self.batch, self.min_ranks, self.max_micro)  # every count in range must split the batch
+        self.argv = strip_flags(train_argv)
+        self.restarts = 0
+        if not args.resume:
+            if _latest(self.run_dir):
+                raise ConfigError(f"--run-dir {self.run_dir} already holds checkpoints: add --resume to continue "
+                                  "that run, or give a new --run-dir")
+            # A fresh run: clear the old metrics here, since every attempt (even the first) runs with --resume
+            # and appends, so the supervisor's own records are never truncated away.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.run_dir, "metrics.jsonl"))
+
+    def capacity(self) -> int:
+        if not self.capacity_file or not os.path.exists(self.capacity_file):
+            return self.max_ranks
+        try:
+            with open(self.capacity_file) as f:
+                return max(0, min(self.max_ranks, int(f.read().strip() or 0)))
+        except (OSError, ValueError):
+            return self.max_ranks
+
+    def run(self) -> int:
+        ranks, reason = min(self.capacity(), self.max_ranks), "start"
+        while True:
+            if ranks < self.min_ranks:
+                self._event("give_up", ranks=ranks, reason=reason)
+                raise TrainError(f"elastic: {ranks} ranks available after {reason}, below --min-ranks "
+                                 f"{self.min_ranks}; resume later with --resume")
+            rc, outcome, failed = self._attempt(ranks, reason)
+            if outcome == "done":
+                self._event("finished", ranks=ranks)
+                return rc
+            if outcome == "scale_up":
+                ranks, reason = self.capacity(), f"capacity returned ({self.capacity()} ranks)"
+                continue
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                raise TrainError(f"elastic: launch failed (exit {rc}) after {self.max_restarts} restarts; see the "
+                                 "log above")
+            # Ranks the watchdog named are gone; a failure it did not name (a rank killed outright, a decode
+            # worker, an OOM) frees its slot on this machine: the capacity file says whether it is usable.
+            ranks = min(ranks - len(failed), self.capacity())
+            reason = f"fault: ranks {sorted(failed) or 'not named'} lost (launch exit {rc})"
+
+    def _attempt(self, ranks: int, reason: str):
+        accum = accum_for(self.batch, ranks, self.max_micro)
+        from loongforge.train.resilience.elastic_reshard import convert_for_launch
+
+        converted = convert_for_launch(self.run_dir, world=ranks, **self.layout)
+        if converted:
+            self._event(**converted, ranks=ranks)
+        self._event("launch", ranks=ranks, grad_accum=accum, reason=reason, latest=_latest(self.run_dir))
+        log.info("elastic: launching %d ranks (grad accum %d, global batch %d, from the last checkpoint if any): %s",
+                 ranks, accum, self.batch, reason)
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
+               "--master_port", str(_free_port()), *shlex.split(os.environ.get("LOONGFORGE_TORCHRUN_ARGS", "")),
+               "-m", "loongforge.train", *self.argv, "--grad-accum", str(accum), "--resume"]
+        t0, start_latest = time.time(), _latest(self.run_dir)
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        scaling = False
+        try:
+            while proc.poll() is None:
+                time.sleep(POLL_S)
+                latest = _latest(self.run_dir)
+                if not scaling and ranks < self.capacity() and latest not in (None, start_latest) \
+                        and _tag_step(latest) < self.steps:  # never stop a launch at its final checkpoint
+                    log.info("elastic: capacity for %d ranks and checkpoint %s published: stopping the launch to "
+                             "scale up", self.capacity(), _latest(self.run_dir))
+                    scaling = True
+                    os.killpg(proc.pid, signal.SIGTERM)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+        rc = proc.returncode
+        if rc == 0:
+            return rc, "done", set()
+        if scaling:
+            return rc, "scale_up", set()
+        failed = {e["rank"] for e in _events_since(self.run_dir, t0) if e.get("event") == "fault"}
+        self._event("fault", ranks=ranks, exit=rc, failed_ranks=sorted(failed))
+        return rc, "fault", failed
+
+    def _event(self, action: str, **kw) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"v": 1, "event": "elastic", "action": action, "t": time.time(), **kw}) + "\n")
+
+
+def _latest(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _tag_step(tag: str) -> int:
+    """stepNNNNNNNN, or a converted stepNNNNNNNN_wWzZtT (elastic_reshard)."""
+    return int(tag[4:].split("_", 1)[0])
+
+
+def _events_since(run_dir: str, t0: float) -> list[dict]:
+    from loongforge.train.observe.metrics import read_events
+
+    try:
+        return [e for e in read_events(run_dir) if e.get("t", 0) >= t0]
+    except OSError:
+        return []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def supervise(args, raw_argv: list[str]) -> int:
+    train_argv = raw_argv[raw_argv.index("train") + 1:] if "train" in raw_argv else raw_argv
+    return Supervisor(args, train_argv).run()

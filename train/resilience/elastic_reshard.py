@@ -1,0 +1,145 @@
+"""Keep the optimizer state across an elastic rank-count change: before the supervisor relaunches
+on another rank count, the last verified checkpoint is converted to the new layout.
+
+    supervisor (elastic.py), between two launches, no process group up:
+      needs_conversion(sidecar, target)?  ZeRO-1/2 partition the fp32 master weights and Adam
+          moments by DP rank; loaded as they are on another rank count they would be dropped
+          (checkpoint.check_layout "module"): convert. ZeRO-3 -> ZeRO-3 is converted by the trainer
+          itself (ckpt_universal); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
+      child process `python -m loongforge.train.resilience.elastic_reshard RUN TAG LAYOUT`:
+          reshard(tag -> new tag `stepNNNNNNNN_wWzZtT`, `latest` NOT moved)
+          verify the new tag against its manifest
+          move `latest` to it (atomic rename, last)
+      any failure (converter error, timeout, verification): WARNING, `latest` untouched, the new
+          tag's debris removed; the launch resumes the original tag as before (weights and data
+          order kept, the partitioned Adam state re-initialized).
+
+Why the supervisor and not the trainer: the conversion runs while no rank is up, so no peer
+waits in a timed collective while rank 0 converts (minutes on a large model), and a crash of the
+converter cannot take a launch with it. The source tag stays on disk (retention removes it like
+any older checkpoint once newer ones are published).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 3600.0
+
+
+def needs_conversion(doc: dict, *, world: int, zero: int, tp: int, sp: int, topk: bool = False) -> bool:
+    par = {"tp": 1, "sp": 1, **doc.get("parallel", {})}
+    saved_zero = doc.get("zero_stage")
+    if doc.get("world") == world and saved_zero == zero and (par["tp"], par["sp"]) == (tp, sp):
+        return False  # same layout: loaded as it is
+    hybrid = tp * sp > 1 or topk  # the trainer refuses these on another rank count (wiring.check_resume_layout)
+    if (par["tp"], par["sp"]) == (tp, sp) and saved_zero == zero and zero in (0, 3) and not hybrid:
+        return False  # ZeRO-0: replicated; ZeRO-3 -> ZeRO-3: the trainer's universal path
+    return True
+
+
+def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: int = 1, topk: bool = False,
+                       timeout_s: float = TIMEOUT_S) -> dict | None:
+    """Convert the checkpoint the next launch would resume to (world, zero, tp, sp). Returns a record
+    for metrics.jsonl ({"action": "reshard", ...}), or None when there is nothing to convert. Never raises
+    for a failed conversion: it is logged as a WARNING and the launch resumes the original tag."""
+    from loongforge.shared.errors import CheckpointError
+    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
+
+    try:
+        latest = checkpoint.latest_tag(run_dir)
+        if latest is None:
+            return None
+        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=_cpu())  # no process group here
+        doc = checkpoint.read_sidecar(run_dir, tag)
+    except CheckpointError as exc:  # the trainer meets the same error and reports it
+        log.warning("elastic: not converting the checkpoint before the relaunch: %s", exc)
+        return None
+    if not needs_conversion(doc, world=world, zero=zero, tp=tp, sp=sp, topk=topk):
+        return None
+    layout = f"world={world},zero={zero},tp={tp}" + (f",sp={sp}" if sp > 1 else "")
+    t0 = time.monotonic()
+    err = _run_child(run_dir, tag, layout, timeout_s)
+    rec = {"action": "reshard", "from_tag": tag, "from_world": doc["world"], "to": layout,
+           "seconds": round(time.monotonic() - t0, 2)}
+    if err:
+        _remove_debris(checkpoint.ckpt_root(run_dir))
+        log.warning("elastic: converting checkpoint %s (%d ranks, ZeRO-%s) to %s failed, resuming it as it is "
+                    "(ZeRO-1/2: weights and data order kept, the partitioned optimizer state re-initialized): %s",
+                    tag, doc["world"], doc.get("zero_stage"), layout, err)
+        return {**rec, "ok": False, "error": err[:500]}
+    new = checkpoint.latest_tag(run_dir)
+    log.info("elastic: converted checkpoint %s to %s in %.1fs (%s): fp32 weights, Adam moments, step and LR "
+             "schedule kept", tag, new, rec["seconds"], layout)
+    return {**rec, "ok": True, "tag": new}
+
+
+def _remove_debris(root: str) -> None:
+    """A child killed at the timeout never ran its own cleanup: its work folder (ckpt_reshard) goes here.
+    Nothing else converts while the supervisor does (no launch is up)."""
+    for name in os.listdir(root):
+        if name.startswith(".reshard-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
+    """'' on success, else the reason (the child's last stderr line)."""
+    cmd = [sys.executable, "-m", "loongforge.train.resilience.elastic_reshard", run_dir, tag, layout]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f}s"
+    if proc.returncode == 0:
+        return ""
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    return (lines or [f"exit code {proc.returncode}"])[-1][:500]
+
+
+def convert_and_publish(run_dir: str, tag: str, layout_text: str) -> str:
+    """The child: reshard without moving `latest`, verify the new tag, then move `latest` (last). A failure
+    removes the new tag and leaves `latest` on the source."""
+    from loongforge.shared.storage import write_bytes_atomic
+    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
+    from loongforge.train.ckpt.reshard import Layout, reshard
+
+    doc = checkpoint.read_sidecar(run_dir, tag)
+    to = Layout.parse(layout_text, default_world=doc["world"])
+    root = checkpoint.ckpt_root(run_dir)
+    new = None
+    try:
+        new = reshard(run_dir, to, tag=tag, move_latest=False)
+        ckpt_fallback.verify_chain(run_dir, new)
+        checkpoint.read_sidecar(run_dir, new)
+    except BaseException:
+        if new is not None:
+            shutil.rmtree(os.path.join(root, new), ignore_errors=True)
+        raise
+    write_bytes_atomic(os.path.join(root, "latest"), new.encode())
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run_dir, tag, layout = argv if argv is not None else sys.argv[1:]
+    try:
+        convert_and_publish(run_dir, tag, layout)
+    except Exception as exc:  # noqa: BLE001 - the supervisor logs the last line and carries on
+        print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:480]}", file=sys.stderr)  # one line
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

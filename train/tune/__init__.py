@@ -1,0 +1,1 @@
+"""`loongforge tune`: measured trade-offs (activation checkpointing, batch size, bucket sizes)."""

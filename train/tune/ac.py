@@ -1,0 +1,315 @@
+"""`loongforge tune ac` and `loongforge tune batch`: measured memory/recompute trade-offs.
+
+  loongforge tune ac --recipe small --memory-budget 300MiB [--data ROOT] [--json ac.json]
+  loongforge tune batch --recipe small --memory-budget 2GiB --ac-every 4 [--json batch.json]
+
+Both build the recipe's model (no DeepSpeed), take one real batch from the
+loader (from --data, or a synthetic shard root written to a temp dir), and
+measure single-rank forward+backward steps:
+
+- activation bytes: what autograd keeps for backward, counted exactly with
+  saved_tensors_hooks deduplicated by storage (memory.SavedBytesProbe), so the
+  figure is the same on CPU and GPU; on CUDA also the peak of
+  torch.cuda.max_memory_allocated over the step;
+- recompute: seconds spent re-running checkpointed blocks inside backward,
+  timed directly (synchronized on CUDA), as a share of the step.
+
+`tune ac` picks the N in {off, 1, 2, 4, 8} whose activation bytes fit the
+budget at least recompute. `tune batch` searches the largest micro-batch per
+frame count (exponential probe, then bisection) that fits the budget: on CPU
+by measured activation bytes, on CUDA by real OOMs and the peak allocated.
+The trainer takes the result with `--batch-plan FILE`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+import time
+
+from loongforge.shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+AC_CHOICES = (0, 1, 2, 4, 8)  # 0 = off
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"--memory-budget: {text!r} is not a size; write e.g. 512MiB, 2GiB or 3000000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# -- workload -----------------------------------------------------------------
+
+
+class Workload:
+    """The recipe's model on the device and one real batch from the loader."""
+
+    def __init__(self, recipe: str, root: str | None, micro_batch: int, device: str = "auto", seed: int = 0,
+                 precision: str = "auto", **model_overrides):
+        import torch
+
+        from loongforge.train.parallel import engine
+        from loongforge.train.model import recipes
+        from loongforge.train.model.model import VLAModel
+        from loongforge.train.kernels.precision import train_dtype
+
+        self._tmp = None
+        if root is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="loongforge-tune-")
+            root = _synthetic_root(self._tmp.name, micro_batch)
+        self.device = engine.pick_device(device)
+        index, max_frames = _load_root(root)
+        self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
+        torch.manual_seed(seed)
+        # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
+        # the optimizer, which tuning does not build).
+        self.dtype = train_dtype(self.device, precision)
+        self.model = VLAModel(self.cfg).to(self.device, self.dtype).train()
+        self.base = _one_batch(root, index, self.device)
+        self.max_frames = max_frames
+
+    def batch(self, micro: int, frames: int | None = None):
+        """A micro-batch of `micro` samples (the loaded ones repeated) capped at `frames` frames."""
+        from loongforge.train.trainer import noise_for
+
+        b = _cap_frames(self.base, frames) if frames else self.base
+        b = _tile(b, micro)
+        noise, t = noise_for(0, 0, range(b["action"].shape[0]), b["action"].shape, self.device)
+        return b, noise, t
+
+    def loss(self, batch, noise, t):
+        return self.model(batch, noise, t)["loss"]
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _synthetic_root(path: str, micro_batch: int) -> str:
+    from loongforge.shared.synthetic import make_synthetic_root
+
+    # 128x128 frames, 4 per window, 2 cameras: with the small recipe's 16-px patches a
+    # sequence of 2*4*64 vision + 4 state + 32 text + action tokens.
+    make_synthetic_root(path, shards=1, samples_per_shard=max(2, micro_batch), frames=4, height=128, width=128)
+    return path
+
+
+def _load_root(root: str):
+    """(index, longest window) of a v1 root, or (V2Data, frames per sample) of a format-2 root:
+    the same factory the trainer uses (train/data/training_data.py), with the default delta indices."""
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data.training_data import load_training_data
+
+    index = load_training_data(DataConfig(root=root))
+    if getattr(index, "format_version", 1) == 2:
+        return index, index.max_frames
+    return index, max(max(s.frames) for s in index.shards)
+
+
+def _one_batch(root: str, index, device) -> dict:
+    n = min(8, index.num_samples)
+    if getattr(index, "format_version", 1) == 2:
+        from loongforge.train.data.loader import BlockLoader
+
+        loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
+    else:
+        from loongforge.train.data.loader_v1 import ShardLoader
+
+        loader = ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1)
+    with loader:
+        batch = next(iter(loader))
+    batch.pop("meta", None)
+    return batch
+
+
+def _map(obj, fn):
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return fn(obj)
+
+
+def _tile(batch: dict, micro: int) -> dict:
+    def tile(t):
+        reps = -(-micro // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:micro].contiguous()
+
+    return _map(batch, tile)
+
+
+def _cap_frames(batch: dict, k: int) -> dict:
+    # The loader's layout (batch.py): frames.<slot> (B, K, ...), state (B, K, S), frame_mask (B, K).
+    out = dict(batch)
+    out["frames"] = {s: v[:, :k].contiguous() for s, v in batch["frames"].items()}
+    out["state"] = batch["state"][:, :k].contiguous()
+    out["frame_mask"] = batch["frame_mask"][:, :k].contiguous()
+    return out
+
+
+# -- measurement --------------------------------------------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(w: Workload, probe, micro: int, frames: int | None = None, backward: bool = True) -> dict:
+    """One forward (+ backward) under the probe: saved bytes, step and recompute seconds, CUDA peak."""
+    import torch
+
+    batch, noise, t = w.batch(micro, frames)
+    w.model.zero_grad(set_to_none=True)
+    probe.reset()
+    cuda = w.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(w.device)
+        base = torch.cuda.memory_allocated(w.device)
+    _sync(w.device)
+    t0 = time.perf_counter()
+    with probe.forward():
+        loss = w.loss(batch, noise, t)
+    if backward:
+        with probe.backward():
+            loss.backward()
+    _sync(w.device)
+    row = {"saved_bytes": probe.saved_bytes, "step_s": time.perf_counter() - t0, "recompute_s": probe.recompute_s}
+    del loss
+    if cuda:
+        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(w.device) - base
+    return row
+
+
+def tune_ac(w: Workload, micro: int, budget: int, reps: int = 2, choices=AC_CHOICES) -> dict:
+    from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac
+
+    probe = SavedBytesProbe(w.model)
+    rows = []
+    for every in choices:
+        apply_ac(w.model, every, probe=probe)
+        measure_step(w, probe, micro)  # warm-up: allocator, lazy inits
+        runs = [measure_step(w, probe, micro) for _ in range(reps)]
+        step = statistics.median(r["step_s"] for r in runs)
+        rec = statistics.median(r["recompute_s"] for r in runs)
+        row = {"every": every, "saved_bytes": runs[0]["saved_bytes"], "step_s": step, "recompute_s": rec,
+               "recompute_pct": 100.0 * rec / step if step > 0 else 0.0}
+        if "cuda_peak_bytes" in runs[0]:
+            row["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] for r in runs)
+        rows.append(row)
+    apply_ac(w.model, 0)
+    off = next((r["saved_bytes"] for r in rows if r["every"] == 0), max(r["saved_bytes"] for r in rows))
+    for r in rows:
+        r["vs_off_pct"] = 100.0 * (r["saved_bytes"] - off) / off if off else 0.0
+    return {"version": FORMAT_VERSION, "kind": "ac", "micro_batch": micro, "budget_bytes": budget,
+            "device": str(w.device), "rows": rows, "choice": pick_ac(rows, budget)}
+
+
+def pick_ac(rows: list[dict], budget: int) -> int | None:
+    """The N whose activation bytes fit the budget at the least recompute (ties: fewer bytes)."""
+    fits = [r for r in rows if r["saved_bytes"] <= budget]
+    if not fits:
+        return None
+    return min(fits, key=lambda r: (r["recompute_pct"], r["saved_bytes"]))["every"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def format_ac_table(result: dict) -> str:
+    cuda = any("cuda_peak_bytes" in r for r in result["rows"])
+    head = f"{'N':>4} {'act MiB':>9} {'vs off':>8} {'recompute %':>12} {'step s':>8}" + (
+        f" {'cuda peak MiB':>14}" if cuda else "")
+    lines = [head]
+    for r in result["rows"]:
+        line = (f"{r['every'] or 'off':>4} {_mib(r['saved_bytes']):>9} {r['vs_off_pct']:>+7.1f}% "
+                f"{r['recompute_pct']:>12.1f} {r['step_s']:>8.3f}")
+        if cuda:
+            line += f" {_mib(r.get('cuda_peak_bytes', 0)):>14}"
+        lines.append(line)
+    c = result["choice"]
+    budget = _mib(result["budget_bytes"])
+    lines.append(f"budget {budget} MiB -> " + (f"--ac-every {c}" if c is not None else
+                                                  "nothing fits: lower the micro-batch or raise the budget"))
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    from loongforge.shared.storage import write_bytes_atomic
+
+    write_bytes_atomic(path, json.dumps(result, indent=2, sort_keys=True).encode())
+
+
+@contextlib.contextmanager
+def workload_from_args(a):
+    w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _run_ac(a) -> int:
+    budget = parse_bytes(a.memory_budget)
+    with workload_from_args(a) as w:
+        result = tune_ac(w, a.micro_batch, budget, reps=a.reps)
+        result.update(recipe=a.recipe, seq_len=_seq_len(w))
+    print(format_ac_table(result))
+    out = a.json or os.path.join(os.getcwd(), "tune_ac.json")
+    write_json(result, out)
+    print(f"json: {out}")
+    return 0 if result["choice"] is not None else 1
+
+
+def _seq_len(w: Workload) -> int:
+    import torch
+
+    from loongforge.train.kernels.checkpointing import block_lists
+
+    lists = block_lists(w.model)
+    if not lists:
+        return -1
+    seen: list[int] = []
+    hook = lists[0][1][0].register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].shape[1]) if args and getattr(args[0], "dim", lambda: 0)() >= 2 else None)
+    try:
+        with torch.no_grad():
+            w.loss(*w.batch(1))
+    finally:
+        hook.remove()
+    return seen[0] if seen else -1
+
+
+def register(subparsers) -> None:
+    from loongforge.train.tune.batch import add_batch_parser
+    from loongforge.train.tune.buckets import add_buckets_parser
+
+    p = subparsers.add_parser("tune", help="measure activation checkpointing / batch size against a memory budget")
+    sub = p.add_subparsers(dest="tune_command", metavar="WHAT", required=True)
+    ac = sub.add_parser("ac", help="activation bytes and recompute share for --ac-every in {off,1,2,4,8}")
+    _common(ac)
+    ac.add_argument("--micro-batch", type=int, default=4, help="samples per rank per forward")
+    ac.add_argument("--reps", type=int, default=2, help="timed steps per setting (median), after one warm-up")
+    ac.set_defaults(func=_run_ac)
+    add_batch_parser(sub, _common)
+    add_buckets_parser(sub)
+
+
+def _common(p) -> None:
+    p.add_argument("--memory-budget", required=True, help="activation bytes per rank, e.g. 2GiB, 512MiB")
+    p.add_argument("--recipe", default="small", help="tiny | small | 1.6b")
+    p.add_argument("--data", default=None, help="shard root; default: a synthetic root in a temp dir")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"), help="as the trainer's")
+    p.add_argument("--json", default=None, help="where to write the result (default ./tune_<what>.json)")
