@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from loongforge.benchmarks.harness.report import RESULTS_DIR
+
 MODES = {"none": [], "sync": ["--sync-save"], "async": []}
 
 

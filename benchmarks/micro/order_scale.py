@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from loongforge.benchmarks.harness.report import RESULTS_DIR
+
 CHILD = r"""
 import hashlib, json, resource, sys, time
 import numpy as np
