@@ -41,7 +41,7 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
 
     from loongforge.train.parallel import engine
     from loongforge.train.model import recipes
-    from loongforge.train.trainer import model_config
+    from loongforge.train.model.build import model_config
 
     world = launch_world() if world is None else world
     if cfg.recipe not in recipes.RECIPES:

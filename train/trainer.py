@@ -20,12 +20,12 @@ from loongforge.shared import split
 from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
 from loongforge.train.data import training_data as data_v2
 from loongforge.train.parallel import engine as eng
-from loongforge.train.model import recipes
-from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.config import TrainConfig
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.data.loader_v1 import ShardLoader
 from loongforge.train.observe.metrics import MetricsLog
-from loongforge.train.model.model import VLAModel
+from loongforge.train.model.build import build_model
+from loongforge.train.model.noise import noise_for
 from loongforge.train.resilience.nan_guard import NanGuard
 from loongforge.train.parallel import wiring
 from loongforge.train.parallel.parallelize import apply_memory_policies
@@ -34,33 +34,6 @@ from loongforge.train.data.sources import SourceSpec
 from loongforge.train.resilience.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flow-matching noise (B, ...) and the per-sample uniform u (B,) as a pure function of
-    (seed, epoch, global sample id): a sample draws the same values whichever rank, micro batch or
-    step trains it, so a resume on another rank count (or batch layout) sees the same noise.
-
-    A sample is seen once per epoch, so (epoch, id) never repeats a draw. Drawn on the CPU (B tiny
-    generators; the tensors are small) and moved in one copy."""
-    noise = torch.empty(shape, dtype=torch.float32)
-    u = torch.empty(shape[0], dtype=torch.float32)
-    g = torch.Generator()
-    for i, sid in enumerate(np.asarray(sample_ids).tolist()):
-        g.manual_seed(int(np.random.SeedSequence([seed, epoch, int(sid)]).generate_state(1)[0]))
-        noise[i].normal_(generator=g)
-        u[i:i + 1].uniform_(generator=g)
-    if device.type == "cuda":  # pin_memory() draws from torch's caching host allocator: no cudaHostAlloc per step
-        return noise.pin_memory().to(device, non_blocking=True), u.pin_memory().to(device, non_blocking=True)
-    return noise, u
-
-
-def model_config(cfg: TrainConfig, index) -> ModelConfig:
-    d = cfg.data
-    max_frames = index.max_frames if getattr(index, "format_version", 1) == 2 else \
-        max(max(s.frames) for s in index.shards)  # v2: len(video deltas) (train/data/training_data.py)
-    return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
-                           max_frames=max(max_frames, *(d.frame_buckets or (0,))), **_model_overrides(cfg))
 
 
 class Trainer:
@@ -79,7 +52,7 @@ class Trainer:
         self.policies = None
 
         def make_model():  # FP8 swap, fusion, AC: applied from outside, before the engine
-            model = VLAModel(self.model_cfg)
+            model = build_model(self.model_cfg)
             self.policies = apply_memory_policies(model, cfg, self.device)
             return model
 
@@ -282,15 +255,3 @@ class Trainer:
             except Exception as exc:  # noqa: BLE001 - close the rest, then report
                 log.warning("close failed: %s", exc)
 
-
-def _model_overrides(cfg: TrainConfig) -> dict:
-    """Fields the user set on cfg.model that differ from the default ModelConfig win over the recipe."""
-    from dataclasses import fields
-
-    from loongforge.train.config import ModelConfig
-
-    base = ModelConfig()
-    data_fields = {"image_size", "cameras", "max_frames", "state_dim", "action_dim", "action_horizon",
-                   "max_text_tokens"}
-    return {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)
-            if f.name not in data_fields and getattr(cfg.model, f.name) != getattr(base, f.name)}

@@ -140,7 +140,7 @@ def _probe_step(trainer, it) -> int:
     """Bytes autograd saves for backward in one more step (parameters excluded)."""
     import torch
 
-    from loongforge.train.trainer import noise_for
+    from loongforge.train.model.noise import noise_for
 
     e = trainer.engine
     probe = _activation_probe_class()(e.module)

@@ -15,7 +15,7 @@ def build(root, run_dir, memory, depth=3):
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
     from loongforge.train.model.model import VLAModel
     from loongforge.train.parallel.parallelize import apply_memory_policies
-    from loongforge.train.trainer import noise_for
+    from loongforge.train.model.noise import noise_for
     from loongforge.train.tune.ac import _one_batch
 
     rank = torch.distributed.get_rank()

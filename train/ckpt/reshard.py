@@ -20,7 +20,7 @@ into the target ZeRO partition itself (DP degree and stage). Kept: fp32 master w
 Adam moments, the optimizer step, LR scheduler and DeepSpeed's global step, the sidecar with
 the loader position (global sample position: the data order continues exactly), model and
 data config. RNG files are per source rank and are not carried: the noise of a sample is a
-function of its global id, not of the rank that trains it (trainer.noise_for).
+function of its global id, not of the rank that trains it (model/noise.py).
 Positional embeddings, camera/frame embeddings, the learned bin query and the text embedding
 (mask / special tokens included) are ordinary replicated parameters in this model: they travel
 with their Adam state like any other (the converter checks the TP copies agree).
@@ -49,6 +49,8 @@ import torch
 
 from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.train.ckpt import checkpoint, reshard_topk as ckpt_reshard_topk, reshard_zero0 as ckpt_reshard_zero0, universal as ckpt_universal
+from loongforge.train.model.build import build_model, model_config_from
+from loongforge.train.parallel.tensor_parallel import chunk_index, is_tp_block, qkv_index
 from loongforge.train.ckpt.reshard_io import (META_NAMES, RESHARD_VERSION, load_trusted, publish, read_step,
                                               save_tensor_file, source_meta, target_meta, target_optimizer_state)
 
@@ -118,18 +120,13 @@ def full_shapes(doc: dict) -> dict[str, torch.Size]:
 
 
 def _meta_model(doc: dict):
-    from loongforge.train.model.model import VLAModel
-    from loongforge.train.eval.policy import model_config_from
-
     with torch.device("meta"):
-        return VLAModel(model_config_from(doc))
+        return build_model(model_config_from(doc))
 
 
 def tp_kinds(doc: dict) -> dict[str, str]:
     """Parameter name -> "qkv" | "col" | "row" for the TP-split parameters (the rest are replicated),
     from the model the sidecar describes, built on the meta device (no memory)."""
-    from loongforge.train.parallel.tensor_parallel import is_tp_block
-
     model = _meta_model(doc)
     kinds = {}
     for prefix, mod in model.named_modules():
@@ -141,12 +138,10 @@ def tp_kinds(doc: dict) -> dict[str, str]:
 
 
 def _index(kind: str, full_shape: torch.Size, t: int, tp: int) -> tuple[int, torch.Tensor]:
-    from loongforge.train.parallel.tensor_parallel import _chunk_index, _qkv_index
-
     if kind == "qkv":
-        return 0, _qkv_index(full_shape[0], t, tp)
+        return 0, qkv_index(full_shape[0], t, tp)
     dim = 0 if kind == "col" else 1
-    return dim, _chunk_index(full_shape[dim], t, tp)
+    return dim, chunk_index(full_shape[dim], t, tp)
 
 
 def local_shape(full: torch.Size, kind: str | None, tp: int) -> torch.Size:

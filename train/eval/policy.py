@@ -14,7 +14,6 @@ ones read from the module state file; every torch.load inside is forced weights-
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -25,18 +24,8 @@ from loongforge.shared.index import ShardIndex
 from loongforge.train.ckpt import checkpoint
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
-from loongforge.train.config import ModelConfig
+from loongforge.train.model.build import build_model, model_config_from
 from loongforge.train.model.model import VLAModel
-
-
-def model_config_from(doc: dict) -> ModelConfig:
-    raw = doc.get("model")
-    if not isinstance(raw, dict):
-        raise CheckpointError("checkpoint sidecar has no 'model' config (written by an older trainer); "
-                              "retrain, or rebuild the ModelConfig by hand and use Policy(...)")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in raw.items() if k in known}
-    return ModelConfig(**fields)
 
 
 def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -72,7 +61,7 @@ class Policy:
         if tag is None:
             raise CheckpointError(f"no checkpoint under {checkpoint.ckpt_root(run_dir)}; did training finish?")
         doc = checkpoint.read_sidecar(run_dir, tag)
-        model = VLAModel(model_config_from(doc))
+        model = build_model(model_config_from(doc))
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
         if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)
             from loongforge.train.data.training_data import load_for_policy

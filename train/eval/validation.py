@@ -16,6 +16,7 @@ from loongforge.shared.split import sample_episodes
 from loongforge.train.data.batch import BatchLayout, Norm, bucket_for, default_buckets, fill_batch
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.sources import SourceSpec, close_source, make_source
+from loongforge.train.model.build import build_model
 
 
 def val_sample_ids(index, limit: int | None = None) -> np.ndarray:
@@ -70,13 +71,11 @@ def _plain(model):
     params = list(model.parameters())
     if not any(hasattr(p, "ds_id") for p in params):
         return model
-    import deepspeed
-
-    from loongforge.train.model.model import VLAModel
+    import deepspeed  # heavy; only a ZeRO-3 run gets here
 
     with deepspeed.zero.GatheredParameters(params):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    replica = VLAModel(model.cfg)
+    replica = build_model(model.cfg)
     replica.load_state_dict(state)
     return replica.to(device=params[0].device, dtype=next(iter(state.values())).dtype)
 

@@ -53,12 +53,3 @@ def resolve(name: str, index: ShardIndex, *, max_text_tokens: int, max_frames: i
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     return ModelConfig(**{**fields, **data, **overrides})
 
-
-def count_params_meta(cfg: ModelConfig) -> int:
-    """Parameter count without allocating weights (meta device)."""
-    import torch
-
-    from loongforge.train.model.model import VLAModel, count_parameters
-
-    with torch.device("meta"):
-        return count_parameters(VLAModel(cfg))

@@ -69,14 +69,14 @@ class RowParallelLinear(nn.Module):
         return reduce_from(F.linear(x, self.weight), self.group) + (0 if self.bias is None else self.bias)
 
 
-def _chunk_index(n: int, rank: int, world: int) -> torch.Tensor:
+def chunk_index(n: int, rank: int, world: int) -> torch.Tensor:
     step = n // world
     return torch.arange(rank * step, (rank + 1) * step)
 
 
-def _qkv_index(dim3: int, rank: int, world: int) -> torch.Tensor:
+def qkv_index(dim3: int, rank: int, world: int) -> torch.Tensor:
     third = dim3 // 3  # heads*head_dim of each of q, k, v
-    return torch.cat([part * third + _chunk_index(third, rank, world) for part in range(3)])
+    return torch.cat([part * third + chunk_index(third, rank, world) for part in range(3)])
 
 
 def is_tp_block(module: nn.Module) -> bool:
@@ -104,10 +104,10 @@ def apply_tensor_parallel(model: nn.Module, state) -> int:
     for blk in blocks:
         _check(blk, world)
         qkv, proj, fc1, fc2 = blk.qkv, blk.proj, blk.fc1, blk.fc2
-        blk.qkv = ColumnParallelLinear(qkv, _qkv_index(qkv.out_features, rank, world), group)
-        blk.proj = RowParallelLinear(proj, _chunk_index(proj.in_features, rank, world), group)
-        blk.fc1 = ColumnParallelLinear(fc1, _chunk_index(fc1.out_features, rank, world), group)
-        blk.fc2 = RowParallelLinear(fc2, _chunk_index(fc2.in_features, rank, world), group)
+        blk.qkv = ColumnParallelLinear(qkv, qkv_index(qkv.out_features, rank, world), group)
+        blk.proj = RowParallelLinear(proj, chunk_index(proj.in_features, rank, world), group)
+        blk.fc1 = ColumnParallelLinear(fc1, chunk_index(fc1.out_features, rank, world), group)
+        blk.fc2 = RowParallelLinear(fc2, chunk_index(fc2.in_features, rank, world), group)
     return len(blocks)
 
 

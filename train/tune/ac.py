@@ -59,7 +59,7 @@ class Workload:
 
         from loongforge.train.parallel import engine
         from loongforge.train.model import recipes
-        from loongforge.train.model.model import VLAModel
+        from loongforge.train.model.build import build_model
         from loongforge.train.kernels.precision import train_dtype
 
         self._tmp = None
@@ -73,13 +73,13 @@ class Workload:
         # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
         # the optimizer, which tuning does not build).
         self.dtype = train_dtype(self.device, precision)
-        self.model = VLAModel(self.cfg).to(self.device, self.dtype).train()
+        self.model = build_model(self.cfg).to(self.device, self.dtype).train()
         self.base = _one_batch(root, index, self.device)
         self.max_frames = max_frames
 
     def batch(self, micro: int, frames: int | None = None):
         """A micro-batch of `micro` samples (the loaded ones repeated) capped at `frames` frames."""
-        from loongforge.train.trainer import noise_for
+        from loongforge.train.model.noise import noise_for
 
         b = _cap_frames(self.base, frames) if frames else self.base
         b = _tile(b, micro)

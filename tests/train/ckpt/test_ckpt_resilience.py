@@ -105,12 +105,17 @@ def test_disk_full_during_save_training_continues(train_root, tmp_path, tiny_dis
     """Checkpoints on a real tmpfs with room for one checkpoint of two ranks, not two; a ballast file
     is removed once the first failure is logged, so a later interval succeeds."""
     root, index = train_root
+    import torch
+
     from loongforge.train.model import recipes
+    from loongforge.train.model.build import build_model
+    from loongforge.train.model.model import count_parameters
 
     # One checkpoint of the tiny model (fp32, ZeRO-2: weights + fp32 partition + two Adam moments) ~ 16 B per
     # parameter, plus pickle overhead and DeepSpeed's recovery scripts. Room for 2.6 of them; a ballast of 1.2
     # leaves 1.4: the first save fits, the second does not until the ballast goes.
-    params = recipes.count_params_meta(recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2))
+    with torch.device("meta"):
+        params = count_parameters(build_model(recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2)))
     ckpt = 17 * params + (200 << 10)
     subprocess.run(["mount", "-o", f"remount,size={int(2.6 * ckpt) >> 10}k", str(tiny_disk)], check=True)
     with open(tiny_disk / "ballast", "wb") as f:

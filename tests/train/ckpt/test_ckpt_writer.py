@@ -104,7 +104,7 @@ def test_delta_roundtrip_is_bit_exact_and_small_for_nearby_states():
 
 
 def test_noise_is_a_function_of_the_sample_not_of_its_batch():
-    from loongforge.train.trainer import noise_for
+    from loongforge.train.model.noise import noise_for
 
     cpu = torch.device("cpu")
     n4, u4 = noise_for(7, 1, [10, 11, 12, 13], (4, 3, 2), cpu)

@@ -187,7 +187,7 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
     from loongforge.train.config import DataConfig, RunConfig, TrainConfig
     from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model.model import VLAModel
-    from loongforge.train.trainer import model_config
+    from loongforge.train.model.build import model_config
 
     root = str(tmp_path)
     make_synthetic_v2_root(root, lengths=(3, 2), height=16, width=16)

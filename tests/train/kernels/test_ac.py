@@ -76,7 +76,7 @@ def _vla(train_root, depth, dropout=0.0):
     from loongforge.train.model import recipes
     from loongforge.train.model.model import VLAModel
     from loongforge.train.tune.ac import _one_batch
-    from loongforge.train.trainer import noise_for
+    from loongforge.train.model.noise import noise_for
 
     root, _ = train_root
     index = load_index(root)

@@ -288,10 +288,10 @@ def test_cli_flag_reaches_the_model_config():
     import argparse
 
     from loongforge.train.launch import add_train_args, config_from_args
-    from loongforge.train.trainer import _model_overrides
+    from loongforge.train.model.build import model_overrides
 
     p = argparse.ArgumentParser()
     add_train_args(p)
     cfg = config_from_args(p.parse_args(["--data", "d", "--run-dir", "r", "--attention", "flex"]))
-    assert _model_overrides(cfg) == {"attention": "flex"}
-    assert _model_overrides(config_from_args(p.parse_args(["--data", "d", "--run-dir", "r"]))) == {}
+    assert model_overrides(cfg) == {"attention": "flex"}
+    assert model_overrides(config_from_args(p.parse_args(["--data", "d", "--run-dir", "r"]))) == {}
