@@ -11,9 +11,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
 from loongforge.shared.index import ShardIndex
 from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.data.training_data import load_training_data
+from loongforge.train.kernels import graphs
+from loongforge.train.model import recipes
+from loongforge.train.model.build import model_config
+from loongforge.train.parallel.engine import ds_config, pick_device
+from loongforge.train.parallel.plan import check_layout, plan_of
 
 
 @dataclass(frozen=True)
@@ -37,22 +45,12 @@ def launch_world() -> int:
 
 def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     """Everything about the config that can be wrong, checked without a process group."""
-    import torch
-
-    from loongforge.train.parallel import engine
-    from loongforge.train.model import recipes
-    from loongforge.train.model.build import model_config
-
     world = launch_world() if world is None else world
     if cfg.recipe not in recipes.RECIPES:
         raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {sorted(recipes.RECIPES)}")
-    from loongforge.train.parallel.wiring import plan_of
-
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
     # Divisibility only depends on the world and the config; the device does not matter here.
-    conf = engine.ds_config(cfg, world=dp, device=torch.device("cpu"))
-    from loongforge.train.data.training_data import load_training_data
-
+    conf = ds_config(cfg, world=dp, device=torch.device("cpu"))
     try:
         index = load_training_data(cfg.data)  # v1 ShardIndex, or data_v2.V2Data for a format-2 root
     except FormatError as exc:
@@ -60,13 +58,9 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     except (LoongForgeError, OSError) as exc:
         raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
                           f"({type(exc).__name__}: {exc}); check --data") from None
-    from loongforge.train.parallel.wiring import check_layout
-
     model_cfg = model_config(cfg, index)
     check_layout(cfg, world, model_cfg)  # heads and MLP width split by tp
     if cfg.memory.cuda_graphs:
-        from loongforge.train.kernels import graphs
-
-        graphs.check(device=engine.pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,
+        graphs.check(device=pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,
                      ac_every=cfg.memory.ac_every, tp=cfg.parallel.tp)
     return Checked(index=index, model_cfg=model_cfg, world=world, ds_config=conf)

@@ -1,14 +1,14 @@
-"""The training run: build everything from a TrainConfig, run the steps, close.
-
-`run(cfg)` is the whole life of one rank: process group -> index -> model ->
-DeepSpeed engine -> loader -> (resume) -> steps -> final checkpoint -> close,
-with every resource closed on every exit path.
+"""The training run of one rank, top to bottom: preflight -> process group and parallel plan ->
+build_model -> parallelize (TP, SP, FP8, fusion/graphs, AC, ZeRO engine) -> loader -> resume ->
+steps -> final checkpoint -> close, with every resource closed on every exit path
+(`Trainer(cfg)`, `.run()`, `.close()`; launch.py drives it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -18,19 +18,22 @@ import torch
 
 from loongforge.shared import split
 from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
-from loongforge.train.data import training_data as data_v2
-from loongforge.train.parallel import engine as eng
 from loongforge.train.config import TrainConfig
-from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
+from loongforge.train.data import training_data as data_v2
 from loongforge.train.data.loader_v1 import ShardLoader
-from loongforge.train.observe.metrics import MetricsLog
+from loongforge.train.data.sources import SourceSpec
+from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
-from loongforge.train.resilience.nan_guard import NanGuard
-from loongforge.train.parallel import wiring
-from loongforge.train.parallel.parallelize import apply_memory_policies
+from loongforge.train.observe.metrics import MetricsLog
 from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
-from loongforge.train.data.sources import SourceSpec
+from loongforge.train.parallel import plan
+from loongforge.train.parallel.comm import StepComm
+from loongforge.train.parallel.engine import (comm_seconds, init_distributed, param_counts, pick_device,
+                                              release_cpu_shm_buffers, write_ds_config)
+from loongforge.train.parallel.parallelize import parallelize
+from loongforge.train.preflight import preflight
+from loongforge.train.resilience.nan_guard import NanGuard
 from loongforge.train.resilience.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -38,32 +41,24 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        from loongforge.train.preflight import preflight
-
         self.cfg = cfg
-        self.device = eng.pick_device(cfg.run.device)
+        self.device = pick_device(cfg.run.device)
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
-        self.rank, self.world = eng.init_distributed(self.device, cfg.parallel.dist_timeout_s)
-        self.par = wiring.initialize(cfg)  # every process group of the TP x SP x DP plan, once
-        self.data_rank, self.data_world = wiring.data_coords(self.par)  # TP ranks of a replica: same batch
-        torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
         self.index, self.model_cfg = checked.index, checked.model_cfg
-        d = cfg.data
-        self.policies = None
-
-        def make_model():  # FP8 swap, fusion, AC: applied from outside, before the engine
-            model = build_model(self.model_cfg)
-            self.policies = apply_memory_policies(model, cfg, self.device)
-            return model
-
-        self.engine, self.ds_conf, model = eng.build_engine(make_model, cfg, world=self.world, device=self.device,
-                                                            state=self.par)
-        wiring.after_engine(self.engine, self.par)  # checkpoint writers of hybrid sharding, group names
-        self.dp_sync = wiring.dp_sync(cfg, self.par, self.engine)  # --grad-compression topk, else None
+        self.rank, self.world = init_distributed(self.device, cfg.parallel.dist_timeout_s)
+        self.par = plan.initialize(plan.plan_of(cfg))  # every process group of the TP x SP x DP plan, once
+        # The loader reads by DP coordinate: the TP ranks of one replica get the same batch.
+        self.data_rank, self.data_world = self.par.get_data_parallel_rank(), self.par.get_data_parallel_world_size()
+        torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
+        # The model is handed over as a factory: ZeRO-3 constructs it already partitioned (parallelize.py).
+        built = parallelize(functools.partial(build_model, self.model_cfg), cfg, self.par, device=self.device)
+        self.engine, self.ds_conf, self.policies = built.engine, built.ds_config, built.policies
+        self.dp_sync = built.dp_sync  # --grad-compression topk, else None
+        self.params, _ = param_counts(self.engine.module)  # the full count, also when ZeRO-3 partitioned it
         self.nan_guard = NanGuard(self.engine, policy=cfg.faults.nan_policy, rank=self.rank, device=self.device,
                                   max_consecutive=cfg.faults.nan_max_consecutive)
-        self.step_comm = wiring.StepComm()  # bytes per step and group kind, into metrics.jsonl
-        self.params, _ = eng.param_counts(model)  # the full count, also when ZeRO-3 partitioned it
+        self.step_comm = StepComm()  # bytes per step and group kind, into metrics.jsonl
+        d = cfg.data
         accum = cfg.parallel.grad_accum
         self.v2 = getattr(self.index, "format_version", 1) == 2
         if self.v2:  # format-2 root: samples are (episode, t), block-aware order (train/data/loader.py)
@@ -82,7 +77,7 @@ class Trainer:
         f = cfg.faults
         self.watchdog = Watchdog(rank=self.rank, world=self.world, run_dir=cfg.run.run_dir, heartbeat_s=f.heartbeat_s,
                                  hang_timeout_s=f.hang_timeout_s,
-                                 closers=[self.loader.close, lambda: eng.release_cpu_shm_buffers(self.world)])
+                                 closers=[self.loader.close, lambda: release_cpu_shm_buffers(self.world)])
         r = cfg.run
         self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
                                             device=self.device, background=r.save_async, when_busy=r.save_busy,
@@ -97,7 +92,7 @@ class Trainer:
                                   log_every=cfg.run.log_every, keep_below=self.step)
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
-            eng.write_ds_config(self.ds_conf, cfg.run.run_dir)
+            write_ds_config(self.ds_conf, cfg.run.run_dir)
             log.info("model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
                      self.world, self.device, cfg.parallel.zero_stage)
 
@@ -122,14 +117,15 @@ class Trainer:
             return
         # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
         tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
-        wiring.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag, self.world,
-                                   run_dir=self.cfg.run.run_dir, zero_stage=self.cfg.parallel.zero_stage)
+        checkpoint.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
+                                       self.world, run_dir=self.cfg.run.run_dir,
+                                       zero_stage=self.cfg.parallel.zero_stage)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
         if self.dp_sync is not None:
-            self.dp_sync.load(self.cfg.run.run_dir, tag)
+            self.dp_sync.load(os.path.join(checkpoint.ckpt_root(self.cfg.run.run_dir), tag))
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
                  doc["loader"]["epoch"], doc["loader"]["consumed"])
 
@@ -169,7 +165,7 @@ class Trainer:
 
     def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:
         e, accum = self.engine, self.cfg.parallel.grad_accum
-        eng.comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
+        comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         self.policies.on_step(self.step)
         timer.begin(sync=sync)
         self.step_comm.begin()
@@ -198,7 +194,7 @@ class Trainer:
                     skipped = self.nan_guard.step(self.step)
             losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
                                        out["ce_loss"].float()]))
-        comm = eng.comm_seconds() if self.device.type == "cpu" else None
+        comm = comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
@@ -214,12 +210,12 @@ class Trainer:
             dev_t = mine.to(self.device)
             out = [torch.empty_like(dev_t) for _ in range(self.world)]
             torch.distributed.all_gather(out, dev_t)
-            allr = torch.stack(out).cpu()[wiring.replica_ranks(self.par, self.world)]  # no TP copies
+            allr = torch.stack(out).cpu()[plan.replica_ranks(self.par, self.world)]  # no TP copies
         else:
             allr = mine[None]
         n = len(ids)
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
-                   ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **wiring.layout(self.par),
+                   ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **plan.layout(self.par),
                    sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
                    bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
@@ -229,7 +225,7 @@ class Trainer:
         blobs = () if self.dp_sync is None else self.dp_sync.blobs()  # per-rank compression residuals
         tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final, blobs=blobs,
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
-                                    "parallel": wiring.layout(self.par),
+                                    "parallel": plan.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
                                     # What Policy.load needs to rebuild the model and its input transform.
                                     "model": dataclasses.asdict(self.model_cfg),

@@ -1,6 +1,6 @@
 """Worker of test_ac.py's and test_precision.py's ZeRO-3 tests (run by torchrun, 2 ranks, once for both:
 `ac_zero3_worker.py ROOT RUN_DIR ac fp8`): gradients with and without activation checkpointing, and FP8
-linears with AC, built exactly as the trainer builds (policies, then the engine)."""
+linears with AC, built exactly as the trainer builds (parallelize: the policies, then the engine)."""
 
 import os
 import sys
@@ -10,12 +10,12 @@ import torch
 
 def build(root, run_dir, memory, depth=3):
     from loongforge.shared.index import load_index
-    from loongforge.train.parallel import engine as eng
-    from loongforge.train.model import recipes
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-    from loongforge.train.model.model import VLAModel
-    from loongforge.train.parallel.parallelize import apply_memory_policies
+    from loongforge.train.model import recipes
+    from loongforge.train.model.build import build_model
     from loongforge.train.model.noise import noise_for
+    from loongforge.train.parallel import plan
+    from loongforge.train.parallel.parallelize import parallelize
     from loongforge.train.tune.ac import _one_batch
 
     rank = torch.distributed.get_rank()
@@ -25,16 +25,16 @@ def build(root, run_dir, memory, depth=3):
     index = load_index(root)
     mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth)
     torch.manual_seed(0)
-    built = {}
+    names = []
 
-    def make_model():  # as Trainer: built (under zero.Init for ZeRO-3), then the policies, then the engine
-        model = VLAModel(mcfg)
-        built["names"] = [n for n, _ in model.named_parameters()]
-        built["policies"] = apply_memory_policies(model, cfg, torch.device("cpu"))
+    def build_and_name():  # as Trainer: built under zero.Init for ZeRO-3, then the policies, then the engine
+        model = build_model(mcfg)
+        names.extend(n for n, _ in model.named_parameters())
         return model
 
-    e, _, _ = eng.build_engine(make_model, cfg, world=2, device=torch.device("cpu"))
-    names, policies = built["names"], built["policies"]
+    state = plan.initialize(plan.plan_of(cfg), verbose=False)
+    built = parallelize(build_and_name, cfg, state, device=torch.device("cpu"))
+    e, policies = built.engine, built.policies
     batch = _one_batch(root, index, torch.device("cpu"))
     batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
              for k, b in batch.items()}  # each rank its own samples

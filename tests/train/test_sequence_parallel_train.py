@@ -100,7 +100,7 @@ def test_layout_checks_for_sp():
 
     from loongforge.shared.errors import ConfigError
     from loongforge.train.config import MemoryConfig, ModelConfig, ParallelConfig
-    from loongforge.train.parallel.wiring import check_layout
+    from loongforge.train.parallel.plan import check_layout
 
     cfg = SimpleNamespace(parallel=ParallelConfig(sp=2), memory=MemoryConfig())
     assert check_layout(cfg, 4, ModelConfig(heads=4)) == 2

@@ -134,7 +134,7 @@ def test_layout_checked_before_any_group(train_root, monkeypatch):
 
 def test_resume_refuses_another_layout():
     from loongforge.train.parallel.plan import ParallelPlan, ParallelState
-    from loongforge.train.parallel.wiring import check_resume_layout
+    from loongforge.train.ckpt.checkpoint import check_resume_layout
 
     state = ParallelState(ParallelPlan(tp=2), {}, {})
     check_resume_layout({"parallel": {"tp": 2, "sp": 1}}, state, "step00000002")

@@ -1,5 +1,5 @@
-"""One rank of test_zero3_ranks_hold_a_partition: builds the tiny model through
-engine.construct_model under ZeRO-3 and writes its parameter counts to ARGV[2]."""
+"""One rank of test_zero3_ranks_hold_a_partition: builds the small model as the trainer does
+(parallelize, ZeRO-3: constructed under deepspeed.zero.Init) and writes its parameter counts to ARGV[2]."""
 
 import json
 import os
@@ -8,10 +8,11 @@ import sys
 import torch
 
 from loongforge.shared.index import load_index
-from loongforge.train.parallel import engine
-from loongforge.train.model import recipes
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-from loongforge.train.model.model import VLAModel
+from loongforge.train.model import recipes
+from loongforge.train.model.build import build_model
+from loongforge.train.parallel import engine, plan
+from loongforge.train.parallel.parallelize import parallelize
 
 
 def main(root: str, out_dir: str) -> None:
@@ -20,12 +21,13 @@ def main(root: str, out_dir: str) -> None:
     model_cfg = recipes.resolve("small", index, max_text_tokens=32, max_frames=2)
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=8), run=RunConfig(run_dir=out_dir),
                       parallel=ParallelConfig(zero_stage=3, precision="fp32"), recipe="small")
-    conf = engine.ds_config(cfg, world=world, device=torch.device("cpu"))
-    model = engine.construct_model(lambda: VLAModel(model_cfg), conf)
+    built = parallelize(lambda: build_model(model_cfg), cfg, plan.initialize(plan.plan_of(cfg), verbose=False),
+                        device=torch.device("cpu"))
+    model = built.engine.module
     full, local = engine.param_counts(model)
     materialised = sum(p.numel() for p in model.parameters())  # ZeRO-3 leaves empty placeholders
     with torch.device("meta"):
-        reference = sum(p.numel() for p in VLAModel(model_cfg).parameters())
+        reference = sum(p.numel() for p in build_model(model_cfg).parameters())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"full": full, "local": local, "materialised": materialised, "reference": reference,
                    "world": world}, f)

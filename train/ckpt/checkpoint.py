@@ -35,6 +35,7 @@ from loongforge.train.ckpt import delta as ckpt_delta, universal as ckpt_univers
 from loongforge.train.ckpt.async_writer import (MANIFEST, MANIFEST_VERSION, DeltaPolicy, SaveJob, SnapshotEngine, Writer,
                                          prune_before_write)
 from loongforge.train.ckpt.fallback import raise_unless_rank0_ok
+from loongforge.train.parallel.plan import ParallelState, is_hybrid, layout
 
 log = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 2  # 2: manifest.json with sha256 per file
@@ -301,6 +302,26 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
     return "module"
 
 
+def check_resume_layout(sidecar: dict, state: ParallelState, tag: str, world: int | None = None, *,
+                        run_dir: str = "RUN", zero_stage: int | None = None) -> None:
+    """The tensor/sequence-parallel side of check_layout: model and ZeRO files are cut per TP rank
+    (mp_rank_XX), so a different layout cannot load them as they are; `loongforge ckpt reshard`
+    converts them (reshard.py), and the message names its command."""
+    saved = {"tp": 1, "sp": 1, **sidecar.get("parallel", {})}
+    w = world if world is not None else sidecar.get("world", 1)
+    z = zero_stage if zero_stage is not None else sidecar.get("zero_stage", 2)
+    fix = f"loongforge ckpt reshard {run_dir} --to world={w},zero={max(int(z), 1)},tp={state.plan.tp}" + \
+        (f",sp={state.plan.sp}" if state.plan.sp > 1 else "")
+    if is_hybrid(state) and world is not None and sidecar.get("world", world) != world:
+        raise CheckpointError(f"checkpoint {tag} was written by {sidecar['world']} ranks, this run has {world}: "
+                              "with --tp/--sp/--grad-compression a resume on another rank count needs the "
+                              f"checkpoint converted first: {fix}")
+    if saved != layout(state):
+        raise CheckpointError(f"checkpoint {tag} was written with tp={saved['tp']} sp={saved['sp']}, this run has "
+                              f"tp={state.plan.tp} sp={state.plan.sp}: its tensor-parallel shards do not fit; "
+                              f"convert it first: {fix} (or resume with the same --tp/--sp)")
+
+
 def _partitioned_files(run_dir: str, tag: str) -> bool:
     """ZeRO-0 with bf16 runs DeepSpeed's BF16_Optimizer, which partitions its fp32 master weights by DP
     rank (zero_pp_rank_* files) like ZeRO-1."""
@@ -365,7 +386,7 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
 
 def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, world: int, zero_stage: int) -> dict:
     """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
-    degree and ZeRO stage 1-3 itself; the TP degree was checked before (wiring.check_resume_layout)."""
+    degree and ZeRO stage 1-3 itself; the TP degree was checked before (check_resume_layout)."""
     if zero_stage == 0:
         fix = reshard_command(run_dir, doc, world=world, zero_stage=0)
         raise CheckpointError(f"checkpoint {tag} was resharded for ZeRO-{doc['zero_stage']}; DeepSpeed's universal "

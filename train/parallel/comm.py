@@ -200,3 +200,29 @@ def patch_torch_distributed(counter: CommCounter):
     finally:
         for obj, attr, _op, fn in saved:
             setattr(obj, attr, fn)
+
+
+class StepComm:
+    """Every collective of each training step, by group kind (tp / sp / dp / sp_dp / world): the
+    parallel modules' own and DeepSpeed's, through patch_torch_distributed, installed once
+    for the run. `begin()` at the start of a step drops whatever ran between steps (metric
+    gathers, checkpoint saves, evaluation); `end()` returns this rank's
+    {group: {calls, payload_bytes, wire_bytes, seconds}}. Host-side bookkeeping only, no device
+    sync: on NCCL `seconds` is the launch time, the kernel time is in the profiler trace."""
+
+    def __init__(self):
+        self._counter = CommCounter()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(patch_torch_distributed(self._counter))
+
+    def begin(self) -> None:
+        for d in (self._counter.calls, self._counter.payload, self._counter.wire, self._counter.seconds):
+            d.clear()
+        self._counter.steps = 0
+
+    def end(self) -> dict:
+        self._counter.step()
+        return {g: {k: round(v, 6) for k, v in row.items()} for g, row in self._counter.by_group().items()}
+
+    def close(self) -> None:
+        self._stack.close()

@@ -1,7 +1,7 @@
-"""DeepSpeed wiring: the JSON config generated from the typed config, process
-group setup/teardown, the engine, and per-step communication time.
-
-The model module knows nothing of any of this (torchtitan's split).
+"""DeepSpeed's side of a run: the device, the process group (setup and teardown), the JSON config
+the engine is built from (generated from the typed config, never written by hand), per-step
+communication time, and the /dev/shm segments DeepSpeed leaves behind. The engine itself is
+built by parallelize.py; the model knows nothing of any of this.
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+import socket
+from datetime import timedelta
 
 import torch
 
 from loongforge.shared.errors import ConfigError
+from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -82,16 +84,14 @@ def _adam_impl(cuda: bool) -> dict:
 
 def fused_adam_prebuilt() -> bool:
     try:
-        from deepspeed.git_version_info import installed_ops
+        from deepspeed.git_version_info import installed_ops  # heavy, as in init_distributed
     except ImportError:
         return False
     return bool(installed_ops.get("fused_adam"))
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
-    from datetime import timedelta
-
-    import deepspeed
+    import deepspeed  # heavy (seconds, and its accelerator probe): only a training process pays it
 
     # Single-process runs (no launcher) still get a 1-rank group, so the code path is one.
     os.environ.setdefault("RANK", "0")
@@ -99,8 +99,6 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -111,44 +109,11 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def construct_model(make_model: Callable[[], torch.nn.Module], conf: dict, *, data_parallel_group=None,
-                    mpu=None) -> torch.nn.Module:
-    """Build the model the way the ZeRO stage needs. Stage 3: inside deepspeed.zero.Init, which
-    partitions each module's parameters as soon as the module is constructed, so no rank ever
-    materialises the full fp32 model (~6.4 GB per rank for the 1.6b recipe). The one place that
-    constructs it: a parallel plan passes its own data-parallel group / mpu here."""
-    if conf["zero_optimization"]["stage"] != 3:
-        return make_model()
-    import deepspeed
-
-    with deepspeed.zero.Init(config_dict_or_path=conf, data_parallel_group=data_parallel_group, mpu=mpu):
-        return make_model()
-
-
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(full, local) parameter elements: under ZeRO-3 `p.numel()` is 0 and `ds_numel` is the full size."""
     full = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     local = sum(int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     return full, local
-
-
-def build_engine(make_model: Callable[[], torch.nn.Module], cfg: TrainConfig, *, world: int,
-                 device: torch.device, state=None):
-    """(engine, ds config, model): the model is constructed here (see construct_model). `state`: the
-    parallel plan (train/parallel/wiring.py): batch sizes count its DP ranks, it swaps in the TP
-    shards and becomes DeepSpeed's mpu."""
-    import deepspeed
-
-    conf = ds_config(cfg, world=world if state is None else state.get_data_parallel_world_size(), device=device)
-    if state is None:
-        model, mpu = construct_model(make_model, conf), None
-    else:
-        from loongforge.train.parallel.wiring import build_model
-
-        model, mpu = build_model(make_model, conf, state)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                           config=conf, mpu=mpu)
-    return engine, conf, model
 
 
 def comm_seconds() -> float:
@@ -157,7 +122,7 @@ def comm_seconds() -> float:
     Read from deepspeed.comm's per-op timers directly: its comms logger records
     the cumulative timer value per op (elapsed(reset=False)), not each op's own
     latency, so summing the logger's list would over-count."""
-    from deepspeed.comm import comm as dscomm
+    from deepspeed.comm import comm as dscomm  # heavy, as in init_distributed
 
     total = 0.0
     for t in list(dscomm.timers.get_timers().values()):
@@ -170,8 +135,6 @@ def comm_seconds() -> float:
 
 
 def write_ds_config(conf: dict, run_dir: str) -> None:
-    from loongforge.shared.storage import write_bytes_atomic
-
     write_bytes_atomic(os.path.join(run_dir, "ds_config.json"), json.dumps(conf, indent=2, sort_keys=True).encode())
 
 

@@ -1,26 +1,59 @@
-"""The one place where memory and precision policies meet the model, before the engine.
+"""The one ordered step that turns a built model into a training engine, from outside the model.
 
-`apply_memory_policies(model, cfg, device)` runs between building the model
-and deepspeed.initialize: FP8 swaps linears (same parameters, so ZeRO sees
-them as before), fusion compiles block forwards (CUDA, ZeRO < 3), then
-activation checkpointing wraps them. The
-trainer calls `on_step(step)` at the top of every optimizer step (the FP8
-warm-up schedule). The model file knows nothing of either.
+    parallelize(build, cfg, state, device=...)
+      construct   build() (under deepspeed.zero.Init for plain ZeRO-3, see below)
+      1. TP       the trunk's linears swapped for column/row-parallel shards (tensor_parallel.py)
+      2. SP       the video tokens split over the SP group, Ulysses attention (video_sp.py)
+      3. FP8      linears swapped for torchao Float8Linear (kernels/precision.py)
+      4. fusion   block forwards compiled; --cuda-graphs: reduce-overhead graphs (kernels/fusion.py, graphs.py)
+      5. AC       activation checkpointing of every Nth block (kernels/checkpointing.py)
+      6. ZeRO     hybrid ZeRO-3 partitioned over the shard group, deepspeed.initialize (mpu = the plan),
+                  then the checkpoint writers of hybrid sharding and its compressed replica sync
+    -> ParallelModel(engine, ds_config, policies, dp_sync)
+
+Why `build` is a factory, not a model: plain ZeRO-3 (no TP, SP or hybrid sharding) constructs the
+model inside deepspeed.zero.Init, which partitions each module's parameters as it is created, so
+no rank ever holds the full fp32 model (~6.4 GB per rank for the 1.6b recipe); steps 3-5 then run
+on the partitioned modules, as they always have. A TP/SP/hybrid run instead builds the full,
+identically seeded model on every rank (so TP starts from the single-process initialisation),
+cuts its shards, and ZeRO-3 partitions the result over the shard group in step 6 (one transient
+full fp32 copy per rank).
+
+None of the steps renames a parameter or inserts a wrapper module, so checkpoints load across
+settings and ZeRO partitions the same tensors. The model file knows nothing of any of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from loongforge.shared.errors import ConfigError
 from loongforge.train.config import TrainConfig
+from loongforge.train.kernels import graphs
+from loongforge.train.kernels.checkpointing import apply_ac
+from loongforge.train.kernels.fusion import apply_fusion, fusion_wanted
+from loongforge.train.kernels.precision import Fp8Warmup, convert_fp8
+from loongforge.train.parallel import comm
+from loongforge.train.parallel.engine import ds_config
+from loongforge.train.parallel.plan import ParallelState, is_hybrid
+from loongforge.train.parallel.sequence_parallel import SequenceParallel
+from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
+from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
+from loongforge.train.parallel.zero import CompressedDPSync, partition_zero3, zero_loss_scale
 
 log = logging.getLogger(__name__)
 
 
 class MemoryPolicies:
+    """What steps 3-5 applied, and their per-step hooks: `on_step(step)` at the top of every
+    optimizer step (the FP8 warm-up schedule), `before_forward()` at the top of every micro-step."""
+
     def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=(), graphed=False):
         self.checkpointed, self.fp8_linears, self.warmup, self.fused = checkpointed, fp8_linears, warmup, list(fused)
         self.graphed = graphed
@@ -30,39 +63,98 @@ class MemoryPolicies:
             self.warmup.on_step(step)
 
     def before_forward(self) -> None:
-        """Top of every micro-step (--cuda-graphs: a new CUDA graph tree iteration)."""
         if self.graphed:
-            from loongforge.train.kernels.graphs import mark_step_begin
+            graphs.mark_step_begin()  # --cuda-graphs: a new CUDA graph tree iteration
 
-            mark_step_begin()
+
+@dataclass(frozen=True)
+class ParallelModel:
+    engine: object  # deepspeed.DeepSpeedEngine; engine.module is the model
+    ds_config: dict
+    policies: MemoryPolicies
+    dp_sync: CompressedDPSync | None  # --grad-compression topk: call between backward and step
+
+
+def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: ParallelState, *,
+                device: torch.device) -> ParallelModel:
+    """Construct the model with `build` and apply steps 1-6 of the module docstring, in that order."""
+    import deepspeed  # heavy: only a process that trains pays its import
+
+    conf = ds_config(cfg, world=state.get_data_parallel_world_size(), device=device)
+    hybrid = is_hybrid(state)
+    with _construction(conf, hybrid):
+        model = build()
+        apply_tp(model, state)
+        apply_sp(model, state, conf)
+        policies = apply_memory_policies(model, cfg, device)
+    if hybrid and conf["zero_optimization"]["stage"] == 3:
+        partition_zero3(model, state)  # over the shard group, never the pure DP group
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
+                                           mpu=state if hybrid else None)
+    if state.plan.zero_shard == "sp" and state.get_data_parallel_rank() != 0:
+        # Hybrid sharding: DeepSpeed picks its checkpoint writers by rank in the shard group, so every DP
+        # replica would write the same zero_pp_rank_* / mp_rank_* files and race on them; replica 0 writes
+        # them, the others only their per-rank files (RNG, compression residuals).
+        engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
+    name_engine_groups(engine)
+    return ParallelModel(engine=engine, ds_config=conf, policies=policies,
+                         dp_sync=CompressedDPSync.for_config(cfg, state, engine))
+
+
+def _construction(conf: dict, hybrid: bool):
+    """deepspeed.zero.Init for plain ZeRO-3 (module docstring), else nothing."""
+    if conf["zero_optimization"]["stage"] != 3 or hybrid:
+        return contextlib.nullcontext()
+    import deepspeed  # heavy, as in parallelize
+
+    return deepspeed.zero.Init(config_dict_or_path=conf)
+
+
+def apply_tp(model: nn.Module, state: ParallelState) -> int:
+    swapped = apply_tensor_parallel(model, state)
+    if state.plan.tp > 1 and swapped == 0:
+        raise ConfigError(f"parallel.tp={state.plan.tp}: no block with nn.Linear qkv/proj/fc1/fc2 to split "
+                          "(a module swap replaced them?); use --tp 1")
+    return swapped
+
+
+def apply_sp(model: nn.Module, state: ParallelState, conf: dict) -> list:
+    """Video tokens sharded at model.trunk_tokens, the loss gradient seeded for ZeRO's divisor over SP."""
+    if state.plan.sp == 1:
+        return []
+    return apply_video_sequence_parallel(model, SequenceParallel(state),
+                                         zero_divisor=zero_loss_scale(conf["zero_optimization"], state))
 
 
 def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.device) -> MemoryPolicies:
-    from loongforge.train.kernels.fusion import apply_fusion, fusion_wanted
-    from loongforge.train.kernels.checkpointing import apply_ac
-
+    """Steps 3-5: FP8 swap, fusion (or CUDA graphs), activation checkpointing; the checkpoint wraps
+    the compiled forward, so fusion comes first."""
     m = cfg.memory
     fp8, warmup = [], None
     if m.fp8:
-        from loongforge.train.kernels.precision import Fp8Warmup, convert_fp8
-
         fp8 = convert_fp8(model, recipe=m.fp8_recipe, min_features=m.fp8_min_features, device=device)
         warmup = Fp8Warmup(model, m.fp8_warmup_steps, m.fp8_warmup_mode)
         log.info("fp8 (%s): %d linears converted, warm-up %d steps (%s)", m.fp8_recipe, len(fp8),
                  m.fp8_warmup_steps, m.fp8_warmup_mode)
     fused = []
     if m.cuda_graphs:
-        from loongforge.train.kernels import graphs
-
         graphs.check(device=device, zero_stage=cfg.parallel.zero_stage, ac_every=m.ac_every, tp=cfg.parallel.tp)
         fused = apply_fusion(model, **graphs.compile_options(m.fuse))
         graphs.own_grads(model)
         log.info("cuda graphs: torch.compile(%s) of %d block forwards", graphs.compile_options(m.fuse), len(fused))
     elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
-        fused = apply_fusion(model)  # before AC: the checkpoint wraps the compiled forward
+        fused = apply_fusion(model)
         log.info("fusion: torch.compile of %d block forwards", len(fused))
     ckpt = apply_ac(model, m.ac_every)
     if m.ac_every:
         log.info("activation checkpointing every %d blocks: %d blocks (%s)", m.ac_every, len(ckpt),
                  ", ".join(ckpt[:4]) + (" ..." if len(ckpt) > 4 else ""))
     return MemoryPolicies(ckpt, fp8, warmup, fused, graphed=m.cuda_graphs)
+
+
+def name_engine_groups(engine) -> None:
+    """Without an mpu DeepSpeed builds its own data-parallel groups: name them "dp" for the counter
+    (a group that is the world keeps the name "world")."""
+    for pg in (getattr(engine, "data_parallel_group", None), getattr(engine, "seq_data_parallel_group", None)):
+        if pg is not None and comm.group_name(pg) == "other":
+            comm.register_group(pg, "dp")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from loongforge.shared.errors import ConfigError
+from loongforge.train.config import ModelConfig, TrainConfig
 from loongforge.train.parallel import comm
 
 
@@ -165,14 +166,10 @@ class ParallelState:
         return self.size(self.plan.zero_shard)
 
 
-_STATE: ParallelState | None = None
-
-
 def initialize(plan: ParallelPlan, *, verbose: bool = True) -> ParallelState:
     """Build every group of the plan (collective: all ranks call it, same plan).
     Groups are registered with comm.py under their kind, so the communication
     counter reports bytes per tp/sp/dp/sp_dp group."""
-    global _STATE
     if not dist.is_initialized():
         raise ConfigError("parallel: torch.distributed is not initialized; call init_process_group first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -187,19 +184,61 @@ def initialize(plan: ParallelPlan, *, verbose: bool = True) -> ParallelState:
                 groups[kind], mine[kind] = pg, ranks
     for kind, pg in groups.items():
         comm.register_group(pg, kind)
-    _STATE = ParallelState(plan, groups, mine)
     if verbose and rank == 0:
         print(plan.placement_table(world), flush=True)
-    return _STATE
-
-
-def get_state() -> ParallelState:
-    if _STATE is None:
-        raise ConfigError("parallel: the plan is not initialized; call parallel.plan.initialize(plan) first")
-    return _STATE
+    return ParallelState(plan, groups, mine)
 
 
 def destroy() -> None:
-    global _STATE
-    _STATE = None
+    """Forget the group names (tests build several plans in one process)."""
     comm.clear_groups()
+
+
+# ---- the trainer's plan ----
+
+
+def plan_of(cfg: TrainConfig) -> ParallelPlan:
+    p = cfg.parallel
+    return ParallelPlan(tp=p.tp, sp=p.sp, zero_shard="sp" if p.grad_compression == "topk" else "sp_dp")
+
+
+def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
+    """Preflight (no process group): the layout fits the world, the model and the memory policies.
+    Returns the DP size."""
+    p = plan_of(cfg)
+    dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
+    p.check_model(heads=model_cfg.heads)
+    mem = getattr(cfg, "memory", None)
+    if p.sp > 1 and mem is not None and getattr(mem, "cuda_graphs", False):
+        # NOTE: a captured block would replay the Ulysses all-to-alls of the batch it was captured on.
+        raise ConfigError(f"parallel.sp={p.sp}: --cuda-graphs is not combined with sequence parallelism; "
+                          "drop it or use --sp 1")
+    if p.tp * p.sp > 1 and mem is not None and (mem.fp8 or mem.fuse == "on"):
+        # NOTE: the FP8 swap converts nn.Linear only, so the TP shards would stay in high precision,
+        # and fusion is untested around the TP collectives and the Ulysses all-to-alls.
+        raise ConfigError(f"parallel.tp={p.tp} sp={p.sp}: --fp8 and --fuse on are not combined with tensor or "
+                          "sequence parallelism yet; drop them or use --tp 1 --sp 1")
+    hidden = int(model_cfg.dim * model_cfg.mlp_ratio)
+    if hidden % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp}: the MLP hidden size {hidden} (model.dim x mlp_ratio) is not "
+                          "divisible by tp; pick a tp that divides it")
+    return dp
+
+
+def is_hybrid(state: ParallelState) -> bool:
+    """TP, SP or hybrid sharding: DeepSpeed gets the plan as its mpu. A plain run (tp = sp = 1,
+    ZeRO over every rank) builds its groups too (the counter names them) but is handed to
+    DeepSpeed exactly as without a plan."""
+    return state.plan.tp * state.plan.sp > 1 or state.plan.zero_shard != "sp_dp"
+
+
+def replica_ranks(state: ParallelState, world: int) -> list[int]:
+    """One global rank per DP replica (tp = sp = 0), in DP order: the rows of a step's gathered
+    losses and sample ids that are not copies (TP ranks of one replica hold the same ones)."""
+    p = state.plan
+    return [p.rank_of(0, 0, d) for d in range(p.dp(world))]
+
+
+def layout(state: ParallelState) -> dict:
+    """Recorded in the checkpoint sidecar and the metrics lines."""
+    return {"tp": state.plan.tp, "sp": state.plan.sp}

@@ -18,7 +18,14 @@
 
 from __future__ import annotations
 
-from loongforge.shared.errors import ConfigError
+import io
+import os
+
+import torch
+
+from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.train.config import TrainConfig
+from loongforge.train.parallel.compression import CompressionConfig, TopKCompressor
 
 
 def zero_loss_scale(zero_config: dict, state) -> float:
@@ -35,7 +42,7 @@ def zero_loss_scale(zero_config: dict, state) -> float:
 
 def partition_zero3(model, state) -> None:
     """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp)."""
-    import deepspeed
+    import deepspeed  # heavy; only the paths that build an engine import it
 
     deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
 
@@ -45,10 +52,53 @@ def compressed_dp_sync(model, compressor) -> None:
     (zero_shard="sp") has reduced the gradients inside the shard group; each rank now holds
     its gradient partition, which the compressor averages with the same partition on the
     other DP replicas (top-k + error feedback, or dense where the cost model says so)."""
-    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad  # heavy, as above
 
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [safe_get_local_grad(p) for p in params]
     compressor.reduce_(grads)
     for p, g in zip(params, grads):
         safe_set_local_grad(p, g)
+
+
+class CompressedDPSync:
+    """Hybrid sharding's replica sync, called between engine.backward() and engine.step(): at the
+    accumulation boundary ZeRO-3 has reduced the gradients inside the shard group, and each rank's
+    partition is averaged with the other DP replicas' by top-k + error feedback (compressed_dp_sync).
+    The residuals are per rank and saved beside the checkpoint (`blobs`, `load`), so a resume is exact."""
+
+    def __init__(self, cfg: TrainConfig, state, engine):
+        self.engine, self.rank = engine, torch.distributed.get_rank()
+        self.compressor = TopKCompressor(CompressionConfig(wire_fraction=1.0 / cfg.parallel.compress_ratio),
+                                         state.group("dp"))
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig, state, engine) -> "CompressedDPSync | None":
+        return cls(cfg, state, engine) if cfg.parallel.grad_compression == "topk" else None
+
+    def __call__(self) -> None:
+        if self.engine.is_gradient_accumulation_boundary():
+            compressed_dp_sync(self.engine.module, self.compressor)
+
+    def _name(self) -> str:
+        return f"compressor_rank{self.rank}.pt"
+
+    def blobs(self) -> tuple[tuple[str, bytes], ...]:
+        """This rank's residuals for the checkpoint writer (checkpoint.Checkpointer.save(blobs=...)):
+        written and hashed with the rest of the tag, before the `latest` pointer moves."""
+        buf = io.BytesIO()
+        torch.save(self.compressor.state_dict(), buf)
+        return ((self._name(), buf.getvalue()),)
+
+    def load(self, tag_dir: str) -> None:
+        """The residuals this rank saved into checkpoint directory `tag_dir`."""
+        path = os.path.join(tag_dir, self._name())
+        try:
+            # NOTE: to the host first: residuals written from cuda:3 would otherwise be restored to
+            # cuda:3, which a resuming rank that sees one GPU (or its GPU under another index) lacks;
+            # the compressor moves them to the gradients' device on first use.
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} missing: the checkpoint was written without --grad-compression topk "
+                                  "(or by another rank count); resume with the flags that wrote it") from None
+        self.compressor.load_state_dict(sd)

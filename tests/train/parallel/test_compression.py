@@ -163,7 +163,7 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
     import os
 
     from loongforge.train.ckpt import checkpoint
-    from loongforge.train.parallel.wiring import CompressedDPSync
+    from loongforge.train.parallel.zero import CompressedDPSync
 
     res = torch.arange(6.0)
     with monkeypatch.context() as m:
@@ -178,6 +178,6 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
     sync = CompressedDPSync.__new__(CompressedDPSync)
     sync.rank, sync.compressor = 0, TopKCompressor.__new__(TopKCompressor)
     sync.compressor.decisions = None
-    sync.load(str(tmp_path), "step00000002")
+    sync.load(tag_dir)
     (got,) = sync.compressor.residuals
     assert got.device.type == "cpu" and torch.equal(got, res)

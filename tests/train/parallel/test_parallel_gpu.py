@@ -217,7 +217,7 @@ def test_ulysses_attention_matches_full_attention_on_cuda(nccl, dtype):
 
 
 def test_residuals_loaded_on_the_host_follow_the_cuda_gradients(nccl):
-    """A resume loads residuals on the host (wiring.CompressedDPSync.load): the next step moves them to
+    """A resume loads residuals on the host (zero.CompressedDPSync.load): the next step moves them to
     the gradients' device and flushes them into the dense sync (1 replica: grad + residual)."""
     grads = [torch.randn(64, device=nccl.dev), torch.randn(32, device=nccl.dev)]
     comp = TopKCompressor(CompressionConfig(), nccl.state.group("dp"), verbose=False)
