@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from loongforge.shared import split
-from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
+from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
 from loongforge.train.config import TrainConfig
 from loongforge.train.data import training_data as data_v2
 from loongforge.train.data.loader_v1 import ShardLoader
@@ -111,13 +111,13 @@ class Trainer:
                       source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))
 
     def _resume(self) -> None:
-        tag = checkpoint.latest_tag(self.cfg.run.run_dir)
+        tag = ckpt_files.latest_tag(self.cfg.run.run_dir)
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
         # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
         tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
-        checkpoint.check_resume_layout(checkpoint.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
+        checkpoint.check_resume_layout(ckpt_files.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
                                        self.world, run_dir=self.cfg.run.run_dir,
                                        zero_stage=self.cfg.parallel.zero_stage)
         doc = checkpoint.load(self.engine, self.cfg.run.run_dir, tag, rank=self.rank, world=self.world,
@@ -125,7 +125,7 @@ class Trainer:
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
         if self.dp_sync is not None:
-            self.dp_sync.load(os.path.join(checkpoint.ckpt_root(self.cfg.run.run_dir), tag))
+            self.dp_sync.load(os.path.join(ckpt_files.ckpt_root(self.cfg.run.run_dir), tag))
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
                  doc["loader"]["epoch"], doc["loader"]["consumed"])
 

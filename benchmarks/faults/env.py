@@ -152,7 +152,7 @@ def _top_up(fd: int, mnt: Path) -> None:
 
 
 def annotate_disk_full(row: dict, run, setup: Setup) -> None:
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import files as ckpt_files
 
     lines = [ln for ln in Path(run.log.name).read_text(errors="replace").splitlines() if "NOT saved" in ln]
     if lines and (t := log_time(lines[0])) is not None:
@@ -160,7 +160,7 @@ def annotate_disk_full(row: dict, run, setup: Setup) -> None:
     mnt = setup.info["mnt"]
     latest = (mnt / "latest").read_text().strip() if (mnt / "latest").exists() else None
     try:
-        checkpoint.verify_manifest(run.run_dir, latest)
+        ckpt_files.verify_manifest(run.run_dir, latest)
         intact = latest is not None
     except Exception as exc:  # noqa: BLE001 - the row says what was wrong
         intact, latest = False, f"{latest} ({type(exc).__name__}: {exc})"

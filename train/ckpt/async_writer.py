@@ -37,10 +37,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.ckpt import delta as ckpt_delta
+from loongforge.train.ckpt.files import MANIFEST, MANIFEST_VERSION, read_pointer
 
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
 _PEER_POLL_S = 0.05
 
 
@@ -301,7 +300,7 @@ def _abandon(job: SaveJob, tag_dir: str, path: str, exc: Exception) -> None:
             pass
     free = free_bytes(path)
     free_s = "unknown" if free is None else f"{free} bytes ({free / 2**20:.2f} MiB)"
-    prev = _read_latest(job.root)
+    prev = read_pointer(job.root)
     log.warning("checkpoint %s NOT saved (rank %d): %s: %s while writing %s (%s free there); "
                 "partial files removed, `latest` stays %s, training continues and the next save retries",
                 job.tag, job.rank, type(exc).__name__, exc, path, free_s, prev or "<none>")
@@ -312,14 +311,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _read_latest(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def _copy_recovery_scripts(root: str) -> None:
@@ -341,7 +332,7 @@ def prune(root: str, *, keep_last: int) -> list[str]:
     """Remove the debris of crashed saves (unpublished tags older than `latest`) and, with
     keep_last > 0, published checkpoints beyond the newest keep_last, except the full saves that a kept
     delta save is based on (a chain goes only once a newer full one is published). Never removes `latest`."""
-    latest = _read_latest(root)
+    latest = read_pointer(root)
     if latest is None:
         return []
     tags = sorted(d for d in os.listdir(root) if d.startswith("step") and os.path.isdir(os.path.join(root, d)))
@@ -364,7 +355,7 @@ def prune_before_write(root: str, *, keep_last: int) -> list[str]:
     the disk holds `latest` + the save in flight, and `latest` + its fallback once that is published."""
     if keep_last != 1:
         return []
-    latest = _read_latest(root)
+    latest = read_pointer(root)
     bases = set(_manifest_bases(os.path.join(root, latest))) if latest else set()
     doomed = [t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit() and latest
               and t < latest and t not in bases and os.path.exists(os.path.join(root, t, MANIFEST))]

@@ -1,90 +1,29 @@
-"""Checkpoint and resume: DeepSpeed's own state dicts, written asynchronously
-(ckpt_async.py), plus a versioned JSON sidecar (loader state, step, world
-size, ZeRO stage), per-rank torch RNG state and a sha256 manifest.
-
-Layout under RUN_DIR/checkpoints/:
-    step00000005/                 DeepSpeed tag directory (model + ZeRO states, DeepSpeed's names)
-    step00000005/loongforge.json  sidecar, format_version CHECKPOINT_VERSION
-    step00000005/rng_rank0.pt     torch RNG state (loaded with weights_only=True)
-    step00000005/manifest.json    bytes + sha256 of every file; written after all ranks' files
-    latest                        tag name; written LAST, atomically, by rank 0
-A crash mid-save (or a full disk) leaves `latest` on the previous complete
-checkpoint; a load verifies every file against the manifest first.
-
-Trust: every load is weights_only. DeepSpeed's load_checkpoint (0.19) calls
-torch.load(weights_only=False) itself, so `load` runs it under
-TORCH_FORCE_WEIGHTS_ONLY_LOAD with only the few DeepSpeed value types its
-checkpoints hold allowlisted: a tampered checkpoint cannot run code.
+"""Checkpoint and resume, the trainer's side: `Checkpointer` saves DeepSpeed's own state dicts
+asynchronously (async_writer.py) with a versioned JSON sidecar (loader state, step, world size,
+ZeRO stage), per-rank torch RNG state and a sha256 manifest; `load` resumes one, after checking
+that it fits this run's layout (`check_layout`, `check_resume_layout`) and restoring delta saves
+(delta.py). The directory layout and the trust rules: files.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
 import os
 import shutil
-from contextlib import contextmanager
 
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.shared.storage import HASH_CHUNK
 from loongforge.train.ckpt import delta as ckpt_delta, universal as ckpt_universal
-from loongforge.train.ckpt.async_writer import (MANIFEST, MANIFEST_VERSION, DeltaPolicy, SaveJob, SnapshotEngine, Writer,
-                                         prune_before_write)
-from loongforge.train.ckpt.fallback import raise_unless_rank0_ok
+from loongforge.train.ckpt.async_writer import DeltaPolicy, SaveJob, SnapshotEngine, Writer, prune_before_write
+from loongforge.train.ckpt.files import (CHECKPOINT_VERSION, SIDECAR, ckpt_root, read_pointer, read_sidecar, tag_for,
+                                         verify_manifest, weights_only_loads)
+from loongforge.train.ckpt.reshard_io import load_tag_dir
 from loongforge.train.parallel.plan import ParallelState, is_hybrid, layout
 
 log = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 2  # 2: manifest.json with sha256 per file
-READABLE_VERSIONS = (1, 2)
-SIDECAR = "loongforge.json"
-
-
-def _deepspeed_value_types() -> list:
-    """Plain-data classes DeepSpeed pickles into its optimizer states."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-@contextmanager
-def weights_only_loads():
-    """Make every torch.load inside (DeepSpeed's included) weights_only=True."""
-    key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-    old = os.environ.get(key)
-    os.environ[key] = "1"
-    try:
-        with torch.serialization.safe_globals(_deepspeed_value_types()):
-            yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
-
-
-def ckpt_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def latest_tag(run_dir: str) -> str | None:
-    path = os.path.join(ckpt_root(run_dir), "latest")
-    if not os.path.exists(path):
-        return None
-    tag = open(path).read().strip()
-    if not tag or not os.path.isdir(os.path.join(ckpt_root(run_dir), tag)):
-        raise CheckpointError(f"{path} names {tag!r}, which is not a checkpoint directory: the run dir was "
-                              "edited or partially copied; point `latest` at a complete stepNNNNNNNN directory")
-    return tag
 
 
 class Checkpointer:
@@ -100,11 +39,11 @@ class Checkpointer:
         self.snap = SnapshotEngine(engine.checkpoint_engine)
         engine.checkpoint_engine = self.snap
         # DeepSpeed copies zero_to_fp32.py into the checkpoint root on every save, in the step loop; on a full
-        # disk that raises between its barriers. The writer copies it once instead (ckpt_async).
+        # disk that raises between its barriers. The writer copies it once instead (async_writer.py).
         engine._copy_recovery_script = lambda save_path: None
         self.writer = Writer()
         self.skipped = 0
-        # Deltas (ckpt_delta): full every `full_every` saves (0/1: always full). The base states stay in host
+        # Deltas (delta.py): full every `full_every` saves (0/1: always full). The base states stay in host
         # memory (one extra copy of this rank's checkpoint), so a delta never rereads the disk.
         self.full_every, self.delta_max_ratio = full_every, delta_max_ratio
         self._bases: dict = {}
@@ -122,7 +61,7 @@ class Checkpointer:
         self.writer.wait()  # when_busy="wait": block here, not in the middle of DeepSpeed's collectives
         tag = tag_for(step)
         tag_dir = os.path.join(self.root, tag)
-        if self.rank == 0 and os.path.isdir(tag_dir) and tag != _read_pointer(self.root):
+        if self.rank == 0 and os.path.isdir(tag_dir) and tag != read_pointer(self.root):
             # Debris of an earlier attempt at this step (a killed save, a run resumed before it): its stale
             # per-rank manifests must not be merged into this one. DeepSpeed's first barrier in
             # save_checkpoint orders this before any rank's writer starts.
@@ -171,14 +110,6 @@ class Checkpointer:
         return done
 
 
-def _read_pointer(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
 def _rng_bytes() -> bytes:
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -186,87 +117,6 @@ def _rng_bytes() -> bytes:
     buf = io.BytesIO()
     torch.save(rng, buf)
     return buf.getvalue()
-
-
-def verify_manifest(run_dir: str, tag: str) -> None:
-    """Every file the manifest lists exists with its size and sha256; raise CheckpointError naming the first
-    that does not."""
-    tag_dir = os.path.join(ckpt_root(run_dir), tag)
-    path = os.path.join(tag_dir, MANIFEST)
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} unreadable ({exc}): checkpoint {tag} was not published completely; "
-                              "point `latest` at an earlier tag") from exc
-    if doc.get("format_version") != MANIFEST_VERSION:
-        raise CheckpointError(f"{path}: manifest format_version {doc.get('format_version')!r}, this build reads "
-                              f"{MANIFEST_VERSION}; resume with the LoongForge version that wrote it")
-    for name, want in sorted(doc["files"].items()):
-        fpath = os.path.join(tag_dir, name)
-        sha, n = hashlib.sha256(), 0
-        try:
-            with open(fpath, "rb") as f:
-                while chunk := f.read(HASH_CHUNK):
-                    sha.update(chunk)
-                    n += len(chunk)
-        except OSError as exc:
-            raise CheckpointError(f"{fpath}: {exc}; checkpoint {tag} is damaged, resume from an earlier tag") from exc
-        if n != want["bytes"] or sha.hexdigest() != want["sha256"]:
-            raise CheckpointError(f"{fpath}: {n} bytes sha256 {sha.hexdigest()[:16]}.., manifest says "
-                                  f"{want['bytes']} bytes {want['sha256'][:16]}..: checkpoint {tag} is corrupt; "
-                                  "point `latest` at an earlier tag")
-    return doc
-
-
-def restore_deltas(run_dir: str, tag: str, bases: list[str], *, rank: int, device) -> str:
-    """For a delta save: rank 0 decodes base + delta into TAG_restored/ (the files DeepSpeed expects);
-    every rank returns that tag. Collective, so a failed decode raises on every rank instead of a hang."""
-    root = ckpt_root(run_dir)
-    out_tag = f"{tag}_restored"
-    err = ""
-    if rank == 0:
-        try:
-            for base in bases:
-                verify_manifest(run_dir, base)
-            _materialize(root, tag, bases, out_tag)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            err = f"{type(exc).__name__}: {exc}"
-    raise_unless_rank0_ok(err, device=device,
-                          failed=f"restoring delta checkpoint {tag} from its base {bases} failed",
-                          hint="point `latest` at the base (a full save)")
-    return out_tag
-
-
-def _materialize(root: str, tag: str, bases: list[str], out_tag: str) -> None:
-    def load_trusted(path):
-        with weights_only_loads():
-            return torch.load(path, map_location="cpu", weights_only=True)
-
-    src, out = os.path.join(root, tag), os.path.join(root, out_tag)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    for name in os.listdir(src):  # files saved full (no base, or a fallback) are used as they are
-        if name.endswith(".pt"):
-            os.link(os.path.join(src, name), os.path.join(out, name))
-    for name in sorted(n for n in os.listdir(src) if n.endswith(ckpt_delta.SUFFIX)):
-        doc = load_trusted(os.path.join(src, name))
-        ckpt_delta.materialize_one(doc, os.path.join(root, doc.get("base", "")), out, name, load_trusted)
-
-
-def read_sidecar(run_dir: str, tag: str) -> dict:
-    path = os.path.join(ckpt_root(run_dir), tag, SIDECAR)
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} missing: checkpoint {tag} is incomplete; resume from an earlier tag") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}): corrupt checkpoint") from exc
-    if doc.get("format_version") not in READABLE_VERSIONS:
-        raise CheckpointError(f"{path}: format_version {doc.get('format_version')!r}, this build reads "
-                              f"{CHECKPOINT_VERSION}; resume with the LoongForge version that wrote it")
-    return doc
 
 
 def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: int) -> str:
@@ -341,10 +191,8 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
     bases = verify_manifest(run_dir, tag).get("bases", []) if doc["format_version"] >= 2 else []
     load_tag = tag
     if bases:
-        load_tag = restore_deltas(run_dir, tag, bases, rank=rank, device=device or torch.device("cpu"))
-    from loongforge.train.ckpt import reshard as ckpt_reshard  # late: it imports this module
-
-    rdir = ckpt_reshard.load_tag_dir(doc, load_tag, rank)
+        load_tag = ckpt_delta.restore_deltas(run_dir, tag, bases, rank=rank, device=device or torch.device("cpu"))
+    rdir = load_tag_dir(doc, load_tag, rank)
     if rdir is not None:  # written by `loongforge ckpt reshard`: per-TP-rank universal folders
         return _load_resharded(engine, run_dir, tag, doc, rdir, world=world, zero_stage=zero_stage)
     how = check_layout(doc, run_dir, tag, world=world, zero_stage=zero_stage)

@@ -18,13 +18,13 @@ def register(subparsers) -> None:
 
 
 def _reshard(args) -> int:
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import files as ckpt_files
     from loongforge.train.ckpt.reshard import Layout, reshard
 
-    tag = args.tag or checkpoint.latest_tag(args.run_dir)
-    world = checkpoint.read_sidecar(args.run_dir, tag)["world"] if tag else 1
+    tag = args.tag or ckpt_files.latest_tag(args.run_dir)
+    world = ckpt_files.read_sidecar(args.run_dir, tag)["world"] if tag else 1
     to = Layout.parse(args.to, default_world=world)
     new_tag = reshard(args.run_dir, to, tag=tag)
-    print(f"resharded -> {checkpoint.ckpt_root(args.run_dir)}/{new_tag} (now `latest`); resume it with "
+    print(f"resharded -> {ckpt_files.ckpt_root(args.run_dir)}/{new_tag} (now `latest`); resume it with "
           f"{to.world} rank(s): --zero {to.zero} --tp {to.tp} --resume")
     return 0

@@ -13,17 +13,23 @@ DeepSpeed file NAME: torch.save of {"format", "format_version", "base",
 "tree"} where each tensor of the original state dict is a dict
 {"__delta__": uint8 tensor (zstd of the XOR), "dtype", "shape"} (or the tensor
 itself when the base has no same-shaped tensor at that place). Everything is
-plain data: it loads with weights_only=True. Restore = base file + delta.
+plain data: it loads with weights_only=True. Restore = base file + delta
+(`restore_deltas`, on resume: rank 0 writes the full files DeepSpeed expects).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 
 import numpy as np
 import torch
 import zstandard
+
+from loongforge.shared.errors import CheckpointError
+from loongforge.train.ckpt.fallback import raise_unless_rank0_ok
+from loongforge.train.ckpt.files import ckpt_root, load_trusted, verify_manifest
 
 DELTA_VERSION = 1
 SUFFIX = ".delta"
@@ -122,8 +128,6 @@ def nbytes(item) -> int:
 def materialize_one(doc: dict, base_dir: str, out_dir: str, name: str, load) -> str:
     """Write the full file of one NAME.delta (already loaded as `doc`) into out_dir, from the base file in
     base_dir. `load(path)` is the caller's trusted (weights-only) loader. Returns the file name written."""
-    from loongforge.shared.errors import CheckpointError
-
     if doc.get("format") != "loongforge-delta" or doc.get("format_version") != DELTA_VERSION:
         raise CheckpointError(f"{name}: not a delta of format_version {DELTA_VERSION}; resume with the "
                               "LoongForge version that wrote it")
@@ -134,3 +138,35 @@ def materialize_one(doc: dict, base_dir: str, out_dir: str, name: str, load) -> 
     with open(os.path.join(out_dir, full), "wb") as f:
         f.write(buf.getvalue())
     return full
+
+
+def restore_deltas(run_dir: str, tag: str, bases: list[str], *, rank: int, device) -> str:
+    """For a delta save: rank 0 decodes base + delta into TAG_restored/ (the files DeepSpeed expects);
+    every rank returns that tag. Collective, so a failed decode raises on every rank instead of a hang."""
+    root = ckpt_root(run_dir)
+    out_tag = f"{tag}_restored"
+    err = ""
+    if rank == 0:
+        try:
+            for base in bases:
+                verify_manifest(run_dir, base)
+            materialize(root, tag, bases, out_tag)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(exc).__name__}: {exc}"
+    raise_unless_rank0_ok(err, device=device,
+                          failed=f"restoring delta checkpoint {tag} from its base {bases} failed",
+                          hint="point `latest` at the base (a full save)")
+    return out_tag
+
+
+def materialize(root: str, tag: str, bases: list[str], out_tag: str) -> None:
+    """root/out_tag/ = the full DeepSpeed files of delta save root/tag (its bases already verified)."""
+    src, out = os.path.join(root, tag), os.path.join(root, out_tag)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    for name in os.listdir(src):  # files saved full (no base, or a fallback) are used as they are
+        if name.endswith(".pt"):
+            os.link(os.path.join(src, name), os.path.join(out, name))
+    for name in sorted(n for n in os.listdir(src) if n.endswith(SUFFIX)):
+        doc = load_trusted(os.path.join(src, name))
+        materialize_one(doc, os.path.join(root, doc.get("base", "")), out, name, load_trusted)

@@ -6,7 +6,7 @@ Rank 0 hashes the candidates (one reader of the shared checkpoint filesystem)
 and broadcasts its choice, so every rank loads the same tag; a failure on rank 0
 reaches the peers as "no usable checkpoint" instead of a hang.
 
-Retention (ckpt_async.prune) keeps at least one published checkpoint before
+Retention (async_writer.prune) keeps at least one published checkpoint before
 `latest`, so there is something to fall back to.
 """
 
@@ -21,14 +21,14 @@ import time
 import torch
 
 from loongforge.shared.errors import CheckpointError
+from loongforge.train.ckpt.files import MANIFEST, ckpt_root, verify_manifest
+from loongforge.train.observe.metrics import METRICS_FILE, METRICS_VERSION
 
 log = logging.getLogger(__name__)
 
 
 def published_tags(root: str, latest: str) -> list[str]:
     """Published checkpoints up to `latest` (they have manifest.json), newest first."""
-    from loongforge.train.ckpt.async_writer import MANIFEST
-
     tags = [d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit() and d <= latest
             and os.path.exists(os.path.join(root, d, MANIFEST))]
     return sorted(tags, reverse=True)
@@ -36,8 +36,6 @@ def published_tags(root: str, latest: str) -> list[str]:
 
 def verify_chain(run_dir: str, tag: str) -> None:
     """The tag's manifest and, for a delta save, its bases' manifests; CheckpointError names the bad file."""
-    from loongforge.train.ckpt.checkpoint import verify_manifest
-
     doc = verify_manifest(run_dir, tag)
     for base in doc.get("bases", []):
         verify_manifest(run_dir, base)
@@ -46,8 +44,6 @@ def verify_chain(run_dir: str, tag: str) -> None:
 def pick_resume_tag(run_dir: str, latest: str, *, rank: int, device: torch.device) -> str:
     """`latest` if it verifies, else the newest earlier published checkpoint that does (one WARNING per
     rejected tag, naming the file). Collective when a process group is up."""
-    from loongforge.train.ckpt.checkpoint import ckpt_root
-
     root = ckpt_root(run_dir)
     choice, reasons = -1, []
     candidates = published_tags(root, latest) if rank == 0 else []
@@ -84,8 +80,6 @@ def pick_resume_tag(run_dir: str, latest: str, *, rank: int, device: torch.devic
 def _record_fallback(run_dir: str, latest: str, loaded: str, reasons: list[str]) -> None:
     """One {"event": "ckpt_fallback"} line in metrics.jsonl (kept across resumes, like the watchdog's fault
     records): which `latest` was rejected and why (the file and its hash), and which checkpoint was loaded."""
-    from loongforge.train.observe.metrics import METRICS_FILE, METRICS_VERSION
-
     record = {"v": METRICS_VERSION, "event": "ckpt_fallback", "latest": latest, "loaded": loaded,
               "rejected": reasons, "t": time.time()}
     with contextlib.suppress(OSError), open(os.path.join(run_dir, METRICS_FILE), "a") as f:

@@ -48,11 +48,13 @@ from dataclasses import dataclass
 import torch
 
 from loongforge.shared.errors import CheckpointError, ConfigError
-from loongforge.train.ckpt import checkpoint, reshard_topk as ckpt_reshard_topk, reshard_zero0 as ckpt_reshard_zero0, universal as ckpt_universal
+from loongforge.train.ckpt import reshard_topk, reshard_zero0, universal as ckpt_universal
+from loongforge.train.ckpt.delta import materialize
+from loongforge.train.ckpt.files import ckpt_root, latest_tag, load_trusted, read_sidecar, tag_for, verify_manifest
+from loongforge.train.ckpt.reshard_io import (META_NAMES, RESHARD_VERSION, load_tag_dir, publish, read_step,
+                                              save_tensor_file, source_meta, target_meta, target_optimizer_state)
 from loongforge.train.model.build import build_model, model_config_from
 from loongforge.train.parallel.tensor_parallel import chunk_index, is_tp_block, qkv_index
-from loongforge.train.ckpt.reshard_io import (META_NAMES, RESHARD_VERSION, load_trusted, publish, read_step,
-                                              save_tensor_file, source_meta, target_meta, target_optimizer_state)
 
 log = logging.getLogger(__name__)
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -260,13 +262,13 @@ def _write_target(src_udirs: list[str], out_dirs: list[str], doc: dict, *, step:
 def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bool = True) -> str:
     """Convert checkpoint `tag` (default: latest) of `run_dir` to layout `to`; returns the new tag, which
     `latest` names afterwards unless move_latest=False (the source tag is kept)."""
-    root = checkpoint.ckpt_root(run_dir)
-    tag = tag or checkpoint.latest_tag(run_dir)
+    root = ckpt_root(run_dir)
+    tag = tag or latest_tag(run_dir)
     if tag is None:
         raise CheckpointError(f"no checkpoint under {root}; train with --save-every first")
-    doc = checkpoint.read_sidecar(run_dir, tag)
+    doc = read_sidecar(run_dir, tag)
     src_layout = source_layout(doc)
-    new_tag = f"{checkpoint.tag_for(int(doc['step']))}_{to.slug()}"
+    new_tag = f"{tag_for(int(doc['step']))}_{to.slug()}"
     work = os.path.join(root, f".reshard-{new_tag}")  # no "step" prefix: never taken for save debris
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -275,8 +277,8 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
         if doc.get("resharded", {}).get("dir"):  # resharded again before any save: universal per TP rank already
             udirs = [os.path.join(root, load_tag_dir(doc, tag, t)) for t in range(src_layout.tp)]
             src = udirs[0]
-        elif src_layout.zero == 0 and ckpt_reshard_zero0.is_plain(src):
-            udirs = ckpt_reshard_zero0.universal_from_zero0(src, work, src_layout.tp)
+        elif src_layout.zero == 0 and reshard_zero0.is_plain(src):
+            udirs = reshard_zero0.universal_from_zero0(src, work, src_layout.tp)
         else:
             udirs = _universal_per_tp(src, work, src_layout.tp)
         out_tag_dir = os.path.join(work, "out")
@@ -288,7 +290,7 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
         if to.zero == 0:  # ordinary ZeRO-0 files: DeepSpeed's universal loader does not fill a torch optimizer
             names = list(full_shapes(doc))
             for t, out in enumerate(out_dirs):
-                ckpt_reshard_zero0.to_zero0_files(out_tag_dir, out, t, target_meta(meta, to), src_optim, step=step,
+                reshard_zero0.to_zero0_files(out_tag_dir, out, t, target_meta(meta, to), src_optim, step=step,
                                                   names=names)
         else:
             optim = target_optimizer_state(src_optim, meta, step=step, target=to)
@@ -297,8 +299,8 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
                 for meta_name in META_NAMES:
                     torch.save(target_meta(meta, to), os.path.join(out, meta_name.format(tp=t)))
         topk = None
-        if ckpt_reshard_topk.has_residuals(os.path.join(root, tag)):  # --grad-compression topk: the rule there
-            topk = ckpt_reshard_topk.carry(os.path.join(root, tag), out_tag_dir, src_layout, to)
+        if reshard_topk.has_residuals(os.path.join(root, tag)):  # --grad-compression topk: the rule there
+            topk = reshard_topk.carry(os.path.join(root, tag), out_tag_dir, src_layout, to)
         new_doc = {**doc, "world": to.world, "zero_stage": to.zero, "parallel": {"tp": to.tp, "sp": to.sp},
                    "resharded": {"version": RESHARD_VERSION, "from_tag": tag, "step": step, "parameters": n,
                                  "from": {"world": src_layout.world, "zero_stage": src_layout.zero,
@@ -317,27 +319,12 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
 def _full_source(run_dir: str, tag: str, doc: dict, work: str) -> str:
     """The source tag's directory with every DeepSpeed file whole (a delta save is decoded first), after
     the manifest check."""
-    root = checkpoint.ckpt_root(run_dir)
-    bases = checkpoint.verify_manifest(run_dir, tag).get("bases", []) if doc["format_version"] >= 2 else []
+    root = ckpt_root(run_dir)
+    bases = verify_manifest(run_dir, tag).get("bases", []) if doc["format_version"] >= 2 else []
     if not bases:
         return os.path.join(root, tag)
     for base in bases:
-        checkpoint.verify_manifest(run_dir, base)
+        verify_manifest(run_dir, base)
     out = os.path.relpath(os.path.join(work, "restored"), root)
-    checkpoint._materialize(root, tag, bases, out)
+    materialize(root, tag, bases, out)
     return os.path.join(root, out)
-
-
-def load_tag_dir(doc: dict, tag: str, rank: int) -> str | None:
-    """For checkpoint.load: the universal folder (relative to the checkpoint root) this rank loads from a
-    resharded checkpoint, or None for an ordinary one. TP is innermost in the rank placement (plan.py)."""
-    info = doc.get("resharded")
-    if not info:
-        return None
-    if info.get("version") != RESHARD_VERSION:
-        raise CheckpointError(f"checkpoint {tag} was resharded with format version {info.get('version')!r}, this "
-                              f"build reads {RESHARD_VERSION}; reshard it again with this LoongForge version")
-    if info.get("dir") is None:  # resharded into ordinary ZeRO-0 files (ckpt_reshard_zero0): a normal load
-        return None
-    tp = int(doc.get("parallel", {}).get("tp", 1))
-    return os.path.join(tag, info["dir"].format(tp=rank % tp))

@@ -23,19 +23,13 @@ import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import sha256_file, write_bytes_atomic
-from loongforge.train.ckpt import checkpoint
-from loongforge.train.ckpt.async_writer import MANIFEST, MANIFEST_VERSION
+from loongforge.train.ckpt.files import MANIFEST, MANIFEST_VERSION, SIDECAR
 
 RESHARD_VERSION = 1
 # The model-states names DeepSpeed's loader globs for, ZeRO-1/2 and ZeRO-3 (any mp rank: one file per folder).
 # Both are written (metadata only, a few KB), so the folder loads into any ZeRO stage 1-3.
 META_NAMES = ("mp_rank_{tp:02d}_model_states.pt", "zero_pp_rank_0_mp_rank_{tp:02d}_model_states.pt")
 _DROP_META = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
-
-
-def load_trusted(path: str):
-    with checkpoint.weights_only_loads():
-        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def save_tensor_file(path: str, obj) -> None:
@@ -102,7 +96,7 @@ def publish(root: str, out_dir: str, tag: str, doc: dict, *, move_latest: bool =
     """Sidecar and manifest into out_dir, move it to root/tag, then `latest` (last, atomically): a crash
     before that leaves the previous `latest` in place. move_latest=False: the caller verifies the new tag
     first and moves `latest` itself (elastic_reshard)."""
-    with open(os.path.join(out_dir, checkpoint.SIDECAR), "w") as f:
+    with open(os.path.join(out_dir, SIDECAR), "w") as f:
         json.dump(doc, f, indent=2, sort_keys=True)
     files = {}
     for dirpath, _, names in os.walk(out_dir):
@@ -118,3 +112,18 @@ def publish(root: str, out_dir: str, tag: str, doc: dict, *, move_latest: bool =
     os.replace(out_dir, final)
     if move_latest:
         write_bytes_atomic(os.path.join(root, "latest"), tag.encode())
+
+
+def load_tag_dir(doc: dict, tag: str, rank: int) -> str | None:
+    """For checkpoint.load: the universal folder (relative to the checkpoint root) this rank loads from a
+    resharded checkpoint, or None for an ordinary one. TP is innermost in the rank placement (plan.py)."""
+    info = doc.get("resharded")
+    if not info:
+        return None
+    if info.get("version") != RESHARD_VERSION:
+        raise CheckpointError(f"checkpoint {tag} was resharded with format version {info.get('version')!r}, this "
+                              f"build reads {RESHARD_VERSION}; reshard it again with this LoongForge version")
+    if info.get("dir") is None:  # resharded into ordinary ZeRO-0 files (ckpt_reshard_zero0): a normal load
+        return None
+    tp = int(doc.get("parallel", {}).get("tp", 1))
+    return os.path.join(tag, info["dir"].format(tp=rank % tp))

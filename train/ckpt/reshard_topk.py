@@ -30,7 +30,7 @@ import os
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.train.ckpt.reshard_io import load_trusted
+from loongforge.train.ckpt.files import load_trusted
 
 log = logging.getLogger(__name__)
 PREFIX = "compressor_rank"

@@ -24,7 +24,8 @@ import shutil
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.train.ckpt.reshard_io import load_trusted, save_tensor_file
+from loongforge.train.ckpt.files import load_trusted
+from loongforge.train.ckpt.reshard_io import save_tensor_file
 
 MODEL_STATES = "mp_rank_{tp:02d}_model_states.pt"
 

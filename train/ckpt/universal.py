@@ -23,6 +23,7 @@ import sys
 import torch
 
 from loongforge.train.ckpt.fallback import raise_unless_rank0_ok
+from loongforge.train.ckpt.files import weights_only_loads
 
 log = logging.getLogger(__name__)
 SUFFIX = "_universal"
@@ -69,8 +70,6 @@ def _convert(src: str, dst: str, timeout_s: float) -> str:
 
 def load_universal(engine, root: str, tag: str):
     """DeepSpeed's load_universal path for one load only (it reads the flag at load time)."""
-    from loongforge.train.ckpt.checkpoint import weights_only_loads
-
     engine._config.load_universal_checkpoint = True
     try:
         with weights_only_loads():
@@ -80,9 +79,7 @@ def load_universal(engine, root: str, tag: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deepspeed.checkpoint import ds_to_universal
-
-    from loongforge.train.ckpt.checkpoint import weights_only_loads
+    from deepspeed.checkpoint import ds_to_universal  # heavy; this runs in the converter's child process
 
     args = argv if argv is not None else sys.argv[1:]
     for src, dst in zip(args[::2], args[1::2]):  # several pairs: one interpreter, DeepSpeed imported once

@@ -21,7 +21,7 @@ import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.index import ShardIndex
-from loongforge.train.ckpt import checkpoint
+from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.model.build import build_model, model_config_from
@@ -30,8 +30,8 @@ from loongforge.train.model.model import VLAModel
 
 def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
     """fp32 state dict of the model from a DeepSpeed checkpoint directory."""
-    tag_dir = os.path.join(checkpoint.ckpt_root(run_dir), tag)
-    with checkpoint.weights_only_loads():
+    tag_dir = os.path.join(ckpt_files.ckpt_root(run_dir), tag)
+    with ckpt_files.weights_only_loads():
         if zero_stage == 0:
             path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
             if not os.path.exists(path):
@@ -40,7 +40,7 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
         else:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(checkpoint.ckpt_root(run_dir), tag=tag)
+            state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
     return {k: v.float() for k, v in state.items()}
 
 
@@ -57,10 +57,10 @@ class Policy:
     @classmethod
     def load(cls, run_dir: str, data_root: str | None = None, *, index: ShardIndex | None = None,
              tag: str | None = None, device: str | torch.device = "cpu") -> "Policy":
-        tag = tag or checkpoint.latest_tag(run_dir)
+        tag = tag or ckpt_files.latest_tag(run_dir)
         if tag is None:
-            raise CheckpointError(f"no checkpoint under {checkpoint.ckpt_root(run_dir)}; did training finish?")
-        doc = checkpoint.read_sidecar(run_dir, tag)
+            raise CheckpointError(f"no checkpoint under {ckpt_files.ckpt_root(run_dir)}; did training finish?")
+        doc = ckpt_files.read_sidecar(run_dir, tag)
         model = build_model(model_config_from(doc))
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
         if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)

@@ -50,14 +50,14 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
     for metrics.jsonl ({"action": "reshard", ...}), or None when there is nothing to convert. Never raises
     for a failed conversion: it is logged as a WARNING and the launch resumes the original tag."""
     from loongforge.shared.errors import CheckpointError
-    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
+    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
 
     try:
-        latest = checkpoint.latest_tag(run_dir)
+        latest = ckpt_files.latest_tag(run_dir)
         if latest is None:
             return None
         tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=_cpu())  # no process group here
-        doc = checkpoint.read_sidecar(run_dir, tag)
+        doc = ckpt_files.read_sidecar(run_dir, tag)
     except CheckpointError as exc:  # the trainer meets the same error and reports it
         log.warning("elastic: not converting the checkpoint before the relaunch: %s", exc)
         return None
@@ -69,12 +69,12 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
     rec = {"action": "reshard", "from_tag": tag, "from_world": doc["world"], "to": layout,
            "seconds": round(time.monotonic() - t0, 2)}
     if err:
-        _remove_debris(checkpoint.ckpt_root(run_dir))
+        _remove_debris(ckpt_files.ckpt_root(run_dir))
         log.warning("elastic: converting checkpoint %s (%d ranks, ZeRO-%s) to %s failed, resuming it as it is "
                     "(ZeRO-1/2: weights and data order kept, the partitioned optimizer state re-initialized): %s",
                     tag, doc["world"], doc.get("zero_stage"), layout, err)
         return {**rec, "ok": False, "error": err[:500]}
-    new = checkpoint.latest_tag(run_dir)
+    new = ckpt_files.latest_tag(run_dir)
     log.info("elastic: converted checkpoint %s to %s in %.1fs (%s): fp32 weights, Adam moments, step and LR "
              "schedule kept", tag, new, rec["seconds"], layout)
     return {**rec, "ok": True, "tag": new}
@@ -114,14 +114,14 @@ def convert_and_publish(run_dir: str, tag: str, layout_text: str) -> str:
     from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
     from loongforge.train.ckpt.reshard import Layout, reshard
 
-    doc = checkpoint.read_sidecar(run_dir, tag)
+    doc = ckpt_files.read_sidecar(run_dir, tag)
     to = Layout.parse(layout_text, default_world=doc["world"])
-    root = checkpoint.ckpt_root(run_dir)
+    root = ckpt_files.ckpt_root(run_dir)
     new = None
     try:
         new = reshard(run_dir, to, tag=tag, move_latest=False)
         ckpt_fallback.verify_chain(run_dir, new)
-        checkpoint.read_sidecar(run_dir, new)
+        ckpt_files.read_sidecar(run_dir, new)
     except BaseException:
         if new is not None:
             shutil.rmtree(os.path.join(root, new), ignore_errors=True)

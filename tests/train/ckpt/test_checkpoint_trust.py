@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from loongforge.train.ckpt.checkpoint import weights_only_loads
+from loongforge.train.ckpt.files import weights_only_loads
 
 
 class Evil:

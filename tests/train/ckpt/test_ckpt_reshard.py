@@ -177,7 +177,7 @@ def test_tp_rules_match_the_trainers_module_swap(tp):
 
 def test_refusals_name_the_converter():
     from loongforge.train.ckpt.checkpoint import check_layout
-    from loongforge.train.ckpt.reshard import load_tag_dir
+    from loongforge.train.ckpt.reshard_io import load_tag_dir
 
     with pytest.raises(CheckpointError, match=r"loongforge ckpt reshard RUN --to world=1,zero=2,tp=1"):
         check_layout({"world": 2, "zero_stage": 3}, "RUN", "step00000010", world=1, zero_stage=2)

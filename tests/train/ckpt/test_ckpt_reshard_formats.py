@@ -150,7 +150,7 @@ def test_topk_run_resharded_to_one_rank_and_back(train_root, tmp_path):
     step 3 -> 2 ranks -> 4. The weights and Adam state travel exactly (the first step after the first
     conversion repeats the 2-rank run's loss), the residuals by the averaging rule (each file the mean), and
     both resumed launches train on."""
-    from loongforge.train.ckpt.checkpoint import weights_only_loads
+    from loongforge.train.ckpt.files import weights_only_loads
 
     root, _ = train_root
     topk = ["--grad-compression", "topk", "--zero", "3"]

@@ -87,9 +87,9 @@ def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
     time.sleep(1)  # nothing may still be writing when we look
     assert _latest(run_dir) == "step00000002"
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step00000004", "manifest.json"))
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import delta as ckpt_delta, files as ckpt_files
 
-    checkpoint.verify_manifest(run_dir, "step00000002")
+    ckpt_files.verify_manifest(run_dir, "step00000002")
     done = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "6", "--zero", "2", "--save-every", "2",
                         "--resume", *COMMON], cwd=str(tmp_path), timeout=400)
     _ok(done)
@@ -97,7 +97,7 @@ def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
     assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
     assert _latest(run_dir) == "step00000006"
     for tag in ("step00000004", "step00000006"):  # the re-save replaced the killed one's debris
-        checkpoint.verify_manifest(run_dir, tag)
+        ckpt_files.verify_manifest(run_dir, tag)
     assert not glob.glob(os.path.join(run_dir, "checkpoints", "*", "*.tmp"))
 
 
@@ -156,7 +156,7 @@ def test_disk_full_during_save_training_continues(train_root, tmp_path, tiny_dis
     assert not glob.glob(str(tiny_disk / "*" / "*.tmp"))
     from loongforge.train.ckpt import checkpoint
 
-    checkpoint.verify_manifest(str(run_dir), latest)
+    ckpt_files.verify_manifest(str(run_dir), latest)
 
 
 def _resume_copy(src, dest, tag):
@@ -236,7 +236,7 @@ def _tensors(x, out):
 def _bitwise_equal_dirs(a, b):
     import torch
 
-    from loongforge.train.ckpt.checkpoint import weights_only_loads
+    from loongforge.train.ckpt.files import weights_only_loads
 
     names = sorted(n for n in os.listdir(b) if n.endswith("_states.pt"))
     assert names and names == sorted(n for n in os.listdir(a) if n.endswith("_states.pt"))
@@ -266,9 +266,9 @@ def test_delta_checkpoint_restores_bit_exact_against_a_full_save(train_root, tmp
     assert not glob.glob(os.path.join(ck_d, "step00000004", "*_states.pt"))
     from loongforge.train.ckpt import checkpoint
 
-    manifest = checkpoint.verify_manifest(delta, "step00000004")
+    manifest = ckpt_files.verify_manifest(delta, "step00000004")
     assert manifest["bases"] == ["step00000002"]
-    restored = checkpoint.restore_deltas(delta, "step00000004", manifest["bases"], rank=0, device=None)
+    restored = ckpt_delta.restore_deltas(delta, "step00000004", manifest["bases"], rank=0, device=None)
     _bitwise_equal_dirs(os.path.join(ck_d, restored), os.path.join(ck_f, "step00000004"))
     assert not glob.glob(os.path.join(ck_d, "step00000005", "*.delta"))
     again = _resume_copy(delta, str(tmp_path / "again"), "step00000004")
@@ -313,5 +313,5 @@ def test_save_busy_skip_skips_while_writing_and_final_save_waits(train_root, tmp
     from loongforge.train.ckpt import checkpoint
 
     for tag in tags:
-        checkpoint.verify_manifest(run_dir, tag)
+        ckpt_files.verify_manifest(run_dir, tag)
     assert [r["step"] for r in _metrics(run_dir)] == list(range(6))

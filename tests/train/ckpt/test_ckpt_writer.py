@@ -10,7 +10,7 @@ import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.benchmarks.faults.data import flip_byte
-from loongforge.train.ckpt import checkpoint
+from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.ckpt.async_writer import SaveJob, SnapshotEngine, prune, run_job
 
 
@@ -19,7 +19,7 @@ def _job(root, tag, state, **kw):
     sidecar = {"format": "loongforge-checkpoint", "format_version": 2, "step": int(tag[4:]), "world": 1,
                "loader": {}}
     return SaveJob(root=root, tag=tag, rank=0, world=1, snapshots=[(os.path.join(tag_dir, "model.pt"), state)],
-                   blobs=[(os.path.join(tag_dir, checkpoint.SIDECAR), json.dumps(sidecar).encode())], **kw)
+                   blobs=[(os.path.join(tag_dir, ckpt_files.SIDECAR), json.dumps(sidecar).encode())], **kw)
 
 
 def test_snapshot_is_isolated_from_later_updates():
@@ -36,10 +36,10 @@ def test_snapshot_is_isolated_from_later_updates():
 
 def test_publish_writes_manifest_then_latest_and_verifies(tmp_path):
     run_dir = str(tmp_path)
-    root = checkpoint.ckpt_root(run_dir)
+    root = ckpt_files.ckpt_root(run_dir)
     assert run_job(_job(root, "step00000002", {"w": torch.ones(1000)}))
-    assert checkpoint.latest_tag(run_dir) == "step00000002"
-    checkpoint.verify_manifest(run_dir, "step00000002")
+    assert ckpt_files.latest_tag(run_dir) == "step00000002"
+    ckpt_files.verify_manifest(run_dir, "step00000002")
     model = os.path.join(root, "step00000002", "model.pt")
     with open(model, "r+b") as f:  # flip one byte inside the tensor data
         f.seek(os.path.getsize(model) // 2)
@@ -47,7 +47,7 @@ def test_publish_writes_manifest_then_latest_and_verifies(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(CheckpointError, match="corrupt"):
-        checkpoint.verify_manifest(run_dir, "step00000002")
+        ckpt_files.verify_manifest(run_dir, "step00000002")
 
 
 def test_prune_keeps_last_k_and_removes_crash_debris(tmp_path):
@@ -75,9 +75,9 @@ def test_disk_full_keeps_previous_latest_and_removes_partial_files(tiny_disk, ca
     assert "`latest` stays step00000001" in msg
     assert sorted(os.listdir(root)) == ["latest", "step00000001", "zero_to_fp32.py", "zero_to_torch.py"] or \
         sorted(os.listdir(root)) == ["latest", "step00000001"]  # recovery scripts may not fit either
-    checkpoint.verify_manifest(str(tiny_disk), "step00000001")
+    ckpt_files.verify_manifest(str(tiny_disk), "step00000001")
     assert run_job(_job(root, "step00000003", {"w": torch.ones(1_000)}))  # the next interval retries
-    assert checkpoint.latest_tag(str(tiny_disk)) == "step00000003"
+    assert ckpt_files.latest_tag(str(tiny_disk)) == "step00000003"
 
 
 def test_delta_roundtrip_is_bit_exact_and_small_for_nearby_states():
@@ -132,24 +132,24 @@ def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
     from loongforge.train.ckpt.fallback import pick_resume_tag
 
     run_dir = str(tmp_path)
-    root = checkpoint.ckpt_root(run_dir)
+    root = ckpt_files.ckpt_root(run_dir)
     for step in (2, 4, 6):
         assert run_job(_job(root, f"step{step:08d}", {"w": torch.full((1000,), float(step))}))
     cpu = torch.device("cpu")
     assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000006"
     bad = os.path.join(root, "step00000006", "model.pt")
     flip_byte(bad, mask=1)
-    os.unlink(os.path.join(root, "step00000004", checkpoint.SIDECAR))
+    os.unlink(os.path.join(root, "step00000004", ckpt_files.SIDECAR))
     with caplog.at_level(logging.WARNING):
         assert pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu) == "step00000002"
     assert bad in caplog.text and "is corrupt" in caplog.text
-    assert os.path.join(root, "step00000004", checkpoint.SIDECAR) in caplog.text
+    assert os.path.join(root, "step00000004", ckpt_files.SIDECAR) in caplog.text
     assert "resuming from step00000002 instead of `latest` step00000006" in caplog.text
     from loongforge.train.observe.metrics import read_events
 
     (rec,) = read_events(run_dir)  # one record of the fallback (the fault suite's corrupt_checkpoint row reads it)
     assert (rec["event"], rec["latest"], rec["loaded"]) == ("ckpt_fallback", "step00000006", "step00000002")
-    assert bad in rec["rejected"][0] and checkpoint.SIDECAR in rec["rejected"][1]
+    assert bad in rec["rejected"][0] and ckpt_files.SIDECAR in rec["rejected"][1]
     flip_byte(os.path.join(root, "step00000002", "model.pt"), mask=1)
     with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
         pick_resume_tag(run_dir, "step00000006", rank=0, device=cpu)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.train.ckpt import checkpoint
+from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.observe.profiler import _union, analyze_trace
 
 
@@ -47,22 +47,22 @@ def test_cpu_trace_gloo_events(tmp_path):
 
 def test_checkpoint_sidecar_and_latest_pointer_are_checked(tmp_path):
     run = str(tmp_path)
-    assert checkpoint.latest_tag(run) is None
+    assert ckpt_files.latest_tag(run) is None
     root = tmp_path / "checkpoints"
     root.mkdir()
     (root / "latest").write_text("step00000005")
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-        checkpoint.latest_tag(run)
+        ckpt_files.latest_tag(run)
     (root / "step00000005").mkdir()
-    assert checkpoint.latest_tag(run) == "step00000005"
+    assert ckpt_files.latest_tag(run) == "step00000005"
     with pytest.raises(CheckpointError, match="incomplete"):
-        checkpoint.read_sidecar(run, "step00000005")
-    (root / "step00000005" / checkpoint.SIDECAR).write_text(json.dumps({"format_version": 99}))
+        ckpt_files.read_sidecar(run, "step00000005")
+    (root / "step00000005" / ckpt_files.SIDECAR).write_text(json.dumps({"format_version": 99}))
     with pytest.raises(CheckpointError, match="format_version 99"):
-        checkpoint.read_sidecar(run, "step00000005")
-    (root / "step00000005" / checkpoint.SIDECAR).write_text("{truncated")
+        ckpt_files.read_sidecar(run, "step00000005")
+    (root / "step00000005" / ckpt_files.SIDECAR).write_text("{truncated")
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        checkpoint.read_sidecar(run, "step00000005")
+        ckpt_files.read_sidecar(run, "step00000005")
 
 
 def test_report_uses_nccl_trace_when_host_did_not_time_comm(tmp_path):

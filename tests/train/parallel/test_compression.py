@@ -162,7 +162,7 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
     import io
     import os
 
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import files as ckpt_files
     from loongforge.train.parallel.zero import CompressedDPSync
 
     res = torch.arange(6.0)
@@ -170,7 +170,7 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
         m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:3")  # as saved on a GPU
         buf = io.BytesIO()
         torch.save({"version": 1, "residuals": [res]}, buf)
-    tag_dir = os.path.join(checkpoint.ckpt_root(str(tmp_path)), "step00000002")
+    tag_dir = os.path.join(ckpt_files.ckpt_root(str(tmp_path)), "step00000002")
     os.makedirs(tag_dir)
     with open(os.path.join(tag_dir, "compressor_rank0.pt"), "wb") as f:
         f.write(buf.getvalue())

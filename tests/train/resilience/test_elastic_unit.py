@@ -40,7 +40,7 @@ def test_a_failed_conversion_warns_and_leaves_latest_on_the_original(tmp_path, c
     import logging
     import os
 
-    from loongforge.train.ckpt.checkpoint import SIDECAR
+    from loongforge.train.ckpt.files import SIDECAR
     from loongforge.train.ckpt.reshard_io import publish
     from loongforge.train.resilience.elastic_reshard import convert_for_launch
 

@@ -45,7 +45,7 @@ def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_pa
 def _module_weights(run_dir, tag):
     import torch
 
-    from loongforge.train.ckpt.checkpoint import weights_only_loads
+    from loongforge.train.ckpt.files import weights_only_loads
 
     with weights_only_loads():
         doc = torch.load(os.path.join(run_dir, "checkpoints", tag, "mp_rank_00_model_states.pt"), weights_only=True)
