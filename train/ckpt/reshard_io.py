@@ -23,7 +23,7 @@ import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import sha256_file, write_bytes_atomic
-from loongforge.train.ckpt.files import MANIFEST, MANIFEST_VERSION, SIDECAR
+from loongforge.train.ckpt.files import MANIFEST, MANIFEST_VERSION, SIDECAR, load_trusted
 
 RESHARD_VERSION = 1
 # The model-states names DeepSpeed's loader globs for, ZeRO-1/2 and ZeRO-3 (any mp rank: one file per folder).

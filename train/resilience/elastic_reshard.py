@@ -29,6 +29,13 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from loongforge.shared.errors import CheckpointError
+from loongforge.shared.storage import write_bytes_atomic
+from loongforge.train.ckpt import fallback as ckpt_fallback, files as ckpt_files
+from loongforge.train.ckpt.reshard import Layout, reshard
+
 log = logging.getLogger(__name__)
 TIMEOUT_S = 3600.0
 
@@ -38,7 +45,7 @@ def needs_conversion(doc: dict, *, world: int, zero: int, tp: int, sp: int, topk
     saved_zero = doc.get("zero_stage")
     if doc.get("world") == world and saved_zero == zero and (par["tp"], par["sp"]) == (tp, sp):
         return False  # same layout: loaded as it is
-    hybrid = tp * sp > 1 or topk  # the trainer refuses these on another rank count (wiring.check_resume_layout)
+    hybrid = tp * sp > 1 or topk  # the trainer refuses these on another rank count (checkpoint.check_resume_layout)
     if (par["tp"], par["sp"]) == (tp, sp) and saved_zero == zero and zero in (0, 3) and not hybrid:
         return False  # ZeRO-0: replicated; ZeRO-3 -> ZeRO-3: the trainer's universal path
     return True
@@ -49,14 +56,11 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
     """Convert the checkpoint the next launch would resume to (world, zero, tp, sp). Returns a record
     for metrics.jsonl ({"action": "reshard", ...}), or None when there is nothing to convert. Never raises
     for a failed conversion: it is logged as a WARNING and the launch resumes the original tag."""
-    from loongforge.shared.errors import CheckpointError
-    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
-
     try:
         latest = ckpt_files.latest_tag(run_dir)
         if latest is None:
             return None
-        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=_cpu())  # no process group here
+        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=torch.device("cpu"))  # no process group here
         doc = ckpt_files.read_sidecar(run_dir, tag)
     except CheckpointError as exc:  # the trainer meets the same error and reports it
         log.warning("elastic: not converting the checkpoint before the relaunch: %s", exc)
@@ -81,17 +85,11 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
 
 
 def _remove_debris(root: str) -> None:
-    """A child killed at the timeout never ran its own cleanup: its work folder (ckpt_reshard) goes here.
+    """A child killed at the timeout never ran its own cleanup: its work folder (reshard.py) goes here.
     Nothing else converts while the supervisor does (no launch is up)."""
     for name in os.listdir(root):
         if name.startswith(".reshard-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _cpu():
-    import torch
-
-    return torch.device("cpu")
 
 
 def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
@@ -110,10 +108,6 @@ def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
 def convert_and_publish(run_dir: str, tag: str, layout_text: str) -> str:
     """The child: reshard without moving `latest`, verify the new tag, then move `latest` (last). A failure
     removes the new tag and leaves `latest` on the source."""
-    from loongforge.shared.storage import write_bytes_atomic
-    from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback
-    from loongforge.train.ckpt.reshard import Layout, reshard
-
     doc = ckpt_files.read_sidecar(run_dir, tag)
     to = Layout.parse(layout_text, default_world=doc["world"])
     root = ckpt_files.ckpt_root(run_dir)

@@ -154,7 +154,7 @@ def test_disk_full_during_save_training_continues(train_root, tmp_path, tiny_dis
     steps = sorted(d for d in os.listdir(tiny_disk) if d.startswith("step"))
     assert steps == ["step00000014", "step00000016"]  # keep-last 1 + its fallback; the failed save left nothing
     assert not glob.glob(str(tiny_disk / "*" / "*.tmp"))
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import files as ckpt_files
 
     ckpt_files.verify_manifest(str(run_dir), latest)
 
@@ -264,7 +264,7 @@ def test_delta_checkpoint_restores_bit_exact_against_a_full_save(train_root, tmp
     _bitwise_equal_dirs(os.path.join(ck_d, "step00000002"), os.path.join(ck_f, "step00000002"))  # deterministic
     assert glob.glob(os.path.join(ck_d, "step00000004", "*.delta"))
     assert not glob.glob(os.path.join(ck_d, "step00000004", "*_states.pt"))
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import delta as ckpt_delta, files as ckpt_files
 
     manifest = ckpt_files.verify_manifest(delta, "step00000004")
     assert manifest["bases"] == ["step00000002"]
@@ -310,7 +310,7 @@ def test_save_busy_skip_skips_while_writing_and_final_save_waits(train_root, tmp
     assert "skipped: the previous one is still being written" in proc.stderr
     tags = sorted(d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith("step"))
     assert tags[0] == "step00000001" and tags[-1] == "step00000006" and len(tags) < 6, tags
-    from loongforge.train.ckpt import checkpoint
+    from loongforge.train.ckpt import files as ckpt_files
 
     for tag in tags:
         ckpt_files.verify_manifest(run_dir, tag)
