@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ LAYERS: dict[str, list] = {
     "loongforge": ["shared", ("preprocess", "cache"), "train", "benchmarks", "cli"],
     # Inside the trainer (train/README.md has the folder map).
     "loongforge.train": ["config", ("model", "data"), ("kernels", "observe"), "parallel", "ckpt",
-                         ("eval", "resilience"), "tune", "args", "preflight", "trainer", "launch", "cli"],
+                         ("eval", "resilience"), "tune", "flags", "preflight", "trainer", "launch", "cli"],
 }
 
 # Third-party packages a function may import locally, and why.
@@ -360,3 +362,12 @@ def test_independent_parts_and_unplaced_modules_and_cli_imports(tmp_path):
            "(LAYERS['app.svc'])" in errors
     assert "app.svc.low.a:2 imports app.cli: a cli module is imported only by another cli module or a " \
            "__main__" in errors
+
+
+def test_command_registration_imports_no_heavy_package():
+    """Why cli handlers import lazily: building `loongforge`'s parser (what --help does) must not
+    import torch, DeepSpeed or the other extras, whatever a service's modules import at their top."""
+    code = ("import sys, loongforge.cli as c; c.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (sorted(OPTIONAL),))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,12 +1,18 @@
-"""`loongforge train` and `loongforge profile`. Heavy imports (torch,
-deepspeed, matplotlib) happen inside the handlers so `loongforge --help` is fast."""
+"""`loongforge train / profile / eval`, and the `tune` and `ckpt` command groups. Heavy imports
+(torch, deepspeed, matplotlib) happen inside the handlers so `loongforge --help` is fast."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
+from loongforge.train.ckpt.cli import register as register_ckpt
+from loongforge.train.flags import add_train_args
+from loongforge.train.tune.cli import register as register_tune
+
 
 def register(subparsers) -> None:
-    from loongforge.train.launch import add_train_args
-
     p = subparsers.add_parser("train", help="train a VLA model with DeepSpeed (run under torchrun/deepspeed "
                                             "for several ranks: python -m loongforge.train ...)")
     add_train_args(p)
@@ -36,20 +42,15 @@ def register(subparsers) -> None:
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=_eval)
-    from loongforge.train.tune.ac import register as register_tune
-
     register_tune(subparsers)
-    from loongforge.train.ckpt.cli import register as register_ckpt
-
     register_ckpt(subparsers)
 
 
 def _train(args) -> int:
-    from loongforge.train.launch import exit_now, run_args
+    from loongforge.train.launch import run_args
+    from loongforge.train.resilience.exits import exit_now
 
     if args.elastic:  # this process only supervises; the ranks are torchrun's children
-        import sys
-
         from loongforge.train.resilience.elastic import supervise
 
         return supervise(args, getattr(args, "raw_argv", None) or sys.argv[1:])
@@ -73,9 +74,6 @@ def _profile(args) -> int:
 
 
 def _eval(args) -> int:
-    import json
-    import os
-
     import torch
 
     from loongforge.train.eval.openloop import format_table, run_eval

@@ -181,7 +181,7 @@ def _activation_probe_class():
 def run_rank(spec: dict) -> dict:
     import torch
 
-    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.flags import add_train_args, config_from_args
     from loongforge.train.observe.profiler import StepTimer
     from loongforge.train.trainer import Trainer
 
@@ -221,7 +221,7 @@ def _windows(rows):
 
 def main(argv: list[str] | None = None) -> None:
     from loongforge.train.parallel import engine
-    from loongforge.train.launch import exit_now
+    from loongforge.train.resilience.exits import exit_now
 
     args = argparse.ArgumentParser().parse_known_args(argv)[1]
     spec = json.loads(open(args[0]).read())

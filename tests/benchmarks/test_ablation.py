@@ -69,7 +69,7 @@ def test_zero3_rows_fetch_blocks_whole_through_the_trainer_flag():
     import torch
 
     from loongforge.train.parallel.engine import ds_config
-    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.flags import add_train_args, config_from_args
     from loongforge.train.model.layers import HeadBlock, TrunkBlock
 
     rows = {r.id: r for r in ladder(Plan(ranks=4, cuda=False, sp_accepted=True))}

@@ -12,14 +12,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import launch  # noqa: E402
 
 from loongforge.train.parallel import engine
-from loongforge.train import launch as entry  # noqa: E402
+from loongforge.train import flags, launch as entry  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _args(*argv):
     p = argparse.ArgumentParser()
-    entry.add_train_args(p)
+    flags.add_train_args(p)
     return p.parse_args(list(argv))
 
 
@@ -81,5 +81,5 @@ def test_launch_scripts_exit_2_on_config_error_before_any_rank(script, pre, trai
 def test_help_renders():
     """argparse %-formats help strings: a bare '%' in one made `--help` raise ValueError."""
     p = argparse.ArgumentParser()
-    entry.add_train_args(p)
+    flags.add_train_args(p)
     assert "--video-deltas" in p.format_help()

@@ -103,7 +103,7 @@ def test_tp2_resume_is_exact(tp_run, train_root, tmp_path):
 
 def test_layout_checked_before_any_group(train_root, monkeypatch):
     from loongforge.train.config import ParallelConfig
-    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.flags import add_train_args, config_from_args
     from loongforge.train.preflight import preflight
 
     root, _ = train_root

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import deepspeed
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
@@ -315,8 +316,6 @@ def _unlink(path: str) -> None:
 
 def _copy_recovery_scripts(root: str) -> None:
     """DeepSpeed's zero_to_fp32.py beside the checkpoints (its engine would copy it in the step loop)."""
-    import deepspeed
-
     src_dir = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         dst = os.path.join(root, name)

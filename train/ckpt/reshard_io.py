@@ -71,7 +71,7 @@ def target_optimizer_state(src_optim: dict, meta: dict, *, step: int, target) ->
     """One optimizer_state.pt that DeepSpeed's universal loaders of ZeRO-1/2 (loss scaler, clip_grad,
     ds_version, param groups) and of ZeRO-3 (optimizer_state_dict with the step in state[0]) both read,
     so the folder loads into any ZeRO stage 1-3 and any DP degree."""
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # heavy; the converter's child process only
 
     groups = _param_groups(src_optim)
     out = {k: src_optim[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in src_optim}

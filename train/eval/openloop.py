@@ -16,8 +16,11 @@ import os
 
 import numpy as np
 
+from loongforge.shared.errors import ConfigError
 from loongforge.shared.split import sample_episodes
 from loongforge.shared.storage import write_bytes_atomic
+from loongforge.train.data.training_data import ValSetV2, chunk_ids
+from loongforge.train.eval.validation import ValSet
 
 METHODS = ("policy", "mean", "repeat_last")
 
@@ -80,7 +83,7 @@ def errors(traj: dict[str, np.ndarray], groups: dict[str, tuple[int, int]]) -> d
 
 
 def plot_episode(traj: dict[str, np.ndarray], path: str, title: str, max_dims: int = 8) -> None:
-    import matplotlib
+    import matplotlib  # heavy, only for the plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -103,13 +106,9 @@ def plot_episode(traj: dict[str, np.ndarray], path: str, title: str, max_dims: i
 def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None = None, steps: int = 4,
              seed: int = 0, plots: bool = True) -> dict:
     """Open-loop evaluation of `policy` over `episodes` (default: the index's validation episodes)."""
-    from loongforge.train.eval.validation import ValSet
-
     index = policy.index
     eps = list(episodes) if episodes else list(index.val_episodes)
     if not eps:
-        from loongforge.shared.errors import ConfigError
-
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "
                           "--val-episodes 10%) and --episodes was not given")
     v2 = getattr(index, "format_version", 1) == 2  # data_v2.V2Data: samples are (episode, t)
@@ -124,8 +123,6 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
         kw = dict(batch_size=16, text_len=policy.text_len, device=policy.device, image_mean=policy.image_mean,
                   image_std=policy.image_std)
         if v2:
-            from loongforge.train.data.training_data import ValSetV2
-
             vs = ValSetV2(index, chosen, **kw)
         else:
             vs = ValSet(data_root, index, np.asarray(chosen), **kw)
@@ -149,8 +146,6 @@ def _chunks_v1(index, per_sample_ep, ep) -> list[int]:
 
 
 def _chunks_v2(data, ep) -> np.ndarray:
-    from loongforge.train.data.training_data import chunk_ids
-
     return chunk_ids(data, ep)
 
 

@@ -24,6 +24,7 @@ from loongforge.shared.index import ShardIndex
 from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
+from loongforge.train.data.training_data import load_for_policy
 from loongforge.train.model.build import build_model, model_config_from
 from loongforge.train.model.model import VLAModel
 
@@ -38,6 +39,7 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
                 raise CheckpointError(f"{path} missing: checkpoint {tag} is incomplete")
             state = torch.load(path, map_location="cpu", weights_only=True)["module"]
         else:
+            # deepspeed is heavy: only ZeRO-1/2/3 checkpoints need its consolidation
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
@@ -64,8 +66,6 @@ class Policy:
         model = build_model(model_config_from(doc))
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
         if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)
-            from loongforge.train.data.training_data import load_for_policy
-
             index = load_for_policy(data_root, doc, model.cfg.action_horizon)
         data = doc.get("data", {})
         return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),

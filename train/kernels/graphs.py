@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from loongforge.shared.errors import ConfigError
+from loongforge.train.kernels.checkpointing import block_lists
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ def own_grads(model: nn.Module) -> int:
     "accessing gradient tensor output of CUDAGraphs that has been overwritten". A hook that clones
     the incoming gradient (one copy of each block gradient per micro-step, from the caching
     allocator) keeps every ZeRO stage and accumulation exact."""
-    from loongforge.train.kernels.checkpointing import block_lists
-
     n = 0
     for _, blocks in block_lists(model):
         for p in blocks.parameters():

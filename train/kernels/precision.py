@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge.shared.errors import ConfigError
+from loongforge.train.kernels.checkpointing import block_lists
 
 log = logging.getLogger(__name__)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: torch._scaled_mm
@@ -44,7 +45,7 @@ def train_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
 def check_fp8_supported(device: torch.device) -> None:
     """Raise ConfigError saying why FP8 cannot run here, and what to do."""
     try:
-        import torchao.float8  # noqa: F401
+        import torchao.float8  # noqa: F401  - optional extra loongforge[fp8]
     except ImportError as exc:
         raise ConfigError(f"--fp8: torchao is not installed ({exc}); `pip install 'loongforge[fp8]'` "
                           "(torchao 0.18 for torch 2.13) or drop --fp8") from None
@@ -61,8 +62,6 @@ def check_fp8_supported(device: torch.device) -> None:
 
 def fp8_filter(model: nn.Module, *, min_features: int = 256):
     """module_filter_fn for convert_to_float8_training: (module, fqn) -> convert?"""
-    from loongforge.train.kernels.checkpointing import block_lists
-
     inner: set[str] = set()
     for path, blocks in block_lists(model):
         for i, blk in enumerate(blocks):
@@ -85,7 +84,7 @@ def convert_fp8(model: nn.Module, *, recipe: str = "tensorwise", min_features: i
     """Swap the filtered linears for torchao Float8Linear in place; returns their names."""
     if device is not None:
         check_fp8_supported(device)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # optional, as above
     from torchao.float8.float8_linear import Float8Linear
 
     keep = fp8_filter(model, min_features=min_features)
@@ -101,7 +100,7 @@ class Fp8Warmup:
     """Blends the converted linears from high precision to FP8 over `steps` steps."""
 
     def __init__(self, model: nn.Module, steps: int, mode: str = "blend"):
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear  # optional extra loongforge[fp8]
 
         if steps < 0 or mode not in ("blend", "switch"):
             raise ConfigError("fp8 warm-up: steps must be >= 0 and mode blend or switch")

@@ -65,6 +65,7 @@ def _kv_table(blocks: torch.Tensor):
 def flex_block_mask(mask, nq: int):
     """The BlockMask of VLSelf / VLCross without evaluating the predicate on N x N: a block is
     full when all its queries and keys are valid, partial when it holds any allowed pair."""
+    # flex_attention loads torch's compile stack; only the flex backend pays for it
     from torch.nn.attention.flex_attention import BlockMask
 
     layout = mask.layout
@@ -95,7 +96,7 @@ _compiled_flex = None
 
 def _flex_fn(compiled: bool):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # as in flex_block_mask
 
     if not compiled:
         return flex_attention
@@ -161,7 +162,7 @@ def flash_unusable(device: torch.device, dtype: torch.dtype, head_dim: int):
     if device.type != "cuda":
         return None, "flash-attn needs CUDA"
     try:
-        import flash_attn
+        import flash_attn  # optional extra loongforge[gpu], CUDA only
     except ImportError as exc:
         return None, f"flash-attn is not importable ({exc}); install the [gpu] extra"
     cap = torch.cuda.get_device_capability(device)

@@ -192,7 +192,7 @@ def _format_segment(b: dict, several: bool) -> str:
 
 
 def write_chart(b: dict, run_dir: str) -> str:
-    import matplotlib
+    import matplotlib  # heavy, only for the chart
 
     matplotlib.use("Agg")  # headless: no display on training nodes
     import matplotlib.pyplot as plt

@@ -10,6 +10,9 @@ import os
 import sys
 import time
 
+from loongforge.shared.errors import FormatError
+from loongforge.shared.storage import write_bytes_atomic
+
 METRICS_FILE = "metrics.jsonl"
 METRICS_VERSION = 1
 
@@ -56,8 +59,6 @@ class MetricsLog:
 
 
 def _truncate_from(path: str, step: int) -> None:
-    from loongforge.shared.storage import write_bytes_atomic
-
     keep = []
     with open(path) as f:
         for line in f:
@@ -71,8 +72,6 @@ def _truncate_from(path: str, step: int) -> None:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    from loongforge.shared.errors import FormatError
-
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(path):
         raise FormatError(f"{path} not found: not a run directory (run `loongforge train --run-dir DIR` first)")

@@ -47,6 +47,7 @@ from torch import nn
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.parallel.mappings import all_to_all, gather_from, scatter_to
+from loongforge.train.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +150,6 @@ class SequenceParallel:
 
 def token_local_param_modules(model: nn.Module) -> list[nn.Module]:
     """The token-wise modules with parameters: Linear, LayerNorm, Embedding, TP linears."""
-    from loongforge.train.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     kinds = (nn.Linear, nn.LayerNorm, nn.Embedding, ColumnParallelLinear, RowParallelLinear)
     return [m for m in model.modules() if isinstance(m, kinds)]
 

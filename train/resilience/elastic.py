@@ -42,11 +42,14 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from loongforge.shared.errors import ConfigError, TrainError
+from loongforge.train.observe.metrics import read_events
+from loongforge.train.resilience.elastic_reshard import convert_for_launch
 
 log = logging.getLogger(__name__)
 ELASTIC_FLAGS = {"--elastic": 0, "--min-ranks": 1, "--max-ranks": 1, "--capacity-file": 1, "--max-restarts": 1,
@@ -139,8 +142,6 @@ class Supervisor:
 
     def _attempt(self, ranks: int, reason: str):
         accum = accum_for(self.batch, ranks, self.max_micro)
-        from loongforge.train.resilience.elastic_reshard import convert_for_launch
-
         converted = convert_for_launch(self.run_dir, world=ranks, **self.layout)
         if converted:
             self._event(**converted, ranks=ranks)
@@ -196,8 +197,6 @@ def _tag_step(tag: str) -> int:
 
 
 def _events_since(run_dir: str, t0: float) -> list[dict]:
-    from loongforge.train.observe.metrics import read_events
-
     try:
         return [e for e in read_events(run_dir) if e.get("t", 0) >= t0]
     except OSError:
@@ -205,8 +204,6 @@ def _events_since(run_dir: str, t0: float) -> list[dict]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -40,8 +40,10 @@ from datetime import timedelta
 
 import torch
 
+from loongforge.train.resilience.exits import EXIT_PEER_FAULT, exit_now
+from loongforge.train.resilience.nan_guard import parse_injection
+
 log = logging.getLogger(__name__)
-EXIT_PEER_FAULT = 75  # EX_TEMPFAIL: "retry without the failed rank"; the elastic supervisor relaunches on it
 PREFIX = "loongforge/hb"
 INJECT_HANG_ENV = "LOONGFORGE_INJECT_HANG"  # "STEP[@RANK]": that rank blocks forever at the start of STEP
 
@@ -65,8 +67,6 @@ class Watchdog:
         self._key = lambda r: f"{PREFIX}/{self._restart}/{r}"
         self._peers: dict[int, dict] = {}  # rank -> {"seq", "step", "seen", "moved", "doc"}
         self._store_failed_since: float | None = None
-        from loongforge.train.resilience.nan_guard import parse_injection
-
         self._inject_hang = parse_injection(os.environ.get(INJECT_HANG_ENV), rank)
 
     @property
@@ -189,8 +189,6 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 os.kill(doc["pid"], signal.SIGKILL)  # fence: a stopped rank never handles the launcher's TERM
         _bounded(self.closers + [_abort_process_group], 5.0)
-        from loongforge.train.launch import exit_now
-
         exit_now(EXIT_PEER_FAULT)
 
 

@@ -1,4 +1,5 @@
-"""`loongforge tune ac` and `loongforge tune batch`: measured memory/recompute trade-offs.
+"""`loongforge tune ac`: measured memory/recompute trade-offs, and the workload that it and
+`loongforge tune batch` (batch.py) measure.
 
   loongforge tune ac --recipe small --memory-budget 300MiB [--data ROOT] [--json ac.json]
   loongforge tune batch --recipe small --memory-budget 2GiB --ac-every 4 [--json batch.json]
@@ -8,7 +9,7 @@ loader (from --data, or a synthetic shard root written to a temp dir), and
 measure single-rank forward+backward steps:
 
 - activation bytes: what autograd keeps for backward, counted exactly with
-  saved_tensors_hooks deduplicated by storage (memory.SavedBytesProbe), so the
+  saved_tensors_hooks deduplicated by storage (kernels/checkpointing.py SavedBytesProbe), so the
   figure is the same on CPU and GPU; on CUDA also the peak of
   torch.cuda.max_memory_allocated over the step;
 - recompute: seconds spent re-running checkpointed blocks inside backward,
@@ -24,27 +25,28 @@ The trainer takes the result with `--batch-plan FILE`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import re
 import statistics
 import tempfile
 import time
 
-from loongforge.shared.errors import ConfigError
+import torch
+
+from loongforge.shared.synthetic import make_synthetic_root
+from loongforge.train.config import DataConfig
+from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.loader_v1 import ShardLoader
+from loongforge.train.data.training_data import load_training_data
+from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac, block_lists
+from loongforge.train.kernels.precision import train_dtype
+from loongforge.train.model import recipes
+from loongforge.train.model.build import build_model
+from loongforge.train.model.noise import noise_for
+from loongforge.train.parallel.engine import pick_device
+from loongforge.train.tune.results import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
 AC_CHOICES = (0, 1, 2, 4, 8)  # 0 = off
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"--memory-budget: {text!r} is not a size; write e.g. 512MiB, 2GiB or 3000000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 # -- workload -----------------------------------------------------------------
@@ -55,18 +57,11 @@ class Workload:
 
     def __init__(self, recipe: str, root: str | None, micro_batch: int, device: str = "auto", seed: int = 0,
                  precision: str = "auto", **model_overrides):
-        import torch
-
-        from loongforge.train.parallel import engine
-        from loongforge.train.model import recipes
-        from loongforge.train.model.build import build_model
-        from loongforge.train.kernels.precision import train_dtype
-
         self._tmp = None
         if root is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="loongforge-tune-")
             root = _synthetic_root(self._tmp.name, micro_batch)
-        self.device = engine.pick_device(device)
+        self.device = pick_device(device)
         index, max_frames = _load_root(root)
         self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
         torch.manual_seed(seed)
@@ -79,8 +74,6 @@ class Workload:
 
     def batch(self, micro: int, frames: int | None = None):
         """A micro-batch of `micro` samples (the loaded ones repeated) capped at `frames` frames."""
-        from loongforge.train.model.noise import noise_for
-
         b = _cap_frames(self.base, frames) if frames else self.base
         b = _tile(b, micro)
         noise, t = noise_for(0, 0, range(b["action"].shape[0]), b["action"].shape, self.device)
@@ -95,8 +88,6 @@ class Workload:
 
 
 def _synthetic_root(path: str, micro_batch: int) -> str:
-    from loongforge.shared.synthetic import make_synthetic_root
-
     # 128x128 frames, 4 per window, 2 cameras: with the small recipe's 16-px patches a
     # sequence of 2*4*64 vision + 4 state + 32 text + action tokens.
     make_synthetic_root(path, shards=1, samples_per_shard=max(2, micro_batch), frames=4, height=128, width=128)
@@ -106,9 +97,6 @@ def _synthetic_root(path: str, micro_batch: int) -> str:
 def _load_root(root: str):
     """(index, longest window) of a v1 root, or (V2Data, frames per sample) of a format-2 root:
     the same factory the trainer uses (train/data/training_data.py), with the default delta indices."""
-    from loongforge.train.config import DataConfig
-    from loongforge.train.data.training_data import load_training_data
-
     index = load_training_data(DataConfig(root=root))
     if getattr(index, "format_version", 1) == 2:
         return index, index.max_frames
@@ -118,12 +106,8 @@ def _load_root(root: str):
 def _one_batch(root: str, index, device) -> dict:
     n = min(8, index.num_samples)
     if getattr(index, "format_version", 1) == 2:
-        from loongforge.train.data.loader import BlockLoader
-
         loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
     else:
-        from loongforge.train.data.loader_v1 import ShardLoader
-
         loader = ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1)
     with loader:
         batch = next(iter(loader))
@@ -158,16 +142,12 @@ def _cap_frames(batch: dict, k: int) -> dict:
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def measure_step(w: Workload, probe, micro: int, frames: int | None = None, backward: bool = True) -> dict:
     """One forward (+ backward) under the probe: saved bytes, step and recompute seconds, CUDA peak."""
-    import torch
-
     batch, noise, t = w.batch(micro, frames)
     w.model.zero_grad(set_to_none=True)
     probe.reset()
@@ -191,8 +171,6 @@ def measure_step(w: Workload, probe, micro: int, frames: int | None = None, back
 
 
 def tune_ac(w: Workload, micro: int, budget: int, reps: int = 2, choices=AC_CHOICES) -> dict:
-    from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac
-
     probe = SavedBytesProbe(w.model)
     rows = []
     for every in choices:
@@ -244,12 +222,6 @@ def format_ac_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(result: dict, path: str) -> None:
-    from loongforge.shared.storage import write_bytes_atomic
-
-    write_bytes_atomic(path, json.dumps(result, indent=2, sort_keys=True).encode())
-
-
 @contextlib.contextmanager
 def workload_from_args(a):
     w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision)
@@ -259,23 +231,8 @@ def workload_from_args(a):
         w.close()
 
 
-def _run_ac(a) -> int:
-    budget = parse_bytes(a.memory_budget)
-    with workload_from_args(a) as w:
-        result = tune_ac(w, a.micro_batch, budget, reps=a.reps)
-        result.update(recipe=a.recipe, seq_len=_seq_len(w))
-    print(format_ac_table(result))
-    out = a.json or os.path.join(os.getcwd(), "tune_ac.json")
-    write_json(result, out)
-    print(f"json: {out}")
-    return 0 if result["choice"] is not None else 1
-
-
-def _seq_len(w: Workload) -> int:
-    import torch
-
-    from loongforge.train.kernels.checkpointing import block_lists
-
+def seq_len(w: Workload) -> int:
+    """Tokens per sample in the first block list (the trunk): reported beside the table."""
     lists = block_lists(w.model)
     if not lists:
         return -1
@@ -290,26 +247,3 @@ def _seq_len(w: Workload) -> int:
     return seen[0] if seen else -1
 
 
-def register(subparsers) -> None:
-    from loongforge.train.tune.batch import add_batch_parser
-    from loongforge.train.tune.buckets import add_buckets_parser
-
-    p = subparsers.add_parser("tune", help="measure activation checkpointing / batch size against a memory budget")
-    sub = p.add_subparsers(dest="tune_command", metavar="WHAT", required=True)
-    ac = sub.add_parser("ac", help="activation bytes and recompute share for --ac-every in {off,1,2,4,8}")
-    _common(ac)
-    ac.add_argument("--micro-batch", type=int, default=4, help="samples per rank per forward")
-    ac.add_argument("--reps", type=int, default=2, help="timed steps per setting (median), after one warm-up")
-    ac.set_defaults(func=_run_ac)
-    add_batch_parser(sub, _common)
-    add_buckets_parser(sub)
-
-
-def _common(p) -> None:
-    p.add_argument("--memory-budget", required=True, help="activation bytes per rank, e.g. 2GiB, 512MiB")
-    p.add_argument("--recipe", default="small", help="tiny | small | 1.6b")
-    p.add_argument("--data", default=None, help="shard root; default: a synthetic root in a temp dir")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"), help="as the trainer's")
-    p.add_argument("--json", default=None, help="where to write the result (default ./tune_<what>.json)")

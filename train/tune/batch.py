@@ -3,7 +3,7 @@
 For each frame count (the loader's length buckets up to the longest window)
 an exponential probe (1, 2, 4, ...) brackets the largest fitting micro-batch,
 then bisection finds it. "Fits": on CPU, the activation bytes measured by
-memory.SavedBytesProbe (a forward suffices: the bytes kept for backward are
+kernels/checkpointing.py SavedBytesProbe (a forward suffices: the bytes kept for backward are
 known once it ends); on CUDA, a full forward+backward that neither raises
 torch.OutOfMemoryError nor peaks above the budget in max_memory_allocated
 (weights and gradients included; optimizer states, sharded by ZeRO, are not).
@@ -16,19 +16,19 @@ what `loongforge train --batch-plan FILE` turns into the global batch.
 from __future__ import annotations
 
 import logging
-import os
 
-from loongforge.shared.errors import ConfigError
+import torch
+
+from loongforge.train.data.batch import default_buckets
+from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac
+from loongforge.train.tune.ac import measure_step
+from loongforge.train.tune.results import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
 
 
 def fits(w, probe, micro: int, frames: int, budget: int) -> tuple[bool, int]:
     """(fits, measured bytes) of one micro-batch size."""
-    import torch
-
-    from loongforge.train.tune.ac import measure_step
-
     if w.device.type != "cuda":
         row = measure_step(w, probe, micro, frames, backward=False)
         return row["saved_bytes"] <= budget, row["saved_bytes"]
@@ -86,10 +86,6 @@ def affine_guess(b1: int, b2: int, budget: int, limit: int) -> int | None:
 
 
 def tune_batch(w, budget: int, *, ac_every: int = 0, limit: int = 256, frame_counts=None) -> dict:
-    from loongforge.train.data.batch import default_buckets
-    from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac
-    from loongforge.train.tune.ac import FORMAT_VERSION
-
     probe = SavedBytesProbe(w.model)
     apply_ac(w.model, ac_every, probe=probe)
     rows = []
@@ -118,54 +114,3 @@ def format_batch_table(result: dict) -> str:
                  + (f"micro-batch {m} at {result['frames']} frames (train --batch-plan FILE)" if m else
                     "not even micro-batch 1 fits: raise the budget or turn on --ac-every"))
     return "\n".join(lines)
-
-
-def load_plan(path: str) -> dict:
-    """A `tune batch` JSON, validated; for the trainer's --batch-plan."""
-    import json
-
-    from loongforge.train.tune.ac import FORMAT_VERSION
-
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--batch-plan: cannot read {path}: {exc}; run `loongforge tune batch --json {path}`")
-    if not isinstance(doc, dict) or doc.get("kind") != "batch":
-        raise ConfigError(f"--batch-plan: {path} is not a `loongforge tune batch` result")
-    if doc.get("version") != FORMAT_VERSION:
-        raise ConfigError(f"--batch-plan: {path} has format version {doc.get('version')}, this build reads "
-                          f"{FORMAT_VERSION}; rerun `loongforge tune batch`")
-    if not isinstance(doc.get("micro_batch"), int) or doc["micro_batch"] < 1:
-        raise ConfigError(f"--batch-plan: {path} found no micro-batch that fits; raise the budget and rerun")
-    return doc
-
-
-def _run_batch(a) -> int:
-    from loongforge.train.tune.ac import parse_bytes, workload_from_args, write_json
-
-    budget = parse_bytes(a.memory_budget)
-    if a.limit < 1:
-        raise ConfigError("--limit: must be >= 1")
-    with workload_from_args(a) as w:
-        if a.fp8:
-            from loongforge.train.kernels.precision import convert_fp8
-
-            convert_fp8(w.model, device=w.device, min_features=a.fp8_min_features)
-        result = tune_batch(w, budget, ac_every=a.ac_every, limit=a.limit)
-        result.update(recipe=a.recipe, fp8=a.fp8)
-    print(format_batch_table(result))
-    out = a.json or os.path.join(os.getcwd(), "tune_batch.json")
-    write_json(result, out)
-    print(f"json: {out}")
-    return 0 if result["micro_batch"] else 1
-
-
-def add_batch_parser(sub, common) -> None:
-    p = sub.add_parser("batch", help="largest micro-batch per frame count within a memory budget")
-    common(p)
-    p.add_argument("--ac-every", type=int, default=0, help="activation checkpointing as in training (0 = off)")
-    p.add_argument("--fp8", action="store_true", help="measure with FP8 linears (as --fp8 in training)")
-    p.add_argument("--fp8-min-features", type=int, default=256)
-    p.add_argument("--limit", type=int, default=256, help="largest micro-batch tried")
-    p.set_defaults(func=_run_batch, micro_batch=1)

@@ -16,31 +16,18 @@ setting is the fastest median step; pass it to the trainer as --reduce-bucket-si
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 
 from loongforge.shared.errors import ConfigError
+from loongforge.train.tune import jobs
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(float(x)) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--sizes {text!r}: give comma-separated byte counts, e.g. 200000,2000000") from None
-    if not vals or min(vals) < 1:
-        raise ConfigError(f"--sizes {text!r}: sizes must be >= 1")
-    return vals
-
-
 def sweep(*, world: int, plan: str, sizes, overlaps, recipe: str, steps: int, micro_batch: int, data: str | None,
           workdir: str, device: str) -> dict:
-    from loongforge.train.tune import jobs
-
     spec, flags = jobs.plan_args(plan)
     if world % (spec["tp"] * spec["sp"]):
         raise ConfigError(f"--world {world}: not a multiple of tp*sp = {spec['tp'] * spec['sp']} of --plan {plan}")
@@ -80,34 +67,3 @@ def table(doc: dict) -> str:
     lines.append(f"fastest: --reduce-bucket-size {b['bucket_bytes']}" + ("" if b["overlap_comm"] else
                                                                           " --no-overlap-comm"))
     return "\n".join(lines)
-
-
-def _run(args) -> int:
-    overlaps = {"both": (True, False), "on": (True,), "off": (False,)}[args.overlap]
-    with tempfile.TemporaryDirectory(prefix="loongforge-buckets-") as tmp:
-        doc = sweep(world=args.world, plan=args.plan, sizes=_sizes(args.sizes), overlaps=overlaps, recipe=args.recipe,
-                    steps=args.steps, micro_batch=args.micro_batch, data=args.data, workdir=args.workdir or tmp,
-                    device=args.device)
-    print(table(doc))
-    path = args.json or "tune_buckets.json"
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"\nresults: {path}")
-    return 0
-
-
-def add_buckets_parser(sub) -> None:
-    p = sub.add_parser("buckets", help="step time and exposed comm per ZeRO bucket size (and overlap_comm)",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="local ranks (torchrun --nproc_per_node)")
-    p.add_argument("--plan", default="dp", help="dp or tp=T,sp=S[,zero=Z][,compress=R] (default dp, ZeRO-2)")
-    p.add_argument("--sizes", default="20000,200000,2000000,50000000", help="bucket sizes in bytes, comma-separated")
-    p.add_argument("--overlap", default="both", choices=("both", "on", "off"), help="overlap_comm settings to try")
-    p.add_argument("--recipe", default="tiny")
-    p.add_argument("--steps", type=int, default=4, help="steps per setting (the first is warm-up)")
-    p.add_argument("--micro-batch", type=int, default=2, help="samples per data-parallel replica per step")
-    p.add_argument("--data", default=None, help="shard root; default: a synthetic root in a temp dir")
-    p.add_argument("--workdir", default=None, help="keep the run directories here (default: a temp dir)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--json", default=None, help="where to write the result (default ./tune_buckets.json)")
-    p.set_defaults(func=_run)

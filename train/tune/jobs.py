@@ -23,6 +23,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from loongforge.shared.errors import ConfigError, LoongForgeError
+from loongforge.shared.synthetic import make_synthetic_root
+from loongforge.train.observe.breakdown import comm_by_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +52,6 @@ class JobResult:
 
 def synthetic_data(workdir: str, samples: int = 64) -> str:
     """A small shard root (2 cameras, 2 frames) for jobs without --data; written once per workdir."""
-    from loongforge.shared.synthetic import make_synthetic_root
-
     root = os.path.join(workdir, "data")
     if not os.path.exists(os.path.join(root, "index.json")):
         make_synthetic_root(root, shards=4, samples_per_shard=max(1, samples // 4))
@@ -88,8 +88,6 @@ def run_job(world: int, args: list[str], *, data: str, run_dir: str, device: str
 
 
 def summarise(run_dir: str, world: int, args) -> JobResult:
-    from loongforge.train.observe.breakdown import comm_by_group
-
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     use = [r for r in rows if "step_s" in r and not r.get("warmup")]

@@ -87,7 +87,7 @@ def test_sigkill_mid_save_keeps_previous_latest(train_root, tmp_path):
     time.sleep(1)  # nothing may still be writing when we look
     assert _latest(run_dir) == "step00000002"
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step00000004", "manifest.json"))
-    from loongforge.train.ckpt import delta as ckpt_delta, files as ckpt_files
+    from loongforge.train.ckpt import files as ckpt_files
 
     ckpt_files.verify_manifest(run_dir, "step00000002")
     done = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "6", "--zero", "2", "--save-every", "2",

@@ -140,7 +140,7 @@ def test_pick_ac_least_recompute_within_budget():
 @pytest.mark.parametrize("text,n", [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
                                     ("4096", 4096)])
 def test_parse_bytes(text, n):
-    from loongforge.train.tune.ac import parse_bytes
+    from loongforge.train.tune.cli import parse_bytes
 
     assert parse_bytes(text) == n
 
@@ -148,7 +148,7 @@ def test_parse_bytes(text, n):
 @pytest.mark.parametrize("bad", ["", "lots", "-1GiB", "2 parsecs", "0"])
 def test_parse_bytes_rejects(bad):
     from loongforge.shared.errors import ConfigError
-    from loongforge.train.tune.ac import parse_bytes
+    from loongforge.train.tune.cli import parse_bytes
 
     with pytest.raises(ConfigError, match="memory-budget"):
         parse_bytes(bad)

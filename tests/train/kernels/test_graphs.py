@@ -17,7 +17,7 @@ from tests.train.kernels.test_fusion import _model_and_inputs  # noqa: E402
 from loongforge.shared.errors import ConfigError  # noqa: E402
 from loongforge.train.parallel import engine
 from loongforge.train.kernels import graphs
-from loongforge.train import launch as entry  # noqa: E402
+from loongforge.train import flags, launch as entry  # noqa: E402
 from loongforge.train.config import DataConfig, MemoryConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
 from loongforge.train.parallel.parallelize import apply_memory_policies  # noqa: E402
 
@@ -30,7 +30,7 @@ def test_refused_on_cpu_before_any_process_group(train_root, tmp_path, monkeypat
     monkeypatch.setattr(engine, "init_distributed", lambda *a, **k: reached.append(a))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     p = argparse.ArgumentParser()
-    entry.add_train_args(p)
+    flags.add_train_args(p)
     args = p.parse_args(["--data", root, "--run-dir", str(tmp_path), "--device", "cpu", "--cuda-graphs"])
     old = signal.getsignal(signal.SIGTERM)
     try:

@@ -287,7 +287,7 @@ def test_auto_on_cuda_builds_no_dense_mask_and_matches_sdpa(monkeypatch, train_r
 def test_cli_flag_reaches_the_model_config():
     import argparse
 
-    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.flags import add_train_args, config_from_args
     from loongforge.train.model.build import model_overrides
 
     p = argparse.ArgumentParser()

@@ -8,6 +8,7 @@ import pytest
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.tune import batch as tune_batch
+from loongforge.train.tune.results import load_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import launch  # noqa: E402
@@ -90,7 +91,7 @@ def _plan(tmp_path, **kw):
 def test_batch_plan_overrides_global_batch(tmp_path, monkeypatch):
     import argparse
 
-    from loongforge.train.launch import add_train_args, config_from_args
+    from loongforge.train.flags import add_train_args, config_from_args
 
     p = argparse.ArgumentParser()
     add_train_args(p)
@@ -107,9 +108,9 @@ def test_batch_plan_overrides_global_batch(tmp_path, monkeypatch):
                                     ({"micro_batch": 0}, "found no micro-batch")])
 def test_batch_plan_rejects(tmp_path, kw, msg):
     with pytest.raises(ConfigError, match=msg):
-        tune_batch.load_plan(_plan(tmp_path, **kw))
+        load_plan(_plan(tmp_path, **kw))
     with pytest.raises(ConfigError, match="cannot read"):
-        tune_batch.load_plan(str(tmp_path / "missing.json"))
+        load_plan(str(tmp_path / "missing.json"))
 
 
 @pytest.mark.slow
@@ -122,7 +123,7 @@ def test_tune_batch_cli(train_root, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["kind"] == "batch" and doc["ac_every"] == 2 and 1 <= doc["micro_batch"] <= 32
     assert f"micro-batch {doc['micro_batch']} at 2 frames" in proc.stdout
-    assert tune_batch.load_plan(str(out))["micro_batch"] == doc["micro_batch"]
+    assert load_plan(str(out))["micro_batch"] == doc["micro_batch"]
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ import pytest
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.tune import jobs
-from loongforge.train.tune.buckets import _sizes, sweep, table
+from loongforge.train.tune.buckets import sweep, table
+from loongforge.train.tune.cli import parse_sizes
 
 
 def test_plan_args():
@@ -21,7 +22,7 @@ def test_plan_args():
     with pytest.raises(ConfigError, match="key=value"):
         jobs.plan_args("pp=2")
     with pytest.raises(ConfigError, match="--sizes"):
-        _sizes("big")
+        parse_sizes("big")
 
 
 def test_summarise_skips_warmup_and_sums_groups(tmp_path):

@@ -1,0 +1,163 @@
+"""The flags of `loongforge train` and `python -m loongforge.train`, and the TrainConfig they make.
+
+Every default comes from the config dataclasses (config.py), so a default is written once;
+the flags only say how a value is spelled on the command line. Torch-free: `loongforge --help`
+registers these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, DataConfig, FaultConfig, MemoryConfig,
+                                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig)
+from loongforge.train.tune.results import load_plan
+
+
+def _default(cls, name: str):
+    """The default of field `name` of config class `cls`: the one place it is written."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _steps_range(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile-steps wants a:b (e.g. 3:6), got {text!r}") from None
+    return a, b
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers (e.g. -6,-4,-2,0), got {text!r}") from None
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
+    p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
+    p.add_argument("--recipe", default=_default(TrainConfig, "recipe"), help="tiny | small | 1.6b")
+    p.add_argument("--steps", type=int, default=_default(RunConfig, "steps"), help="optimizer steps to reach (total, counting resumed)")
+    p.add_argument("--batch-size", type=int, default=_default(DataConfig, "global_batch_size"), help="GLOBAL batch per optimizer step (all ranks)")
+    p.add_argument("--grad-accum", type=int, default=_default(ParallelConfig, "grad_accum"))
+    p.add_argument("--zero", type=int, default=_default(ParallelConfig, "zero_stage"), choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--workers", type=int, default=_default(DataConfig, "num_workers"), help="decode worker processes per rank (0 = inline)")
+    p.add_argument("--seed", type=int, default=_default(DataConfig, "seed"))
+    p.add_argument("--lr", type=float, default=_default(OptimConfig, "lr"))
+    p.add_argument("--shuffle-window", type=int, default=_default(DataConfig, "shuffle_window"))
+    p.add_argument("--bad-samples", default=_default(DataConfig, "bad_samples"), choices=BAD_SAMPLE_POLICIES)
+    p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"), help="format-2 roots: frame offsets around each "
+                   "sample's t, comma-separated (GR00T: 0; history: --video-deltas=-6,-4,-2,0)")
+    p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"), help="format-2 roots: action rows per sample "
+                   "(0 = the index's)")
+    p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"), help="format-2 roots: every s-th timestep is a sample")
+    p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="format-2 roots: samples of one frame block kept "
+                   "together in the order (1 = a random permutation at --block-window >= the epoch)")
+    p.add_argument("--block-window", type=int, default=_default(DataConfig, "block_window"), help="format-2 roots: shuffle buffer, samples")
+    p.add_argument("--block-cache-mb", type=float, default=_default(DataConfig, "block_cache_mb"), help="format-2 roots: decoded-block cache "
+                   "per decode worker, MiB")
+    p.add_argument("--cache-socket", default=_default(DataConfig, "cache_socket"), help="cache daemon unix socket (reads go through the cache)")
+    p.add_argument("--cache-tcp", default=_default(DataConfig, "cache_tcp"), help="cache daemon HOST:PORT")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
+    p.add_argument("--save-every", type=int, default=_default(RunConfig, "save_every"), help="checkpoint every N steps (0 = only at the end)")
+    p.add_argument("--sync-save", action="store_true", help="write checkpoints in the step loop (default: "
+                   "snapshot to host memory, write in the background)")
+    p.add_argument("--save-busy", default=_default(RunConfig, "save_busy"), choices=("wait", "skip"),
+                   help="a save due while the previous one is still being written: wait for it, or skip this one")
+    p.add_argument("--keep-last", type=int, default=_default(RunConfig, "keep_last"), help="keep the newest K checkpoints (0 = all); one "
+                   "before `latest` always stays, "
+                   "the fallback when `latest` fails its sha256 check on --resume")
+    p.add_argument("--save-mbps", type=float, default=_default(RunConfig, "save_mbps"), help="cap the checkpoint write rate, MB/s (0 = none)")
+    p.add_argument("--full-every", type=int, default=_default(RunConfig, "full_every"), help="full checkpoint every N saves, XOR+zstd deltas "
+                   "against it in between (0 = every save full)")
+    p.add_argument("--delta-max-ratio", type=float, default=_default(RunConfig, "delta_max_ratio"), help="write a save full when its delta would "
+                   "exceed this fraction of a full one")
+    p.add_argument("--profile-steps", type=_steps_range, default=_default(RunConfig, "profile_steps"), help="a:b torch.profiler trace of steps [a,b)")
+    p.add_argument("--device", default=_default(RunConfig, "device"), choices=("auto", "cpu", "cuda"))
+    p.add_argument("--precision", default=_default(ParallelConfig, "precision"), choices=("auto", "bf16", "fp32"))
+    p.add_argument("--attention", default=_default(ModelConfig, "attention"), choices=ATTENTION_BACKENDS,
+                   help="attention kernel for the multimodal mask (train/README.md); the log says which runs")
+    p.add_argument("--reduce-bucket-size", type=int, default=_default(ParallelConfig, "reduce_bucket_size"))
+    p.add_argument("--no-overlap-comm", action="store_true")
+    p.add_argument("--zero3-leaf-blocks", action="store_true", help="ZeRO-3: fetch each transformer block's "
+                   "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and "
+                   "gathers; for small models, whose per-layer hooks cost more than their math")
+    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
+                   "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the trunk's attention and MLP "
+                   "split over TP ranks (train/parallel/); data-parallel size = ranks / (tp * sp)")
+    p.add_argument("--sp", type=int, default=_default(ParallelConfig, "sp"), help="sequence-parallel degree: the video tokens split over SP "
+                   "ranks, Ulysses attention (train/parallel/video_sp.py); heads %% (tp*sp) == 0")
+    p.add_argument("--grad-compression", default=_default(ParallelConfig, "grad_compression"), choices=("none", "topk"), help="topk: ZeRO-3 shards "
+                   "inside each SP group, replicas sync gradients by top-k + error feedback (needs --zero 3)")
+    p.add_argument("--compress-ratio", type=float, default=_default(ParallelConfig, "compress_ratio"), help="dense all-reduce bytes / bytes sent per "
+                   "bucket (a bucket where sparse would not win goes dense; 1 = dense everywhere)")
+    p.add_argument("--dist-timeout", type=float, default=_default(ParallelConfig, "dist_timeout_s"), help="seconds before a stuck collective fails")
+    p.add_argument("--log-every", type=int, default=_default(RunConfig, "log_every"))
+    p.add_argument("--eval-every", type=int, default=_default(RunConfig, "eval_every"), help="log validation flow loss and action MSE every N "
+                   "steps (the index's --val-episodes split); 0 = never")
+    p.add_argument("--ds-log-level", default="WARNING", help="level of DeepSpeed's logger (INFO: its setup chatter)")
+    p.add_argument("--check-config", action="store_true", help="validate recipe, batch divisibility (for "
+                   "WORLD_SIZE ranks) and the data root, then exit: 0 ok, 2 config error; no process group. "
+                   "The launch scripts run it in the launcher process first")
+    p.add_argument("--ac-every", type=int, default=_default(MemoryConfig, "ac_every"), help="activation checkpointing of every Nth block "
+                   "(0 = off; `loongforge tune ac` measures the choice)")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears via torchao (CUDA capability >= 8.9)")
+    p.add_argument("--fp8-warmup-steps", type=int, default=_default(MemoryConfig, "fp8_warmup_steps"), help="blend BF16 -> FP8 over N steps")
+    p.add_argument("--fp8-warmup-mode", default=_default(MemoryConfig, "fp8_warmup_mode"), choices=("blend", "switch"))
+    p.add_argument("--fp8-recipe", default=_default(MemoryConfig, "fp8_recipe"), choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    p.add_argument("--fp8-min-features", type=int, default=_default(MemoryConfig, "fp8_min_features"), help="GEMMs with a smaller dim stay BF16")
+    p.add_argument("--fuse", default=_default(MemoryConfig, "fuse"), choices=("auto", "on", "off"), help="torch.compile of the "
+                   "transformer blocks (fused norm/residual/dropout); auto = on CUDA with ZeRO < 3")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs over the transformer blocks "
+                   "(torch.compile reduce-overhead; --fuse off: graphs without inductor fusion); CUDA, ZeRO < 3, "
+                   "no --ac-every, no --tp; refused on CPU")
+    p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
+                   "micro-batch x ranks x --grad-accum (overrides --batch-size)")
+    p.add_argument("--nan-policy", default=_default(FaultConfig, "nan_policy"), choices=("skip", "fail"), help="a non-finite loss or grad "
+                   "norm: skip the optimizer step on every rank and count it in metrics.jsonl, or end the run")
+    p.add_argument("--nan-max-consecutive", type=int, default=_default(FaultConfig, "nan_max_consecutive"), help="with skip: end the run after more than "
+                   "N non-finite steps in a row")
+    p.add_argument("--hang-timeout-s", type=float, default=_default(FaultConfig, "hang_timeout_s"), help="watchdog: a rank whose step does not "
+                   "advance for this long is reported hung and the launch ends (exit 75); 0 = off")
+    p.add_argument("--heartbeat-s", type=float, default=_default(FaultConfig, "heartbeat_s"), help="heartbeat period to the launch's TCPStore; "
+                   "a rank silent for max(10 periods, 5 s) is reported dead")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        recipe=a.recipe,
+        data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
+                        shuffle_window=a.shuffle_window, bad_samples=a.bad_samples, cache_socket=a.cache_socket,
+                        cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
+                        sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
+                        block_cache_mb=a.block_cache_mb),
+        model=ModelConfig(attention=a.attention),
+        optim=OptimConfig(lr=a.lr),
+        parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
+                                overlap_comm=not a.no_overlap_comm, precision=a.precision,
+                                zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,
+                                wall_clock_breakdown=not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
+                                grad_compression=a.grad_compression, compress_ratio=a.compress_ratio),
+        memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
+                            fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
+                            fp8_min_features=a.fp8_min_features, fuse=a.fuse, cuda_graphs=a.cuda_graphs),
+        run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
+                      log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
+                      eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,
+                      keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,
+                      delta_max_ratio=a.delta_max_ratio),
+        faults=FaultConfig(nan_policy=a.nan_policy, nan_max_consecutive=a.nan_max_consecutive,
+                           hang_timeout_s=a.hang_timeout_s, heartbeat_s=a.heartbeat_s),
+    )
+
+
+def _global_batch(a: argparse.Namespace) -> int:
+    if not a.batch_plan:
+        return a.batch_size
+    # WORLD_SIZE is set by torchrun / the deepspeed launcher before this process starts.
+    return load_plan(a.batch_plan)["micro_batch"] * int(os.environ.get("WORLD_SIZE", "1")) * a.grad_accum
