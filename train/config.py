@@ -41,7 +41,7 @@ class DataConfig:
     cache_tcp: str | None = None
     image_mean: float = 0.5
     image_std: float = 0.25
-    # Format-2 roots only (train/data/samples.py, order_v2.py): samples are (episode, t).
+    # Format-2 roots only (train/data/samples.py, order.py): samples are (episode, t).
     video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
     state_deltas: tuple[int, ...] = ()  # () = the video offsets
     action_horizon: int = 0  # H action rows from t; 0 = what preprocess recorded
@@ -164,7 +164,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryConfig:
-    """Applied from outside the model by policies.apply_memory_policies (memory.py, precision.py)."""
+    """Applied from outside the model by parallel/parallelize.py (kernels/: checkpointing, precision, fusion, graphs)."""
 
     ac_every: int = 0  # checkpoint blocks 0, N, 2N, ... of each block list; 0 = off (`loongforge tune ac`)
     fp8: bool = False  # torchao Float8Linear for inner-block GEMMs (CUDA capability >= 8.9)

@@ -115,7 +115,7 @@ class Trainer:
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
-        # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt_fallback).
+        # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt/fallback.py).
         tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
         checkpoint.check_resume_layout(ckpt_files.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
                                        self.world, run_dir=self.cfg.run.run_dir,
@@ -232,7 +232,7 @@ class Trainer:
                                     "data": {"image_mean": self.cfg.data.image_mean,
                                              "image_std": self.cfg.data.image_std,
                                              "max_text_tokens": self.cfg.data.max_text_tokens,
-                                    # format-2 roots: the sample shape Policy.load rebuilds (data_v2.py)
+                                    # format-2 roots: the sample shape Policy.load rebuilds (data/training_data.py)
                                     "video_deltas": list(self.cfg.data.video_deltas),
                                     "state_deltas": list(self.cfg.data.state_deltas),
                                     "action_pad": self.cfg.data.action_pad}})

@@ -339,7 +339,7 @@ def prune(root: str, *, keep_last: int) -> list[str]:
     doomed = [t for t in tags if t < latest and t not in published]
     if keep_last > 0:
         # One published checkpoint before `latest` always stays: the fallback when `latest` fails its sha256
-        # check on resume (ckpt_fallback). keep_last=1 drops it just before the next write (prune_before_write).
+        # check on resume (fallback.py). keep_last=1 drops it just before the next write (prune_before_write).
         kept = set(published[-max(keep_last, 2):]) | {latest}
         for t in list(kept):
             kept.update(_manifest_bases(os.path.join(root, t)))

@@ -3,14 +3,14 @@
 
     source tag (any of ZeRO-0/1/2/3 x TP, any rank count)
       -> per TP rank t: DeepSpeed's ds_to_universal on a view of that TP rank's files
-         (fp32 ZeRO-0: the same folders from its torch optimizer state, ckpt_reshard_zero0)
+         (fp32 ZeRO-0: the same folders from its torch optimizer state, reshard_zero0.py)
          (one folder per parameter: fp32 master weight, exp_avg, exp_avg_sq)      [layout-free in DP/ZeRO]
       -> our TP merge: the full tensor of every parameter, by the index rules of
          parallel/tensor_parallel.py (qkv per head, column rows, row columns)     [layout-free]
       -> our TP split for the target degree, written per target TP rank as a
          universal folder `universal_tpXX/` holding exactly that rank's shards     [target layout]
-         (ZeRO-0 target: turned back into ordinary ZeRO-0 files, ckpt_reshard_zero0)
-      -> top-k residuals (--grad-compression topk) by the rule in ckpt_reshard_topk
+         (ZeRO-0 target: turned back into ordinary ZeRO-0 files, reshard_zero0.py)
+      -> top-k residuals (--grad-compression topk) by the rule in reshard_topk.py
       -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST
          (the elastic supervisor moves it itself, after verifying the tag: elastic_reshard).
 
@@ -31,7 +31,7 @@ universal loader does not slice non-AutoTP TP shards. So each TP rank's files ar
 as a TP-1 checkpoint and the TP merge/split is done here, where the layout is defined.
 
 Trust: DeepSpeed's converter calls torch.load(weights_only=False); it runs in a child process
-under TORCH_FORCE_WEIGHTS_ONLY_LOAD (ckpt_universal), after the source manifest was verified.
+under TORCH_FORCE_WEIGHTS_ONLY_LOAD (universal.py), after the source manifest was verified.
 Every load here is weights_only=True with DeepSpeed's few value types allowlisted.
 """
 
@@ -63,7 +63,7 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     world: int  # ranks (= tp * sp * dp)
-    zero: int  # ZeRO stage (0: plain torch optimizer, ckpt_reshard_zero0; 1, 2, 3)
+    zero: int  # ZeRO stage (0: plain torch optimizer, reshard_zero0.py; 1, 2, 3)
     tp: int = 1  # tensor-parallel degree
     sp: int = 1  # sequence-parallel degree: Ulysses keeps weights replicated over SP, so it only changes the DP
     # partition, which DeepSpeed's universal loader cuts (TP stays innermost in the rank placement, plan.py)
@@ -208,7 +208,7 @@ def _tp_view(src: str, view: str, t: int, tp: int) -> None:
 
 def _universal_per_tp(src: str, work: str, tp: int, timeout_s: float = 3600.0) -> list[str]:
     """ds_to_universal of each source TP rank, all in one child process (weights-only guard, as
-    ckpt_universal): DeepSpeed's import dominates a small conversion."""
+    universal.py): DeepSpeed's import dominates a small conversion."""
     pairs = []
     for t in range(tp):
         view, dst = os.path.join(work, f"src_tp{t:02d}"), os.path.join(work, f"universal_src_tp{t:02d}")

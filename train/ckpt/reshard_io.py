@@ -1,4 +1,4 @@
-"""File side of the resharding converter (ckpt_reshard.py): trusted loads, DeepSpeed's
+"""File side of the resharding converter (reshard.py): trusted loads, DeepSpeed's
 metadata for the target layout, and publishing the new tag (sidecar, manifest, then `latest`).
 
 What DeepSpeed's load_universal path reads from one target folder `universal_tpXX/`:
@@ -123,7 +123,7 @@ def load_tag_dir(doc: dict, tag: str, rank: int) -> str | None:
     if info.get("version") != RESHARD_VERSION:
         raise CheckpointError(f"checkpoint {tag} was resharded with format version {info.get('version')!r}, this "
                               f"build reads {RESHARD_VERSION}; reshard it again with this LoongForge version")
-    if info.get("dir") is None:  # resharded into ordinary ZeRO-0 files (ckpt_reshard_zero0): a normal load
+    if info.get("dir") is None:  # resharded into ordinary ZeRO-0 files (reshard_zero0.py): a normal load
         return None
     tp = int(doc.get("parallel", {}).get("tp", 1))
     return os.path.join(tag, info["dir"].format(tp=rank % tp))

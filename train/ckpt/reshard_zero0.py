@@ -1,4 +1,4 @@
-"""ZeRO-0 on either side of `loongforge ckpt reshard` (ckpt_reshard.py).
+"""ZeRO-0 on either side of `loongforge ckpt reshard` (reshard.py).
 
 A ZeRO-0 run (fp32) keeps a plain torch AdamW: each TP rank's `mp_rank_XX_model_states.pt` holds
 the whole module (the fp32 weights are the master weights) and `optimizer`, torch's state dict

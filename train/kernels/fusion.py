@@ -5,7 +5,7 @@ add, LayerNorm, dropout and activation around the GEMMs and attention become a
 few fused Triton kernels instead of one eager kernel each (norm + residual +
 dropout is the seed's "-18% kernel time"). Only the block's *forward* is
 compiled, not its `__call__`: module hooks (DeepSpeed's) stay outside the
-compiled region, and activation checkpointing (memory.py, applied after this)
+compiled region, and activation checkpointing (checkpointing.py, applied after this)
 wraps the compiled forward.
 
 Policy: on by default only on CUDA with ZeRO < 3. On CPU inductor would need a
@@ -53,10 +53,3 @@ def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool =
             blk.__dict__["forward"] = torch.compile(eager, backend=backend, dynamic=dynamic, mode=mode)
             done.append(f"{path}.{i}")
     return done
-
-
-def remove_fusion(model: nn.Module) -> None:
-    for mod in model.modules():
-        if _EAGER in mod.__dict__:
-            del mod.__dict__[_EAGER]
-            del mod.__dict__["forward"]

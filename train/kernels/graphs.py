@@ -3,7 +3,7 @@
 The seed's "kernel launch and scheduling" slice is GPU idle inside the step while the host
 dispatches: a block's forward and backward are dozens of small kernels, each launched from
 Python. With `--cuda-graphs` every transformer block's forward (trunk and heads, the block
-lists of memory.block_lists) is compiled with torch.compile(mode="reduce-overhead"): inductor
+lists of checkpointing.block_lists) is compiled with torch.compile(mode="reduce-overhead"): inductor
 fuses the elementwise work and CUDA graph trees record each block's forward and backward once
 per shape, then replay them with one launch each. With `--fuse off` the backend is
 "cudagraphs" (AOTAutograd + CUDA graph trees, no inductor fusion), so graphs and fusion can be
@@ -98,11 +98,3 @@ def mark_step_begin() -> None:
     Without it the trees infer iterations from the backward, and an output still referenced
     across steps would make them re-record instead of replaying."""
     torch.compiler.cudagraph_mark_step_begin()
-
-
-def graph_skips() -> int:
-    """How many compiled regions inductor refused to graph (e.g. a CPU tensor or a mutated input):
-    those still run, without graphs. Logged after the first step and asserted 0 by the GPU test."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.model import mask as masks
-from loongforge.train.model.mask import Causal, VLCross, VLSelf
+from loongforge.train.model.mask import Causal, VLSelf
 
 log = logging.getLogger(__name__)
 

@@ -122,7 +122,7 @@ def _python_share(traces: list[dict]) -> float | None:
 
 def comm_by_group(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Rank 0's collectives per step by group kind (tp / sp / dp / sp_dp / world), mean over the
-    steps that recorded them (metrics' `comm_groups`, train/parallel/wiring.py StepComm)."""
+    steps that recorded them (metrics' `comm_groups`, train/parallel/comm.py StepComm)."""
     have = [r["comm_groups"] for r in rows if "comm_groups" in r]
     out: dict[str, dict[str, float]] = {}
     for groups in have:

@@ -197,10 +197,6 @@ class TraceWindow:
             self.prof = None
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    return timeline.length(intervals)
-
-
 def load_trace(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -296,7 +292,3 @@ def _cpu_partition(t: dict, lo: float, hi: float) -> dict:
     python = timeline.subtract([(lo, hi)], ops + data)
     return {"comm_s": timeline.length(comm) / 1e6, "ops_s": timeline.length(ops) / 1e6,
             "host_data_wait_s": timeline.length(data) / 1e6, "python_overhead_s": timeline.length(python) / 1e6}
-
-
-def analyze_trace(path: str) -> dict:
-    return analyze_traces([path])[0]

@@ -24,7 +24,6 @@ tensor it holds) for gathering and checkpoints.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -109,21 +108,3 @@ def apply_tensor_parallel(model: nn.Module, state) -> int:
         blk.fc1 = ColumnParallelLinear(fc1, chunk_index(fc1.out_features, rank, world), group)
         blk.fc2 = RowParallelLinear(fc2, chunk_index(fc2.in_features, rank, world), group)
     return len(blocks)
-
-
-def gather_tp_tensor(p: nn.Parameter, t: torch.Tensor, group) -> torch.Tensor:
-    """The full tensor (e.g. a gradient) from the TP shards `t` of parameter `p` on every rank."""
-    if not getattr(p, "tensor_model_parallel", False):
-        return t
-    w = dist.get_world_size(group)
-    parts = [torch.empty_like(t) for _ in range(w)]
-    mine = p.tp_index.to(t.device)  # NCCL gathers device tensors only
-    idx = [torch.empty_like(mine) for _ in range(w)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    dist.all_gather(idx, mine, group=group)
-    shape = list(t.shape)
-    shape[p.partition_dim] = p.tp_full_size
-    full = torch.zeros(shape, dtype=t.dtype, device=t.device)
-    for part, i in zip(parts, idx):
-        full.index_copy_(p.partition_dim, i, part)
-    return full

@@ -8,7 +8,7 @@ and new gloo connections) of `python -m loongforge.train ... --resume`:
 * a fault (a rank killed, OOM, or stopped/hung: the watchdog's exit 75 and
   fault record) ends the launch; the supervisor relaunches without the ranks the
   attempt's fault records name, and no more than the capacity allows, from the
-  last verified checkpoint (ckpt_fallback), refusing to go below --min-ranks;
+  last verified checkpoint (ckpt/fallback.py), refusing to go below --min-ranks;
 * the global batch never changes: --grad-accum is recomputed so that
   micro batch x ranks x accum = global batch, the micro batch no larger than the
   full layout's (memory per rank stays bounded). The loader state is one global
@@ -26,7 +26,7 @@ and new gloo connections) of `python -m loongforge.train ... --resume`:
 Why not torchrun's own elastic agent: it restarts the whole local worker group
 with the same --nproc-per-node (elastic only in the NUMBER OF NODES), so on one
 node it cannot drop a rank; its in-place restart reuses the rendezvous and its
-first restart can time out in gloo's connectFullMesh (issue 11); and it knows
+first restart can time out in gloo's connectFullMesh; and it knows
 nothing of the global batch / grad accumulation or of which checkpoint verifies.
 A fresh launch per attempt avoids all three. Multi-node: run one supervisor per
 job with torchrun's --nnodes/--rdzv options passed through LOONGFORGE_TORCHRUN_ARGS.

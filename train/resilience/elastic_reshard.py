@@ -5,7 +5,7 @@ on another rank count, the last verified checkpoint is converted to the new layo
       needs_conversion(sidecar, target)?  ZeRO-1/2 partition the fp32 master weights and Adam
           moments by DP rank; loaded as they are on another rank count they would be dropped
           (checkpoint.check_layout "module"): convert. ZeRO-3 -> ZeRO-3 is converted by the trainer
-          itself (ckpt_universal); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
+          itself (ckpt/universal.py); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
       child process `python -m loongforge.train.resilience.elastic_reshard RUN TAG LAYOUT`:
           reshard(tag -> new tag `stepNNNNNNNN_wWzZtT`, `latest` NOT moved)
           verify the new tag against its manifest

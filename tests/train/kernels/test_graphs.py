@@ -117,7 +117,8 @@ def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs():
         want = dict(ref.named_parameters())
         for name, p in m.named_parameters():
             torch.testing.assert_close(p.grad, want[name].grad, rtol=2e-3, atol=2e-5, msg=f"step {step}: {name}")
-    assert graphs.graph_skips() == 0, "inductor refused to graph a block (see the log)"
+    # compiled regions inductor refused to graph (a CPU tensor, a mutated input) still run, without graphs
+    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor refused to graph a block (see the log)"
     from torch._inductor.cudagraph_trees import get_manager
 
     manager = get_manager(0, create_if_none_exists=False)

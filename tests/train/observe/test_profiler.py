@@ -4,7 +4,8 @@ import pytest
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import files as ckpt_files
-from loongforge.train.observe.profiler import _union, analyze_trace
+from loongforge.train.observe import timeline
+from loongforge.train.observe.profiler import analyze_traces
 
 
 def _x(name, ts, dur, cat="cpu_op"):
@@ -12,7 +13,7 @@ def _x(name, ts, dur, cat="cpu_op"):
 
 
 def test_union_of_nested_and_overlapping_intervals():
-    assert _union([(0, 10), (2, 5), (8, 12), (20, 21)]) == 13
+    assert timeline.length([(0, 10), (2, 5), (8, 12), (20, 21)]) == 13
 
 
 def test_gpu_trace_nccl_kernels_and_idle(tmp_path):
@@ -24,7 +25,7 @@ def test_gpu_trace_nccl_kernels_and_idle(tmp_path):
               _x("ncclDevKernel_ReduceScatter_Sum_bf16", 1600, 100, "kernel")]
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    t = analyze_trace(str(path))
+    t = analyze_traces([str(path)])[0]
     assert t["kind"] == "gpu"
     s0, s1 = t["steps"]
     # Exposed communication only: the 50 us of the all-reduce under the sgemm is overlapped, not a wait.
@@ -40,7 +41,7 @@ def test_cpu_trace_gloo_events(tmp_path):
               _x("gloo:all_reduce", 120, 250, "user_annotation"), _x("aten::addmm", 500, 100)]
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    t = analyze_trace(str(path))
+    t = analyze_traces([str(path)])[0]
     assert t["kind"] == "cpu" and t["steps"][0]["comm_s"] == pytest.approx(300e-6)
     assert "gloo:all_reduce" in t["comm_events"]
 
@@ -102,7 +103,7 @@ def test_cpu_trace_separates_python_overhead_from_ops_and_data_wait(tmp_path):
               _x("c10d::allreduce_", 500, 200), _x("gloo:all_reduce", 520, 150, "user_annotation")]
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": events}))
-    s = analyze_trace(str(tmp_path / "traces" / "rank0.json"))["steps"][0]
+    s = analyze_traces([str(tmp_path / "traces" / "rank0.json")])[0]["steps"][0]
     assert s["comm_s"] == pytest.approx(200e-6) and s["ops_s"] == pytest.approx(500e-6)
     assert s["host_data_wait_s"] == pytest.approx(70e-6) and s["python_overhead_s"] == pytest.approx(430e-6)
     rows = [{"v": 1, "step": i, "step_s": 0.001, "data_wait_s": 1e-4, "forward_s": 3e-4, "backward_s": 4e-4,

@@ -189,3 +189,22 @@ def make_batch(seed: int, b=4, n_video=7, n_text=2, n_action=3, din=8, dout=4):
     mask = allowed[None] & valid[:, None, :]
     mask = torch.where(~valid[:, :, None], torch.eye(n, dtype=torch.bool)[None], mask)[:, None]
     return x, mask, torch.randn(b, n_action, dout, generator=g), n_video
+
+
+def gather_tp_tensor(p: nn.Parameter, t: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor (e.g. a gradient) from the TP shards `t` of parameter `p` on every rank, by the
+    shard metadata tensor_parallel.py puts on each split parameter (partition_dim, tp_index, tp_full_size)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return t
+    w = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(w)]
+    mine = p.tp_index.to(t.device)  # NCCL gathers device tensors only
+    idx = [torch.empty_like(mine) for _ in range(w)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    dist.all_gather(idx, mine, group=group)
+    shape = list(t.shape)
+    shape[p.partition_dim] = p.tp_full_size
+    full = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    for part, i in zip(parts, idx):
+        full.index_copy_(p.partition_dim, i, part)
+    return full

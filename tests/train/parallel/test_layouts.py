@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel, apply_sequence_parallel
-from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor
-from tests.train.parallel.dist_helpers import TinyModel, make_batch, run_ranks
+from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
+from tests.train.parallel.dist_helpers import TinyModel, gather_tp_tensor, make_batch, run_ranks
 
 STEPS, DEPTH, LR = 3, 2, 0.1
 

@@ -22,7 +22,8 @@ from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.compression import CompressionConfig, TopKCompressor
 from loongforge.train.parallel.mappings import all_to_all, copy_to, gather_from, reduce_from, scatter_to
 from loongforge.train.parallel.sequence_parallel import SequenceParallel
-from loongforge.train.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_tp_tensor
+from loongforge.train.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tests.train.parallel.dist_helpers import gather_tp_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

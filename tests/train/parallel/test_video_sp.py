@@ -18,10 +18,10 @@ from loongforge.train.config import ModelConfig
 from loongforge.train.model.model import VLAModel
 from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel, SPLayout, pad_mask
-from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor
+from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.video_sp import apply_video_sequence_parallel, padded_layout
 from loongforge.train.parallel.zero import partition_zero3, zero_loss_scale
-from tests.train.parallel.dist_helpers import run_ranks
+from tests.train.parallel.dist_helpers import gather_tp_tensor, run_ranks
 
 STEPS, LR, B = 3, 0.05, 4
 CFG = ModelConfig(dim=48, depth=2, head_depth=2, bin_depth=2, heads=4, patch=4, vision_tokens=9, action_bins=16,

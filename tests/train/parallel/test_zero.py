@@ -15,10 +15,10 @@ import torch
 from loongforge.shared.errors import ConfigError
 from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel, apply_sequence_parallel
-from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor
+from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.compression import CompressionConfig, TopKCompressor
 from loongforge.train.parallel.zero import compressed_dp_sync, partition_zero3, zero_loss_scale
-from tests.train.parallel.dist_helpers import TinyModel, make_batch, run_ranks
+from tests.train.parallel.dist_helpers import TinyModel, gather_tp_tensor, make_batch, run_ranks
 
 LR, STEPS = 0.1, 2
 
