@@ -368,5 +368,3 @@ def _close_view(view: memoryview) -> None:
             obj.close()
     except BufferError:
         pass
-
-

@@ -218,7 +218,6 @@ class Daemon:
                 make_dirs(parent)  # what it creates is 0750 whatever the umask: group members reach the socket
             check_socket_dir(path)  # the check every client makes: refuse now what no client would trust
             _clear_stale_socket(path)
-
             server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
             server.server_bind()
         server.cache_daemon = self

@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from loongforge.cache.config import format_bytes
 from loongforge.cache.policy import PlanBook, Policy
-
 from loongforge.cache.tiers import Tier, tmpfs_huge_option
 from loongforge.shared import paths, storage
 from loongforge.shared.errors import CacheError, IntegrityError, ShardNotFoundError
@@ -46,7 +45,7 @@ class Store:
         self.ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="ssd-writer")
         self.ssd_pending = 0
         self.write_done = threading.Condition(self.lock)  # notified when an SSD write-through ends
-        self._logged: set[tuple[str, str]] = set()  # (event, tier) already logged at WARNING
+        self._warned_disk_evict: set[str] = set()  # tiers whose first ENOSPC eviction was logged at WARNING
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
@@ -141,11 +140,11 @@ class Store:
                 problems[tier.name] = problem
         if not problems:
             self.metrics.inc("reports", "intact")
-            log.info("a client refused its copy of %s (%.300r) but every copy passes the daemon's checks: kept",
+            log.info("a client refused its copy of %s (%r) but every copy passes the daemon's checks: kept",
                      name, reason)
             return {"shard": name, "replaced": False, "problems": {}}
         self.metrics.inc("reports", "replaced")
-        log.warning("a client refused its copy of %s (%.300r); the daemon's own check agrees (%s): dropped, "
+        log.warning("a client refused its copy of %s (%r); the daemon's own check agrees (%s): dropped, "
                     "filling it again", name, reason, "; ".join(f"{t} tier: {p}" for t, p in problems.items()))
         with self.lock:
             for tier in (self.ram, self.ssd):
@@ -352,7 +351,7 @@ class Store:
                     log.error("%s tier: writing %s failed (%s): serving it from another tier", tier.name, name, exc)
                     return False
                 self.metrics.inc("enospc", tier.name)
-                if not recheck and self._evict_for_disk(tier, name, size):
+                if not recheck and self._evict_for_disk(tier, name, size, exc):
                     continue
                 self._disk_full(tier, name, exc, recheck)
                 return False
@@ -368,18 +367,19 @@ class Store:
             log.debug("%s tier: placed %s (%d bytes)", tier.name, name, size)
             return True
 
-    def _evict_for_disk(self, tier: Tier, name: str, size: int) -> bool:
+    def _evict_for_disk(self, tier: Tier, name: str, size: int, exc: OSError) -> bool:
         """The disk filled before the budget did: make room by evicting one of our shards, if any."""
         with self.lock:
             victim = self.policy.victim(tier.entries, exclude=self.pinned(tier.name) | set(self.inflight) | {name})
             if victim is None:
                 return False
             self._evict(tier, victim)
-        level = logging.DEBUG if ("evict", tier.name) in self._logged else logging.WARNING
-        self._logged.add(("evict", tier.name))
-        log.log(level, "%s tier %s: disk full (ENOSPC) writing %s (%d bytes) with %s of ours in it: budget %s "
-                "exceeds the free space; evicted %s to make room (lower --%s-budget)", tier.name, tier.root, name,
-                size, format_bytes(tier.used), format_bytes(tier.budget), victim, tier.name)
+        level = logging.DEBUG if tier.name in self._warned_disk_evict else logging.WARNING
+        self._warned_disk_evict.add(tier.name)
+        log.log(level, "%s tier %s: disk full (%s) writing %s (%d bytes) with %s of ours in it: budget %s "
+                "exceeds the free space; evicted %s to make room (lower --%s-budget)", tier.name, tier.root,
+                errno.errorcode.get(exc.errno, exc.errno), name, size, format_bytes(tier.used),
+                format_bytes(tier.budget), victim, tier.name)
         return True
 
     def _disk_full(self, tier: Tier, name: str, exc: OSError, recheck: bool) -> None:

@@ -136,7 +136,10 @@ class Tier:
         kept, dropped = [], []
         self.entries.clear()
         for dirpath, _, files in os.walk(self.data_dir):
-            os.chmod(dirpath, DIR_MODE)
+            try:
+                os.chmod(dirpath, DIR_MODE)
+            except PermissionError:
+                pass  # not ours (another uid made it): its files fail file_problem below and are dropped
             for fname in files:
                 full_path = os.path.join(dirpath, fname)
                 rel = os.path.relpath(full_path, self.data_dir).replace(os.sep, "/")

@@ -360,3 +360,20 @@ def test_permission_denied_names_the_socket_group(synthetic_root, daemons, caplo
         shutil.rmtree(sock_dir, ignore_errors=True)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors and "EACCES" in errors[0] and f"group, {group} (gid {gid})" in errors[0], caplog.text
+
+
+def test_socket_dir_check_outside_the_fallback_dir(tmp_path):
+    """An explicit socket directory is trusted unless anyone may replace the socket in it."""
+    d = tmp_path / "run"
+    d.mkdir()
+    for mode, trusted in ((0o750, True), (0o1777, True), (0o777, False)):  # 1777: /tmp's sticky bit
+        os.chmod(d, mode)
+        if trusted:
+            check_socket_dir(str(d / "c.sock"))
+        else:
+            with pytest.raises(CacheError, match="anyone could replace the socket"):
+                check_socket_dir(str(d / "c.sock"))
+    os.chmod(d, 0o750)
+    os.symlink(d, tmp_path / "link")
+    with pytest.raises(CacheError, match="symlink"):
+        check_socket_dir(str(tmp_path / "link" / "c.sock"))

@@ -303,6 +303,9 @@ def test_full_ssd_disk_runs_ram_only_with_one_warning(synthetic_root, daemons, t
     assert 1 <= counter(st, "enospc", "ssd") <= 1 + elapsed / 0.5  # one write per re-check, not one per fill
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'loongforge_cache_tier_disabled{tier="ssd"} 1.0' in metrics
+    table = subprocess.run([sys.executable, "-m", "loongforge.cache", "stats", "--socket", d.socket],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "ssd tier takes no new shards: disk full (ENOSPC)" in table, table
     log = d.log()
     assert "Evicting one shard" not in log and " ERROR " not in log
     assert len([ln for ln in log.splitlines() if " WARNING " in ln and "disk full" in ln]) == 1, log
