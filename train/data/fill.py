@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loongforge.shared.dataset_v2 import open_v2
 from loongforge.shared.errors import FormatError
 from loongforge.train.data.batch import BatchLayout, Norm, encode_text, fill_rows
 from loongforge.train.data.block_cache import BlockCache
@@ -27,8 +28,6 @@ EPISODE_ARRAYS_KEPT = 64  # episodes whose arrays a worker keeps: a window touch
 
 
 def open_dataset_v2(root: str, source=None):
-    from loongforge.shared.dataset_v2 import open_v2  # the on-disk side (issue 12, h-v2a)
-
     return open_v2(root, source=source)
 
 
