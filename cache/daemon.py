@@ -24,6 +24,7 @@ from loongforge.cache.access import SOCKET_MODE, check_socket_dir, make_dirs, ma
 from loongforge.cache.config import CacheConfig, fallback_socket_dir, parse_hostport
 from loongforge.cache.coord import Coordinator
 from loongforge.cache.metrics import Metrics
+from loongforge.cache.peer import PeerServer
 from loongforge.cache.store import Store
 from loongforge.shared.errors import CacheError, LoongForgeError
 from loongforge.shared.dataset_v2 import load_any_index
@@ -183,8 +184,6 @@ class Daemon:
     def _start_services(self) -> None:
         self.store.open()
         if self.cfg.peer_listen:
-            from loongforge.cache.peer import PeerServer
-
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
             self.peer = PeerServer(self.store, host, port).start()
             self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"

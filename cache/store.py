@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from loongforge.cache.config import format_bytes
+from loongforge.cache.peer import fetch_from_peer
 from loongforge.cache.policy import PlanBook, Policy
 from loongforge.cache.tiers import Tier, tmpfs_huge_option
 from loongforge.shared import paths, storage
@@ -297,8 +298,6 @@ class Store:
         self._update_gauges()
 
     def _fetch_remote(self, entry: ShardEntry) -> tuple[bytes, str]:
-        from loongforge.cache.peer import fetch_from_peer
-
         def from_origin() -> bytes:
             t0 = time.monotonic()
             if self.cfg.origin_delay_s:
