@@ -11,11 +11,9 @@ import json
 import logging
 import sys
 
+from loongforge.preprocess.config import EXIT_FAILED_RECORDS
+
 QUIRK_CHOICES = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
-# Exit codes of `loongforge preprocess` (README "Exit codes"): 0 done; 1 error, nothing
-# published (LoongForgeError: bad config, unreadable dataset, disk full); 2 usage error
-# (argparse); 3 done and published, but more records failed than --allow-failed permits.
-EXIT_FAILED_RECORDS = 3
 
 
 def register(subparsers) -> None:

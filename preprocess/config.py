@@ -14,8 +14,13 @@ import re
 from dataclasses import dataclass, fields
 
 from loongforge.shared.errors import ConfigError
+from loongforge.shared.split import parse_val_spec
 from loongforge.shared.units import parse_size
 
+# Exit codes of `loongforge preprocess` and of the pipeline module (README "Exit codes"): 0 done;
+# 1 error, nothing published (LoongForgeError: bad config, unreadable dataset, disk full); 2 usage
+# error (argparse); 3 done and published, but more records failed than --allow-failed permits.
+EXIT_FAILED_RECORDS = 3
 RESIZE_MODES = ("resize", "crop")
 OUTPUT_FIELDS = ("frames_per_sample", "stride", "frame_step", "action_horizon", "min_frames", "height", "width",
                  "resize_mode", "shard_size", "zstd_level",
@@ -87,8 +92,6 @@ class PreprocessConfig:
             raise ConfigError(f"zstd_level={self.zstd_level}: must be in 1..22")
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers}: must be >= 0 (0 = one per core)")
-        from loongforge.shared.split import parse_val_spec
-
         parse_val_spec(self.val_episodes)  # raises ConfigError on a bad spec, before any work
         self.failed_allowed(1)  # validates allow_failed
         if self.fingerprint not in FINGERPRINT_MODES:

@@ -7,6 +7,7 @@ writes through these few functions so no stage cares which.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from contextlib import contextmanager
@@ -95,8 +96,6 @@ def stat_files(root: str, under: str) -> dict[str, tuple[int, str]]:
 
 
 def sha256_file(path: str, chunk: int = 8 << 20) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     with open_read(path) as f:
         while block := f.read(chunk):

@@ -22,6 +22,7 @@ from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge import __version__
 from loongforge.preprocess import files
+from loongforge.preprocess.finalize import build_index, remove_stale_shards
 from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, StagedEpisode
 from loongforge.shared import paths, storage
 from loongforge.shared.blocks import EpisodeLayout
@@ -74,8 +75,6 @@ class FinalizeV2Fn(beam.DoFn):
 
     def process(self, _unused, written, failed, stats, staged):
         # dataset info, split, stats and stale-shard cleanup as in v1
-        from loongforge.preprocess.finalize import build_index, remove_stale_shards
-
         base = build_index(self.meta, self.cfg, self.params, [], list(failed), stats or {}, list(staged))
         dataset = dataclasses.replace(base.dataset, frames_per_sample=1)
         written = sorted(written, key=lambda w: w[0])

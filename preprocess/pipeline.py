@@ -32,7 +32,7 @@ from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge.preprocess import files
 from loongforge.preprocess.colorspace import ColorTarget, probe_colors, resolve_colors
-from loongforge.preprocess.config import PreprocessConfig, add_job_arguments, config_from_args
+from loongforge.preprocess.config import EXIT_FAILED_RECORDS, PreprocessConfig, add_job_arguments, config_from_args
 from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.preprocess.finalize import FinalizeFn
@@ -215,6 +215,4 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     summary = run(sys.argv[1:])
     print(summary)
-    from loongforge.preprocess.cli import EXIT_FAILED_RECORDS  # the same exit codes as `loongforge preprocess`
-
     sys.exit(EXIT_FAILED_RECORDS if summary["failed"] > summary["failed_allowed"] else 0)

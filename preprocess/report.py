@@ -3,13 +3,12 @@ computed from the index alone (no Beam import: inspect runs anywhere)."""
 
 from __future__ import annotations
 
+from loongforge.shared.dataset_v2 import load_any_index, open_v2
 from loongforge.shared.index import load_index
 
 
 def _summary_v2(root: str) -> tuple[dict, object, int, int, list]:
     """Format 2: samples = frames (every timestep), frames stored once."""
-    from loongforge.shared.dataset_v2 import open_v2
-
     v2 = open_v2(root)
     ds, m = v2.info, v2.manifest
     total = sum(int(s["bytes"]) for s in m["shards"]) + sum(int(t["bytes"]) for t in m["tables"].values())
@@ -21,8 +20,6 @@ def _summary_v2(root: str) -> tuple[dict, object, int, int, list]:
 
 
 def summarize(root: str, seconds: float | None = None) -> dict:
-    from loongforge.shared.dataset_v2 import load_any_index
-
     index = load_any_index(root)
     if index.format_version == 2:
         out, ds, frames, total, failed = _summary_v2(root)

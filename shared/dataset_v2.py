@@ -17,6 +17,7 @@ and arrays read is checked against its xxh3 in the index before it is decoded.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable
 from functools import cached_property
 
@@ -27,7 +28,7 @@ from loongforge.shared import paths, storage
 from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, decode_block, episode_key
 from loongforge.shared.errors import FormatError, IntegrityError
 from loongforge.shared.format import _load_npy, split_members
-from loongforge.shared.index import ShardIndex
+from loongforge.shared.index import ShardIndex, load_index
 from loongforge.shared.index_v2 import TABLES, check_table, parse_manifest, refuse_version, shard_level_index
 from loongforge.shared.source import OriginSource, ShardSource
 
@@ -261,10 +262,6 @@ def _reopen(root: str, source) -> DatasetV2:
 def load_any_index(root: str) -> ShardIndex:
     """The ShardIndex of a v1 root, or the shard-level one (shards only) of a v2 root:
     what shard-level services (the cache daemon) need from either."""
-    import json
-
-    from loongforge.shared.index import load_index
-
     path = paths.join(root, paths.INDEX_FILE)
     try:
         raw = storage.read_bytes(path)
