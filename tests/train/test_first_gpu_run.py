@@ -1,4 +1,4 @@
-"""First-GPU-run defects found by reading the CUDA path (issue 13 section 2): each has a CPU
+"""First-GPU-run defects found by reading the CUDA path: each has a CPU
 test where one is possible; what only a GPU can show is marked `gpu`."""
 
 import json

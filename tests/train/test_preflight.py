@@ -1,4 +1,4 @@
-"""Config errors fail before any process group, with exit code 2 (issue 13 section 5)."""
+"""Config errors fail before any process group, with exit code 2."""
 
 import argparse
 import os

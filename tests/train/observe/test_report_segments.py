@@ -1,4 +1,4 @@
-"""`loongforge profile` on a run resumed with another rank count (issue 13 section 5)."""
+"""`loongforge profile` on a run resumed with another rank count."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""GPU step accounting from a trace (issue 13 section 2): interval arithmetic on synthetic
+"""GPU step accounting from a trace: interval arithmetic on synthetic
 timelines, the five-way step partition, waiting on peers, and the CUDA-event step timer."""
 
 import json
