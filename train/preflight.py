@@ -12,13 +12,13 @@ import os
 from dataclasses import dataclass
 
 from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
-from loongforge.shared.index import ShardIndex
 from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.data.training_data import TrainingData
 
 
 @dataclass(frozen=True)
 class Checked:
-    index: ShardIndex
+    index: TrainingData
     model_cfg: ModelConfig
     world: int
     ds_config: dict
@@ -54,7 +54,7 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     from loongforge.train.data.training_data import load_training_data
 
     try:
-        index = load_training_data(cfg.data)  # v1 ShardIndex, or data_v2.V2Data for a format-2 root
+        index = load_training_data(cfg.data)  # a format-1 root is refused here with the convert hint
     except FormatError as exc:
         raise ConfigError(f"data.root: {exc}") from None
     except (LoongForgeError, OSError) as exc:

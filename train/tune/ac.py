@@ -4,8 +4,9 @@
   loongforge tune batch --recipe small --memory-budget 2GiB --ac-every 4 [--json batch.json]
 
 Both build the recipe's model (no DeepSpeed), take one real batch from the
-loader (from --data, or a synthetic shard root written to a temp dir), and
-measure single-rank forward+backward steps:
+loader (from --data with its default delta indices, or a synthetic shard root
+written to a temp dir, sampled at 4 frames per camera), and measure single-rank
+forward+backward steps:
 
 - activation bytes: what autograd keeps for backward, counted exactly with
   saved_tensors_hooks deduplicated by storage (memory.SavedBytesProbe), so the
@@ -40,6 +41,15 @@ AC_CHOICES = (0, 1, 2, 4, 8)  # 0 = off
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+def _deltas(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers (e.g. -1,0), got {text!r}") from None
+
+
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
@@ -54,7 +64,7 @@ class Workload:
     """The recipe's model on the device and one real batch from the loader."""
 
     def __init__(self, recipe: str, root: str | None, micro_batch: int, device: str = "auto", seed: int = 0,
-                 precision: str = "auto", **model_overrides):
+                 precision: str = "auto", video_deltas: tuple[int, ...] | None = None, **model_overrides):
         import torch
 
         from loongforge.train.parallel import engine
@@ -66,8 +76,12 @@ class Workload:
         if root is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="loongforge-tune-")
             root = _synthetic_root(self._tmp.name, micro_batch)
+            video_deltas = video_deltas or SYNTHETIC_DELTAS
+        # None: DataConfig's default, what `loongforge train --data ROOT` samples (K = len(video_deltas)).
+        video_deltas = video_deltas or (0,)
         self.device = engine.pick_device(device)
-        index, max_frames = _load_root(root)
+        index = _load_root(root, video_deltas)
+        max_frames = index.max_frames
         self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
         torch.manual_seed(seed)
         # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
@@ -94,37 +108,31 @@ class Workload:
             self._tmp.cleanup()
 
 
+SYNTHETIC_DELTAS = (-3, -2, -1, 0)  # 4 frames per camera and sample on the synthetic root
+
+
 def _synthetic_root(path: str, micro_batch: int) -> str:
     from loongforge.shared.synthetic import make_synthetic_root
 
-    # 128x128 frames, 4 per window, 2 cameras: with the small recipe's 16-px patches a
+    # 128x128 frames, 4 per sample (SYNTHETIC_DELTAS), 2 cameras: with the small recipe's 16-px patches a
     # sequence of 2*4*64 vision + 4 state + 32 text + action tokens.
-    make_synthetic_root(path, shards=1, samples_per_shard=max(2, micro_batch), frames=4, height=128, width=128)
+    make_synthetic_root(path, lengths=(max(8, micro_batch),), height=128, width=128)
     return path
 
 
-def _load_root(root: str):
-    """(index, longest window) of a v1 root, or (V2Data, frames per sample) of a format-2 root:
-    the same factory the trainer uses (train/data/training_data.py), with the default delta indices."""
+def _load_root(root: str, video_deltas: tuple[int, ...]):
+    """The root as the trainer sees it (train/data/training_data.py), sampled with `video_deltas`."""
     from loongforge.train.config import DataConfig
     from loongforge.train.data.training_data import load_training_data
 
-    index = load_training_data(DataConfig(root=root))
-    if getattr(index, "format_version", 1) == 2:
-        return index, index.max_frames
-    return index, max(max(s.frames) for s in index.shards)
+    return load_training_data(DataConfig(root=root, video_deltas=video_deltas))
 
 
 def _one_batch(root: str, index, device) -> dict:
+    from loongforge.train.data.loader import BlockLoader
+
     n = min(8, index.num_samples)
-    if getattr(index, "format_version", 1) == 2:
-        from loongforge.train.data.loader import BlockLoader
-
-        loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
-    else:
-        from loongforge.train.data.loader_v1 import ShardLoader
-
-        loader = ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1)
+    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
     with loader:
         batch = next(iter(loader))
     batch.pop("meta", None)
@@ -252,7 +260,8 @@ def write_json(result: dict, path: str) -> None:
 
 @contextlib.contextmanager
 def workload_from_args(a):
-    w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision)
+    w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision,
+                 video_deltas=a.video_deltas)
     try:
         yield w
     finally:
@@ -309,6 +318,9 @@ def _common(p) -> None:
     p.add_argument("--memory-budget", required=True, help="activation bytes per rank, e.g. 2GiB, 512MiB")
     p.add_argument("--recipe", default="small", help="tiny | small | 1.6b")
     p.add_argument("--data", default=None, help="shard root; default: a synthetic root in a temp dir")
+    p.add_argument("--video-deltas", type=_deltas, default=None, metavar="D,D,...",
+                   help="frame offsets per sample, as `train --video-deltas` (K = their count; default 0, "
+                   "-3,-2,-1,0 on the synthetic root)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"), help="as the trainer's")
