@@ -20,7 +20,7 @@ import numpy as np
 
 from loongforge.shared import paths
 from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, check_block_codec
-from loongforge.shared.errors import FormatError, FormatVersionError
+from loongforge.shared.errors import FormatError, FormatVersionError, UnsafePathError
 
 log = logging.getLogger(__name__)
 FORMAT_NAME = "loongforge-shards"
@@ -226,7 +226,7 @@ def parse_manifest(raw: bytes | str, origin: str = "index.json") -> dict:
                 raise FormatError(f"{origin}: table {name!r} entry {t} does not match the spec")
         doc["_dataset"] = dataset_from_doc(doc["dataset"])
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, FormatError):
+        if isinstance(exc, (FormatError, UnsafePathError)):  # path traversal stays its own kind of error
             raise
         raise FormatError(f"{origin}: malformed manifest ({type(exc).__name__}: {exc})") from exc
     return doc

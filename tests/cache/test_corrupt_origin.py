@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from loongforge.shared.dataset_v2 import load_any_index, open_v2
+from loongforge.shared.dataset import load_shard_index, open_root
 from loongforge.shared.errors import IntegrityError
 from loongforge.shared.index import load_index
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+from loongforge.shared.synthetic import make_synthetic_root
 from loongforge.train.data.loader_v1 import ShardLoader
 from loongforge.train.data.loader import BlockLoader
 from loongforge.train.data.sources import SourceSpec
@@ -90,14 +90,14 @@ def test_v1_index_without_sample_checksums_still_refuses_the_whole_shard(tmp_pat
 
 
 def test_v2_corrupt_block_costs_the_samples_that_show_it_only(tmp_path, daemons):
-    pristine, root = _pair(tmp_path, lambda r: make_synthetic_v2_root(r, lengths=(8, 8), height=8, width=8,
+    pristine, root = _pair(tmp_path, lambda r: make_synthetic_root(r, lengths=(8, 8), height=8, width=8,
                                                                         block_size=4))
     _flip_block_byte(root, 1, "wrist", 0)
-    index = load_any_index(root)
+    index = load_shard_index(root)
     assert len(index.shards) == 1  # both episodes in the corrupt shard: before, all 16 samples were lost
     d = daemons(root, index)
     client = d.client()
-    ds, ref = open_v2(root, source=client), open_v2(pristine)
+    ds, ref = open_root(root, source=client), open_root(pristine)
     for e in range(ds.num_episodes):  # every other block and the arrays of the shard: bit-exact via the client
         for cam in ds.cameras:
             for b in range(ds.num_blocks(e)):

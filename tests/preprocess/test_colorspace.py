@@ -11,7 +11,7 @@ import pytest
 from loongforge.preprocess.colorspace import StreamColor, resolve_colors
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.sample_data import generate_dataset
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import ConfigError
 
 
@@ -86,7 +86,7 @@ def test_color_range_flag_converts_every_stream(mixed_dataset, tmp_path, run_in_
     out = str(tmp_path / "out")
     summary = run_in_memory(mixed_dataset, out, color_range="limited")  # the default format: 2
     assert summary["failed"] == 0
-    v2 = open_v2(out)
+    v2 = open_root(out)
     ds = v2.info
     assert (ds.color_range, ds.color_matrix) == ("limited", "bt601")
     assert ds.source["color"]["observation.images.ego_view"]["range"] == ["full"]
@@ -102,7 +102,7 @@ def test_all_full_range_dataset_records_full(tmp_path, run_in_memory):
     reencode_full_range(next(root.rglob("*.mp4")))
     out = str(tmp_path / "out")
     run_in_memory(str(root), out)
-    assert open_v2(out).info.color_range == "full"
+    assert open_root(out).info.color_range == "full"
 
 
 def test_resolve_colors_policy():

@@ -11,7 +11,7 @@ import pytest
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.progress import ProgressMonitor
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 from loongforge.shared.index import load_index
 
 
@@ -95,4 +95,4 @@ def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, 
     assert counters["episodes_converted"] == 3 and counters.get("episodes_failed", 0) == 0
     assert counters["samples"] == summary["samples"] and counters["shards_written"] == summary["shards"]
     assert counters["frames_decoded"] == summary["source_frames"] * 2
-    assert open_v2(str(tmp_path / "out")).num_frames == summary["samples"]  # the default format: 2
+    assert open_root(str(tmp_path / "out")).num_frames == summary["samples"]  # the default format: 2

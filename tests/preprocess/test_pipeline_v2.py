@@ -14,7 +14,7 @@ from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.report import summarize
 from loongforge.shared import paths
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 
 B = 4
 
@@ -31,7 +31,7 @@ def converted_v2(sample_dataset, tmp_path_factory, run_in_memory):
 def test_v2_job_stores_every_frame_once(sample_dataset, converted_v2):
     out, summary = converted_v2
     meta, episodes = discover(sample_dataset)
-    ds = open_v2(out)
+    ds = open_root(out)
     assert ds.verify() == []
     assert ds.block_size == B and ds.manifest["params"]["format_version"] == 2
     assert ds.block_codec == "delta-zstd" == ds.manifest["params"]["block_codec"]
@@ -60,7 +60,7 @@ def test_v2_job_stores_every_frame_once(sample_dataset, converted_v2):
 
 def test_v2_stats_exclude_val_and_summary(converted_v2):
     out, _ = converted_v2
-    ds = open_v2(out)
+    ds = open_root(out)
     train = [e for e in range(ds.num_episodes) if ds.split(e) == "train"]
     state = np.concatenate([ds.read_arrays(e)["state"] for e in train]).astype(np.float64)
     np.testing.assert_allclose(ds.stats["state"]["mean"], state.mean(0), rtol=1e-5, atol=1e-6)
@@ -75,7 +75,7 @@ def test_inspect_verifies_a_v2_root(converted_v2, capsys):
     out, _ = converted_v2
     assert main(["inspect", out, "--verify", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["verified"] is True and doc["format_version"] == 2 and doc["samples"] == open_v2(out).num_frames
+    assert doc["verified"] is True and doc["format_version"] == 2 and doc["samples"] == open_root(out).num_frames
 
 
 def test_v2_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, run_in_memory):
@@ -85,6 +85,6 @@ def test_v2_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, 
         summary = run_in_memory(quirky_dataset, out, format_version=2, block_frames=B)
     assert summary["failed"] >= 1
     failed = [json.loads(line) for line in (Path(outs[0]) / paths.FAILED_FILE).read_text().splitlines()]
-    assert len(failed) == summary["failed"] and open_v2(outs[0]).manifest["failed"] == failed
-    for rel in ["index.json", *(s["name"] for s in open_v2(outs[0]).manifest["shards"]), "index/blocks.npy"]:
+    assert len(failed) == summary["failed"] and open_root(outs[0]).manifest["failed"] == failed
+    for rel in ["index.json", *(s["name"] for s in open_root(outs[0]).manifest["shards"]), "index/blocks.npy"]:
         assert (Path(outs[0]) / rel).read_bytes() == (Path(outs[1]) / rel).read_bytes(), rel

@@ -20,11 +20,11 @@ STEPS = 20  # 143 // 8 = 17 steps an epoch: crosses the epoch boundary
 
 @pytest.fixture(scope="module")
 def v2_run(tmp_path_factory):
-    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+    from loongforge.shared.synthetic import make_synthetic_root
 
     work = tmp_path_factory.mktemp("v2train")
     root = str(work / "shards")
-    make_synthetic_v2_root(root, lengths=LENGTHS, height=16, width=16, block_size=8, val_episodes=(4,))
+    make_synthetic_root(root, lengths=LENGTHS, height=16, width=16, block_size=8, val_episodes=(4,))
     run_dir = str(work / "run")
     proc = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", str(STEPS), "--workers", "1",
                         "--save-every", "5", "--eval-every", "10", *COMMON], cwd=str(work), timeout=400)

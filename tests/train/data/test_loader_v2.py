@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import CheckpointError, DataWorkerError
-from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+from loongforge.shared.synthetic import make_synthetic_root
 from loongforge.train.data.loader import BlockLoader
 from loongforge.train.data.samples import DeltaSpec
 
@@ -17,7 +17,7 @@ TASKS = ("pick up the red cube", "open the drawer")
 @pytest.fixture(scope="module")
 def v2_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("v2root"))
-    written = make_synthetic_v2_root(root, lengths=LENGTHS, height=8, width=8, block_size=4, shard_size=4096)
+    written = make_synthetic_root(root, lengths=LENGTHS, height=8, width=8, block_size=4, shard_size=4096)
     return root, written
 
 
@@ -90,7 +90,7 @@ def test_real_workers_match_inline_and_count_cache_hits(v2_root):
 @pytest.mark.slow
 def test_wait_ready_raises_when_a_worker_cannot_start(tmp_path):
     root = str(tmp_path / "r")
-    make_synthetic_v2_root(root, lengths=(6, 6), height=8, width=8, block_size=4)
+    make_synthetic_root(root, lengths=(6, 6), height=8, width=8, block_size=4)
     loader = _loader(root, num_workers=1, max_steps=2)
     import shutil
 
@@ -104,7 +104,7 @@ def test_wait_ready_raises_when_a_worker_cannot_start(tmp_path):
 
 
 def _flip_block_byte(root, episode, camera, block):
-    ds = open_v2(root)
+    ds = open_root(root)
     name, off, length, _, _ = ds.block_entry(episode, camera, block)
     path = f"{root}/{name}"
     data = bytearray(open(path, "rb").read())
@@ -114,7 +114,7 @@ def _flip_block_byte(root, episode, camera, block):
 
 def test_corrupt_block_is_a_masked_counted_bad_sample(tmp_path):
     root = str(tmp_path)
-    make_synthetic_v2_root(root, lengths=(8, 8), height=8, width=8, block_size=4)
+    make_synthetic_root(root, lengths=(8, 8), height=8, width=8, block_size=4)
     _flip_block_byte(root, 1, "wrist", 0)
     with _loader(root, max_steps=4, batch_size=4) as loader:
         bad_rows = 0
@@ -133,7 +133,7 @@ def test_corrupt_block_is_a_masked_counted_bad_sample(tmp_path):
 
 def test_val_episodes_are_left_out(tmp_path):
     root = str(tmp_path)
-    make_synthetic_v2_root(root, lengths=(4, 4, 4), height=8, width=8, val_episodes=(1,))
+    make_synthetic_root(root, lengths=(4, 4, 4), height=8, width=8, val_episodes=(1,))
     with _loader(root, max_steps=2) as loader:
         ids = [i for b in loader for i in b["sample_ids"].tolist()]
     assert sorted(ids) == [0, 1, 2, 3, 8, 9, 10, 11]
@@ -162,7 +162,7 @@ def test_resume_with_another_loader_batch_for_grad_accum_reads_the_same_position
     Before, the v2 loader refused the state ("checkpoint has global_batch=8 but this run has 4") and the
     fault suite's rank-kill rows on a format-2 root lost every later sample."""
     root, lengths = str(tmp_path), (9, 5, 12, 3, 7, 6)
-    make_synthetic_v2_root(root, lengths=lengths, height=8, width=8, block_size=4)
+    make_synthetic_root(root, lengths=lengths, height=8, width=8, block_size=4)
     kw = dict(seed=5, block_run=2, block_window=8)
     assert sum(lengths) // 8 * 8 == sum(lengths) // 4 * 4  # the same tail dropped at either batch (else refused)
     ranks = [_loader(root, batch_size=8, rank=r, world=2, max_steps=5, **kw) for r in (0, 1)]
@@ -190,7 +190,7 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
     from loongforge.train.trainer import model_config
 
     root = str(tmp_path)
-    make_synthetic_v2_root(root, lengths=(3, 2), height=16, width=16)
+    make_synthetic_root(root, lengths=(3, 2), height=16, width=16)
     cfg = TrainConfig(recipe="tiny", data=DataConfig(root=root, global_batch_size=4, action_horizon=4),
                       run=RunConfig(run_dir=str(tmp_path / "run")))
     data = load_training_data(cfg.data)
@@ -267,13 +267,13 @@ def test_v2_through_real_cache_daemon(v2_root, tmp_path):
 def test_action_known_of_converted_roots_masks_actions(tmp_path):
     """Roots converted from v1 carry action_known (rows whose action v1 never stored): those rows
     are invalid in the batch even inside the episode."""
-    from loongforge.shared.synthetic_v2 import synthetic_dataset_info, synthetic_episode
-    from loongforge.shared.writer_v2 import RootWriterV2
+    from loongforge.shared.synthetic import synthetic_dataset_info, synthetic_episode
+    from loongforge.shared.writer import RootWriter
 
     root = str(tmp_path)
     frames, arrays = synthetic_episode(0, 8, 8, 8, ("front",), 3, 2)
     arrays["action_known"] = np.arange(8) < 5
-    with RootWriterV2(root, synthetic_dataset_info(8, 8, ("front",), 3, 2), block_size=4) as w:
+    with RootWriter(root, synthetic_dataset_info(8, 8, ("front",), 3, 2), block_size=4) as w:
         w.add_episode(0, frames, arrays)
     with _loader(root, batch_size=8, max_steps=1, deltas=DeltaSpec(action_horizon=4), block_run=1) as loader:
         batch = next(iter(loader))

@@ -153,11 +153,11 @@ def test_tune_workload_reads_a_v2_root(tmp_path):
     BlockLoader with the default delta indices (one frame per camera), not the v1 reader."""
     import torch
 
-    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+    from loongforge.shared.synthetic import make_synthetic_root
     from loongforge.train.tune.ac import Workload
 
     root = str(tmp_path / "v2")
-    make_synthetic_v2_root(root, lengths=(12, 9), height=16, width=16, block_size=4)
+    make_synthetic_root(root, lengths=(12, 9), height=16, width=16, block_size=4)
     w = Workload("tiny", root, 2, device="cpu")
     try:
         assert w.max_frames == 1 and w.base["action"].shape[0] == 8
