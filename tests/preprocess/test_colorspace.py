@@ -86,12 +86,12 @@ def test_color_range_flag_converts_every_stream(mixed_dataset, tmp_path, run_in_
     out = str(tmp_path / "out")
     summary = run_in_memory(mixed_dataset, out, color_range="limited")  # the default format: 2
     assert summary["failed"] == 0
-    v2 = open_root(out)
-    ds = v2.info
+    root = open_root(out)
+    ds = root.info
     assert (ds.color_range, ds.color_matrix) == ("limited", "bt601")
     assert ds.source["color"]["observation.images.ego_view"]["range"] == ["full"]
     assert ds.source["color"]["observation.images.wrist_view"]["range"] == ["limited"]
-    first = v2.read_block(0, "ego_view", 0)[0, :32].astype(np.float64)
+    first = root.read_block(0, "ego_view", 0)[0, :32].astype(np.float64)
     with av.open(_ego(mixed_dataset)) as c:
         full = next(c.decode(video=0)).to_ndarray()[:32].astype(np.float64)
     np.testing.assert_allclose(first, 16 + full * 219 / 255, atol=1.5)  # full -> limited, per pixel

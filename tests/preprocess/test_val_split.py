@@ -1,5 +1,5 @@
 """The validation split on the default format (2): the held-out episodes are in the index and
-out of the normalisation stats. shared/test_split.py covers the v1 per-sample masks."""
+out of the normalisation stats. shared/test_split.py covers the split in the order."""
 
 import numpy as np
 import pytest

@@ -102,7 +102,7 @@ def test_xxh3_covers_the_stored_delta_bytes(tmp_path):
 
 
 def test_format_md_snippet_decodes_a_delta_root(tmp_path):
-    """The FORMAT.md v2 snippet, run as written on a delta-zstd root: its last frame sits mid-block."""
+    """The FORMAT.md snippet, run as written on a delta-zstd root: its last frame sits mid-block."""
     root = str(tmp_path / "r")
     written = make_synthetic_root(root, lengths=(9, 7), block_codec="delta-zstd")
     text = (Path(blocks.__file__).parent / "FORMAT.md").read_text()
