@@ -111,8 +111,11 @@ def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where
                 raise DataWorkerError(f"bad sample with data.bad_samples='raise': {reason}") from exc
             bad += 1
             reasons.append(reason)
-            # Keep the row (fixed shapes, same step count on every rank) but mask it out of the loss.
+            # Keep the row (fixed shapes, same step count on every rank) but mask it out of the loss, with
+            # finite values: a reused slot may hold anything, and NaN * 0 is still NaN in a masked loss.
             arrays["sample_valid"][row] = False
+            arrays["state"][row] = 0
+            arrays["action"][row] = 0
             arrays["frame_mask"][row] = False
             arrays["action_valid"][row] = False
     return bad, reasons

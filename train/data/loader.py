@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 LOADER_STATE_VERSION = 1
 FORMAT_VERSION = 2  # of the shard root, recorded in the state: a resume reads the same kind of root
 ANNOUNCE_BATCHES = 8  # global batches before an epoch's end at which the next epoch is announced
-DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "v2 loader")
-DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, "v2 loader")
+DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "Format 2: loader row and block order")
+DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, same section)
 DEFAULT_CACHE_MB = 256
 
 

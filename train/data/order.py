@@ -89,7 +89,7 @@ def block_sequence(groups: np.ndarray, seed: int, epoch: int, *, run: int, windo
     g = np.asarray(groups, np.int64)[ids]
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     sizes = np.diff(np.r_[starts, len(g)])
-    rng = np.random.default_rng([seed, epoch, 2])  # stream 2: the one every order since format 2 has drawn from
+    rng = np.random.default_rng([seed, epoch, 2])  # stream 2: what checkpoints of this order expect
     # 1. shuffle inside each group: one row of random keys per group (groups hold <= B samples)
     slot = np.arange(sizes.max())[None, :]
     real = slot < sizes[:, None]
