@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from loongforge.shared.index import load_index
+from loongforge.train.data.training_data import load_training_data
 from loongforge.train.parallel import engine
 from loongforge.train.model import recipes
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
@@ -16,10 +16,9 @@ from loongforge.train.model.model import VLAModel
 
 def main(root: str, out_dir: str) -> None:
     rank, world = engine.init_distributed(torch.device("cpu"), 120.0)
-    index = load_index(root)
-    model_cfg = recipes.resolve("small", index, max_text_tokens=32, max_frames=2)
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=8), run=RunConfig(run_dir=out_dir),
                       parallel=ParallelConfig(zero_stage=3, precision="fp32"), recipe="small")
+    model_cfg = recipes.resolve("small", load_training_data(cfg.data), max_text_tokens=32, max_frames=2)
     conf = engine.ds_config(cfg, world=world, device=torch.device("cpu"))
     model = engine.construct_model(lambda: VLAModel(model_cfg), conf)
     full, local = engine.param_counts(model)
