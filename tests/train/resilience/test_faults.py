@@ -147,13 +147,24 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
     assert "watchdog: rank 1 on" in err and "exit 75" in err
 
 
-def _global_order(index, steps, batch, seed=1, window=8):
-    from loongforge.train.data import order_v1 as order
+def _global_order(index, steps, batch, seed=1, window=8, run=4):
+    """The samples of each global step (sorted) in the BlockLoader's order for these flags (COMMON:
+    --seed 1 --block-window 8, the default --block-run 4): what every step of a faulted run must read."""
+    import numpy as np
 
-    sizes = [s.samples for s in index.shards]
-    per_epoch = index.num_samples // batch
-    return [sorted(int(g) for g in order.epoch_sequence(sizes, seed, s // per_epoch, window)
-                   [(s % per_epoch) * batch:(s % per_epoch + 1) * batch]) for s in range(steps)]
+    from loongforge.train.data.order import EpochOrder
+    from loongforge.train.data.samples import SampleTable
+
+    table = SampleTable(np.asarray(index.ds.episode_lengths))
+    per_epoch = table.num_samples // batch
+    orders = {}
+    out = []
+    for s in range(steps):
+        epoch, pos = divmod(s, per_epoch)
+        if epoch not in orders:
+            orders[epoch] = EpochOrder(table, index.ds.block_size, seed, epoch, run=run, window=window)
+        out.append(sorted(orders[epoch].ids(pos * batch, (pos + 1) * batch).tolist()))
+    return out
 
 
 def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
