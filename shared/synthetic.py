@@ -38,12 +38,12 @@ def synthetic_episode(episode: int, frames: int, height: int, width: int, camera
 
 
 def synthetic_dataset_info(height: int, width: int, cameras: tuple[str, ...], state_dim: int,
-                           action_dim: int) -> DatasetInfo:
+                           action_dim: int, action_horizon: int = 4) -> DatasetInfo:
     return DatasetInfo(
         fps=20.0, height=height, width=width,
         cameras=tuple(CameraInfo(key=f"observation.images.{c}", slot=c, source_height=height, source_width=width,
                                  codec="synthetic") for c in cameras),
-        state_dim=state_dim, action_dim=action_dim, action_horizon=4, frames_per_sample=1,
+        state_dim=state_dim, action_dim=action_dim, action_horizon=action_horizon, frames_per_sample=1,
         stats={"state": {"mean": [0.0] * state_dim, "std": [1.0] * state_dim},
                "action": {"mean": [0.0] * action_dim, "std": [1.0] * action_dim}},
         source={"uri": "synthetic"}, tasks={"0": "pick up the red cube", "1": "open the drawer"})
@@ -52,10 +52,12 @@ def synthetic_dataset_info(height: int, width: int, cameras: tuple[str, ...], st
 def make_synthetic_root(root: str, *, lengths: tuple[int, ...] = (23, 9, 40, 17), episode_ids=None,
                         height: int = 16, width: int = 16, cameras: tuple[str, ...] = ("front", "wrist"),
                         state_dim: int = 6, action_dim: int = 4, block_size: int = 4, shard_size: int = 1 << 16,
-                        val_episodes=(), seed: int = 0, block_codec: str = "zstd") -> dict[int, tuple[dict, dict]]:
-    """Write a root; returns {episode id: (frames, arrays)} as written (the expected values)."""
+                        val_episodes=(), seed: int = 0, block_codec: str = "zstd",
+                        action_horizon: int = 4) -> dict[int, tuple[dict, dict]]:
+    """Write a root; returns {episode id: (frames, arrays)} as written (the expected values).
+    `action_horizon`: the default H recorded for loaders (DataConfig.action_horizon 0 takes it)."""
     ids = list(episode_ids) if episode_ids is not None else list(range(len(lengths)))
-    info = synthetic_dataset_info(height, width, cameras, state_dim, action_dim)
+    info = synthetic_dataset_info(height, width, cameras, state_dim, action_dim, action_horizon)
     written = {}
     w = RootWriter(root, info, block_size=block_size, shard_size=shard_size, params={"synthetic": True},
                    created_by="loongforge.synthetic", block_codec=block_codec)
