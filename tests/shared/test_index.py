@@ -11,12 +11,13 @@ from loongforge.shared.dataset import load_shard_index, open_root
 from loongforge.shared.errors import FormatError, IntegrityError, UnsafePathError
 from loongforge.shared.index import parse_manifest, shard_level_index
 from loongforge.shared.synthetic import make_synthetic_root
+from tests.conftest import SYNTHETIC_LENGTHS
 
 
 def test_manifest_is_byte_stable_and_parses_back(synthetic_root, tmp_path):
     root, index = synthetic_root
     again = str(tmp_path / "again")
-    make_synthetic_root(again, lengths=(60, 60, 60, 60), shard_size=1)
+    make_synthetic_root(again, lengths=SYNTHETIC_LENGTHS, shard_size=1)
     raw = open(os.path.join(root, "index.json"), "rb").read()
     assert raw == open(os.path.join(again, "index.json"), "rb").read()  # same input, same bytes
     assert shard_level_index(parse_manifest(raw)) == index and len(index.shards) == 4

@@ -1,5 +1,5 @@
-"""The cache daemon serves a format-2 root unchanged, per shard: a real daemon
-process over a v2 root, and open_root reading every block through its client."""
+"""The cache daemon serves a shard root unchanged, per shard: a real daemon process over a
+root, and open_root reading every block through its client."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests.cache.cache_helpers import counter, settled
 pytestmark = pytest.mark.slow
 
 
-def test_daemon_serves_v2_shards_to_open_v2(tmp_path, daemons):
-    root = str(tmp_path / "v2")
+def test_daemon_serves_shards_to_open_root(tmp_path, daemons):
+    root = str(tmp_path / "root")
     written = make_synthetic_root(root, lengths=(30, 12, 25), block_size=8, shard_size=1 << 15)
     index = load_shard_index(root)
     d = daemons(root, index, ram="4MiB", ssd="8MiB")
