@@ -29,6 +29,7 @@ import torch
 
 from loongforge.shared.dataset import Dataset, open_root
 from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.shared.index import FORMAT_VERSION  # of the shard root, in the state: a resume reads the same kind
 from loongforge.train.data import order
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.fill import FillerSpec
@@ -39,7 +40,6 @@ from loongforge.train.data.workers import DecodePool
 
 log = logging.getLogger(__name__)
 LOADER_STATE_VERSION = 1
-FORMAT_VERSION = 2  # of the shard root, recorded in the state: a resume reads the same kind of root
 ANNOUNCE_BATCHES = 8  # global batches before an epoch's end at which the next epoch is announced
 DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "Format 2: loader row and block order")
 DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, same section)
