@@ -1,20 +1,34 @@
-"""`loongforge cache serve | stats | stop`. Thin: parse flags, build the
-config, hand over to daemon.py. Heavy imports (redis, prometheus) happen in
-handlers so `loongforge --help` stays fast."""
+"""`loongforge cache serve | stats | stop` (and `python -m loongforge.cache ...`,
+which imports nothing but the cache). Thin: parse flags, build the config,
+hand over to daemon.py. Heavy imports (redis, prometheus) happen in handlers
+so `loongforge --help` stays fast. Every command that talks to a daemon
+connects through `access.connect`, the socket check the client library makes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
-from loongforge.cache.config import SOCKET_ENV, format_bytes, load_config
+from loongforge.cache.access import connect
+from loongforge.cache.config import SOCKET_ENV, default_socket_path, format_bytes, load_config
+from loongforge.shared.errors import CacheError, LoongForgeError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+HELP = "per-node shard cache daemon (RAM + SSD, Redis-coordinated)"
 
 
 def register(subparsers) -> None:
-    cache = subparsers.add_parser("cache", help="per-node shard cache daemon (RAM + SSD, Redis-coordinated)")
-    sub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
+    """Add `cache ACTION ...` to the `loongforge` command."""
+    cache = subparsers.add_parser("cache", help=HELP)
+    _add_actions(cache)
+    cache.set_defaults(func=lambda args: cache.print_help() or 2)
+
+
+def _add_actions(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
 
     serve = sub.add_parser("serve", help="run the cache daemon in the foreground")
     serve.add_argument("--origin", help="shard root: local path or fsspec URL (s3://, gs://, http(s)://)")
@@ -49,7 +63,6 @@ def register(subparsers) -> None:
     _endpoint_flags(stop)
     stop.add_argument("--timeout", type=float, default=5.0)
     stop.set_defaults(func=cmd_stop)
-    cache.set_defaults(func=lambda args: cache.print_help() or 2)
 
 
 def _endpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -72,22 +85,30 @@ def cmd_serve(args) -> int:
 
 
 def _request(args, op: str) -> dict:
-    from loongforge.cache.config import default_socket_path
-    from loongforge.cache.protocol import Connection
-
-    conn = Connection(None if args.tcp else (args.socket or default_socket_path()), args.tcp, args.timeout)
+    conn = connect(None if args.tcp else (args.socket or default_socket_path()), args.tcp, args.timeout)
     try:
         return conn.request(op)
     finally:
         conn.close()
 
 
-def cmd_stats(args) -> int:
+def _request_or_say_why(args, op: str) -> dict | None:
+    """The daemon's reply, or None after one line on stderr: unreachable, or a socket the client
+    library would not trust either (the same message, word for word)."""
     try:
-        stats = _request(args, "stats")["stats"]
+        return _request(args, op)
     except OSError as exc:
-        print(f"loongforge cache stats: daemon unreachable: {exc}", file=sys.stderr)
+        print(f"loongforge cache {op}: daemon unreachable: {exc}", file=sys.stderr)
+    except CacheError as exc:
+        print(f"loongforge cache {op}: {exc}", file=sys.stderr)
+    return None
+
+
+def cmd_stats(args) -> int:
+    reply = _request_or_say_why(args, "stats")
+    if reply is None:
         return 1
+    stats = reply["stats"]
     _print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_table(stats))
     return 0
 
@@ -121,23 +142,38 @@ def render_table(stats: dict) -> str:
               f"rejected {sum(c['rejected'].values())}  redis errors {sum(c['redis_errors'].values())}"]
     if stats["redis"].get("last_error"):
         lines.append(f"last redis error: {stats['redis']['last_error']}")
+    for tier in ("ram", "ssd"):
+        if stats["tiers"][tier].get("disabled"):
+            lines.append(f"{tier} tier takes no new shards: {stats['tiers'][tier].get('disabled_reason', '?')} "
+                         "(re-checked with back-off)")
     return "\n".join(lines)
 
 
 def cmd_stop(args) -> int:
-    try:
-        _request(args, "stop")
-    except OSError as exc:
-        print(f"loongforge cache stop: daemon unreachable: {exc}", file=sys.stderr)
+    if _request_or_say_why(args, "stop") is None:
         return 1
     print("cache daemon stopping")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m loongforge.cache ...` == `loongforge cache ...`, without
-    importing the other services (a cache node has neither torch nor beam)."""
-    from loongforge.cli import main as cli_main
+    """`python -m loongforge.cache ACTION ...` == `loongforge cache ACTION ...`, without the
+    top-level command: a cache node imports only the cache (it has neither torch nor beam)."""
+    parser = argparse.ArgumentParser(prog="python -m loongforge.cache", description=HELP)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_actions(parser)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    level = "DEBUG" if args.verbose else os.environ.get("LOONGFORGE_LOG_LEVEL", "INFO").upper()
+    if level not in LOG_LEVELS:
+        parser.error(f"LOONGFORGE_LOG_LEVEL={level!r}: use {', '.join(LOG_LEVELS)}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except LoongForgeError as exc:  # worded as `loongforge cache ...` words it
+        print(f"loongforge cache: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("loongforge cache: interrupted", file=sys.stderr)
+        return 130
 
-    args = sys.argv[1:] if argv is None else argv
-    return cli_main(["cache", *args], services=(("loongforge.cache.cli", "cache"),))

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import stat
 import threading
 import time
 import weakref
 
-from loongforge.cache.config import check_private_dir, default_socket_path, fallback_socket_dir
+from loongforge.cache.access import UntrustedPathError, connect, file_problem, group_of, open_no_follow
+from loongforge.cache.config import default_socket_path
 from loongforge.cache.protocol import Connection, ProtocolError
 from loongforge.shared import storage
 from loongforge.shared.errors import CacheError, CacheUnavailableError, IntegrityError, ShardNotFoundError
@@ -39,16 +39,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _map(path: str, entry: ShardEntry, owner_uid: int | None, hashed: set) -> memoryview:
-    """Map a tier file the daemon handed out, after checking it is the daemon's: owned by the
-    daemon's uid (SO_PEERCRED) and writable by no one else. Without a uid to check (TCP), the
-    bytes are hashed against the index on the first map of that file instead."""
-    with open(path, "rb") as f:
+    """Map a tier file the daemon handed out, after checking it is the daemon's: not a symlink,
+    owned by the daemon's uid (SO_PEERCRED) and writable by no one else. Without a uid to check
+    (TCP), the bytes are hashed against the index on the first map of that file instead."""
+    with os.fdopen(open_no_follow(path), "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.bytes:
-            raise IntegrityError(f"{path}: not a regular file of the index's size (replaced under us?)")
-        if owner_uid is not None and (st.st_uid != owner_uid or st.st_mode & 0o022):
-            raise IntegrityError(f"{path}: owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}, "
-                                 f"expected a file of the daemon (uid {owner_uid}) writable only by it")
+        problem = file_problem(st, owner_uid, entry.bytes)
+        if problem:
+            raise IntegrityError(f"{path}: {problem}")
         if entry.bytes == 0:
             return memoryview(b"")
         # MAP_POPULATE pre-faults the tmpfs pages in one go: reading then runs at memcpy speed.
@@ -85,6 +83,7 @@ class CacheClient:
         self.max_open = max_open  # lowered to the daemon's `max_open` (from its RAM budget) on connect
         self._lease_s = 60.0
         self._peer_uid: int | None = None
+        self._daemon_ops: set[str] = set()  # ops the daemon serves (hello): `report` only where listed
         self._hashed: set = set()  # (dev, inode) of tier files verified by hash (TCP only)
         self._renewer: tuple[int, threading.Event] | None = None  # (pid, stop) of the lease thread
         self._rank: int | None = None
@@ -110,7 +109,7 @@ class CacheClient:
                 if self._conn is None:
                     self._connect()
                 reply = self._conn.request(op, **fields)
-            except (OSError, ProtocolError, ValueError, CacheUnavailableError) as exc:
+            except (OSError, ProtocolError, ValueError, CacheUnavailableError, UntrustedPathError) as exc:
                 self._drop_conn()
                 self.counts["daemon_errors"] += 1
                 raise CacheUnavailableError(self._unreachable(exc)) from exc
@@ -120,18 +119,14 @@ class CacheClient:
             return reply
 
     def _connect(self) -> None:
-        if not self.tcp and os.path.dirname(os.path.abspath(self.socket_path)) == fallback_socket_dir():
-            try:  # the shared /tmp fallback: only trust a directory no other user could have planted
-                check_private_dir(os.path.dirname(os.path.abspath(self.socket_path)))
-            except CacheError as exc:
-                raise CacheUnavailableError(str(exc)) from None
-        conn = Connection(self.socket_path, self.tcp, self.timeout)
+        conn = connect(self.socket_path, self.tcp, self.timeout)  # the socket-directory check first
         try:
             hello = conn.request("hello")
         except BaseException:
             conn.close()
             raise
         self._conn, self._peer_uid = conn, conn.peer_uid
+        self._daemon_ops = set(hello.get("ops", ()))
         self._lease_s = float(hello.get("lease_s", self._lease_s))
         self.max_open = max(1, min(self.requested_max_open, int(hello.get("max_open", self.requested_max_open))))
 
@@ -140,8 +135,10 @@ class CacheClient:
         if isinstance(exc, PermissionError):
             return (f"cache daemon socket {self.socket_path}: permission denied (EACCES) for uid {os.geteuid()}. "
                     f"The socket must be group-writable (the daemon sets 0660; run it with UMask=0007) and this "
-                    f"user must be in the socket's group (gid {_gid_of(self.socket_path)}): "
+                    f"user must be in the socket's group, {group_of(self.socket_path)}: "
                     f"see infra/cache/README.md, 'Socket access'")
+        if isinstance(exc, UntrustedPathError):
+            return str(exc)  # word for word what `loongforge cache stats|stop` print
         return f"cache daemon at {where}: {type(exc).__name__}: {exc}"
 
     def _drop_conn(self) -> None:
@@ -156,9 +153,9 @@ class CacheClient:
         if self._degraded_since is None or time.monotonic() - self._degraded_since >= RETRY_DAEMON_S:
             self._degraded_since = time.monotonic()
         if not self._warned:
-            # A permission problem never heals by itself: every read bypasses the cache until an
-            # operator fixes the deployment, so say so loudly.
-            denied = isinstance(exc.__cause__, PermissionError)
+            # A permission problem or an untrusted socket directory never heals by itself: every read
+            # bypasses the cache until an operator fixes the deployment, so say so loudly.
+            denied = isinstance(exc.__cause__, (PermissionError, UntrustedPathError))
             log.log(logging.ERROR if denied else logging.WARNING, "%s; reading shards from origin %s %s", exc,
                     self.root, "instead (the cache is bypassed)" if denied else "until it is back")
             self._warned = True
@@ -196,18 +193,48 @@ class CacheClient:
             return self._from_origin(name)
         if reply.get("tier") == "origin" or not reply.get("path"):
             return self._from_origin(name)  # the daemon could not place it (tiers pinned or disk full)
-        try:
-            view = _map(reply["path"], entry, self._peer_uid, self._hashed)
-        except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
-            if not self.fallback:
-                raise CacheError(f"cache daemon handed out {reply['path']} but it is unusable: {exc}") from exc
-            log.warning("cache tier file %s unusable (%s); reading %s from origin", reply["path"], exc, name)
+        view = self._map_or_report(name, entry, reply["path"])
+        if view is None:
             return self._from_origin(name)
         with self._lock:
             self._maps[name] = view
             self.counts["daemon_reads"] += 1
             self._ensure_renewer()
         return view
+
+    def _map_or_report(self, name: str, entry: ShardEntry, path: str) -> memoryview | None:
+        """Map the tier file the daemon handed out. A file this client refuses is reported: the daemon
+        checks it itself and, if it agrees, drops it and hands out a fresh copy, mapped instead (so
+        one bad file costs a refill, not an origin read per reader until eviction). None: read origin."""
+        try:
+            return _map(path, entry, self._peer_uid, self._hashed)
+        except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
+            refused = exc
+        fresh = self._report(name, refused)
+        if fresh is not None:
+            try:
+                view = _map(fresh["path"], entry, self._peer_uid, self._hashed)
+            except (OSError, IntegrityError) as exc:
+                refused = exc
+            else:
+                log.warning("cache tier file %s refused (%s); reported: the daemon found it bad too (%s) and "
+                            "handed out a fresh copy", path, refused, fresh.get("problems"))
+                return view
+        if not self.fallback:
+            raise CacheError(f"cache daemon handed out {path} but it is unusable: {refused}") from refused
+        log.warning("cache tier file %s unusable (%s); reading %s from origin", path, refused, name)
+        return None
+
+    def _report(self, name: str, exc: BaseException) -> dict | None:
+        """Tell the daemon that its file for `name` was refused, and why. Its reply if it found the file
+        bad and put a fresh copy in a tier; None otherwise (intact by its check, or no daemon)."""
+        if "report" not in self._daemon_ops:
+            return None  # a daemon older than `report` would answer `unknown op`
+        try:
+            reply = self._request("report", shard=name, reason=f"{type(exc).__name__}: {exc}")
+        except CacheError:
+            return None
+        return reply if reply.get("replaced") and reply.get("path") else None
 
     def _ensure_renewer(self) -> None:
         """One lease thread per process (a forked worker starts its own): without renewal a lease
@@ -321,10 +348,3 @@ def _close_view(view: memoryview) -> None:
             obj.close()
     except BufferError:
         pass
-
-
-def _gid_of(path: str) -> str:
-    try:
-        return str(os.stat(path).st_gid)
-    except OSError:
-        return "?"

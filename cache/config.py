@@ -10,20 +10,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket as _socket
-import stat
 import tomllib
 from dataclasses import dataclass, fields
 
 from loongforge.shared.units import format_size as format_bytes
 from loongforge.shared.units import parse_size as parse_bytes
-from loongforge.shared.errors import CacheError, ConfigError
+from loongforge.shared.errors import ConfigError
 from loongforge.shared.index import ShardIndex
 
 ENV_PREFIX = "LOONGFORGE_CACHE_"
 SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
+
+
 def fallback_socket_dir() -> str:
     """Per-user socket directory when there is no XDG_RUNTIME_DIR: `$TMPDIR/loongforge-cache-<uid>`,
-    created 0700 by the daemon and checked by both sides (`check_private_dir`), so another user
+    created 0700 by the daemon and checked by both sides (`access.check_socket_dir`), so another user
     cannot plant a socket there (a bare /tmp/NAME.sock can be squatted before the daemon starts)."""
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"loongforge-cache-{os.geteuid()}")
 
@@ -36,24 +37,6 @@ def default_socket_path() -> str:
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "loongforge-cache.sock")
     return os.path.join(fallback_socket_dir(), "cache.sock")
-
-
-def check_private_dir(path: str, create: bool = False) -> None:
-    """`path` is a real directory owned by this user and closed to everyone else (0700), else CacheError."""
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CacheError(f"socket directory {path} does not exist: is the cache daemon running?") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise CacheError(
-            f"socket directory {path} is not a private directory of uid {os.geteuid()} (owner uid {st.st_uid}, "
-            f"mode {stat.filemode(st.st_mode)}): another user may have planted it. Remove it, or set "
-            f"XDG_RUNTIME_DIR or {SOCKET_ENV} / --socket to a directory only you and the daemon can write")
 
 
 def _default_ssd_dir() -> str:
@@ -98,6 +81,10 @@ class CacheConfig:
     fill_timeout_s: float = 120.0  # one origin/peer fill, end to end
     redis_timeout_s: float = 1.0
     origin_delay_s: float = 0.0  # fault injection for tests: slow every origin read
+    # A tier whose disk is full (ENOSPC/EDQUOT with nothing of ours left to evict) takes no writes; one
+    # write re-checks it after this many seconds, doubling up to tier_recheck_max_s while it stays full.
+    tier_recheck_s: float = 5.0
+    tier_recheck_max_s: float = 300.0
 
     def __post_init__(self):
         if not self.origin:
@@ -117,9 +104,12 @@ class CacheConfig:
             raise ConfigError("prefetch_window must be >= 0 and prefetch_threads >= 1")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port")
-        for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s"):
+        for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s",
+                     "tier_recheck_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0 seconds")
+        if self.tier_recheck_max_s < self.tier_recheck_s:
+            raise ConfigError("tier_recheck_max_s must be >= tier_recheck_s")
         if self.node_ttl_s <= self.heartbeat_s:
             raise ConfigError("node_ttl_s must exceed heartbeat_s, or live nodes expire between heartbeats")
         if os.path.realpath(self.ram_dir) == os.path.realpath(self.ssd_dir):

@@ -20,7 +20,8 @@ import threading
 import time
 
 from loongforge.cache import protocol
-from loongforge.cache.config import CacheConfig, check_private_dir, fallback_socket_dir, parse_hostport
+from loongforge.cache.access import SOCKET_MODE, check_socket_dir, make_dirs, make_private_dir
+from loongforge.cache.config import CacheConfig, fallback_socket_dir, parse_hostport
 from loongforge.cache.coord import Coordinator
 from loongforge.cache.metrics import Metrics
 from loongforge.cache.store import Store
@@ -29,7 +30,7 @@ from loongforge.shared.dataset import load_shard_index
 
 log = logging.getLogger(__name__)
 _owner_ids = itertools.count(1)
-SOCKET_MODE = 0o660
+REASON_CHARS = 500  # a report's reason is the client's words: logged, so bounded
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -114,13 +115,19 @@ class Daemon:
             return protocol.error_reply(req_id, exc)
 
     def op_hello(self, req, owner):
-        return {"node": self.cfg.node_id, "protocol": protocol.PROTOCOL_VERSION, "origin": self.cfg.origin,
-                "shards": len(self.index.shards), "ram_budget": self.cfg.ram_budget,
+        return {"node": self.cfg.node_id, "protocol": protocol.PROTOCOL_VERSION, "ops": list(protocol.OPS),
+                "origin": self.cfg.origin, "shards": len(self.index.shards), "ram_budget": self.cfg.ram_budget,
                 "max_open": self.store.max_open(), "lease_s": self.cfg.lease_s}
 
     def op_get(self, req, owner):
         rank = req.get("rank")
         return self.store.get(str(req["shard"]), owner, int(rank) if rank is not None else None)
+
+    def op_report(self, req, owner):
+        reason = req.get("reason")
+        if not isinstance(reason, str):
+            raise protocol.ProtocolError("report: reason must be a string (why the client refused the file)")
+        return self.store.report(str(req["shard"]), owner, reason[:REASON_CHARS])
 
     def op_renew(self, req, owner):
         shards = req["shards"]
@@ -206,9 +213,10 @@ class Daemon:
             path = self.cfg.socket
             parent = os.path.dirname(os.path.abspath(path))
             if parent == fallback_socket_dir():
-                check_private_dir(parent, create=True)
+                make_private_dir(parent)
             else:
-                os.makedirs(parent, exist_ok=True)
+                make_dirs(parent)  # what it creates is 0750 whatever the umask: group members reach the socket
+            check_socket_dir(path)  # the check every client makes: refuse now what no client would trust
             _clear_stale_socket(path)
             server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
             server.server_bind()

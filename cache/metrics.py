@@ -23,6 +23,8 @@ _COUNTERS = {
     "rejected": ("Requests rejected", "reason"),
     "prefetches": ("Shards filled ahead of the read by the prefetcher", "tier"),
     "redis_errors": ("Redis operations that failed (the daemon kept serving)", "op"),
+    "reports": ("Tier files a client refused and reported, by the daemon's verdict: replaced (its own check "
+                "failed too: dropped and filled again) or intact", "outcome"),
     "origin_reads": ("Origin reads, by why coordination allowed one (lock, no_live_holder, peer_failed, "
                      "uncoordinated)", "reason"),
 }
@@ -43,6 +45,8 @@ class Metrics:
                                        buckets=buckets + (300, 900), registry=self.registry)
         self.tier_bytes = Gauge(_P + "tier_bytes", "Bytes held per tier", ["tier"], registry=self.registry)
         self.tier_budget = Gauge(_P + "tier_budget_bytes", "Byte budget per tier", ["tier"], registry=self.registry)
+        self.tier_disabled = Gauge(_P + "tier_disabled", "1 while a tier takes no new shards (its disk is full; "
+                                   "re-checked with back-off), else 0", ["tier"], registry=self.registry)
         self.redis_up = Gauge(_P + "redis_up", "1 while Redis coordination works, 0 when degraded",
                               registry=self.registry)
         self.info = Gauge(_P + "node_info", "Constant 1, labelled with the node id", ["node"], registry=self.registry)

@@ -13,7 +13,7 @@ from loongforge.shared import errors
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 16 << 20  # an announce of ~200k shard names; anything longer is rejected
-OPS = ("hello", "get", "renew", "release", "announce", "stats", "stop")
+OPS = ("hello", "get", "report", "renew", "release", "announce", "stats", "stop")
 
 # Errors the daemon may report, mapped back to the same classes on the client.
 _ERRORS = {cls.__name__: cls for cls in (

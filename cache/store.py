@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from loongforge.cache.config import format_bytes
 from loongforge.cache.policy import PlanBook, Policy
 from loongforge.cache.tiers import Tier, tmpfs_huge_option
 from loongforge.shared import paths, storage
@@ -44,6 +45,7 @@ class Store:
         self.ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="ssd-writer")
         self.ssd_pending = 0
         self.write_done = threading.Condition(self.lock)  # notified when an SSD write-through ends
+        self._warned_disk_evict: set[str] = set()  # tiers whose first ENOSPC eviction was logged at WARNING
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
@@ -108,14 +110,52 @@ class Store:
                 self.metrics.inc("misses", "ram")
         self.wake.set()
         if tier is None:
-            tier = self._fill_once(entry, prefetch=False)
-            with self.lock:  # where it is now: a waiter's result may be stale, or evicted since
-                tier = "ram" if name in self.ram else "ssd" if name in self.ssd else "origin"
-                self._pin(name, owner, tier)
+            self._fill_once(entry, prefetch=False)
+            tier = self._pin_where_held(name, owner)
+        return self._reply(entry, tier)
+
+    def _pin_where_held(self, name: str, owner: str) -> str:
+        with self.lock:  # where it is now: a waiter's result may be stale, or evicted since
+            tier = "ram" if name in self.ram else "ssd" if name in self.ssd else "origin"
+            self._pin(name, owner, tier)
+        return tier
+
+    def _reply(self, entry: ShardEntry, tier: str) -> dict:
         self.metrics.inc("bytes_served", tier, entry.bytes)
-        path = {"ram": self.ram, "ssd": self.ssd}[tier].path(name) if tier != "origin" else None
-        return {"shard": name, "tier": tier, "path": path, "bytes": entry.bytes, "sha256": entry.sha256,
+        path = {"ram": self.ram, "ssd": self.ssd}[tier].path(entry.name) if tier != "origin" else None
+        return {"shard": entry.name, "tier": tier, "path": path, "bytes": entry.bytes, "sha256": entry.sha256,
                 "lease_s": self.cfg.lease_s}
+
+    def report(self, name: str, owner: str, reason: str) -> dict:
+        """A client refused the tier file it was handed for `name` (`reason`: its words, not trusted).
+        Check each copy ourselves (owner, mode, size, sha256); drop the bad ones and fill the shard
+        again, so this reader and the next are served from a tier instead of reading origin."""
+        entry = self.entry(name)
+        problems = {}
+        for tier in (self.ram, self.ssd):
+            with self.lock:
+                held = name in tier
+            problem = tier.check_file(name, entry.bytes, entry.sha256) if held else None
+            if problem:
+                problems[tier.name] = problem
+        if not problems:
+            self.metrics.inc("reports", "intact")
+            log.info("a client refused its copy of %s (%r) but every copy passes the daemon's checks: kept",
+                     name, reason)
+            return {"shard": name, "replaced": False, "problems": {}}
+        self.metrics.inc("reports", "replaced")
+        log.warning("a client refused its copy of %s (%r); the daemon's own check agrees (%s): dropped, "
+                    "filling it again", name, reason, "; ".join(f"{t} tier: {p}" for t, p in problems.items()))
+        with self.lock:
+            for tier in (self.ram, self.ssd):
+                if tier.name in problems:
+                    tier.remove(name)
+                    self.metrics.inc("corrupt", tier.name)
+            gone = name not in self.ram and name not in self.ssd and name not in self.ssd.reserved
+        if gone:  # re-published once filled again; until then no peer should ask us for it
+            self.coord.dropped(name)
+        self._fill_once(entry, prefetch=False)
+        return {**self._reply(entry, self._pin_where_held(name, owner)), "replaced": True, "problems": problems}
 
     def _pin(self, name: str, owner: str, tier: str) -> None:
         """Pin the copy the reader maps (RAM or SSD); the other tier's copy stays evictable."""
@@ -291,13 +331,15 @@ class Store:
             raise
 
     def _place(self, tier: Tier, name: str, data, prefetch: bool) -> bool:
-        """Write `name` into `tier`, evicting per policy. False if it cannot go there."""
+        """Write `name` into `tier`, evicting per policy. False if it cannot go there (full of pinned
+        shards, or its disk is full: then it takes no writes until a re-check, see _disk_full)."""
         size = tier.charge(len(data))
-        for attempt in range(2):
+        while True:  # each pass after the first follows an eviction: ends when nothing is left to evict
             with self.lock:
                 if name in tier or name in tier.reserved:
                     return True  # present, or another thread is writing it right now
-                if not self._make_room(tier, name, size, prefetch):
+                recheck = tier.writes_off  # may_write lets one write through as the re-check
+                if not tier.may_write(time.monotonic()) or not self._make_room(tier, name, size, prefetch):
                     return False
                 tier.reserved[name] = size
             try:
@@ -309,21 +351,60 @@ class Store:
                     log.error("%s tier: writing %s failed (%s): serving it from another tier", tier.name, name, exc)
                     return False
                 self.metrics.inc("enospc", tier.name)
-                log.error("%s tier %s: disk full (ENOSPC) writing %s (%d bytes); budget %d exceeds the free space."
-                          " %s", tier.name, tier.root, name, size, tier.budget,
-                          "Evicting one shard and retrying" if attempt == 0 else "Serving it from another tier")
-                with self.lock:
-                    victim = self.policy.victim(tier.entries, exclude=self.pinned(tier.name) | set(self.inflight) | {name})
-                    if attempt or victim is None:
-                        return False
-                    self._evict(tier, victim)
-                continue
+                if not recheck and self._evict_for_disk(tier, name, size, exc):
+                    continue
+                self._disk_full(tier, name, exc, recheck)
+                return False
             with self.lock:
                 tier.reserved.pop(name, None)
                 tier.entries[name] = size
+                back_on = tier.writes_off
+                tier.turn_writes_on()
+            if back_on:
+                log.info("%s tier %s: writable again (the re-check wrote %s): taking new shards", tier.name,
+                         tier.root, name)
+                self._update_gauges()
             log.debug("%s tier: placed %s (%d bytes)", tier.name, name, size)
             return True
-        return False
+
+    def _evict_for_disk(self, tier: Tier, name: str, size: int, exc: OSError) -> bool:
+        """The disk filled before the budget did: make room by evicting one of our shards, if any."""
+        with self.lock:
+            victim = self.policy.victim(tier.entries, exclude=self.pinned(tier.name) | set(self.inflight) | {name})
+            if victim is None:
+                return False
+            self._evict(tier, victim)
+        level = logging.DEBUG if tier.name in self._warned_disk_evict else logging.WARNING
+        self._warned_disk_evict.add(tier.name)
+        log.log(level, "%s tier %s: disk full (%s) writing %s (%d bytes) with %s of ours in it: budget %s "
+                "exceeds the free space; evicted %s to make room (lower --%s-budget)", tier.name, tier.root,
+                errno.errorcode.get(exc.errno, exc.errno), name, size, format_bytes(tier.used),
+                format_bytes(tier.budget), victim, tier.name)
+        return True
+
+    def _disk_full(self, tier: Tier, name: str, exc: OSError, recheck: bool) -> None:
+        """No room on the tier's disk and nothing of ours left to evict: the tier takes no writes until a
+        re-check (one write, after tier_recheck_s, doubling while still full). One WARNING when it turns
+        off; without this, every fill and every spill retried the write and logged an error."""
+        kind = errno.errorcode.get(exc.errno, str(exc.errno))
+        with self.lock:
+            was_off = tier.writes_off
+            if was_off and not recheck:
+                return  # a write that began before the tier was turned off
+            wait = tier.turn_writes_off(time.monotonic(), self.cfg.tier_recheck_s, self.cfg.tier_recheck_max_s,
+                                        f"disk full ({kind}) with {format_bytes(tier.used)} of ours in it")
+            held = len(tier.entries)
+        self._update_gauges()
+        if was_off:
+            log.debug("%s tier %s: still full at the re-check (%s); next re-check in %gs", tier.name, tier.root,
+                      kind, wait)
+            return
+        then = ("this node runs RAM-only for new shards (what the SSD holds is still served)" if tier is self.ssd
+                else "new shards go to the SSD tier, or readers read origin")
+        log.warning("%s tier %s: disk full (%s) writing %s, with %d shards (%s) of ours in it: the tier takes no "
+                    "new shards; %s. Re-checking in %gs, backing off to %gs. Free space on that disk or lower "
+                    "--%s-budget (%s)", tier.name, tier.root, kind, name, held, format_bytes(tier.used), then, wait,
+                    self.cfg.tier_recheck_max_s, tier.name, format_bytes(tier.budget))
 
     def _make_room(self, tier: Tier, name: str, size: int, prefetch: bool) -> bool:
         """Evict until `size` more bytes fit (caller holds the lock)."""
@@ -400,6 +481,7 @@ class Store:
         for tier in (self.ram, self.ssd):
             self.metrics.tier_bytes.labels(tier.name).set(tier.used)
             self.metrics.tier_budget.labels(tier.name).set(tier.budget)
+            self.metrics.tier_disabled.labels(tier.name).set(int(tier.writes_off))
 
     def snapshot(self) -> dict:
         with self.lock:

@@ -11,12 +11,14 @@ unlink it. Thread safety is the caller's (store.py holds one lock).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 
+from loongforge.cache.access import DIR_MODE, FILE_MODE, file_problem, make_dirs, open_no_follow
 from loongforge.shared import paths, storage
 from loongforge.shared.errors import ConfigError, IntegrityError
 from loongforge.shared.index import ShardIndex
@@ -26,9 +28,6 @@ TIER_FORMAT = "loongforge-cache-tier"
 TIER_VERSION = 1
 MARKER = "CACHE_FORMAT.json"
 LOCK = ".lock"
-# Trainer workers read tier files as members of the daemon's group; nobody else may (shard data is
-# not public, and a world-readable /dev/shm tier is readable by every account on the node).
-FILE_MODE, DIR_MODE = 0o640, 0o750
 BASE_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -56,6 +55,10 @@ class Tier:
         self.entries: dict[str, int] = {}  # shard -> bytes charged (whole pages), complete and verified
         self.reserved: dict[str, int] = {}  # shard -> bytes charged, being written
         self._lock_fd: int | None = None  # flock held for the daemon's lifetime
+        # Writes off while the disk is full (policy in store.py): None = on, else when a write may re-check.
+        self.recheck_at: float | None = None
+        self.recheck_s = 0.0
+        self.off_reason = ""
 
     def charge(self, size: int) -> int:
         """Bytes of memory/disk a file of `size` bytes occupies in this tier."""
@@ -78,12 +81,13 @@ class Tier:
     def open_dir(self) -> None:
         """Create the directory, or check the on-disk format of an existing one,
         and lock it: two daemons sharing a tier would delete each other's files."""
-        os.makedirs(self.data_dir, mode=DIR_MODE, exist_ok=True)
+        make_dirs(self.data_dir)  # parents it creates get DIR_MODE too, never the umask's 0777
         for d in (self.root, self.data_dir):
             os.chmod(d, DIR_MODE)
         if self._lock_fd is None:
             fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
+                os.fchmod(fd, FILE_MODE)  # O_CREAT's mode is narrowed by the umask
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
@@ -126,34 +130,40 @@ class Tier:
         """Rebuild the catalog from the files on disk, checking each against the
         index: size always, sha256 too if `full`. Returns (kept, dropped):
         dropped = corrupt, truncated or no longer in the index. Without `full`
-        a bit flip is caught later: every SSD -> RAM fill re-hashes."""
+        a bit flip is caught later: every SSD -> RAM fill re-hashes. A file that
+        another uid owns or may write is dropped too, and directories get DIR_MODE
+        back (a tier made by an older build under umask 077 had 0700 ones)."""
         kept, dropped = [], []
         self.entries.clear()
         for dirpath, _, files in os.walk(self.data_dir):
+            try:
+                os.chmod(dirpath, DIR_MODE)
+            except PermissionError:
+                pass  # not ours (another uid made it): its files fail file_problem below and are dropped
             for fname in files:
                 full_path = os.path.join(dirpath, fname)
                 rel = os.path.relpath(full_path, self.data_dir).replace(os.sep, "/")
                 try:
                     entry = index.shard(rel)
-                    if full:
-                        digest, size = storage.sha256_file(full_path)
-                    else:
-                        digest, size = entry.sha256, os.path.getsize(full_path)
-                    if (size, digest) != (entry.bytes, entry.sha256):
-                        raise IntegrityError(f"{rel}: size/hash differ from the index")
+                    st = os.lstat(full_path)  # a symlink is not a regular file: dropped
+                    problem = file_problem(st, os.geteuid(), entry.bytes)
+                    if problem:
+                        raise IntegrityError(f"{rel}: {problem}")
+                    if full and storage.sha256_file(full_path)[0] != entry.sha256:
+                        raise IntegrityError(f"{rel}: sha256 differs from the index")
                 except (KeyError, ValueError, IntegrityError, OSError) as exc:
                     log.warning("%s tier: dropping %s (%s)", self.name, rel, exc)
                     _unlink(full_path)
                     dropped.append(rel)
                     continue
-                self.entries[rel] = self.charge(size)
+                self.entries[rel] = self.charge(st.st_size)
                 kept.append(rel)
         return kept, dropped
 
     def write(self, shard: str, data) -> str:
         """Temp file + rename; raises OSError (ENOSPC included) with nothing left behind."""
         target = self.path(shard)
-        os.makedirs(os.path.dirname(target), mode=DIR_MODE, exist_ok=True)
+        make_dirs(os.path.dirname(target))  # DIR_MODE whatever the umask: group members must reach the file
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -165,6 +175,47 @@ class Tier:
             raise
         return target
 
+    def check_file(self, shard: str, size: int, sha256: str) -> str | None:
+        """The daemon's own check of its copy of `shard` (one a client refused): a regular file, not a
+        symlink, of this uid, writable only by it, of the index's size and sha256. None if it passes,
+        else what is wrong."""
+        try:
+            fd = open_no_follow(self.path(shard))
+        except OSError as exc:
+            return f"cannot open it: {exc}"
+        with os.fdopen(fd, "rb") as f:
+            problem = file_problem(os.fstat(f.fileno()), os.geteuid(), size)
+            if problem:
+                return problem
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return None if digest == sha256 else f"sha256 {digest[:16]}… != index {sha256[:16]}…"
+
+    # -- writes off while the disk is full (when: store.py) --------------------------
+    @property
+    def writes_off(self) -> bool:
+        return self.recheck_at is not None
+
+    def may_write(self, now: float) -> bool:
+        """False while writes are off; once the re-check time has come, True for one caller (its
+        write is the re-check), and the next re-check moves back by the current wait."""
+        if self.recheck_at is None:
+            return True
+        if now < self.recheck_at:
+            return False
+        self.recheck_at = now + self.recheck_s
+        return True
+
+    def turn_writes_off(self, now: float, first_s: float, max_s: float, reason: str) -> float:
+        """No writes until a re-check `first_s` from now; each re-check that finds the disk still full
+        doubles the wait, up to `max_s`. Returns the wait."""
+        self.recheck_s = first_s if self.recheck_at is None else min(max_s, self.recheck_s * 2)
+        self.recheck_at = now + self.recheck_s
+        self.off_reason = reason
+        return self.recheck_s
+
+    def turn_writes_on(self) -> None:
+        self.recheck_at, self.recheck_s, self.off_reason = None, 0.0, ""
+
     def map(self, shard: str) -> memoryview:
         return storage.map_file(self.path(shard))
 
@@ -174,7 +225,12 @@ class Tier:
         _unlink(self.path(shard))
 
     def summary(self) -> dict:
-        return {"dir": self.root, "budget": self.budget, "used": self.used, "shards": len(self.entries)}
+        out = {"dir": self.root, "budget": self.budget, "used": self.used, "shards": len(self.entries),
+               "disabled": self.writes_off}  # takes no new shards (disk full); what it holds is still served
+        if self.writes_off:
+            out["disabled_reason"] = self.off_reason
+        return out
+
 
 
 def _unlink(path: str) -> None:

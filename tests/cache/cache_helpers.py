@@ -21,7 +21,8 @@ class DaemonProc:
     a test box /dev/shm and tmp behave the same for correctness)."""
 
     def __init__(self, tmp: Path, root: str, index: ShardIndex, name: str = "node-a", *, ram: str = "1MiB",
-                 ssd: str = "4MiB", redis_url: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None):
+                 ssd: str = "4MiB", redis_url: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
+                 umask: int = -1):
         self.root, self.index, self.name = root, index, name
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -36,13 +37,13 @@ class DaemonProc:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG", **(env or {})}
         if "--tcp" in extra:  # --socket and --tcp are exclusive
             self.args = [a for a in self.args if a not in ("--socket", self.socket)]
+        self.umask = umask  # the daemon's umask (-1: inherit the test's)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 20.0) -> "DaemonProc":
         log = open(self.log_path, "a")
         offset = log.tell()  # a restarted daemon appends: only a READY line of this run counts
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, umask=self.umask)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

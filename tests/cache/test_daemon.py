@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -265,6 +266,62 @@ def test_disk_full_evicts_and_keeps_serving(synthetic_root, daemons, tiny_disk):
     assert counter(st, "enospc", "ssd") >= 1 and counter(st, "evictions", "ssd") >= 1
     assert counter(st, "hits", "ram") + counter(st, "misses", "ram") == 4 and st["tiers"]["ram"]["shards"] == 4
     assert "disk full (ENOSPC)" in d.log()
+
+
+def _fill_disk(path) -> None:
+    """Someone else's file takes every free byte of the disk."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def test_full_ssd_disk_runs_ram_only_with_one_warning(synthetic_root, daemons, tiny_disk):
+    """An SSD tier whose disk is full of other data (nothing of ours to evict): one WARNING, the tier
+    marked disabled in stats and /metrics, RAM keeps serving, and a re-check turns it back on once
+    there is room again. It used to log an ERROR per fill and per spill, with no back-off."""
+    root, index = synthetic_root
+    s = [e.name for e in index.shards]
+    port = free_port()
+    d = daemons(root, index, ram=str(int(2.2 * SHARD)), ssd="1MiB",
+                extra=("--ssd-dir", str(tiny_disk / "ssd"), "--metrics-port", str(port)),
+                env={"LOONGFORGE_CACHE_TIER_RECHECK_S": "0.5", "LOONGFORGE_CACHE_TIER_RECHECK_MAX_S": "1"})
+    _fill_disk(tiny_disk / "ballast")
+    t0 = time.monotonic()
+    with d.client(max_open=1) as client:
+        for _ in range(3):
+            for name in s:
+                for _ in range(2):  # a RAM miss (origin), then a RAM hit
+                    assert bytes(client.read_shard(name)) == _origin_bytes(root, name)
+                    client.release(name)
+        st = settled(d)
+    elapsed = time.monotonic() - t0
+    assert st["tiers"]["ssd"]["disabled"] and "ENOSPC" in st["tiers"]["ssd"]["disabled_reason"]
+    assert counter(st, "hits", "ram") == 12 and st["tiers"]["ssd"]["shards"] == 0
+    assert 1 <= counter(st, "enospc", "ssd") <= 1 + elapsed / 0.5  # one write per re-check, not one per fill
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'loongforge_cache_tier_disabled{tier="ssd"} 1.0' in metrics
+    table = subprocess.run([sys.executable, "-m", "loongforge.cache", "stats", "--socket", d.socket],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "ssd tier takes no new shards: disk full (ENOSPC)" in table, table
+    log = d.log()
+    assert "Evicting one shard" not in log and " ERROR " not in log
+    assert len([ln for ln in log.splitlines() if " WARNING " in ln and "disk full" in ln]) == 1, log
+
+    os.unlink(tiny_disk / "ballast")
+    with d.client(max_open=1) as client:
+        def written_again():
+            for name in s:
+                client.read_shard(name)
+                client.release(name)
+            return not settled(d)["tiers"]["ssd"]["disabled"]
+        wait_for(written_again, timeout=15, what="the re-check to find room on the SSD")
+    st = settled(d)
+    assert st["tiers"]["ssd"]["shards"] >= 1 and "writable again" in d.log()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'loongforge_cache_tier_disabled{tier="ssd"} 0.0' in metrics
 
 
 def test_loopback_tcp_endpoint(synthetic_root, daemons):
