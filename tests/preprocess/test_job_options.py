@@ -6,8 +6,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.progress import ProgressMonitor
 from loongforge.shared.dataset import open_root
