@@ -50,7 +50,10 @@ class _BenchParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self._load()
-        return super().parse_known_args(args, namespace)
+        got, extra = super().parse_known_args(args, namespace)
+        if extra:  # said by this benchmark's parser, with its usage, not by `loongforge`'s
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return got, extra
 
     def format_help(self) -> str:
         self._load()
