@@ -150,7 +150,8 @@ def handle(args: argparse.Namespace) -> int:
         summary = summarize(results)
         if args.delta_steps:
             summary["delta"] = delta_run(args, data, work)
-    doc = {"benchmark": "checkpoint-stall", "args": vars(args), "summary": summary, "runs": results,
+    options = {k: v for k, v in vars(args).items() if not callable(v)}  # the parsed options, not the handler
+    doc = {"benchmark": "checkpoint-stall", "args": options, "summary": summary, "runs": results,
            "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}.json")
