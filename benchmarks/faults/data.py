@@ -45,8 +45,8 @@ def describe(root: str) -> str:
     """One line for the result JSON: what the runs trained on."""
     ds = open_root(root)
     lengths = list(map(int, ds.episode_lengths))
-    return (f"format {ds.manifest['format_version']} synthetic root: {ds.num_episodes} episodes of {lengths} frames, blocks of {ds.block_size} "
-            f"frames, {len(ds.manifest['shards'])} shards, cameras {list(ds.cameras)}")
+    return (f"format {ds.manifest['format_version']} synthetic root: {ds.num_episodes} episodes of {lengths} "
+            f"frames, blocks of {ds.block_size} frames, {len(ds.manifest['shards'])} shards, cameras {list(ds.cameras)}")
 
 
 def expected_order(root: str, steps: int, batch: int, seed: int = 1) -> list[list[int]]:

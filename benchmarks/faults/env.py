@@ -3,7 +3,7 @@ server behind the cache daemon, a small real filesystem under the checkpoints, a
 that the relaunch must reject. (The corrupt copy of the shard root: faults/data.py.)
 
 Each fault here is a `prepare(work, root, name) -> Setup` (before the run starts) plus a trigger (as in
-faults.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
+faults/run.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
 checkpoint that stayed `latest`). They keep the suite's accounting: sample ids of every step row against the
 global order.
 """

@@ -157,7 +157,7 @@ def _is_decode_worker(pid: int) -> bool:
 
 def f_cache_daemon_sigkill(run):
     # Early: a rank maps each shard once and reads it without the daemon afterwards, so the kill must come while
-    # shards are still to be mapped (faults_data.py: a rank maps a new one at step 6 or 7 of either root, and
+    # shards are still to be mapped (faults/data.py: a rank maps a new one at step 5-7, and
     # its prefetch reads at most 2 steps ahead).
     run.wait_steps(2)
     t = run.mark_fault()

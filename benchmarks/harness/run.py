@@ -41,7 +41,8 @@ from loongforge.shared.errors import ConfigError
 log = logging.getLogger(__name__)
 SECTIONS = (("P1", "Loader samples/s", p1_rows), ("P2", "Frames/s per worker vs zstd limit", p2_rows),
             ("P3", "Data-bound training", p3_rows), ("P4", "Cold start", None), ("P5", "Preprocess cost", p5_rows))
-COMPONENTS = (("preprocess", "loongforge.benchmarks.loader.preprocess"), ("cache", "loongforge.benchmarks.loader.cache"))
+COMPONENTS = (("preprocess", "loongforge.benchmarks.loader.preprocess"),
+              ("cache", "loongforge.benchmarks.loader.cache"))
 
 
 def _section(rows: list[Row], sid: str, title: str, fn, *args) -> None:

@@ -178,7 +178,8 @@ def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
     for k in range(0, samples, 64):
         np.searchsorted(table.ends, ids[k:k + 64], side="right")
     raw = (time.process_time() - t0) / samples
-    return {"searchsorted_us_per_id": raw * 1e6, "episodes": episodes, "samples": table.num_samples, "us_per_call_scalar": one * 1e6,
+    return {"searchsorted_us_per_id": raw * 1e6, "episodes": episodes, "samples": table.num_samples,
+            "us_per_call_scalar": one * 1e6,
             "us_per_id_batch64": batch64 * 1e6, "table_bytes": table.ends.nbytes + table.starts.nbytes}
 
 

@@ -5,12 +5,15 @@ p1_rows.py."""
 from __future__ import annotations
 
 import cProfile
+import inspect
 import io
 import logging
+import os
 import pstats
 import time
 
 from loongforge.benchmarks.harness.context import Context
+from loongforge.benchmarks.harness.dataset import decode_block, open_root
 from loongforge.benchmarks.harness.measure import Stat, ratio
 from loongforge.benchmarks.harness.rows import Row
 from loongforge.benchmarks.loader import fast_path as lf
@@ -55,10 +58,11 @@ def fill_profile(ctx: Context, batches: int = 40) -> dict:
             **stage_shares(pstats.Stats(prof, stream=io.StringIO()))}
 
 
-# (file suffix, function) -> stage of the worker body; cumulative time, so a stage includes
-# what it calls (the xxh3 check sits in _decode around decode_block, so it is _decode minus it).
-STAGES = (("zstd decompress", "blocks.py", "decode_block"), ("block read", "", "read_range"),
-          ("episode arrays", "dataset_v2.py", "read_arrays"), ("text tokens", "batch.py", "encode_text"))
+# (file, function) -> stage of the worker body; cumulative time, so a stage includes what it calls
+# (the xxh3 check sits in the reader's _decode around decode_block, so it is _decode minus it).
+READER, BLOCKS = (os.path.basename(inspect.getfile(f)) for f in (open_root, decode_block))
+STAGES = (("zstd decompress", BLOCKS, "decode_block"), ("block read", "", "read_range"),
+          ("episode arrays", READER, "read_arrays"), ("text tokens", "batch.py", "encode_text"))
 
 
 def stage_shares(stats: pstats.Stats) -> dict:
@@ -67,7 +71,7 @@ def stage_shares(stats: pstats.Stats) -> dict:
 
     total = cum("", "fill") or 1e-9
     shares = {stage: cum(suffix, func) / total for stage, suffix, func in STAGES}
-    shares["xxh3 check"] = max(0.0, cum("dataset_v2.py", "_decode") / total - shares["zstd decompress"])
+    shares["xxh3 check"] = max(0.0, cum(READER, "_decode") / total - shares["zstd decompress"])
     shares["other (normalize, copies, glue)"] = max(0.0, 1.0 - sum(shares.values()))
     top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:6]
     return {"stage_share": shares, "zstd_share": shares["zstd decompress"],
