@@ -12,13 +12,11 @@ import os
 
 from loongforge.shared import paths
 from loongforge.shared.blocks import decode_block
-from loongforge.shared.dataset_v2 import open_v2 as open_root
-from loongforge.shared.index_v2 import bucket_shift, frame_buckets, manifest_json
-from loongforge.shared.synthetic_v2 import make_synthetic_v2_root as make_synthetic_root
-from loongforge.shared.synthetic_v2 import synthetic_dataset_info
-from loongforge.shared.writer_v2 import RootWriterV2 as RootWriter
-from loongforge.shared.writer_v2 import write_tables
-from loongforge.train.data.fill import V2Filler as BlockFiller
+from loongforge.shared.dataset import open_root
+from loongforge.shared.index import bucket_shift, frame_buckets, manifest_json
+from loongforge.shared.synthetic import make_synthetic_root, synthetic_dataset_info
+from loongforge.shared.writer import RootWriter, write_tables
+from loongforge.train.data.fill import BlockFiller
 from loongforge.train.data.order import EpochOrder, batch_diversity, block_sequence, rank_slice
 from loongforge.train.data.samples import DeltaSpec, SampleTable, video_indices
 
