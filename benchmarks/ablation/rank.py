@@ -51,7 +51,7 @@ class BaselineLoader:
         ds = LeRobotVideoDataset(dataset_root, list(windows), action_horizon=loader.deltas.action_horizon,
                                  cameras=tuple(k for k, _ in cams), transform=ModelInputs(info, cams))
         # The loader's own per-step plan (epoch, in-epoch position, this rank's sample ids), as it serves it.
-        self.metas = [meta for meta, _, _ in itertools.islice(loader._plans(), steps)]
+        self.metas = [meta for meta, _ in itertools.islice(loader.plans(), steps)]
         self._dl = torch.utils.data.DataLoader(ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers,
                                                prefetch_factor=2 if num_workers else None, persistent_workers=False)
         self._it = None

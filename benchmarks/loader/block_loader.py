@@ -92,7 +92,7 @@ def worker_row(root: str, batch: int, max_batches: int, run: int, window: int, c
     mine = [rank_slice(seq, c * batch, batch, 0, 1) for c in range(len(seq) // batch)]  # the tail is dropped
     batches = [list(zip(ids.tolist(), *(a.tolist() for a in table.locate(ids)))) for ids in mine][:max_batches]
     layout = BatchLayout(batch, (CAM,), 256, 256, 1, 44, 44, HORIZON, 32)
-    arrays = layout.views(bytearray(layout.nbytes), 1)
+    arrays = layout.views(bytearray(layout.nbytes))
     budget = 256 << 20 if cache_blocks is None else cache_blocks * ds.block_size * 256 * 384
     filler = BlockFiller(ds, spec, layout, budget)
     rate, cpu_us, n = _timed(batches, lambda items: filler.fill(_rows(arrays, len(items)), items, "raise"))

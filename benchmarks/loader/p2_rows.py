@@ -36,7 +36,7 @@ def fill_profile(ctx: Context, batches: int = 40) -> dict:
         ids = order.rank_ids(step * g, g, 0, 1)
         eps, ts = loader.table.locate(ids)
         plans.append(list(zip(ids.tolist(), eps.tolist(), ts.tolist())))
-    arrays = loader.layout.views(bytearray(loader.layout.nbytes), loader.layout.max_frames)
+    arrays = loader.layout.views(bytearray(loader.layout.nbytes))
     try:
         filler.fill(arrays, plans[0], "raise")  # connect and map first: a worker does that once, not per batch
         filler.cache.clear()  # each pass decodes its blocks as a worker's first epoch does
@@ -53,7 +53,7 @@ def fill_profile(ctx: Context, batches: int = 40) -> dict:
     finally:
         filler.close()
         loader.close()
-    frames = sum(len(items) for items in plans) * loader.layout.max_frames * len(loader.layout.slots)
+    frames = sum(len(items) for items in plans) * loader.layout.frames * len(loader.layout.slots)
     return {"frames_per_s": frames / elapsed, "batches": len(plans),
             **stage_shares(pstats.Stats(prof, stream=io.StringIO()))}
 
