@@ -7,7 +7,6 @@ after a backoff. No call blocks longer than `timeout` on the daemon.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import mmap
 import os
@@ -259,48 +258,29 @@ class CacheClient:
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:
         if name in self._corrupt_at_origin:
-            return self._origin_range(name, offset, length, self._corrupt_at_origin[name])
+            return self._origin_range(name, offset, length)
         try:
             view = self.read_shard(name)
         except IntegrityError as exc:
             # The whole-shard sha256 failed (daemon fill or direct origin read): neither would ever serve this
-            # shard, so read its members individually from the origin, each checked against its own checksum;
-            # only the ranges whose bytes are corrupt fail (the bad-sample policy), not the whole shard.
-            if not self._ranges_checkable(name):
+            # shard, so read its members individually from the origin, each checked against its own checksum
+            # (a block's or an episode's arrays' xxh3 in the manifest); only the ranges whose bytes are corrupt
+            # fail (the bad-sample policy), not the whole shard.
+            if not self.fallback:  # fallback=False: never read the origin behind the daemon's back
                 raise
-            log.warning("%s; reading its samples/blocks one by one from origin %s, each checked against its xxh3 "
+            log.warning("%s; reading its blocks one by one from origin %s, each checked against its xxh3 "
                         "(only the corrupt ones fail)", exc, self.root)
             self._corrupt_at_origin[name] = exc
-            return self._origin_range(name, offset, length, exc)
+            return self._origin_range(name, offset, length)
         if offset < 0 or length < 0 or offset + length > len(view):
             raise IntegrityError(f"{name}: range {offset}+{length} beyond {len(view)} bytes")
         return view[offset: offset + length]
 
-    def _ranges_checkable(self, name: str) -> bool:
-        """Whether a range of a shard that fails its sha256 may be served: only where every range a reader asks
-        for has its own checksum to be verified against (a format-1 index with per-sample xxh3, checked here and
-        by the reader; a format-2 manifest's per-block/arrays xxh3, checked by DatasetV2 on every read). An old
-        index without per-sample checksums cannot tell good bytes from bad: the whole shard stays refused."""
-        if not self.fallback:
-            return False  # fallback=False: never read the origin behind the daemon's back
-        if self.index.format_version >= 2:
-            return True
-        return bool(self._check(name).xxh3)
-
-    def _origin_range(self, name: str, offset: int, length: int, shard_exc: IntegrityError) -> memoryview:
-        """A range of a shard whose whole-file hash failed, from the origin. A format-1 range must be exactly one
-        sample and match its xxh3 here (defence in depth: its bytes never leave unchecked); format-2 ranges are
-        checked by DatasetV2 against the manifest's per-block xxh3 before any byte is decoded."""
+    def _origin_range(self, name: str, offset: int, length: int) -> memoryview:
+        """A range of a shard whose whole-file hash failed, from the origin; the dataset reader checks it against
+        the manifest's per-block (or per-episode arrays) xxh3 before any byte is decoded."""
         self.counts["origin_range_reads"] += 1
-        view = self._origin_source().read_range(name, offset, length)
-        if self.index.format_version < 2:
-            entry = self._check(name)
-            local = bisect.bisect_left(entry.offsets, offset)
-            if local == len(entry.offsets) or entry.offsets[local] != offset or entry.lengths[local] != length:
-                raise IntegrityError(f"{name}: range {offset}+{length} is not one sample, and the shard failed its "
-                                     f"sha256 ({shard_exc}): cannot be verified") from shard_exc
-            entry.check_sample(local, view)
-        return view
+        return self._origin_source().read_range(name, offset, length)
 
     def _check(self, name: str):
         try:  # index.shard raises UnsafePathError for traversal before anything leaves the process

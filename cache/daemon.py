@@ -27,7 +27,7 @@ from loongforge.cache.metrics import Metrics
 from loongforge.cache.peer import PeerServer
 from loongforge.cache.store import Store
 from loongforge.shared.errors import CacheError, LoongForgeError
-from loongforge.shared.dataset_v2 import load_any_index
+from loongforge.shared.dataset import load_shard_index
 
 log = logging.getLogger(__name__)
 _owner_ids = itertools.count(1)
@@ -84,7 +84,7 @@ class _TCP6Server(_TCPServer):
 class Daemon:
     def __init__(self, cfg: CacheConfig):
         self.cfg = cfg
-        self.index = load_any_index(cfg.origin)  # v1 index, or the shard list of a v2 root (FORMAT.md)
+        self.index = load_shard_index(cfg.origin)  # the shard list of the root (FORMAT.md)
         namespace = hashlib.sha256(self.index.to_json()).hexdigest()[:16]  # one key space per dataset
         self.metrics = Metrics(cfg.node_id)
         self.store = Store(cfg, self.index, self.metrics,

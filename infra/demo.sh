@@ -4,8 +4,8 @@
 #   1 generate a LeRobot-v2 sample dataset (real H.264 mp4 + parquet) of the learnable task:
 #     actions are a known function of the state and of what the frames show, so the eval at
 #     the end can show the policy beating the trivial baselines (predict-the-mean, repeat-last)
-#   2 preprocess it into NV12 shards + global index (Beam, local runner; shard format 2, the
-#     default: every frame once in zstd blocks, every timestep a sample; shared/FORMAT.md)
+#   2 preprocess it into NV12 shards + global index (Beam, local runner; every frame once in
+#     zstd blocks, every timestep a sample; shared/FORMAT.md)
 #   3 inspect and hash-verify the shards
 #   4 start a private Redis and the cache daemon
 #   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache

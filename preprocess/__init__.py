@@ -1,6 +1,6 @@
 """The preprocess service: LeRobot v2 datasets (parquet + H.264 mp4) -> NV12
 shards + global index, as an Apache Beam job (pipeline.py; one module per stage:
-discover, episode, decode, window, pack, stats, finalize). sample_data.py
+discover, episode, decode, pack, stats, finalize). sample_data.py
 generates LeRobot v2 datasets with real H.264 for demos, tests and benchmarks.
 
 Entry points other services use:

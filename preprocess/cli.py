@@ -38,9 +38,10 @@ def register(subparsers) -> None:
     i.add_argument("--json", action="store_true", help="print a JSON object")
     i.set_defaults(func=_inspect)
 
-    c = subparsers.add_parser("convert", help="rewrite a format-1 shard root as format 2 (frames stored once)",
-                              description="Rewrite a format-1 shard root (per-sample windows) as format 2 (frame "
-                              "blocks + memory-mapped index, shared/FORMAT.md). No Beam, no source video needed.")
+    c = subparsers.add_parser("convert", help="rewrite a root of the retired format 1 as format 2",
+                              description="Rewrite a format-1 shard root (per-sample windows, retired) as format 2 "
+                              "(frame blocks + memory-mapped index, shared/FORMAT.md), the only format LoongForge "
+                              "reads. No Beam, no source video needed.")
     c.add_argument("root", metavar="ROOT", help="format-1 shard root (path or URL)")
     c.add_argument("--to", choices=("v2",), required=True, help="target format (v2)")
     c.add_argument("out", metavar="OUT", help="shard root to write")
@@ -109,17 +110,12 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from loongforge.preprocess.report import format_summary, summarize
-    from loongforge.shared.reader import ShardReader
+    from loongforge.shared.dataset import open_root
 
     summary = summarize(args.root)
     rc = 0
     if args.verify:
-        if summary.get("format_version") == 2:
-            from loongforge.shared.dataset_v2 import open_v2
-
-            bad = open_v2(args.root).verify()
-        else:
-            bad = ShardReader(args.root).verify()
+        bad = open_root(args.root).verify()
         summary["verified"], summary["bad_shards"] = not bad, bad
         rc = 1 if bad else 0
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
@@ -127,7 +123,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from loongforge.shared.convert_v1 import convert_v1_to_v2
+    from loongforge.shared.legacy import convert_root
     from loongforge.shared.errors import ConfigError
     from loongforge.shared.units import parse_size
 
@@ -135,9 +131,9 @@ def _convert(args: argparse.Namespace) -> int:
         raise ConfigError("OUT must differ from ROOT: the converter reads ROOT while it writes")
     if args.block_frames < 1:
         raise ConfigError(f"--block-frames {args.block_frames}: must be >= 1")
-    summary = convert_v1_to_v2(args.root, args.out, block_size=args.block_frames, zstd_level=args.zstd_level,
-                               block_codec=args.block_codec,
-                               shard_size=parse_size(args.shard_size, "--shard-size"), strict=args.strict)
+    summary = convert_root(args.root, args.out, block_size=args.block_frames, zstd_level=args.zstd_level,
+                          block_codec=args.block_codec,
+                          shard_size=parse_size(args.shard_size, "--shard-size"), strict=args.strict)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 

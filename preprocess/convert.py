@@ -1,8 +1,8 @@
-"""The per-episode transform: parquet + every camera's mp4 -> staged samples.
+"""The per-episode transform: parquet + every camera's mp4 -> a staged episode fragment.
 
 `ConvertEpisodeFn` chains stages 2-5 for one episode (read the parquet, decode
-each camera once, cut windows, pack into a staging file) and emits only
-metadata. Bad input never kills the job: a missing/corrupt video, an unreadable
+each camera once, encode its arrays and frame blocks into a staging file) and
+emits only metadata. Bad input never kills the job: a missing/corrupt video, an unreadable
 parquet or a parquet/video length mismatch becomes a record on the `failed`
 output (episode, camera, reason) plus a counter, and the other episodes go on.
 """
@@ -22,9 +22,8 @@ from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.episode import read_episode
-from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, stage_samples, staging_path
+from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, staging_path
 from loongforge.preprocess.stats import episode_moments
-from loongforge.preprocess.window import cut_samples, plan_windows
 from loongforge.shared import paths, storage
 from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
@@ -43,17 +42,11 @@ class ConvertParams:
     height: int
     width: int
     resize_mode: str
-    frames_per_sample: int
-    stride: int
-    frame_step: int
-    action_horizon: int
-    min_frames: int
     zstd_level: int
+    slots: tuple[str, ...]  # camera slots in dataset order (block order in the shard)
     color: ColorTarget | None = None  # the dataset's colour (launcher probe); None: each stream keeps its own
-    format_version: int = 1
-    block_frames: int = 16  # format 2: frames per zstd block
-    slots: tuple[str, ...] = ()  # format 2: camera slots in dataset order (block order in the shard)
-    block_codec: str = "zstd"  # format 2: FORMAT.md "Block codec"
+    block_frames: int = 16  # frames per zstd block
+    block_codec: str = "zstd"  # FORMAT.md "Block codec"
 
 
 def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
@@ -113,33 +106,9 @@ class ConvertEpisodeFn(beam.DoFn):
         except _Failed as failed:
             yield self._fail(spec, failed.camera, failed.error)
             return
-        if p.format_version == 2:
-            yield from self._stage_v2(spec, table, frames, videos, source_bytes, t0)
-            return
-        windows = plan_windows(table.length, frames_per_sample=p.frames_per_sample, stride=p.stride,
-                               frame_step=p.frame_step, action_horizon=p.action_horizon, min_frames=p.min_frames)
-        if not windows:
-            yield self._fail(spec, None, SourceDataError(
-                f"episode {spec.index}: {table.length} frames, too short for one window of {p.min_frames}"))
-            return
+        path = staging_path(p.output, spec.index)
         # Output errors (disk full, permissions) are not bad input: they propagate
         # and fail the job loudly instead of marking every episode failed.
-        path = staging_path(p.output, spec.index)
-        staged = stage_samples(path, cut_samples(table, frames, windows), p.zstd_level)
-        self.converted.inc()
-        self.samples.inc(len(staged))
-        self.frames.inc(table.length * len(frames))
-        log.info("episode %d: %d frames x %d cameras -> %d samples (%.2f s)", spec.index, table.length,
-                 len(frames), len(staged), time.perf_counter() - t0)
-        yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
-        yield StagedEpisode(episode=spec.index, path=path, samples=staged, source_frames=table.length,
-                            source_bytes=source_bytes, videos=tuple(videos))
-
-
-    def _stage_v2(self, spec: EpisodeSpec, table, frames, videos, source_bytes, t0):
-        """Format 2: the episode's frames once, in blocks, plus its arrays, to one staging file."""
-        p = self.params
-        path = staging_path(p.output, spec.index)
         with storage.open_atomic(path) as f:
             layout = encode_episode(f, spec.index, frames, episode_arrays(table), slots=list(p.slots),
                                     block_size=p.block_frames, zstd_level=p.zstd_level, codec=p.block_codec)
@@ -149,12 +118,12 @@ class ConvertEpisodeFn(beam.DoFn):
         log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
         yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
-        yield StagedEpisode(episode=spec.index, path=path, samples=(), source_frames=table.length,
-                            source_bytes=source_bytes, videos=tuple(videos), layout=layout)
+        yield StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
+                            source_bytes=source_bytes, videos=tuple(videos))
 
 
 def episode_arrays(table) -> dict:
-    """The per-frame arrays a format-2 episode stores (FORMAT.md)."""
+    """The per-frame arrays an episode stores (FORMAT.md)."""
     return {"state": table.state, "action": table.action, "timestamp": table.timestamps,
             "frame_index": table.frame_index, "task_index": table.task_index}
 

@@ -3,7 +3,7 @@
 Each file is decoded ONCE, front to back (`container.decode`): a seek per frame
 would re-decode from the previous keyframe every time, which at GOP 100+ costs
 ~GOP/2 decodes per frame. The whole episode lands in one preallocated
-(n, 3h/2, w) uint8 buffer; windows are then cut from it without re-decoding.
+(n, 3h/2, w) uint8 buffer; its blocks are then encoded from it without re-decoding.
 
 Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
 (no matrix or range conversion), so the NV12 carries the source's colour

@@ -32,10 +32,6 @@ class EpisodeTable:
     def length(self) -> int:
         return int(self.state.shape[0])
 
-    def task(self, row: int) -> tuple[int, str]:
-        idx = int(self.task_index[row])
-        return idx, self.task_text.get(idx, self.task_text.get(-1, ""))
-
 
 def _matrix(table, column: str, dim: int, origin: str) -> np.ndarray:
     import pyarrow as pa

@@ -1,4 +1,4 @@
-"""Stage 6: write `failed.jsonl`, then `index.json` (LAST), then clean up.
+"""Stage 6: write `failed.jsonl`, the tables, then `index.json` (LAST), then clean up.
 
 The index is the commit point of the job: readers treat a root without one as
 unfinished, so it is written only after every shard it names is in place
@@ -22,8 +22,9 @@ from loongforge.preprocess.discover import SourceMeta
 from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
 from loongforge.preprocess.stats import norm_stats
 from loongforge.shared import paths, storage
-from loongforge.shared.index import CameraInfo, DatasetInfo, ShardEntry, ShardIndex, save_index
+from loongforge.shared.index import TABLE_DIR, CameraInfo, DatasetInfo
 from loongforge.shared.split import choose_val_episodes
+from loongforge.shared.writer import publish
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
     return {key: {k: sorted(v) for k, v in seen.items()} for key, seen in sorted(out.items())}
 
 
-def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, entries: list[ShardEntry],
-                failed: list[dict], moments: dict, staged: list[StagedEpisode]) -> ShardIndex:
-    """`moments`: EpisodeMomentsFn's per-episode partials; the stats use the training episodes only."""
+def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, moments: dict,
+                  staged: list[StagedEpisode]) -> tuple[DatasetInfo, tuple[int, ...]]:
+    """(dataset info, validation episodes). `moments`: EpisodeMomentsFn's per-episode partials;
+    the stats use the training episodes only."""
     staged = sorted(staged, key=lambda e: e.episode)
     val_episodes = choose_val_episodes(cfg.val_episodes, [e.episode for e in staged])
     stats = norm_stats(moments, exclude=val_episodes)
@@ -71,22 +73,18 @@ def build_index(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, 
         "color": _source_colors(staged),
         "bytes": sum(e.source_bytes for e in staged), "frames": sum(e.source_frames for e in staged),
     }
+    # frames_per_sample 1: every frame is stored once; samples are shaped at training time (delta indices).
     dataset = DatasetInfo(
         fps=meta.fps, height=params.height, width=params.width, cameras=cameras, color_matrix=color.matrix,
         color_range=color.range, state_dim=state_dim, action_dim=action_dim, action_horizon=cfg.action_horizon,
-        frames_per_sample=cfg.frames_per_sample, state_names=meta.state_names, action_names=meta.action_names,
+        frames_per_sample=1, state_names=meta.state_names, action_names=meta.action_names,
         modality=meta.modality, stats=stats, source=source,
         tasks={str(k): v for k, v in sorted(meta.tasks.items())})
-    failed_sorted = tuple(sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"])))
-    return ShardIndex(dataset=dataset, shards=tuple(sorted(entries, key=lambda e: e.name)),
-                      params={**cfg.output_params(), "height": params.height, "width": params.width},
-                      failed=failed_sorted, episodes=len(staged),
-                      val_episodes=val_episodes,
-                      created_by=f"loongforge.preprocess {__version__}")
+    return dataset, val_episodes
 
 
 def remove_stale_shards(output: str, keep: set[str]) -> None:
-    """A previous run with more shards leaves higher-numbered files behind (v1 and v2 finalize)."""
+    """A previous run with more shards leaves higher-numbered files behind."""
     try:
         listed = files.list_files(output, paths.SHARD_DIR)
     except FileNotFoundError:
@@ -96,25 +94,27 @@ def remove_stale_shards(output: str, keep: set[str]) -> None:
             files.remove_file(files.join(output, name))
 
 
-def write_outputs(index: ShardIndex, output: str) -> str:
-    lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in index.failed)
-    storage.write_bytes_atomic(paths.join(output, paths.FAILED_FILE), lines.encode())
-    path = save_index(index, output)  # last: its presence means the shard set is complete
-    remove_stale_shards(output, {s.name for s in index.shards})
-    files.remove_tree(files.join(output, STAGING_DIR))
-    return path
-
-
 class FinalizeFn(beam.DoFn):
-    """Runs once, after every shard is written; emits the index summary."""
+    """Runs once, after every shard is written: failed.jsonl, tables, index.json last."""
 
     def __init__(self, meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams):
         self.meta, self.cfg, self.params = meta, cfg, params
 
-    def process(self, _unused, entries, failed, stats, staged):
-        index = build_index(self.meta, self.cfg, self.params, list(entries), list(failed), stats or {},
-                            list(staged))
-        path = write_outputs(index, self.cfg.output)
-        log.info("wrote %s: %d shards, %d samples, %d failed", path, len(index.shards), index.num_samples,
-                 len(index.failed))
-        yield index.summary()
+    def process(self, _unused, written, failed, stats, staged):
+        dataset, val_episodes = build_dataset(self.meta, self.cfg, self.params, stats or {}, list(staged))
+        written = sorted(written, key=lambda w: w[0])
+        shards = [entry for _, entry, _ in written]
+        layouts = [lay for _, _, placed in written for lay in placed]
+        shard_of = [number for number, _, placed in written for _ in placed]
+        failed = sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"]))
+        lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in failed)
+        storage.write_bytes_atomic(paths.join(self.cfg.output, paths.FAILED_FILE), lines.encode())
+        params = {**self.cfg.output_params(), "height": self.params.height, "width": self.params.width,
+                  "block_size": self.params.block_frames}
+        publish(self.cfg.output, dataset=dataset, params=params, shards=shards, layouts=layouts, shard_of=shard_of,
+                failed=failed, val_episodes=val_episodes, created_by=f"loongforge.preprocess {__version__}")
+        remove_stale_shards(self.cfg.output, {s["name"] for s in shards})
+        files.remove_tree(files.join(self.cfg.output, STAGING_DIR))
+        log.info("wrote %s: %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
+                 len(layouts), sum(lay.num_frames for lay in layouts), len(failed))
+        yield {"shards": len(shards), "episodes": len(layouts), "tables": TABLE_DIR}

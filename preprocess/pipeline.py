@@ -1,4 +1,4 @@
-"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index.
+"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index (FORMAT.md).
 
 Local (default runner: Beam's FnApiRunner, one worker process per core):
 
@@ -13,9 +13,9 @@ infra/dataflow/launch.sh for the full command):
         --setup_file=$PWD/pyproject.toml --requirements_file=infra/dataflow/requirements.txt
 
 Stages, top to bottom (one module each): discover (meta, launcher side) ->
-convert per episode [episode: parquet, decode: mp4 -> NV12, window: samples,
-pack: staging file] -> plan shards (metadata only) -> write shards -> stats
-(CombineFn) -> finalize (failed.jsonl, then index.json last).
+convert per episode [episode: parquet, decode: mp4 -> NV12, blocks: staging
+file] -> plan shards of whole episodes (metadata only) -> write shards -> stats
+(CombineFn) -> finalize (failed.jsonl, tables, then index.json last).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.preprocess.finalize import FinalizeFn
 from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
-from loongforge.preprocess.pack_v2 import write_v2
 from loongforge.preprocess.progress import ProgressMonitor
 from loongforge.preprocess.stats import EpisodeMomentsFn
 from loongforge.shared import paths
@@ -92,10 +91,8 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget |
         if height % 2 or width % 2 or height <= 0 or width <= 0:
             raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
     return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
-                         frames_per_sample=cfg.frames_per_sample, stride=cfg.stride, frame_step=cfg.frame_step,
-                         action_horizon=cfg.action_horizon, min_frames=cfg.min_frames, zstd_level=cfg.zstd_level,
-                         color=color, format_version=cfg.format_version, block_frames=cfg.block_frames,
-                         slots=tuple(c.slot for c in meta.cameras), block_codec=cfg.block_codec)
+                         zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
+                         block_frames=cfg.block_frames, block_codec=cfg.block_codec)
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
@@ -112,9 +109,7 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
     )
     staged, failed = converted[STAGED], converted[FAILED]
     stats = converted[STATS] | "EpisodeMoments" >> beam.CombineGlobally(EpisodeMomentsFn())  # merged in finalize
-    if params.format_version == 2:
-        return write_v2(p, cfg, meta, params, staged, failed, stats)
-    entries = (
+    written = (
         staged
         | "CollectStaged" >> beam.combiners.ToList()
         | "PlanShards" >> beam.FlatMap(plan_shards, cfg.shard_size)
@@ -124,7 +119,7 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
     return (
         p
         | "Once" >> beam.Create([None])
-        | "WriteIndex" >> beam.ParDo(FinalizeFn(meta, cfg, params), entries=AsList(entries), failed=AsList(failed),
+        | "WriteIndex" >> beam.ParDo(FinalizeFn(meta, cfg, params), written=AsList(written), failed=AsList(failed),
                                      stats=AsSingleton(stats), staged=AsList(staged))
     )
 

@@ -3,30 +3,19 @@ computed from the index alone (no Beam import: inspect runs anywhere)."""
 
 from __future__ import annotations
 
-from loongforge.shared.dataset_v2 import load_any_index, open_v2
-from loongforge.shared.index import load_index
-
-
-def _summary_v2(root: str) -> tuple[dict, object, int, int, list]:
-    """Format 2: samples = frames (every timestep), frames stored once."""
-    v2 = open_v2(root)
-    ds, m = v2.info, v2.manifest
-    total = sum(int(s["bytes"]) for s in m["shards"]) + sum(int(t["bytes"]) for t in m["tables"].values())
-    out = {"format_version": 2, "episodes": v2.num_episodes, "samples": v2.num_frames, "frames": v2.num_frames,
-           "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
-           "resolution": [ds.height, ds.width], "fps": ds.fps, "failed": len(m["failed"]),
-           "block_size": v2.block_size, "block_codec": v2.block_codec}
-    return out, ds, v2.num_frames, total, list(m["failed"])
+from loongforge.shared.dataset import open_root
 
 
 def summarize(root: str, seconds: float | None = None) -> dict:
-    index = load_any_index(root)
-    if index.format_version == 2:
-        out, ds, frames, total, failed = _summary_v2(root)
-    else:
-        index = load_index(root)
-        out, ds, frames, total, failed = index.summary(), index.dataset, index.num_frames, index.total_bytes, \
-            list(index.failed)
+    """Samples = frames (every timestep), frames stored once; bytes of shards and tables."""
+    root_ds = open_root(root)
+    ds, m = root_ds.info, root_ds.manifest
+    frames = root_ds.num_frames
+    total = sum(int(s["bytes"]) for s in m["shards"]) + sum(int(t["bytes"]) for t in m["tables"].values())
+    out = {"format_version": m["format_version"], "episodes": root_ds.num_episodes, "samples": frames,
+           "frames": frames, "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
+           "resolution": [ds.height, ds.width], "fps": ds.fps, "failed": len(m["failed"]),
+           "block_size": root_ds.block_size, "block_codec": root_ds.block_codec}
     bytes_in = int(ds.source.get("bytes", 0))
     nv12 = frames * ds.frame_bytes * len(ds.cameras)
     out.update({
@@ -36,7 +25,7 @@ def summarize(root: str, seconds: float | None = None) -> dict:
         "out_over_in": round(total / bytes_in, 3) if bytes_in else None,
         "nv12_over_out": round(nv12 / total, 3) if total else None,
         "warnings": list(ds.source.get("warnings", [])),
-        "failed_records": failed,
+        "failed_records": list(m["failed"]),
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)
@@ -48,9 +37,8 @@ def summarize(root: str, seconds: float | None = None) -> dict:
 def format_summary(s: dict) -> str:
     lines = [
         f"episodes   {s['episodes']} converted, {s['failed']} failed",
-        f"samples    {s['samples']} (every timestep; frames stored once, {s.get('block_codec', 'zstd')} blocks of "
-        f"{s['block_size']})"
-        if s.get("format_version") == 2 else f"samples    {s['samples']} ({s['frames']} window frames per camera)",
+        f"samples    {s['samples']} (every timestep; frames stored once, {s['block_codec']} blocks of "
+        f"{s['block_size']})",
         f"shards     {s['shards']}, {s['bytes_out'] / 1e6:.2f} MB",
         f"cameras    {', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}, {s['fps']:g} fps",
         f"bytes in   {s['bytes_in'] / 1e6:.2f} MB (parquet + mp4), out {s['bytes_out'] / 1e6:.2f} MB",

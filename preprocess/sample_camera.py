@@ -5,7 +5,7 @@ texture across the whole frame: every pixel changes every frame, which H.264
 encodes by motion compensation at ~1.5 KB a frame but which no lossless coder
 can model. That is a worst case for storing decoded frames, not what a robot
 camera sees. This module renders what a fixed robot camera sees instead, so
-that storage benchmarks of decoded NV12 (FORMAT.md v2) have a realistic row.
+that storage benchmarks of decoded NV12 (FORMAT.md) have a realistic row.
 
 What it models (per episode and camera, deterministic from `seed`):
   * a static scene with the detail a bench or kitchen has: a tiled back wall

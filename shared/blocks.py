@@ -1,4 +1,4 @@
-"""The episode codec of shard format 2 (spec: FORMAT.md, "Version 2").
+"""The episode codec of the shard format (spec: FORMAT.md).
 
 One episode is one run of tar members inside a shard:
 
@@ -25,7 +25,6 @@ xxh3 covers the stored (compressed) bytes whatever the codec.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -34,7 +33,7 @@ import xxhash
 import zstandard
 
 from loongforge.shared.errors import ConfigError, FormatError
-from loongforge.shared.format import BLOCK, DEFAULT_ZSTD_LEVEL, NV12_SUFFIX, _member, decompress_into
+from loongforge.shared.members import BLOCK, DEFAULT_ZSTD_LEVEL, NV12_SUFFIX, decompress_into, npy_bytes, tar_member
 from loongforge.shared.paths import camera_slot
 
 EPISODE_KEY_TEMPLATE = "e{episode:06d}"
@@ -111,17 +110,11 @@ class EpisodeLayout:
                              tuple(tuple((o + by, n_bytes, n, d) for o, n_bytes, n, d in cam) for cam in self.blocks))
 
 
-def _npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
-
-
 def check_arrays(episode: int, arrays: dict[str, np.ndarray], frames: int) -> dict[str, np.ndarray]:
     """Cast the required arrays to their dtypes; every array must have `frames` rows."""
     missing = sorted(set(REQUIRED_ARRAYS) - set(arrays))
     if missing:
-        raise FormatError(f"episode {episode}: arrays {missing} missing (a v2 episode needs {sorted(REQUIRED_ARRAYS)})")
+        raise FormatError(f"episode {episode}: arrays {missing} missing (an episode needs {sorted(REQUIRED_ARRAYS)})")
     out = {}
     for name in sorted(arrays):
         camera_slot(name)  # a member-name-safe identifier, no dots
@@ -157,7 +150,7 @@ def encode_episode(out: BinaryIO, episode: int, frames: dict[str, np.ndarray], a
     arrays = check_arrays(episode, arrays, t)
     pos = 0
     key = episode_key(episode)
-    arrays_bytes = b"".join(_member(f"{key}.{name}.npy", _npy(arr)) for name, arr in arrays.items())
+    arrays_bytes = b"".join(tar_member(f"{key}.{name}.npy", npy_bytes(arr)) for name, arr in arrays.items())
     out.write(arrays_bytes)
     arrays_entry = (0, len(arrays_bytes), xxhash.xxh3_64_intdigest(arrays_bytes))
     pos += len(arrays_bytes)
@@ -169,7 +162,7 @@ def encode_episode(out: BinaryIO, episode: int, frames: dict[str, np.ndarray], a
         lo, hi = b * block_size, min(t, (b + 1) * block_size)
         for c, slot in enumerate(slots):
             blob = cctx.compress(_predict(frames[slot][lo:hi], codec).data)
-            member = _member(f"{block_key(episode, b)}.{slot}{NV12_SUFFIX}", blob)
+            member = tar_member(f"{block_key(episode, b)}.{slot}{NV12_SUFFIX}", blob)
             out.write(member)
             per_cam[c].append((pos + BLOCK, len(blob), hi - lo, xxhash.xxh3_64_intdigest(blob)))
             pos += len(member)

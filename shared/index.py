@@ -1,62 +1,47 @@
-"""The global shard index (`index.json`): schema, validation, load and save.
+"""The index of a shard root: a small JSON manifest (`index.json`) plus binary tables.
 
-One versioned JSON document at the shard root, written last (after every shard
-it names), so its presence means the shard set is complete. Spec: FORMAT.md.
+`index.json` holds what is small and global: dataset info, job params (incl.
+block_size), the shard list (bytes + sha256), the table list (bytes + sha256 +
+dtype + shape). Everything per episode or per block lives in `.npy` tables under
+`index/`, which readers memory-map: every process on a node shares the same
+page-cache pages and nothing is parsed per worker. Written last, after every
+shard and table it names, so its presence means the root is complete. Spec:
+FORMAT.md. `parse_manifest` holds the one format-version check of every reader.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-import xxhash
+import numpy as np
 
 from loongforge.shared import paths
-from loongforge.shared.errors import FormatError, FormatVersionError, IntegrityError
-from loongforge.shared.format import FORMAT_VERSION
-from loongforge.shared.storage import read_bytes, write_bytes_atomic
+from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, check_block_codec
+from loongforge.shared.errors import FormatError, FormatVersionError, UnsafePathError
 
 log = logging.getLogger(__name__)
 FORMAT_NAME = "loongforge-shards"
+FORMAT_VERSION = 2
 COLOR_MATRICES = ("bt601", "bt709")
 COLOR_RANGES = ("limited", "full")
-# Optional top-level key: {shard name: [xxh3_64 hex digest of each sample's byte range]}.
-# Top level, not inside each shard entry, because readers of format 1 warn about
-# and ignore unknown top-level keys but refuse unknown keys in a shard entry.
-CHECKSUM_KEY = "sample_xxh3"
-KNOWN_KEYS = {"format", "format_version", "created_by", "episodes", "dataset", "params", "shards", "failed",
-              "split", CHECKSUM_KEY}
-
-
-def parse_document(raw: bytes | str, origin: str, version: int,
-                   refuse: Callable[[object, str], FormatVersionError], known: set[str],
-                   logger: logging.Logger) -> dict:
-    """The checks every index.json reader (format 1 here, format 2 in index_v2) starts with:
-    valid JSON, our format name, the one version this reader reads (else `refuse(version,
-    origin)` is raised), and a warning (on the caller's logger) for each unknown top-level key."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{origin}: not valid JSON ({exc}); the file is truncated or not an index") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{origin}: not a LoongForge shard index (format != {FORMAT_NAME!r})")
-    if doc.get("format_version") != version:
-        raise refuse(doc.get("format_version"), origin)
-    for key in sorted(set(doc) - known):
-        logger.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
-    return doc
-
-
-def _refuse_version(version, origin: str) -> FormatVersionError:
-    hint = "upgrade loongforge" if isinstance(version, int) and version > FORMAT_VERSION else \
-        "re-run `loongforge preprocess` to rewrite the shards"
-    if version == 2:  # FORMAT.md: a v2 root has its own reader
-        hint = "a version-2 root: open it with loongforge.shared.dataset_v2.open_v2 (or upgrade loongforge)"
-    return FormatVersionError(f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
+TABLE_DIR = "index"
+# name -> (dtype, what one row holds). Shapes: (E,) / (E+1,) / (E, 3) / (E, C) / (NB, 4).
+TABLES = {
+    "episode_id": ("<i8", "source episode index"),
+    "episode_shard": ("<i4", "shard number (position in `shards`)"),
+    "episode_length": ("<i8", "frames T"),
+    "episode_start": ("<i8", "E+1 prefix sums of T: episode e is global frames [start[e], start[e+1])"),
+    "episode_arrays": ("<u8", "offset, length, xxh3_64 of the episode's .npy members (headers included)"),
+    "first_block": ("<i8", "per camera: row in `blocks` of the episode's block 0"),
+    "blocks": ("<u8", "offset, length, n_frames, xxh3_64 of one block's zstd bytes"),
+    "frame_bucket": ("<i8", "episode row holding global frame k << frame_bucket_shift (O(1) locate)"),
+}
+KNOWN_KEYS = {"format", "format_version", "created_by", "dataset", "params", "episodes", "frames", "blocks",
+              "frame_bucket_shift", "shards", "tables", "failed", "split"}
+MAX_BUCKET_SHIFT = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,76 +101,31 @@ class ShardEntry:
     name: str  # relative to the shard root, e.g. shards/shard-000000.tar
     bytes: int
     sha256: str
-    keys: tuple[str, ...]
-    offsets: tuple[int, ...]  # byte offset of each sample's first tar header
-    lengths: tuple[int, ...]  # bytes of each sample's fragment
-    frames: tuple[int, ...]  # frames per sample (for length bucketing)
-    xxh3: tuple[str, ...] = ()  # xxh3_64 hex digest of each sample's byte range; () in indexes written before it
 
     def __post_init__(self):
         paths.check_relative(self.name)
-        n = len(self.keys)
-        if not (len(self.offsets) == len(self.lengths) == len(self.frames) == n):
-            raise FormatError(f"shard {self.name}: per-sample lists differ in length")
-        if self.xxh3 and len(self.xxh3) != n:
-            raise FormatError(f"shard {self.name}: {len(self.xxh3)} sample checksums for {n} samples")
-        if len(self.sha256) != 64:
-            raise FormatError(f"shard {self.name}: sha256 must be 64 hex digits")
-        for off, length in zip(self.offsets, self.lengths):
-            if off < 0 or length <= 0 or off + length > self.bytes:
-                raise FormatError(f"shard {self.name}: sample range {off}+{length} outside {self.bytes} bytes")
-
-    @property
-    def samples(self) -> int:
-        return len(self.keys)
-
-    def check_sample(self, local: int, data) -> None:
-        """Raise IntegrityError unless `data` (sample `local`'s byte range) matches
-        its recorded xxh3_64. Called on every range read: a range cannot be checked
-        against the whole-shard sha256, and one flipped bit in a state array would
-        otherwise reach training as a valid sample. xxh3 over the compressed range
-        costs a few % of a decode worker's CPU time, zlib.crc32 about 3x that."""
-        if self.xxh3 and xxhash.xxh3_64_hexdigest(data) != self.xxh3[local]:
-            raise IntegrityError(f"{self.name}: sample {self.keys[local]} (bytes {self.offsets[local]}+"
-                                 f"{self.lengths[local]}) does not match its xxh3 in the index: corrupt shard; "
-                                 "re-fetch it or re-run `loongforge preprocess`")
+        if len(self.sha256) != 64 or self.bytes < 0:
+            raise FormatError(f"shard {self.name}: bad bytes/sha256")
 
 
 @dataclass(frozen=True)  # no slots: cached_property needs __dict__
 class ShardIndex:
+    """The shard level of a root: which shard files exist, their sizes and hashes. What
+    the origin source, the cache client and the cache daemon need: they work per shard
+    and never look inside one (the tables say where blocks are)."""
+
     dataset: DatasetInfo
     shards: tuple[ShardEntry, ...]
-    params: dict = field(default_factory=dict)  # the job parameters that made these shards
-    failed: tuple[dict, ...] = ()  # {"episode", "camera", "reason"} per failed record
+    params: dict = field(default_factory=dict)
+    failed: tuple[dict, ...] = ()
     episodes: int = 0
-    val_episodes: tuple[int, ...] = ()  # validation split by episode (shared/split.py); () = all train
-    format_version: int = FORMAT_VERSION
+    val_episodes: tuple[int, ...] = ()
     created_by: str = ""
 
     def __post_init__(self):
         names = [s.name for s in self.shards]
         if len(set(names)) != len(names):
             raise FormatError("index lists a shard twice")
-
-    # -- derived totals -------------------------------------------------------
-    @cached_property
-    def _starts(self) -> list[int]:
-        starts, total = [], 0
-        for s in self.shards:
-            starts.append(total)
-            total += s.samples
-        return starts
-
-    # Cached: the index is immutable and `locate` (per sample read) checks the
-    # range; re-summing 2,000 shards cost 242 us per read.
-    @cached_property
-    def num_samples(self) -> int:
-        return sum(s.samples for s in self.shards)
-
-    @cached_property
-    def num_frames(self) -> int:
-        """Window frames stored, per camera (overlapping windows count again)."""
-        return sum(sum(s.frames) for s in self.shards)
 
     @cached_property
     def total_bytes(self) -> int:
@@ -196,101 +136,128 @@ class ShardIndex:
         return {s.name: s for s in self.shards}
 
     def shard(self, name: str) -> ShardEntry:
-        """Entry by name. Called per sample read (cache client, origin), so a
-        dict lookup; a name that is not a key is checked for traversal, then refused."""
+        """Entry by name. Called per range read (cache client, origin), so a dict lookup;
+        a name that is not a key is checked for traversal, then refused."""
         entry = self._by_name.get(name)
         if entry is None:
             paths.check_relative(name)
             raise KeyError(f"shard {name!r} is not in the index")
         return entry
 
-    def locate(self, sample: int) -> tuple[int, int]:
-        """Global sample number -> (shard number, sample number inside it)."""
-        if not 0 <= sample < self.num_samples:
-            raise IndexError(f"sample {sample} out of range [0, {self.num_samples})")
-        shard = bisect.bisect_right(self._starts, sample) - 1
-        return shard, sample - self._starts[shard]
-
-    def shard_start(self, shard: int) -> int:
-        return self._starts[shard]
-
-    def summary(self) -> dict:
-        return {
-            "format_version": self.format_version,
-            "episodes": self.episodes,
-            "samples": self.num_samples,
-            "frames": self.num_frames,
-            "shards": len(self.shards),
-            "bytes": self.total_bytes,
-            "cameras": [c.key for c in self.dataset.cameras],
-            "resolution": [self.dataset.height, self.dataset.width],
-            "fps": self.dataset.fps,
-            "failed": len(self.failed),
-        }
-
-    # -- (de)serialisation ----------------------------------------------------
     def to_json(self) -> bytes:
-        doc = {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "created_by": self.created_by,
-            "episodes": self.episodes,
-            "dataset": asdict(self.dataset),
-            "params": self.params,
-            "shards": [{k: v for k, v in asdict(s).items() if k != "xxh3"} for s in self.shards],
-            "failed": list(self.failed),
-        }
-        if self.val_episodes:  # absent when unsplit, so older indexes keep their bytes
-            doc["split"] = {"val_episodes": list(self.val_episodes)}
-        if any(s.xxh3 for s in self.shards):
-            doc[CHECKSUM_KEY] = {s.name: list(s.xxh3) for s in self.shards if s.xxh3}
-        # sort_keys + fixed separators: equal indexes are equal bytes.
+        """Canonical bytes of the shard level (the cache daemon's per-dataset key space)."""
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dataset": asdict(self.dataset),
+               "params": self.params, "shards": [asdict(s) for s in self.shards], "episodes": self.episodes}
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
-    @classmethod
-    def from_json(cls, raw: bytes | str, origin: str = "index.json") -> "ShardIndex":
-        doc = parse_document(raw, origin, FORMAT_VERSION, _refuse_version, KNOWN_KEYS, log)
-        version = doc["format_version"]
-        try:
-            ds = dict(doc["dataset"])
-            ds["cameras"] = tuple(CameraInfo(**c) for c in ds["cameras"])
-            ds["state_names"] = tuple(ds.get("state_names", ()))
-            ds["action_names"] = tuple(ds.get("action_names", ()))
-            checksums = doc.get(CHECKSUM_KEY) or {}
-            shards = tuple(
-                ShardEntry(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in s.items()},
-                           xxh3=tuple(checksums.get(s["name"], ())))
-                for s in doc["shards"]
-            )
-            return cls(
-                dataset=DatasetInfo(**ds),
-                shards=shards,
-                params=doc.get("params", {}),
-                failed=tuple(doc.get("failed", ())),
-                episodes=int(doc.get("episodes", 0)),
-                val_episodes=tuple(int(e) for e in doc.get("split", {}).get("val_episodes", ())),
-                format_version=version,
-                created_by=doc.get("created_by", ""),
-            )
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{origin}: malformed index ({type(exc).__name__}: {exc})") from exc
+
+def table_name(table: str) -> str:
+    return f"{TABLE_DIR}/{table}.npy"
 
 
-def load_index(root: str) -> ShardIndex:
-    """Read and validate `index.json` under a shard root (path or fsspec URL)."""
-    path = paths.join(root, paths.INDEX_FILE)
+def dataset_from_doc(ds: dict) -> DatasetInfo:
+    ds = dict(ds)
+    ds["cameras"] = tuple(CameraInfo(**c) for c in ds["cameras"])
+    ds["state_names"] = tuple(ds.get("state_names", ()))
+    ds["action_names"] = tuple(ds.get("action_names", ()))
+    return DatasetInfo(**ds)
+
+
+def manifest_json(*, dataset: DatasetInfo, params: dict, shards: list[dict], tables: dict[str, dict],
+                  episodes: int, frames: int, blocks: int, bucket_shift: int, failed=(), val_episodes=(),
+                  created_by: str = "") -> bytes:
+    doc = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "created_by": created_by,
+        "dataset": asdict(dataset), "params": params, "episodes": int(episodes), "frames": int(frames),
+        "blocks": int(blocks), "frame_bucket_shift": int(bucket_shift), "shards": shards, "tables": tables,
+        "failed": list(failed),
+    }
+    if val_episodes:
+        doc["split"] = {"val_episodes": [int(e) for e in val_episodes]}
+    # sort_keys + fixed separators: equal indexes are equal bytes.
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def refuse_version(version, origin: str) -> FormatVersionError:
+    if version == 1:
+        return FormatVersionError(f"{origin}: format_version 1 (per-sample windows) is retired; rewrite the root as "
+                                  "format 2 with `loongforge convert ROOT --to v2 OUT`")
+    hint = "upgrade loongforge" if isinstance(version, int) and version > FORMAT_VERSION else \
+        "re-run `loongforge preprocess` to rewrite the shards"
+    return FormatVersionError(f"{origin}: format_version {version!r}, this LoongForge reads {FORMAT_VERSION}: {hint}")
+
+
+def _document(raw: bytes | str, origin: str) -> dict:
     try:
-        raw = read_bytes(path)
-    except FileNotFoundError:
-        raise FormatError(
-            f"no {paths.INDEX_FILE} under {root!r}: not a shard root, or preprocess did not finish "
-            "(the index is written last). Run `loongforge preprocess --input DATASET --output ROOT`."
-        ) from None
-    return ShardIndex.from_json(raw, origin=path)
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{origin}: not valid JSON ({exc}); the file is truncated or not an index") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{origin}: not a LoongForge shard index (format != {FORMAT_NAME!r})")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise refuse_version(doc.get("format_version"), origin)
+    for key in sorted(set(doc) - KNOWN_KEYS):
+        log.warning("%s: ignoring unknown key %r (written by a newer LoongForge?)", origin, key)
+    return doc
 
 
-def save_index(index: ShardIndex, root: str) -> str:
-    """Write the index atomically (temp + rename). Call after every shard is in place."""
-    path = paths.join(root, paths.INDEX_FILE)
-    write_bytes_atomic(path, index.to_json())
-    return path
+def parse_manifest(raw: bytes | str, origin: str = "index.json") -> dict:
+    """Validate a manifest; returns the document (dict, plus "_dataset": its DatasetInfo).
+    Another format version is refused with the FORMAT.md hint; unknown top-level keys
+    are warned about and ignored; anything else unknown or malformed is refused."""
+    doc = _document(raw, origin)
+    try:
+        block_size = doc["params"]["block_size"]
+        if not isinstance(block_size, int) or block_size < 1:
+            raise FormatError(f"{origin}: params.block_size {block_size!r} must be an integer >= 1")
+        check_block_codec(doc["params"].get("block_codec", DEFAULT_BLOCK_CODEC), origin)  # absent: plain zstd
+        for s in doc["shards"]:
+            paths.check_relative(s["name"])
+            if len(s["sha256"]) != 64 or int(s["bytes"]) < 0:
+                raise FormatError(f"{origin}: shard {s['name']}: bad bytes/sha256")
+        shift = doc["frame_bucket_shift"]
+        if not isinstance(shift, int) or not 0 <= shift <= MAX_BUCKET_SHIFT:
+            raise FormatError(f"{origin}: frame_bucket_shift {shift!r} must be an integer in 0..{MAX_BUCKET_SHIFT}")
+        missing = sorted(set(TABLES) - set(doc["tables"]))
+        if missing:
+            raise FormatError(f"{origin}: tables {missing} missing")
+        for name, t in doc["tables"].items():
+            if t["name"] != table_name(name) or t["dtype"] != TABLES.get(name, (t["dtype"],))[0]:
+                raise FormatError(f"{origin}: table {name!r} entry {t} does not match the spec")
+        doc["_dataset"] = dataset_from_doc(doc["dataset"])
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, (FormatError, UnsafePathError)):  # path traversal stays its own kind of error
+            raise
+        raise FormatError(f"{origin}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+    return doc
+
+
+def shard_level_index(doc: dict) -> ShardIndex:
+    """The ShardIndex of a parsed manifest (`parse_manifest`'s document)."""
+    shards = tuple(ShardEntry(name=s["name"], bytes=int(s["bytes"]), sha256=s["sha256"]) for s in doc["shards"])
+    return ShardIndex(dataset=doc["_dataset"], shards=shards, params=doc.get("params", {}),
+                      failed=tuple(doc.get("failed", ())), episodes=int(doc.get("episodes", 0)),
+                      val_episodes=tuple(int(e) for e in doc.get("split", {}).get("val_episodes", ())),
+                      created_by=doc.get("created_by", ""))
+
+
+def check_table(name: str, arr: np.ndarray, entry: dict, origin: str) -> np.ndarray:
+    if arr.dtype != np.dtype(entry["dtype"]) or list(arr.shape) != list(entry["shape"]):
+        raise FormatError(f"{origin}: table {name} is {arr.dtype} {arr.shape}, the manifest says {entry['dtype']} "
+                          f"{tuple(entry['shape'])}: a table was replaced or truncated; re-run the writer")
+    return arr
+
+
+def bucket_shift(lengths: np.ndarray) -> int:
+    """log2 of the frame_bucket width: at most the median episode length, so `locate`
+    steps past about one episode boundary per lookup."""
+    if not len(lengths):
+        return 0
+    return int(min(MAX_BUCKET_SHIFT, max(0, int(np.floor(np.log2(max(1.0, float(np.median(lengths)))))))))
+
+
+def frame_buckets(start: np.ndarray, shift: int) -> np.ndarray:
+    """Episode row holding global frame k << shift, for every k (start: the E+1 prefix sums)."""
+    frames = int(start[-1])
+    probes = np.arange(0, frames, 1 << shift, dtype=np.int64)
+    return (np.searchsorted(start, probes, side="right") - 1).astype(np.int64)

@@ -2,9 +2,12 @@
 
 A shard root (local directory or fsspec URL) holds:
 
-    index.json                 the global shard index, written last
+    index.json                 the manifest, written last
+    index/<table>.npy          binary tables (index.py), written before it
     shards/shard-000000.tar    webdataset-compatible shards
     failed.jsonl               records the preprocess job could not convert
+
+Member names inside a shard (episode and block keys) are in blocks.py.
 """
 
 from __future__ import annotations
@@ -18,9 +21,6 @@ INDEX_FILE = "index.json"
 FAILED_FILE = "failed.jsonl"
 SHARD_DIR = "shards"
 SHARD_TEMPLATE = "shard-{shard:06d}.tar"
-# webdataset splits a member name at the first dot of its basename into key and
-# extension, so a key must hold no dot. e000012_f000040 = episode 12, frame 40.
-SAMPLE_KEY_TEMPLATE = "e{episode:06d}_f{frame:06d}"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _SAFE_CAMERA = re.compile(r"^[a-z0-9][a-z0-9_]*$")
@@ -28,10 +28,6 @@ _SAFE_CAMERA = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 
 def shard_name(shard: int) -> str:
     return f"{SHARD_DIR}/{SHARD_TEMPLATE.format(shard=shard)}"
-
-
-def sample_key(episode: int, frame: int) -> str:
-    return SAMPLE_KEY_TEMPLATE.format(episode=episode, frame=frame)
 
 
 def check_relative(name: str) -> str:

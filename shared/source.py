@@ -1,4 +1,4 @@
-"""Where shard bytes come from. The trainer and reader depend only on the
+"""Where shard bytes come from. The trainer and the dataset reader depend only on the
 `ShardSource` protocol; the origin (here) and the cache client (cache/) both
 implement it, so the cache is optional and a fallback is one object swap.
 """
@@ -18,8 +18,8 @@ class ShardSource(Protocol):
 
     def read_range(self, name: str, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset` of a shard (not hash-verified: a range
-        cannot be checked against a whole-shard hash; callers check the
-        sample's xxh3 checksum with `ShardEntry.check_sample`)."""
+        cannot be checked against a whole-shard hash; the dataset reader checks
+        each block's and each episode's arrays' xxh3 from the index)."""
 
 
 class OriginSource:

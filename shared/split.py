@@ -3,7 +3,7 @@
 Preprocess chooses the validation episodes (`--val-episodes 10%` or `--val-episodes 3,7`) and
 records them in the index (`split.val_episodes`); the trainer reads training samples only and
 evaluation reads whole validation episodes. Splitting by episode, not by sample, matters:
-neighbouring windows of one episode overlap in frames and actions, so a per-sample split would
+neighbouring samples of one episode share frames and action rows, so a per-sample split would
 score the model on what it trained on.
 
 A percentage picks a deterministic pseudo-random set (seeded, sorted), so re-running preprocess
@@ -12,13 +12,10 @@ gives the same split.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from loongforge.shared.errors import ConfigError
 
-_KEY = re.compile(r"^e(\d+)_f\d+$")
 SPLIT_SEED = 0x5EED
 
 
@@ -62,23 +59,3 @@ def choose_val_episodes(spec: str, episodes: list[int]) -> tuple[int, ...]:
     n = min(len(have) - 1, max(1, round(parsed * len(have))))
     pick = np.random.default_rng(SPLIT_SEED).choice(len(have), size=n, replace=False)
     return tuple(sorted(have[i] for i in pick))
-
-
-def episode_of(key: str) -> int:
-    m = _KEY.match(key)
-    if m is None:
-        raise ConfigError(f"sample key {key!r} does not name its episode (eNNNNNN_fNNNNNN)")
-    return int(m.group(1))
-
-
-def sample_episodes(index) -> np.ndarray:
-    """Episode of every global sample number, in index order."""
-    return np.asarray([episode_of(k) for s in index.shards for k in s.keys], np.int64)
-
-
-def train_mask(index) -> np.ndarray | None:
-    """Bool per global sample (True = training), or None when the index has no split."""
-    val = tuple(getattr(index, "val_episodes", ()) or ())
-    if not val:
-        return None
-    return ~np.isin(sample_episodes(index), np.asarray(val, np.int64))

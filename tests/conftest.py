@@ -100,14 +100,19 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+SYNTHETIC_LENGTHS = (62, 62, 62, 62)  # one episode a shard: 4 shards of 42 KiB (tests/cache budgets; not whole pages)
+
+
 @pytest.fixture
 def synthetic_root(tmp_path):
-    """A small valid shard root (4 shards x 8 samples, 2 cameras)."""
+    """A small valid shard root: 4 episodes of 62 frames, one per shard (42 KiB each), 2 cameras.
+    Returns (root, its shard-level ShardIndex)."""
+    from loongforge.shared.dataset import load_shard_index
     from loongforge.shared.synthetic import make_synthetic_root
 
     root = tmp_path / "shards"
-    index = make_synthetic_root(str(root))
-    return str(root), index
+    make_synthetic_root(str(root), lengths=SYNTHETIC_LENGTHS, shard_size=1)
+    return str(root), load_shard_index(str(root))
 
 
 class S3Server(_ServerProcess):

@@ -30,8 +30,6 @@ class DataConfig:
     global_batch_size: int = 8  # samples per optimizer step over all ranks (micro batch x world x accum)
     num_workers: int = 0
     seed: int = 0
-    shuffle_window: int = 64  # samples; bounds the within-window shuffle so shard locality stays high
-    frame_buckets: tuple[int, ...] = ()  # () = powers of two up to the longest window in the index
     max_text_tokens: int = 32
     bad_samples: str = "skip"
     prefetch_batches: int = 2  # batches in flight per worker
@@ -41,7 +39,7 @@ class DataConfig:
     cache_tcp: str | None = None
     image_mean: float = 0.5
     image_std: float = 0.25
-    # Format-2 roots only (train/data/samples.py, order.py): samples are (episode, t).
+    # Samples are (episode, t) (train/data/samples.py), in a block-aware order (train/data/order.py).
     video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
     state_deltas: tuple[int, ...] = ()  # () = the video offsets
     action_horizon: int = 0  # H action rows from t; 0 = what preprocess recorded
@@ -59,10 +57,6 @@ class DataConfig:
         _need(self.action_horizon >= 0, "data.action_horizon", "must be >= 0 (0 = the index's)")
         _need(self.global_batch_size >= 1, "data.global_batch_size", "must be >= 1")
         _need(self.num_workers >= 0, "data.num_workers", "must be >= 0 (0 decodes in the main process)")
-        _need(self.shuffle_window >= 1, "data.shuffle_window", "must be >= 1 (1 = no shuffle within shards)")
-        _need(all(b >= 1 for b in self.frame_buckets), "data.frame_buckets", "bucket sizes must be >= 1")
-        _need(list(self.frame_buckets) == sorted(set(self.frame_buckets)), "data.frame_buckets",
-              "must be strictly increasing")
         _need(self.max_text_tokens >= 1, "data.max_text_tokens", "must be >= 1")
         _need(self.bad_samples in BAD_SAMPLE_POLICIES, "data.bad_samples", f"use one of {BAD_SAMPLE_POLICIES}")
         _need(self.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1")
@@ -164,7 +158,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryConfig:
-    """Applied from outside the model by parallel/parallelize.py (kernels/: checkpointing, precision, fusion, graphs)."""
+    """Applied from outside the model by policies.apply_memory_policies (memory.py, precision.py)."""
 
     ac_every: int = 0  # checkpoint blocks 0, N, 2N, ... of each block list; 0 = off (`loongforge tune ac`)
     fp8: bool = False  # torchao Float8Linear for inner-block GEMMs (CUDA capability >= 8.9)

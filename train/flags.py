@@ -47,18 +47,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=_default(DataConfig, "num_workers"), help="decode worker processes per rank (0 = inline)")
     p.add_argument("--seed", type=int, default=_default(DataConfig, "seed"))
     p.add_argument("--lr", type=float, default=_default(OptimConfig, "lr"))
-    p.add_argument("--shuffle-window", type=int, default=_default(DataConfig, "shuffle_window"))
     p.add_argument("--bad-samples", default=_default(DataConfig, "bad_samples"), choices=BAD_SAMPLE_POLICIES)
-    p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"), help="format-2 roots: frame offsets around each "
-                   "sample's t, comma-separated (GR00T: 0; history: --video-deltas=-6,-4,-2,0)")
-    p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"), help="format-2 roots: action rows per sample "
-                   "(0 = the index's)")
-    p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"), help="format-2 roots: every s-th timestep is a sample")
-    p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="format-2 roots: samples of one frame block kept "
-                   "together in the order (1 = a random permutation at --block-window >= the epoch)")
-    p.add_argument("--block-window", type=int, default=_default(DataConfig, "block_window"), help="format-2 roots: shuffle buffer, samples")
-    p.add_argument("--block-cache-mb", type=float, default=_default(DataConfig, "block_cache_mb"), help="format-2 roots: decoded-block cache "
-                   "per decode worker, MiB")
+    p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"), help="frame offsets around each sample's t, "
+                   "comma-separated (GR00T: 0; history: --video-deltas=-6,-4,-2,0)")
+    p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"), help="action rows per sample (0 = the index's)")
+    p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"), help="every s-th timestep is a sample")
+    p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="samples of one frame block kept together in the "
+                   "order (1 = a random permutation at --block-window >= the epoch)")
+    p.add_argument("--block-window", type=int, default=_default(DataConfig, "block_window"), help="shuffle buffer of the order, samples")
+    p.add_argument("--block-cache-mb", type=float, default=_default(DataConfig, "block_cache_mb"), help="decoded-block cache per decode worker, "
+                   "MiB")
     p.add_argument("--cache-socket", default=_default(DataConfig, "cache_socket"), help="cache daemon unix socket (reads go through the cache)")
     p.add_argument("--cache-tcp", default=_default(DataConfig, "cache_tcp"), help="cache daemon HOST:PORT")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
@@ -132,7 +130,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         recipe=a.recipe,
         data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
-                        shuffle_window=a.shuffle_window, bad_samples=a.bad_samples, cache_socket=a.cache_socket,
+                        bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
                         sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
                         block_cache_mb=a.block_cache_mb),

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
-from loongforge.shared.index import ShardIndex
 from loongforge.train.config import ModelConfig, TrainConfig
-from loongforge.train.data.training_data import load_training_data
+from loongforge.train.data.training_data import TrainingData, load_training_data
 from loongforge.train.kernels import graphs
 from loongforge.train.model import recipes
 from loongforge.train.model.build import model_config
@@ -26,7 +25,7 @@ from loongforge.train.parallel.plan import check_layout, plan_of
 
 @dataclass(frozen=True)
 class Checked:
-    index: ShardIndex
+    index: TrainingData
     model_cfg: ModelConfig
     world: int
     ds_config: dict
@@ -52,7 +51,7 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     # Divisibility only depends on the world and the config; the device does not matter here.
     conf = ds_config(cfg, world=dp, device=torch.device("cpu"))
     try:
-        index = load_training_data(cfg.data)  # v1 ShardIndex, or data_v2.V2Data for a format-2 root
+        index = load_training_data(cfg.data)  # a format-1 root is refused here with the convert hint
     except FormatError as exc:
         raise ConfigError(f"data.root: {exc}") from None
     except (LoongForgeError, OSError) as exc:

@@ -16,12 +16,9 @@ import time
 import numpy as np
 import torch
 
-from loongforge.shared import split
 from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
 from loongforge.train.config import TrainConfig
-from loongforge.train.data import training_data as data_v2
-from loongforge.train.data.loader_v1 import ShardLoader
-from loongforge.train.data.sources import SourceSpec
+from loongforge.train.data import training_data
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
@@ -60,19 +57,9 @@ class Trainer:
         self.step_comm = StepComm()  # bytes per step and group kind, into metrics.jsonl
         d = cfg.data
         accum = cfg.parallel.grad_accum
-        self.v2 = getattr(self.index, "format_version", 1) == 2
-        if self.v2:  # format-2 root: samples are (episode, t), block-aware order (train/data/loader.py)
-            self.loader = data_v2.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
-                                              rank=self.data_rank, world=self.data_world, device=self.device)
-        else:
-            self.loader = ShardLoader(
-                d.root, batch_size=d.global_batch_size // accum, num_workers=d.num_workers, seed=d.seed,
-                rank=self.data_rank, world=self.data_world, index=self.index,
-                source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
-                device=self.device, shuffle_window=d.shuffle_window, frame_buckets=d.frame_buckets,
-                max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
-                timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
-                image_std=d.image_std, subset=split.train_mask(self.index))  # training episodes only
+        # samples are (episode, t), block-aware order, training episodes only (train/data/loader.py)
+        self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
+                                                rank=self.data_rank, world=self.data_world, device=self.device)
         self.valset = self._valset()
         f = cfg.faults
         self.watchdog = Watchdog(rank=self.rank, world=self.world, run_dir=cfg.run.run_dir, heartbeat_s=f.heartbeat_s,
@@ -101,14 +88,9 @@ class Trainer:
         run, d = self.cfg.run, self.cfg.data
         if not run.eval_every:
             return None
-        if self.v2:
-            ids = data_v2.val_ids(self.index, run.eval_samples, d.sample_stride)
-            return data_v2.ValSetV2(self.index, ids, batch_size=8, text_len=d.max_text_tokens, device=self.device,
-                                    image_mean=d.image_mean, image_std=d.image_std)
-        ids = val_sample_ids(self.index, run.eval_samples)  # raises ConfigError without a split
-        return ValSet(d.root, self.index, ids, batch_size=min(8, len(ids)), text_len=d.max_text_tokens,
-                      device=self.device, image_mean=d.image_mean, image_std=d.image_std,
-                      source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))
+        ids = val_sample_ids(self.index, run.eval_samples, d.sample_stride)  # raises ConfigError without a split
+        return ValSet(self.index, ids, batch_size=8, text_len=d.max_text_tokens, device=self.device,
+                      image_mean=d.image_mean, image_std=d.image_std)
 
     def _resume(self) -> None:
         tag = ckpt_files.latest_tag(self.cfg.run.run_dir)
@@ -232,7 +214,7 @@ class Trainer:
                                     "data": {"image_mean": self.cfg.data.image_mean,
                                              "image_std": self.cfg.data.image_std,
                                              "max_text_tokens": self.cfg.data.max_text_tokens,
-                                    # format-2 roots: the sample shape Policy.load rebuilds (data/training_data.py)
+                                    # the sample shape Policy.load rebuilds (data/training_data.py)
                                     "video_deltas": list(self.cfg.data.video_deltas),
                                     "state_deltas": list(self.cfg.data.state_deltas),
                                     "action_pad": self.cfg.data.action_pad}})

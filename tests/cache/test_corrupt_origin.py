@@ -1,7 +1,7 @@
 """A shard corrupt at the origin, served through a real cache daemon: the daemon refuses the whole shard (its
-sha256 fails), and the client then reads that shard's samples (format 1) / blocks (format 2) one by one from the
-origin, each checked against its own xxh3. Only the samples whose bytes are corrupt reach the bad-sample policy;
-every other sample of the shard arrives bit-exact, and no corrupt byte is ever delivered."""
+sha256 fails), and the client then reads that shard's blocks and episode arrays one by one from the origin, each
+checked against its own xxh3. Only the samples whose bytes are corrupt reach the bad-sample policy; every other
+sample of the shard arrives bit-exact, and no corrupt byte is ever delivered."""
 
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from loongforge.shared.dataset_v2 import load_any_index, open_v2
+from loongforge.shared.dataset import load_shard_index, open_root
 from loongforge.shared.errors import IntegrityError
-from loongforge.shared.index import load_index
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
-from loongforge.train.data.loader_v1 import ShardLoader
 from loongforge.train.data.loader import BlockLoader
 from loongforge.train.data.sources import SourceSpec
 from tests.train.data.test_integrity import flip_state_byte
-from tests.train.data.test_loader_v2 import _flip_block_byte
+from tests.train.data.test_loader import _flip_block_byte
 
 pytestmark = pytest.mark.slow
 
@@ -47,57 +44,37 @@ def _clone(batch):
             for k, v in batch.items()}
 
 
-def test_v1_corrupt_sample_costs_that_sample_only(tmp_path, daemons, caplog):
-    pristine, root = _pair(tmp_path, lambda r: make_synthetic_root(r, shards=2, samples_per_shard=4))
-    bad = flip_state_byte(root, shard=1, local=2)  # the tar stays well-formed: only a checksum can tell
-    d = daemons(root, load_index(root))
+def test_corrupt_episode_arrays_cost_that_episode_only(tmp_path, daemons, caplog):
+    pristine, root = _pair(tmp_path, lambda r: make_synthetic_root(r, lengths=(4, 4), block_size=4))
+    flip_state_byte(root, 1)  # the tar stays well-formed: only a checksum can tell
+    d = daemons(root, load_shard_index(root))
     kw = dict(batch_size=8, max_steps=1, num_workers=0, seed=1)
-    with ShardLoader(pristine, **kw) as loader:
+    with BlockLoader(pristine, **kw) as loader:
         want = next(iter(loader))
     with caplog.at_level(logging.WARNING), \
-            ShardLoader(root, source=SourceSpec(root=root, cache_socket=d.socket), **kw) as loader:
+            BlockLoader(root, source=SourceSpec(root=root, cache_socket=d.socket), **kw) as loader:
         got = next(iter(loader))
-        assert loader.bad_samples == 1  # before: 4, the whole shard (its sha256 fails in the daemon)
+        assert loader.bad_samples == 4  # episode 1's samples; before the per-range reads: 8, the whole shard
     assert "one by one from origin" in caplog.text and "xxh3" in caplog.text
     ids = got["sample_ids"].tolist()
     assert ids == want["sample_ids"].tolist() and sorted(ids) == list(range(8))
     for row, gid in enumerate(ids):
-        if gid == bad:
+        if gid >= 4:
             assert not got["sample_valid"][row] and not got["frame_mask"][row].any()
-        else:  # the shard's 3 good samples too: bit-exact
+        else:  # episode 0, in the same shard: bit-exact
             assert got["sample_valid"][row] and _rows_equal(got, want, row), gid
     assert np.isfinite(got["state"].numpy()).all()  # the corrupt +inf never reaches the batch
 
 
-def test_v1_index_without_sample_checksums_still_refuses_the_whole_shard(tmp_path, daemons):
-    """No per-sample xxh3 (an old index): nothing can tell good bytes from bad, so nothing of the shard is served."""
-    import json
-    import os
-
-    root = str(tmp_path / "root")
-    make_synthetic_root(root, shards=2, samples_per_shard=4)
-    path = os.path.join(root, "index.json")
-    doc = json.load(open(path))
-    del doc["sample_xxh3"]
-    open(path, "w").write(json.dumps(doc, sort_keys=True))
-    flip_state_byte(root, shard=1, local=2)
-    index = load_index(root)
-    client = daemons(root, index).client()
-    e = index.shards[1]
-    with pytest.raises(IntegrityError, match="sha256"):
-        client.read_range(e.name, e.offsets[0], e.lengths[0])  # a good sample of the bad shard: still refused
-    client.close()
-
-
-def test_v2_corrupt_block_costs_the_samples_that_show_it_only(tmp_path, daemons):
-    pristine, root = _pair(tmp_path, lambda r: make_synthetic_v2_root(r, lengths=(8, 8), height=8, width=8,
+def test_corrupt_block_costs_the_samples_that_show_it_only(tmp_path, daemons):
+    pristine, root = _pair(tmp_path, lambda r: make_synthetic_root(r, lengths=(8, 8), height=8, width=8,
                                                                         block_size=4))
     _flip_block_byte(root, 1, "wrist", 0)
-    index = load_any_index(root)
+    index = load_shard_index(root)
     assert len(index.shards) == 1  # both episodes in the corrupt shard: before, all 16 samples were lost
     d = daemons(root, index)
     client = d.client()
-    ds, ref = open_v2(root, source=client), open_v2(pristine)
+    ds, ref = open_root(root, source=client), open_root(pristine)
     for e in range(ds.num_episodes):  # every other block and the arrays of the shard: bit-exact via the client
         for cam in ds.cameras:
             for b in range(ds.num_blocks(e)):

@@ -16,6 +16,7 @@ import redis
 from tests.cache.cache_helpers import counter, settled, wait_for
 from tests.conftest import free_port
 
+from loongforge.shared.dataset import load_shard_index
 from loongforge.shared.synthetic import make_synthetic_root
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,8 @@ def _bytes(root, name):
 @pytest.fixture
 def root8(tmp_path):
     root = str(tmp_path / "origin")
-    return root, make_synthetic_root(root, shards=8)
+    make_synthetic_root(root, lengths=(62,) * 8, shard_size=1)  # 8 shards of 42 KiB
+    return root, load_shard_index(root)
 
 
 def _read_all(daemon, names, ok: list, timeout=15.0):

@@ -11,7 +11,7 @@ import pytest
 from loongforge.preprocess.colorspace import StreamColor, resolve_colors
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.sample_data import generate_dataset
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import ConfigError
 
 
@@ -86,12 +86,12 @@ def test_color_range_flag_converts_every_stream(mixed_dataset, tmp_path, run_in_
     out = str(tmp_path / "out")
     summary = run_in_memory(mixed_dataset, out, color_range="limited")  # the default format: 2
     assert summary["failed"] == 0
-    v2 = open_v2(out)
-    ds = v2.info
+    root = open_root(out)
+    ds = root.info
     assert (ds.color_range, ds.color_matrix) == ("limited", "bt601")
     assert ds.source["color"]["observation.images.ego_view"]["range"] == ["full"]
     assert ds.source["color"]["observation.images.wrist_view"]["range"] == ["limited"]
-    first = v2.read_block(0, "ego_view", 0)[0, :32].astype(np.float64)
+    first = root.read_block(0, "ego_view", 0)[0, :32].astype(np.float64)
     with av.open(_ego(mixed_dataset)) as c:
         full = next(c.decode(video=0)).to_ndarray()[:32].astype(np.float64)
     np.testing.assert_allclose(first, 16 + full * 219 / 255, atol=1.5)  # full -> limited, per pixel
@@ -102,7 +102,7 @@ def test_all_full_range_dataset_records_full(tmp_path, run_in_memory):
     reencode_full_range(next(root.rglob("*.mp4")))
     out = str(tmp_path / "out")
     run_in_memory(str(root), out)
-    assert open_v2(out).info.color_range == "full"
+    assert open_root(out).info.color_range == "full"
 
 
 def test_resolve_colors_policy():

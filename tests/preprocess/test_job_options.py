@@ -6,37 +6,21 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
-from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.discover import discover
 from loongforge.preprocess.progress import ProgressMonitor
-from loongforge.shared.dataset_v2 import open_v2
-from loongforge.shared.index import load_index
-
-
-@pytest.mark.parametrize("k, want", [(1, 1), (2, 2), (4, 2)])
-def test_min_frames_defaults_to_min_2_k(k, want):
-    assert PreprocessConfig(input="in", output="out", frames_per_sample=k, stride=1).min_frames == want
-    assert PreprocessConfig(input="in", output="out", frames_per_sample=4, min_frames=3).min_frames == 3
+from loongforge.shared.dataset import open_root
 
 
 def test_one_frame_per_sample_every_timestep(sample_dataset, tmp_path, run_in_memory):
-    """The GR00T N1.x setting in format 1 (windows are format 1's subject; format 2 makes every
-    timestep a sample by construction): `--frames-per-sample 1 --stride 1` (no --min-frames)."""
-    from loongforge.cli import build_parser
-    from loongforge.preprocess.config import config_from_args
-
+    """The GR00T N1.x setting: every timestep is a sample, by construction of the format (frames
+    stored once; the loader shapes samples), with no window flag to pass."""
     out = str(tmp_path / "k1")
-    args = build_parser().parse_args(["preprocess", "--input", sample_dataset, "--output", out,
-                                      "--frames-per-sample", "1", "--stride", "1", "--format-version", "1"])
-    cfg = config_from_args(args)
-    assert cfg.min_frames == 1 and cfg.format_version == 1
-    summary = run_in_memory(sample_dataset, out, format_version=1, frames_per_sample=1, stride=1)
+    summary = run_in_memory(sample_dataset, out)
     _, episodes = discover(sample_dataset)
     assert summary["failed"] == 0 and summary["samples"] == sum(e.length for e in episodes)
-    index = load_index(out)
-    assert {k for s in index.shards for k in s.frames} == {1} and index.params["min_frames"] == 1
+    ds = open_root(out)
+    assert ds.info.frames_per_sample == 1 and ds.num_frames == summary["samples"]
+    assert [int(n) for n in ds.episode_lengths] == [e.length for e in sorted(episodes, key=lambda e: e.index)]
 
 
 def _copy(src: str, dst: Path) -> Path:
@@ -95,4 +79,4 @@ def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, 
     assert counters["episodes_converted"] == 3 and counters.get("episodes_failed", 0) == 0
     assert counters["samples"] == summary["samples"] and counters["shards_written"] == summary["shards"]
     assert counters["frames_decoded"] == summary["source_frames"] * 2
-    assert open_v2(str(tmp_path / "out")).num_frames == summary["samples"]  # the default format: 2
+    assert open_root(str(tmp_path / "out")).num_frames == summary["samples"]

@@ -1,11 +1,9 @@
-"""The whole job on the local Beam runner over real generated datasets, read
-back through the shared reader with hash verification. Format 1 (per-sample windows,
-`--format-version 1`) is this file's subject; test_pipeline_v2.py covers the default."""
+"""The whole job on Beam's FnApiRunner over real generated datasets (real H.264 mp4), read back
+through the reader with hash verification: every frame once, arrays once per episode."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,128 +12,137 @@ import pytest
 
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import discover
+from loongforge.preprocess.report import summarize
 from loongforge.preprocess.sample_data import generate_preset
-from loongforge.preprocess.window import plan_windows
 from loongforge.shared import paths
-from loongforge.shared.index import load_index
-from loongforge.shared.reader import ShardReader
+from loongforge.shared.dataset import open_root
 
-K, STRIDE, H = 4, 3, 6
-
-
-def _parquet(root: str, episode: int):
-    _, episodes = discover(root)
-    spec = next(e for e in episodes if e.index == episode)
-    t = pq.read_table(spec.parquet)
-    return (np.array(t.column("observation.state").to_pylist(), np.float32),
-            np.array(t.column("action").to_pylist(), np.float32), t.column("task_index").to_pylist(), spec)
+B = 4
 
 
 @pytest.fixture(scope="module")
 def converted(sample_dataset, tmp_path_factory, run_in_memory):
     out = str(tmp_path_factory.mktemp("shards") / "run1")
-    summary = run_in_memory(sample_dataset, out, format_version=1, frames_per_sample=K, stride=STRIDE,
-                            action_horizon=H, shard_size=1 << 16)
+    # delta-zstd here (the zstd default runs in test_convert's direct job and the determinism test)
+    summary = run_in_memory(sample_dataset, out, block_frames=B, shard_size=1 << 16, val_episodes="1",
+                            block_codec="delta-zstd", action_horizon=6)
     return out, summary
 
 
-def test_end_to_end_content(sample_dataset, converted):
+def test_job_stores_every_frame_once(sample_dataset, converted):
     out, summary = converted
     meta, episodes = discover(sample_dataset)
-    reader = ShardReader(out, verify=True)
-    expected = sum(len(plan_windows(e.length, frames_per_sample=K, stride=STRIDE, frame_step=1, action_horizon=H,
-                                    min_frames=2)) for e in episodes)
-    assert len(reader) == expected == summary["samples"] and summary["episodes"] == 3 and summary["failed"] == 0
-    assert summary["shards"] > 1  # 64 KB shards force several
-    assert reader.verify() == []
-    tasks = {int(k): v for k, v in reader.index.dataset.tasks.items()}
-    videos = {}
-    for sample in reader:
-        state, action, task_index, spec = _parquet(sample_dataset, sample.episode)
-        rows = sample.frame_indices
-        assert np.array_equal(sample.state, state[rows])
-        last = rows[-1]
-        assert np.array_equal(sample.action[: sample.action_valid], action[last : last + sample.action_valid])
-        assert (sample.action[sample.action_valid :] == action[-1]).all()
-        assert sample.task == tasks[task_index[rows[0]]] == meta.tasks[task_index[rows[0]]]
+    ds = open_root(out)
+    assert ds.verify() == []
+    assert ds.block_size == B and ds.manifest["format_version"] == 2 and ds.manifest["params"]["block_size"] == B
+    assert ds.block_codec == "delta-zstd" == ds.manifest["params"]["block_codec"]
+    assert ds.num_episodes == 3 == summary["episodes"] and summary["failed"] == 0
+    assert summary["samples"] == ds.num_frames == sum(e.length for e in episodes)
+    assert len(ds.manifest["shards"]) > 1  # 64 KB shards force several
+    assert ds.info.frames_per_sample == 1 and ds.cameras == ["ego_view", "wrist_view"]
+    assert [ds.split(e) for e in range(3)] == ["train", "val", "train"]
+    for e in range(ds.num_episodes):
+        spec = next(s for s in episodes if s.index == ds.episode_id(e))
+        table = pq.read_table(spec.parquet)
+        arrays = ds.read_arrays(e)
+        np.testing.assert_array_equal(arrays["state"], np.array(table.column("observation.state").to_pylist(),
+                                                                np.float32))
+        np.testing.assert_array_equal(arrays["action"], np.array(table.column("action").to_pylist(), np.float32))
+        np.testing.assert_array_equal(arrays["task_index"], table.column("task_index").to_numpy())
+        np.testing.assert_allclose(arrays["timestamp"], table.column("timestamp").to_numpy())
         for key, path in spec.videos:
             slot = paths.camera_slot(key)
-            if (sample.episode, slot) not in videos:
-                videos[sample.episode, slot] = decode_nv12(path, len(state))[0]
-            assert np.array_equal(sample.frames[slot], videos[sample.episode, slot][rows])  # lossless at source size
+            want = decode_nv12(path, spec.length)[0]
+            got = np.concatenate([ds.read_block(e, slot, b) for b in range(ds.num_blocks(e))])
+            np.testing.assert_array_equal(got, want)  # lossless at source size
     assert not (Path(out) / "_staging").exists()
     assert (Path(out) / paths.FAILED_FILE).read_text() == ""
 
 
-def test_index_dataset_info(sample_dataset, converted):
+def test_stats_exclude_val_and_summary(converted):
     out, _ = converted
-    index = load_index(out)
-    ds = index.dataset
-    assert (ds.height, ds.width, ds.fps, ds.color_matrix, ds.color_range) == (64, 64, 20.0, "bt601", "limited")
-    assert [(c.key, c.slot, c.source_height, c.codec) for c in ds.cameras] == [
-        ("observation.images.ego_view", "ego_view", 64, "h264"), ("observation.images.wrist_view", "wrist_view", 64, "h264")]
-    assert (ds.state_dim, ds.action_dim, ds.frames_per_sample, ds.action_horizon) == (8, 8, K, H)
-    assert len(ds.state_names) == 8 and ds.state_names[-1] == "gripper_0"
-    assert ds.modality == json.loads((Path(sample_dataset) / "meta/modality.json").read_text())
-    assert ds.source["codebase_version"] == "v2.0" and len(ds.source["fingerprint"]) == 64
-    _, episodes = discover(sample_dataset)
-    assert ds.source["frames"] == sum(e.length for e in episodes)
-    states = np.concatenate([_parquet(sample_dataset, e.index)[0] for e in episodes]).astype(np.float64)
-    np.testing.assert_allclose(ds.stats["state"]["mean"], states.mean(0), atol=1e-9)
-    np.testing.assert_allclose(ds.stats["state"]["std"], states.std(0), atol=1e-9)
-    assert ds.stats["state"]["count"] == len(states)
-    assert index.params["frames_per_sample"] == K and index.params["shard_size"] == 1 << 16
-    frames = {n for s in index.shards for n in s.frames}
-    assert frames <= set(range(2, K + 1)) and K in frames
+    ds = open_root(out)
+    train = [e for e in range(ds.num_episodes) if ds.split(e) == "train"]
+    state = np.concatenate([ds.read_arrays(e)["state"] for e in train]).astype(np.float64)
+    np.testing.assert_allclose(ds.stats["state"]["mean"], state.mean(0), rtol=1e-5, atol=1e-6)
+    s = summarize(out)
+    assert s["format_version"] == 2 and s["block_size"] == B and s["bytes_out"] > 0
+    assert s["block_codec"] == "delta-zstd"
 
 
-def test_rerun_is_byte_identical_and_clears_stale_shards(sample_dataset, converted, tmp_path, run_in_memory):
+def test_inspect_verifies_a_root(converted, capsys):
+    from loongforge.cli import main
+
     out, _ = converted
-    again = str(tmp_path / "run2")
-    run_in_memory(sample_dataset, again, format_version=1, frames_per_sample=K, stride=STRIDE, action_horizon=H,
-                  shard_size=1 << 16)
-    a, b = load_index(out), load_index(again)
-    assert [(s.name, s.sha256) for s in a.shards] == [(s.name, s.sha256) for s in b.shards]
-    assert (Path(out) / "index.json").read_bytes() == (Path(again) / "index.json").read_bytes()
-    # Same output root, bigger shards: fewer shard files, the old extra ones are gone.
-    run_in_memory(sample_dataset, again, format_version=1, frames_per_sample=K, stride=STRIDE, action_horizon=H,
-                  shard_size=1 << 30)
-    assert sorted(p.name for p in (Path(again) / "shards").iterdir()) == ["shard-000000.tar"]
-    assert len(ShardReader(again, verify=True)) == a.num_samples
+    assert main(["inspect", out, "--verify", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] is True and doc["format_version"] == 2 and doc["samples"] == open_root(out).num_frames
 
 
-def test_bad_input_is_reported_not_fatal(quirky_dataset, tmp_path, caplog, run_in_memory):
-    out = str(tmp_path / "q")
-    with caplog.at_level(logging.WARNING):
-        summary = run_in_memory(quirky_dataset, out, format_version=1)
-    failed = [json.loads(line) for line in (Path(out) / paths.FAILED_FILE).read_text().splitlines()]
+def test_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, run_in_memory, caplog):
+    """Failed inputs become records (not a dead job), and two runs give identical bytes."""
+    import logging
+
+    outs = [str(tmp_path / f"r{i}") for i in range(2)]
+    for out in outs:
+        with caplog.at_level(logging.WARNING):
+            summary = run_in_memory(quirky_dataset, out, block_frames=B)
+    assert summary["failed"] >= 1
+    failed = [json.loads(line) for line in (Path(outs[0]) / paths.FAILED_FILE).read_text().splitlines()]
+    assert len(failed) == summary["failed"] and open_root(outs[0]).manifest["failed"] == failed
+    for rel in ["index.json", *(s["name"] for s in open_root(outs[0]).manifest["shards"]), "index/blocks.npy"]:
+        assert (Path(outs[0]) / rel).read_bytes() == (Path(outs[1]) / rel).read_bytes(), rel
     assert [(r["episode"], r["camera"]) for r in failed] == [(1, "observation.images.ego_view"),
                                                             (3, "observation.images.ego_view")]
     assert "unreadable video" in failed[0]["reason"] and "length mismatch" in failed[1]["reason"]
     assert summary["failed"] == 2 and summary["episodes"] == 2
-    reader = ShardReader(out, verify=True)
-    assert {s.episode for s in reader} == {0, 2}
-    assert list(reader.index.failed) == failed
+    ds = open_root(outs[0])
+    assert ds.verify() == [] and [ds.episode_id(e) for e in range(ds.num_episodes)] == [0, 2]
     # metadata quirks: warned about, recorded, tolerated
-    warnings = reader.index.dataset.source["warnings"]
+    warnings = ds.info.source["warnings"]
     assert any("total_chunks: 0" in w for w in warnings) and any("goes beyond" in w for w in warnings)
-    assert any("side_view" in w for w in warnings)
-    assert [c.slot for c in reader.index.dataset.cameras] == ["ego_view", "wrist_view"]
-    assert "side_view" in caplog.text
+    assert any("side_view" in w for w in warnings) and "side_view" in caplog.text
+    assert ds.cameras == ["ego_view", "wrist_view"]
+
+
+def test_dataset_info_in_the_manifest(sample_dataset, converted):
+    out, _ = converted
+    ds = open_root(out)
+    info = ds.info
+    assert (info.height, info.width, info.fps, info.color_matrix, info.color_range) == (64, 64, 20.0, "bt601",
+                                                                                         "limited")
+    assert [(c.key, c.slot, c.source_height, c.codec) for c in info.cameras] == [
+        ("observation.images.ego_view", "ego_view", 64, "h264"),
+        ("observation.images.wrist_view", "wrist_view", 64, "h264")]
+    assert (info.state_dim, info.action_dim, info.frames_per_sample, info.action_horizon) == (8, 8, 1, 6)
+    assert len(info.state_names) == 8 and info.state_names[-1] == "gripper_0"
+    assert info.modality == json.loads((Path(sample_dataset) / "meta/modality.json").read_text())
+    assert info.source["codebase_version"] == "v2.0" and len(info.source["fingerprint"]) == 64
+    _, episodes = discover(sample_dataset)
+    assert info.source["frames"] == sum(e.length for e in episodes)
+    assert ds.manifest["params"]["shard_size"] == 1 << 16 and ds.manifest["params"]["action_horizon"] == 6
+
+
+def test_rerun_clears_stale_shards(sample_dataset, tmp_path, run_in_memory):
+    """Same output root, bigger shards: fewer shard files, the old extra ones are gone."""
+    out = str(tmp_path / "run")
+    run_in_memory(sample_dataset, out, block_frames=B, shard_size=1 << 16)
+    assert len(list((Path(out) / "shards").iterdir())) > 1
+    run_in_memory(sample_dataset, out, block_frames=B, shard_size=1 << 30)
+    assert sorted(p.name for p in (Path(out) / "shards").iterdir()) == ["shard-000000.tar"]
+    assert open_root(out).verify() == []
 
 
 def test_gr00t_like_preset_with_resize(tmp_path, run_in_memory):
     root = str(generate_preset(tmp_path / "gr1", "gr00t-like", episodes=2, frames=(9, 12)))
     out = str(tmp_path / "out")
-    summary = run_in_memory(root, out, format_version=1, height=64, width=64, frames_per_sample=2, stride=2,
-                            action_horizon=4)
+    summary = run_in_memory(root, out, height=64, width=64, action_horizon=4)
     assert summary["failed"] == 0 and summary["episodes"] == 2
-    index = load_index(out)
-    ds = index.dataset
-    assert (ds.state_dim, ds.action_dim, ds.height, ds.width) == (44, 44, 64, 64)
-    assert ds.cameras[0].source_height == 256 and ds.modality["state"]["left_arm"] == {"start": 0, "end": 7}
-    sample = ShardReader(out, verify=True)[0]
-    assert sample.frames["ego_view"].shape == (2, 96, 64) and sample.state.shape == (2, 44)
+    ds = open_root(out)
+    info = ds.info
+    assert (info.state_dim, info.action_dim, info.height, info.width) == (44, 44, 64, 64)
+    assert info.cameras[0].source_height == 256 and info.modality["state"]["left_arm"] == {"start": 0, "end": 7}
+    assert ds.read_block(0, "ego_view", 0).shape[1:] == (96, 64) and ds.read_arrays(0)["state"].shape[1] == 44
 
 
 def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_memory):
@@ -145,26 +152,32 @@ def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_m
     (root / "data/chunk-000/episode_000001.parquet").unlink()
     (root / "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4").unlink()
     out = str(tmp_path / "out")
-    summary = run_in_memory(str(root), out, format_version=1)
+    summary = run_in_memory(str(root), out)
     assert summary["episodes"] == 1 and summary["failed"] == 2
-    failed = load_index(out).failed
+    ds = open_root(out)
+    failed = ds.manifest["failed"]
     assert failed[0]["episode"] == 1 and failed[0]["camera"] is None and "parquet file missing" in failed[0]["reason"]
     assert failed[1] == {"episode": 2, "camera": "observation.images.wrist_view",
                          "reason": "videos/chunk-000/observation.images.wrist_view/episode_000002.mp4: video file missing"}
-    assert {s.episode for s in ShardReader(out, verify=True)} == {0}
+    assert [ds.episode_id(e) for e in range(ds.num_episodes)] == [0]
 
 
 def test_rgb_from_shards_matches_pyav_rgb_with_the_index_colour_info(sample_dataset, converted):
     import av
 
+    from loongforge.shared.color import nv12_to_rgb
+
     out, _ = converted
-    reader = ShardReader(out)
-    sample = reader[len(reader) // 2]
-    _, _, _, spec = _parquet(sample_dataset, sample.episode)
+    ds = open_root(out)
+    _, episodes = discover(sample_dataset)
+    e = 1
+    spec = next(s for s in episodes if s.index == ds.episode_id(e))
     key, path = spec.videos[1]
     with av.open(path) as c:
         ref = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
-    rgb = reader.rgb(sample, paths.camera_slot(key))  # uses the index's color_matrix / color_range
-    for got, row in zip(rgb, sample.frame_indices):
-        mse = np.mean((got.astype(np.float64) - ref[row]) ** 2)
+    slot = paths.camera_slot(key)
+    frames = np.concatenate([ds.read_block(e, slot, b) for b in range(ds.num_blocks(e))])
+    rgb = nv12_to_rgb(frames, ds.info.color_matrix, ds.info.color_range)  # the index's matrix and range
+    for got, want in zip(rgb, ref, strict=True):
+        mse = np.mean((got.astype(np.float64) - want) ** 2)
         assert 10 * np.log10(255.0**2 / max(mse, 1e-12)) >= 35.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fsspec
 
-from loongforge.shared.dataset_v2 import open_v2, read_manifest
+from loongforge.shared.dataset import open_root, read_manifest
 
 PARAMS = dict(block_frames=4, action_horizon=6, shard_size=1 << 16, fingerprint="content")
 
@@ -31,6 +31,6 @@ def test_s3_in_s3_out_equals_the_local_run(s3_server, sample_dataset, tmp_path, 
     written = sorted(p.removeprefix(out.removeprefix("s3://") + "/") for p in fs.find(out))
     expected = sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())
     assert written == expected  # the same files, and no staging or temp debris in the bucket
-    ds = open_v2(out)
+    ds = open_root(out)
     assert ds.verify() == []
-    assert ds.num_frames == open_v2(local).num_frames == summary["samples"]
+    assert ds.num_frames == open_root(local).num_frames == summary["samples"]

@@ -15,12 +15,11 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
 from loongforge.preprocess.discover import discover
-from loongforge.preprocess.pack import ShardPlan, StagedEpisode, StagedSample, WriteShardFn, plan_shards
+from loongforge.preprocess.pack import ShardPlan, StagedEpisode, WriteShardFn, plan_shards
 from loongforge.preprocess.stats import Moments, NormStatsCombineFn, episode_moments
-from loongforge.preprocess.window import plan_windows
 from loongforge.shared import paths
-from loongforge.shared.format import END_OF_ARCHIVE
-from loongforge.shared.writer import layout_shard
+from loongforge.shared.blocks import EpisodeLayout
+from loongforge.shared.members import END_OF_ARCHIVE
 
 
 def pipeline() -> test_pipeline.TestPipeline:
@@ -29,23 +28,21 @@ def pipeline() -> test_pipeline.TestPipeline:
 
 
 def params(output, **kw) -> ConvertParams:
-    base = dict(output=str(output), height=64, width=64, resize_mode="resize", frames_per_sample=4, stride=4,
-                frame_step=1, action_horizon=5, min_frames=2, zstd_level=3)
+    base = dict(output=str(output), height=64, width=64, resize_mode="resize", zstd_level=3,
+                slots=("ego_view", "wrist_view"), block_frames=4)
     return ConvertParams(**{**base, **kw})
 
 
-def test_convert_episode_fn_stages_windows_and_tags_failures(quirky_dataset, tmp_path):
+def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tmp_path):
     meta, episodes = discover(quirky_dataset)
     lengths = {e.index: e.length for e in episodes}
-    expected_keys = sorted(
-        paths.sample_key(ep, w.start) for ep in (0, 2)  # 1 = corrupt video, 3 = length mismatch
-        for w in plan_windows(lengths[ep], frames_per_sample=4, stride=4, frame_step=1, action_horizon=5,
-                              min_frames=2))
     with pipeline() as p:
         out = (p | beam.Create(episodes)
                | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path))).with_outputs(FAILED, STATS, main="staged"))
-        keys = out.staged | "Keys" >> beam.FlatMap(lambda e: [s.key for s in e.samples])
-        assert_that(keys, equal_to(expected_keys), label="CheckKeys")
+        layouts = out.staged | "Layouts" >> beam.Map(
+            lambda e: (e.episode, e.layout.num_frames, [len(c) for c in e.layout.blocks]))
+        want = [(ep, lengths[ep], [-(-lengths[ep] // 4)] * 2) for ep in (0, 2)]  # 1 = corrupt video, 3 = mismatch
+        assert_that(layouts, equal_to(want), label="CheckLayouts")
         reasons = out[FAILED] | "Reasons" >> beam.Map(
             lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "length mismatch" in r["reason"]))
         assert_that(reasons, equal_to([(1, "observation.images.ego_view", True),
@@ -57,11 +54,12 @@ def test_convert_episode_fn_stages_windows_and_tags_failures(quirky_dataset, tmp
     # Failed episodes leave a marker (the local runner's progress line counts both kinds).
     assert sorted(f.name for f in (tmp_path / "_staging").glob("*.failed")) == [
         "episode_000001.failed", "episode_000003.failed"]
-    # A staging file is packed fragments back to back: a plain tar once terminated.
+    # A staging file is the episode's fragment: a plain tar once terminated, arrays then blocks.
     with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
         names = tar.getnames()
-    assert sorted({n.split(".")[0] for n in names}) == [k for k in expected_keys if k.startswith("e000000")]
-    assert sum(n.endswith(".nv12.zst") for n in names) == 2 * len({n.split(".")[0] for n in names})
+    blocks = -(-lengths[0] // 4)
+    assert names[:5] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "state", "task_index", "timestamp")]
+    assert names[5:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
 
 
 def test_norm_stats_combine_fn_equals_numpy_and_is_order_free(sample_dataset):
@@ -87,46 +85,47 @@ def test_norm_stats_combine_fn_equals_numpy_and_is_order_free(sample_dataset):
     assert combined.extract_output(shuffled) == out  # bit-identical whatever the arrival order
 
 
-def _staged(ep: int, lengths: list[int], path="s") -> StagedEpisode:
-    samples, pos = [], 0
-    for i, n in enumerate(lengths):
-        samples.append(StagedSample(key=paths.sample_key(ep, i * 4), frames=4, offset=pos, length=n))
-        pos += n
-    return StagedEpisode(episode=ep, path=f"{path}{ep}", samples=tuple(samples), source_frames=8, source_bytes=1,
-                         videos=())
+def _staged(ep: int, length: int, path="s") -> StagedEpisode:
+    layout = EpisodeLayout(episode=ep, num_frames=4, length=length, arrays=(0, 512, 0), blocks=(((512, 0, 4, 0),),))
+    return StagedEpisode(episode=ep, path=f"{path}{ep}", layout=layout, source_frames=4, source_bytes=1, videos=())
 
 
 def test_plan_shards_is_greedy_sorted_and_size_bounded():
-    staged = [_staged(2, [500, 500]), _staged(0, [500, 400, 300]), _staged(1, [5000])]
+    staged = [_staged(2, 500), _staged(0, 900), _staged(3, 300), _staged(1, 5000)]
     plans = plan_shards(staged, shard_size=2200)
-    assert [p.name for p in plans] == [paths.shard_name(i) for i in range(4)]
-    assert [[s.key for _, s in p.items] for p in plans] == [
-        ["e000000_f000000", "e000000_f000004"],  # 1024 (end marker) + 900 fits, +300 would not
-        ["e000000_f000008"],  # the next sample is over the bound on its own: it gets its own shard
-        ["e000001_f000000"],
-        ["e000002_f000000", "e000002_f000004"],
+    assert [p.number for p in plans] == [0, 1, 2]
+    assert [[lay.episode for _, lay in p.items] for p in plans] == [
+        [0],  # 1024 (end marker) + 900 fits, + 5000 would not
+        [1],  # an episode over the bound on its own gets its own shard
+        [2, 3],  # whole episodes, in episode order
     ]
-    assert [p.items[0][0] for p in plans] == ["s0", "s0", "s1", "s2"]
+    assert [p.items[0][0] for p in plans] == ["s0", "s1", "s2"]
     with pipeline() as p:
-        names = (p | beam.Create([staged]) | beam.FlatMap(plan_shards, 2200) | beam.Map(lambda sp: sp.name))
-        assert_that(names, equal_to([paths.shard_name(i) for i in range(4)]))
+        numbers = (p | beam.Create([staged]) | beam.FlatMap(plan_shards, 2200) | beam.Map(lambda sp: sp.number))
+        assert_that(numbers, equal_to([0, 1, 2]))
 
 
-def test_write_shard_fn_copies_staged_ranges(tmp_path):
-    frags = {f"e000000_f{i:06d}": bytes([i]) * (512 * (i + 1)) for i in range(3)}
-    staging = tmp_path / "stage.bin"
-    staging.write_bytes(b"".join(frags.values()))
-    items, pos = [], 0
-    for key, data in frags.items():
-        items.append((str(staging), StagedSample(key=key, frames=2, offset=pos, length=len(data))))
-        pos += len(data)
-    plan = ShardPlan(number=0, name=paths.shard_name(0), items=tuple(items))
-    want, _ = layout_shard(plan.name, [(k, 2, v) for k, v in frags.items()])
+def test_write_shard_fn_copies_staged_fragments(tmp_path):
+    from loongforge.shared.blocks import encode_episode
+    from loongforge.shared.synthetic import synthetic_episode
+    from loongforge.shared.writer import write_shard
+
+    items, frags = [], []
+    for ep in (0, 1):
+        path = tmp_path / f"episode_{ep:06d}.bin"
+        with open(path, "wb") as f:
+            layout = encode_episode(f, ep, *synthetic_episode(ep, 6, 8, 8, ("front",), 3, 2), slots=["front"],
+                                    block_size=4)
+        items.append((str(path), layout))
+        frags.append((layout, path.read_bytes()))
+    plan = ShardPlan(number=0, items=tuple(items))
+    want_entry, want_placed = write_shard(str(tmp_path / "want"), 0, frags)
     out = tmp_path / "out"
     with pipeline() as p:
-        entries = p | beam.Create([plan]) | beam.ParDo(WriteShardFn(str(out)))
-        assert_that(entries, equal_to([want]))
-    assert (out / plan.name).stat().st_size == want.bytes
+        written = p | beam.Create([plan]) | beam.ParDo(WriteShardFn(str(out)))
+        assert_that(written, equal_to([(0, want_entry, tuple(want_placed))]))
+    assert (out / paths.shard_name(0)).read_bytes() == (tmp_path / "want" / paths.shard_name(0)).read_bytes()
+    assert want_placed[1].arrays[0] == items[0][1].length  # the second episode sits after the first
 
 
 def test_moments_merge_matches_direct():

@@ -1,18 +1,18 @@
 """The validation split on the default format (2): the held-out episodes are in the index and
-out of the normalisation stats. shared/test_split.py covers the v1 per-sample masks."""
+out of the normalisation stats. shared/test_split.py covers the split in the order."""
 
 import numpy as np
 import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import ConfigError
 
 
 def test_val_episodes_are_written_into_the_index(sample_dataset, tmp_path, run_in_memory):
     out = str(tmp_path / "out")
     run_in_memory(sample_dataset, out, action_horizon=4, val_episodes="1")
-    ds = open_v2(out)
+    ds = open_root(out)
     assert ds.val_episodes == {1}
     assert [ds.split(e) for e in range(ds.num_episodes)] == ["train", "val", "train"]
     assert np.asarray(ds.val_mask).tolist() == [False, True, False]
@@ -31,7 +31,7 @@ def test_norm_stats_come_from_training_episodes_only(sample_dataset, tmp_path, r
 
     out = str(tmp_path / "out")
     run_in_memory(sample_dataset, out, action_horizon=4, val_episodes="1")
-    stats = open_v2(out).stats
+    stats = open_root(out).stats
     _, episodes = discover(sample_dataset)
     tables = {e.index: pq.read_table(e.parquet) for e in episodes}
     rows = {col: {ep: np.array(t.column(col).to_pylist(), np.float64) for ep, t in tables.items()}

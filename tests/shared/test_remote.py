@@ -7,7 +7,9 @@ import threading
 
 import pytest
 
-from loongforge.shared.reader import ShardReader
+import numpy as np
+
+from loongforge.shared.dataset import open_root
 
 
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
@@ -47,13 +49,14 @@ def http_root(request, synthetic_root):
 
 def test_http_origin_matches_local(http_root):
     url, root, index = http_root
-    remote, local = ShardReader(url), ShardReader(root)
-    assert remote.verify() == []
-    for n in (0, 5, 9, index.num_samples - 1):
-        a, b = remote[n], local[n]
-        assert a.key == b.key
-        assert (a.frames["front"] == b.frames["front"]).all()
-    assert [s.key for s in ShardReader(url, verify=True)] == [s.key for s in local]
+    remote, local = open_root(url), open_root(root)
+    assert remote.verify() == [] and remote.shard_index == local.shard_index == index
+    for n in (0, 5, 61, local.num_frames - 1):  # blocks by byte range (or whole objects), checksums verified
+        e, t = remote.locate(n)
+        assert (e, t) == local.locate(n)
+        b, _ = remote.block_of(t)
+        np.testing.assert_array_equal(remote.read_block(e, "front", b), local.read_block(e, "front", b))
+        np.testing.assert_array_equal(remote.read_arrays(e)["state"], local.read_arrays(e)["state"])
 
 
 def test_unreachable_http_origin_is_a_storage_error_naming_the_url():
@@ -66,5 +69,5 @@ def test_unreachable_http_origin_is_a_storage_error_naming_the_url():
     with pytest.raises(StorageError, match=r"could not read http://127\.0\.0\.1:\d+/shards/index\.json"):
         storage.read_bytes(url + "/index.json")
     with pytest.raises(StorageError) as info:
-        ShardReader(url)
+        open_root(url)
     assert not isinstance(info.value, FormatError)  # unreachable, not "not a shard root"

@@ -1,13 +1,10 @@
-import dataclasses
-
 import numpy as np
 import pytest
 
+from loongforge.shared.dataset import load_shard_index, open_root
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.index import ShardIndex, load_index, save_index
-from loongforge.shared.split import choose_val_episodes, parse_val_spec, sample_episodes, train_mask
+from loongforge.shared.split import choose_val_episodes, parse_val_spec
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.train.data.order_v1 import epoch_sequence
 
 
 def test_specs():
@@ -32,17 +29,19 @@ def test_choose_is_deterministic_and_leaves_training_episodes():
 
 
 def test_split_round_trips_through_the_index_and_filters_the_order(tmp_path):
-    index = make_synthetic_root(str(tmp_path), shards=3, samples_per_shard=4)
-    assert b"split" not in index.to_json()  # unsplit indexes keep their bytes
-    assert train_mask(index) is None
-    split = dataclasses.replace(index, val_episodes=(1,))
-    save_index(split, str(tmp_path))
-    again = load_index(str(tmp_path))
-    assert again.val_episodes == (1,) and ShardIndex.from_json(again.to_json()) == again
-    eps = sample_episodes(again)
-    keep = train_mask(again)
-    assert keep.tolist() == (eps != 1).tolist() and keep.sum() == 8
-    seq = epoch_sequence([4, 4, 4], seed=0, epoch=0, window=3, keep=keep)
-    full = epoch_sequence([4, 4, 4], seed=0, epoch=0, window=3)
-    assert sorted(seq.tolist()) == np.flatnonzero(keep).tolist()
-    assert seq.tolist() == [g for g in full.tolist() if keep[g]]  # same order, val samples left out
+    from loongforge.train.data.order import EpochOrder
+    from loongforge.train.data.samples import SampleTable
+
+    make_synthetic_root(str(tmp_path / "a"), lengths=(4, 4, 4))
+    assert b"split" not in (tmp_path / "a" / "index.json").read_bytes()  # unsplit indexes keep their bytes
+    assert open_root(str(tmp_path / "a")).val_episodes == frozenset()
+    make_synthetic_root(str(tmp_path / "b"), lengths=(4, 4, 4), val_episodes=(1,))
+    ds = open_root(str(tmp_path / "b"))
+    assert ds.val_episodes == {1} and load_shard_index(str(tmp_path / "b")).val_episodes == (1,)
+    assert ds.val_mask.tolist() == [False, True, False] and [ds.split(e) for e in range(3)] == ["train", "val", "train"]
+    table = SampleTable(np.asarray(ds.episode_lengths))
+    keep = ~ds.val_mask
+    seq = EpochOrder(table, 4, 0, 0, run=2, window=4, train_episodes=keep).ids(0, 8)
+    full = EpochOrder(table, 4, 0, 0, run=2, window=4).ids(0, 12)
+    assert sorted(seq.tolist()) == [0, 1, 2, 3, 8, 9, 10, 11]  # episode 1 (ids 4..7) left out
+    assert set(full.tolist()) == set(range(12))

@@ -9,7 +9,7 @@ import torch
 
 
 def build(root, run_dir, memory, depth=3):
-    from loongforge.shared.index import load_index
+    from loongforge.train.data.training_data import load_training_data
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
     from loongforge.train.model import recipes
     from loongforge.train.model.build import build_model
@@ -19,10 +19,10 @@ def build(root, run_dir, memory, depth=3):
     from loongforge.train.tune.ac import _one_batch
 
     rank = torch.distributed.get_rank()
-    cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4), run=RunConfig(run_dir=run_dir),
-                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False), memory=memory,
-                      recipe="tiny")
-    index = load_index(root)
+    cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4, video_deltas=(-1, 0)),
+                      run=RunConfig(run_dir=run_dir), memory=memory, recipe="tiny",
+                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False))
+    index = load_training_data(cfg.data)  # 2 frames per camera and sample
     mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth)
     torch.manual_seed(0)
     names = []

@@ -13,7 +13,7 @@ from tests.train.train_launch import (assert_ok as _ok, deepspeed_launch, launch
                                       torchrun)
 
 pytestmark = pytest.mark.slow
-COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3"]
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3"]
 STEPS = "20"  # 2.5 epochs of the 64-sample root: crosses epoch boundaries
 
 
@@ -116,8 +116,7 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
     want, got = _metrics(run_dir), _metrics(resumed)
     for a, b in zip(want[5:], got[5:]):
         assert b["world"] == 1
-        two = [x for pair in zip(*a["sample_ids"]) for x in pair]  # position p went to rank p % 2
-        assert b["sample_ids"][0] == two
+        assert b["sample_ids"][0] == a["sample_ids"][0] + a["sample_ids"][1]  # rank r held the r-th half
         assert b["loss"] == b["loss"] and b["loss"] < 100  # finite
     # The first resumed step trains the same samples from the same weights on 1 rank as on 2: with noise
     # seeded per global sample id its losses are the same (fp32 sums aside). Seeded per (step, micro, rank)
@@ -200,15 +199,18 @@ test_gpu_run_smoke = pytest.mark.gpu(test_gpu_run_smoke)
 def test_bad_sample_raise_fails_the_launch_without_hanging(tmp_path):
     """A rank that hits a corrupt sample with --bad-samples raise must end the whole launch
     with a non-zero code and a clear message; the peer must not wait forever in allreduce."""
+    from loongforge.shared.dataset import open_root
     from loongforge.shared.synthetic import make_synthetic_root
 
     root = str(tmp_path / "shards")
-    index = make_synthetic_root(root, shards=2, samples_per_shard=8)
-    entry = index.shards[0]
-    path = os.path.join(root, entry.name)
+    make_synthetic_root(root, lengths=(8, 8), shard_size=1)
+    ds = open_root(root)
+    path = os.path.join(root, ds.block_entry(0, 0, 0)[0])
     data = bytearray(open(path, "rb").read())
-    for off, length in zip(entry.offsets, entry.lengths):  # every sample of shard 0: hit on the first steps
-        data[off + length - 700: off + length - 600] = b"\xff" * 100
+    for cam in ds.cameras:  # every block of episode 0: every sample of it is bad, hit on the first steps
+        for b in range(ds.num_blocks(0)):
+            _, off, length, _, _ = ds.block_entry(0, cam, b)
+            data[off + length // 2] ^= 0xFF
     open(path, "wb").write(data)
     proc = torchrun(2, ["--data", root, "--run-dir", str(tmp_path / "run"), "--steps", "4", "--batch-size", "4",
                         "--bad-samples", "raise", "--workers", "1", "--dist-timeout", "60"], cwd=str(tmp_path),

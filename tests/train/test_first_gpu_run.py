@@ -15,7 +15,7 @@ from tests.train.train_launch import VENV_BIN, _port, launch  # noqa: E402
 
 from loongforge.train.parallel import engine  # noqa: E402
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
-from loongforge.train.data.loader_v1 import ShardLoader  # noqa: E402
+from loongforge.train.data.loader import BlockLoader  # noqa: E402
 
 
 def test_bare_cuda_resolves_to_the_current_device(monkeypatch):
@@ -80,7 +80,7 @@ def test_close_mid_epoch_is_bounded_with_stuck_workers(train_root):
     """close() must not wait for a prefetch thread blocked in pool.get (up to worker_timeout_s):
     signal, unblock, join. The 2 workers are stopped (SIGSTOP: a worker stuck in a slow read)."""
     root, index = train_root
-    loader = ShardLoader(root, batch_size=4, index=index, num_workers=2, shuffle_window=8)
+    loader = BlockLoader(root, dataset=index.ds, batch_size=4, num_workers=2, block_window=8)
     pids = []
     try:
         it = iter(loader)
@@ -112,7 +112,7 @@ def test_close_mid_epoch_is_bounded_with_stuck_workers(train_root):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bare_cuda_loader_delivers_on_the_current_device(train_root):
     root, index = train_root
-    with ShardLoader(root, batch_size=4, index=index, max_steps=2, device="cuda", num_workers=1) as loader:
+    with BlockLoader(root, dataset=index.ds, batch_size=4, max_steps=2, device="cuda", num_workers=1) as loader:
         batches = list(loader)
     assert len(batches) == 2
     assert batches[0]["action"].device == torch.device("cuda", torch.cuda.current_device())
@@ -120,9 +120,9 @@ def test_bare_cuda_loader_delivers_on_the_current_device(train_root):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
-    from loongforge.benchmarks.micro import gpu_check
+    from loongforge.benchmarks.cli import main as bench
 
-    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert bench(["gpu-check", "--out", str(tmp_path)]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 

@@ -1,7 +1,7 @@
 """The learning check, end to end: `sample-data --task learnable` (actions are a known function of
 the state and of the target the frames show, preprocess/sample_learnable.py) goes through the real
-preprocess Beam job with a validation split (the default shard format, 2: every timestep a sample,
-one frame per camera), the tiny recipe trains on the training episodes on 2
+preprocess Beam job with a validation split (every timestep a sample, one frame per camera with the
+default delta indices), the tiny recipe trains on the training episodes on 2
 real gloo ranks and logs validation metrics, and the checkpoint, loaded as a Policy through
 DeepSpeed's zero_to_fp32, beats the trivial baselines in `loongforge eval` on the held-out episodes.
 An untrained model of the same recipe does not reach the same bar. One trained run serves every
@@ -9,7 +9,6 @@ assertion (module-scoped fixtures)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 240  # format 2: val MSE 0.036 vs 0.207 (mean) and 0.398 (repeat-last) at 240 steps; ~1 min idle
+STEPS = 240  # val MSE 0.036 vs 0.207 (mean) and 0.398 (repeat-last) at 240 steps; ~1 min idle
 BAR = 0.5  # the policy's MSE must be below BAR x the better baseline's
 
 
@@ -42,8 +41,8 @@ def learn_root(tmp_path_factory):
     root = str(base / "shards")
     run_job(PreprocessConfig(input=str(source), output=root, workers=1, val_episodes="20%"),
             ["--direct_running_mode=in_memory", "--direct_num_workers=1"])
-    index = load_training_data(DataConfig(root=root))  # what the trainer sees: data_v2.V2Data
-    assert index.format_version == 2 and len(index.val_episodes) == 2
+    index = load_training_data(DataConfig(root=root))  # what the trainer sees: training_data.TrainingData
+    assert len(index.val_episodes) == 2
     return root, index
 
 
@@ -56,14 +55,11 @@ def _table(index):
 @pytest.fixture(scope="module")
 def split_root(tmp_path_factory):
     """A synthetic root (no video, no Beam) with a split: for the ZeRO-3 loading check."""
-    from loongforge.shared.index import save_index
     from loongforge.shared.synthetic import make_synthetic_root
 
     root = str(tmp_path_factory.mktemp("split_root"))
-    index = make_synthetic_root(root, shards=6, samples_per_shard=24, cameras=("front",), seed=3)
-    index = dataclasses.replace(index, val_episodes=(2, 5))  # one episode per shard here
-    save_index(index, root)
-    return root, index
+    make_synthetic_root(root, lengths=(24,) * 6, cameras=("front",), seed=3, val_episodes=(2, 5), shard_size=1)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +141,16 @@ def test_policy_takes_raw_observations(trained, learn_root):
     b = policy.act([{**obs, "frames": {slot: rgb}}], seed=1)
     np.testing.assert_allclose(a[:1], b, atol=1e-4)
     # The raw path equals the training input path (decode, normalise) for the same sample.
-    from loongforge.train.data.training_data import ValSetV2
+    from loongforge.train.eval.validation import ValSet
 
-    batch = ValSetV2(index, np.asarray([_table(index).sample_id(e, t)]), device="cpu").batches[0]
+    batch = ValSet(index, np.asarray([_table(index).sample_id(e, t)]), device="cpu").batches[0]
     c = policy.unnormalize(policy.model.predict_action(batch, seed=1))
     np.testing.assert_allclose(b, c, atol=1e-4)
 
 
 def test_zero3_checkpoint_loads_as_a_policy(split_root, tmp_path):
     """ZeRO-3 partitions the parameters: --eval-every gathers them, Policy consolidates the shards."""
-    root, index = split_root
+    root = split_root
     run_dir = str(tmp_path / "z3")
     proc = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", "2", "--zero", "3", "--batch-size", "8",
                         "--recipe", "tiny", "--eval-every", "1", "--no-ds-breakdown"], cwd=str(tmp_path))
@@ -178,12 +174,12 @@ def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root):
 def test_eval_never_reads_the_ground_truth(trained, learn_root):
     """The bar above cannot be met by leaking: the open-loop predictions (flow and discrete decoding)
     of the trained model do not change when the batch's ground-truth actions are replaced."""
-    from loongforge.train.data.training_data import ValSetV2, val_ids
     from loongforge.train.eval.policy import Policy
+    from loongforge.train.eval.validation import ValSet, val_sample_ids
 
     root, index = learn_root
     policy = Policy.load(trained, root)
-    batch = ValSetV2(index, val_ids(index, limit=8), device="cpu").batches[0]
+    batch = ValSet(index, val_sample_ids(index, limit=8), device="cpu").batches[0]
     scrambled = {**batch, "action": torch.randn_like(batch["action"]) * 10}
     model = policy.model
     assert torch.equal(model.predict_action(batch, seed=3), model.predict_action(scrambled, seed=3))

@@ -54,6 +54,22 @@ def test_config_error_before_init_distributed(bad, field, train_root, tmp_path, 
     assert f"config error: {field}" in capsys.readouterr().err
 
 
+def test_a_format_1_root_is_a_config_error_naming_the_converter(train_root, tmp_path, monkeypatch,
+                                                                no_process_group, capsys):
+    """The retired format (tests/legacy_v1.py writes one): refused in preflight, one line, with the fix."""
+    from tests.legacy_v1 import v1_copy_of
+
+    root, _ = train_root
+    v1 = str(tmp_path / "v1")
+    v1_copy_of(root, v1, frames_per_sample=2, stride=2, action_horizon=4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert entry.run_args(_args("--data", v1, "--run-dir", str(tmp_path / "run"), "--check-config")) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "config error: data.root" in x)
+    assert "format_version 1" in line and "`loongforge convert ROOT --to v2 OUT`" in line
+    assert no_process_group == []
+
+
 def test_check_config_ok_and_bad(train_root, tmp_path, monkeypatch, no_process_group, capsys):
     root, _ = train_root
     monkeypatch.setenv("WORLD_SIZE", "2")

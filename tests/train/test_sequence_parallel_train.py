@@ -16,7 +16,7 @@ import pytest
 
 from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _metrics, torchrun
 
-COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
           "--steps", "4", "--no-ds-breakdown", "--zero", "3",
           "--ac-every", "2"]  # AC on trunk block 0 only: a recomputed block re-runs its all-to-alls in backward
 

@@ -17,7 +17,7 @@ from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _
 
 from loongforge.shared.errors import CheckpointError, ConfigError  # noqa: E402
 
-COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
           "--steps", "4", "--no-ds-breakdown"]
 
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from loongforge.shared.index import load_index
+from loongforge.train.data.training_data import load_training_data
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from loongforge.train.model import recipes
 from loongforge.train.model.build import build_model
@@ -17,10 +17,9 @@ from loongforge.train.parallel.parallelize import parallelize
 
 def main(root: str, out_dir: str) -> None:
     rank, world = engine.init_distributed(torch.device("cpu"), 120.0)
-    index = load_index(root)
-    model_cfg = recipes.resolve("small", index, max_text_tokens=32, max_frames=2)
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=8), run=RunConfig(run_dir=out_dir),
                       parallel=ParallelConfig(zero_stage=3, precision="fp32"), recipe="small")
+    model_cfg = recipes.resolve("small", load_training_data(cfg.data), max_text_tokens=32, max_frames=2)
     built = parallelize(lambda: build_model(model_cfg), cfg, plan.initialize(plan.plan_of(cfg), verbose=False),
                         device=torch.device("cpu"))
     model = built.engine.module

@@ -1,9 +1,10 @@
-"""The fixed memory layout of one per-rank batch, and how one batch is filled.
+"""The fixed memory layout of one per-rank batch, and the bad-sample policy of filling one.
 
 A batch lives in one flat byte buffer (a shared-memory slot when decode workers
-run, a plain array inline). Frame counts vary per sample; they are padded up to
-the next length bucket so only a few shapes ever reach the model and the
-allocator and kernels settle after warm-up. `frame_mask` marks real frames.
+run, a plain array inline). Every sample has the same shape: K frames per camera
+(K = the number of video delta indices, fixed for a run), so one layout serves
+every batch and the allocator and kernels settle after the first step.
+`frame_mask` is all True for a good sample and all False for a bad one.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loongforge.shared.errors import DataWorkerError, FormatError, LoongForgeError
-from loongforge.shared.format import SampleParts, decompress_into
-from loongforge.shared.index import ShardIndex
+from loongforge.shared.errors import DataWorkerError, LoongForgeError
 
 PAD, BOS, EOS = 256, 257, 258  # byte-level tokenizer: ids 0..255 are the UTF-8 bytes
 
@@ -29,42 +28,20 @@ def encode_text(text: str, length: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, ids != PAD
 
 
-def default_buckets(max_frames: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < max_frames:
-        out.append(b)
-        b *= 2
-    return tuple(out + [max_frames])
-
-
-def bucket_for(frames: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if frames <= b:
-            return b
-    raise DataWorkerError(f"a sample has {frames} frames, above the largest bucket {buckets[-1]}; "
-                          "add a bucket (data.frame_buckets)")
-
-
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
     batch: int  # per-rank micro batch
     slots: tuple[str, ...]  # camera slots
     height: int
     width: int
-    max_frames: int
+    frames: int  # K per camera
     state_dim: int
     action_dim: int
     horizon: int
     text_len: int
 
-    @classmethod
-    def from_index(cls, index: ShardIndex, batch: int, text_len: int, max_frames: int) -> "BatchLayout":
-        ds = index.dataset
-        return cls(batch, tuple(ds.slots), ds.height, ds.width, max_frames, ds.state_dim, ds.action_dim,
-                   ds.action_horizon, text_len)
-
-    def fields(self, k: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-        b, fr = self.batch, (self.height * 3 // 2, self.width)
+    def fields(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+        b, k, fr = self.batch, self.frames, (self.height * 3 // 2, self.width)
         out = [(f"frames.{s}", (b, k, *fr), np.dtype(np.uint8)) for s in self.slots]
         return out + [
             ("state", (b, k, self.state_dim), np.dtype(np.float32)),
@@ -83,16 +60,15 @@ class BatchLayout:
 
     @property
     def nbytes(self) -> int:
-        # Sized for the largest bucket; a smaller bucket uses a prefix of each region.
-        return sum(self._region(s, d) for _, s, d in self.fields(self.max_frames))
+        return sum(self._region(s, d) for _, s, d in self.fields())
 
-    def views(self, buf, k: int) -> dict[str, np.ndarray]:
-        """Contiguous arrays of bucket `k` over `buf` (regions laid out for max_frames)."""
+    def views(self, buf) -> dict[str, np.ndarray]:
+        """The batch's arrays over `buf` (at least `nbytes`), each contiguous."""
         out, pos = {}, 0
-        for (name, shape, dtype), (_, full, _) in zip(self.fields(k), self.fields(self.max_frames)):
+        for name, shape, dtype in self.fields():
             count = int(np.prod(shape))
             out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).reshape(shape)
-            pos += self._region(full, dtype)
+            pos += self._region(shape, dtype)
         return out
 
 
@@ -104,12 +80,8 @@ class Norm:
     action_std: np.ndarray
 
     @classmethod
-    def from_index(cls, index: ShardIndex) -> "Norm":
-        return cls.from_dataset(index.dataset)
-
-    @classmethod
     def from_dataset(cls, ds) -> "Norm":
-        """From a DatasetInfo (v1 index or v2 manifest: the same stats)."""
+        """From a DatasetInfo (shared/index.py): the normalisation stats preprocess recorded."""
         st = ds.stats
 
         def pick(kind, key, dim, default):
@@ -121,18 +93,8 @@ class Norm:
                    pick("action", "mean", ds.action_dim, 0.0), pick("action", "std", ds.action_dim, 1.0))
 
 
-def fill_batch(source, index: ShardIndex, layout: BatchLayout, norm: Norm, arrays: dict[str, np.ndarray],
-               items: list[tuple[int, int, int]], policy: str) -> tuple[int, list[str]]:
-    """Decode `items` = [(global sample, shard no, local no)] into `arrays`.
-    Returns (bad samples skipped, their reasons). policy 'raise' re-raises the first."""
-    arrays["frame_mask"][:] = False
-    return fill_rows(arrays, items, policy,
-                     lambda row, item: _fill_row(source, index, layout, norm, arrays, row, item[1], item[2]),
-                     lambda item: f"{index.shards[item[1]].name}#{item[2]}")
-
-
 def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where) -> tuple[int, list[str]]:
-    """The bad-sample policy of both formats: `fill_row(row, item)` fills one row from
+    """The bad-sample policy: `fill_row(row, item)` fills one row from
     item = (global sample id, ...); a LoongForgeError there re-raises as DataWorkerError
     under policy 'raise', else the row is masked out and counted. `where(item)` names the
     sample in the reason. Returns (bad samples skipped, their reasons)."""
@@ -149,38 +111,11 @@ def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where
                 raise DataWorkerError(f"bad sample with data.bad_samples='raise': {reason}") from exc
             bad += 1
             reasons.append(reason)
-            # Keep the row (fixed shapes, same step count on every rank) but mask it out of the loss.
+            # Keep the row (fixed shapes, same step count on every rank) but mask it out of the loss, with
+            # finite values: a reused slot may hold anything, and NaN * 0 is still NaN in a masked loss.
             arrays["sample_valid"][row] = False
+            arrays["state"][row] = 0
+            arrays["action"][row] = 0
             arrays["frame_mask"][row] = False
             arrays["action_valid"][row] = False
     return bad, reasons
-
-
-def _fill_row(source, index, layout, norm, arrays, row, shard_no, local) -> None:
-    entry = index.shards[shard_no]
-    data = source.read_range(entry.name, entry.offsets[local], entry.lengths[local])
-    entry.check_sample(local, data)  # IntegrityError -> the bad-sample policy (skip counts it, raise stops)
-    parts = SampleParts(data)
-    k = int(parts.meta["num_frames"])
-    kb = arrays["frame_mask"].shape[1]
-    if k > kb or k != entry.frames[local]:
-        raise DataWorkerError(f"{parts.key}: {k} frames but the index says {entry.frames[local]} (bucket {kb})")
-    for slot in layout.slots:
-        dst = arrays[f"frames.{slot}"][row]
-        decompress_into(parts.frames_blob(slot), dst[:k])
-        if k < kb:
-            dst[k:] = 0
-    state = parts.array("state")
-    action = parts.array("action")
-    if state.shape != (k, layout.state_dim) or action.shape != (layout.horizon, layout.action_dim):
-        raise FormatError(f"{parts.key}: state {state.shape} / action {action.shape} do not match the index")
-    arrays["state"][row, :k] = (state - norm.state_mean) / norm.state_std
-    arrays["state"][row, k:] = 0
-    arrays["action"][row] = (action - norm.action_mean) / norm.action_std
-    valid = int(parts.meta.get("action_valid", layout.horizon))
-    arrays["action_valid"][row] = np.arange(layout.horizon) < valid
-    arrays["frame_mask"][row, :k] = True
-    text = bytes(parts.members.get("task.txt", b"")).decode("utf-8", errors="replace")
-    ids, mask = encode_text(text, layout.text_len)
-    arrays["task_tokens"][row] = ids
-    arrays["task_mask"][row] = mask

@@ -1,7 +1,7 @@
-"""Per-worker LRU cache of decoded v2 frame blocks, bounded in bytes.
+"""Per-worker LRU cache of decoded frame blocks, bounded in bytes.
 
 A decoded block is B NV12 frames of one camera (256x256: 96 KiB a frame, 1.5 MiB at
-B=16). The block order (order_v2.py) brings a block's samples back within about one
+B=16). The block order (order.py) brings a block's samples back within about one
 shuffle window, so a worker keeping the last window's blocks decodes each once. Each
 decode worker owns one cache (no sharing, no locks); the counters travel back with
 every batch so the trainer can log the hit rate.

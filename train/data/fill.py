@@ -1,11 +1,10 @@
-"""Filling one per-rank batch from a format-2 dataset, inside a decode worker.
+"""Filling one per-rank batch from a shard root, inside a decode worker.
 
-The batch layout is v1's (batch.py), so the prefetcher, colour conversion and the
-model take v2 batches unchanged: frames.<slot> (B, K, 3h/2, w) uint8 NV12 with K the
-number of video delta indices, state (B, K, S), action (B, H, A), action_valid (B, H),
+The batch layout (batch.py): frames.<slot> (B, K, 3h/2, w) uint8 NV12 with K the number
+of video delta indices, state (B, K, S), action (B, H, A), action_valid (B, H),
 frame_mask (B, K) all True (clamping always yields a frame), task tokens, sample_valid.
 
-A worker opens the dataset itself (`open_v2`: memory-mapped tables, nothing parsed per
+A worker opens the dataset itself (`open_root`: memory-mapped tables, nothing parsed per
 worker), keeps decoded blocks in a byte-bounded LRU (block_cache.py) and the last few
 episodes' arrays (a few KB each), and reports the cache counters with every batch.
 """
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loongforge.shared.dataset_v2 import open_v2
+from loongforge.shared.dataset import Dataset, open_root
 from loongforge.shared.errors import FormatError
 from loongforge.train.data.batch import BatchLayout, Norm, encode_text, fill_rows
 from loongforge.train.data.block_cache import BlockCache
@@ -27,18 +26,9 @@ from loongforge.train.data.sources import SourceSpec, make_source
 EPISODE_ARRAYS_KEPT = 64  # episodes whose arrays a worker keeps: a window touches few, each is small
 
 
-def open_dataset_v2(root: str, source=None):
-    return open_v2(root, source=source)
-
-
-def dataset_info(ds):
-    """The DatasetInfo (shared/index.py) of a v2 dataset: dims, cameras, stats, tasks."""
-    return ds.info
-
-
 @dataclass(frozen=True, slots=True)
 class FillerSpec:
-    """Everything a worker needs to build its V2Filler; picklable (spawned workers)."""
+    """Everything a worker needs to build its BlockFiller; picklable (spawned workers)."""
 
     root: str
     deltas: DeltaSpec
@@ -46,18 +36,20 @@ class FillerSpec:
     cache_bytes: int
     source: SourceSpec | None = None  # the cache daemon's client when set (shard-level reads)
 
-    def open(self) -> "V2Filler":
+    def open(self) -> "BlockFiller":
         factory = None
         if self.source is not None and self.source.wants_cache:
             spec = self.source
             factory = lambda shard_index: make_source(spec, shard_index)  # noqa: E731 - needs the shard list
-        return V2Filler(open_dataset_v2(self.root, source=factory), self.deltas, self.layout, self.cache_bytes)
+        return BlockFiller(open_root(self.root, source=factory), self.deltas, self.layout, self.cache_bytes)
 
 
-class V2Filler:
-    def __init__(self, ds, deltas: DeltaSpec, layout: BatchLayout, cache_bytes: int):
+class BlockFiller:
+    """Decodes samples (episode, t) into a batch's arrays: blocks through an LRU, arrays per episode."""
+
+    def __init__(self, ds: Dataset, deltas: DeltaSpec, layout: BatchLayout, cache_bytes: int):
         self.ds, self.deltas, self.layout = ds, deltas, layout
-        info = dataset_info(ds)
+        info = ds.info
         self.norm = Norm.from_dataset(info)
         self.tasks = {str(k): v for k, v in (info.tasks or {}).items()}
         self.cache = BlockCache(cache_bytes)
@@ -74,7 +66,7 @@ class V2Filler:
             close()
 
     def fill(self, arrays: dict[str, np.ndarray], items, policy: str) -> tuple[int, list[str]]:
-        """Decode items = [(sample id, episode, t)] into `arrays` (v1's contract: bad rows
+        """Decode items = [(sample id, episode, t)] into `arrays` (batch.fill_rows: bad rows
         are kept, masked out and counted under 'skip'; 'raise' stops at the first)."""
         def fill_row(row, item):
             self._fill_row(arrays, row, int(item[1]), int(item[2]))
@@ -115,7 +107,7 @@ class V2Filler:
         ep = self._episode(episode)
         state = ep["state"][state_indices(t, length, spec)]
         action, valid = gather_actions(ep["action"], t, spec)
-        known = ep.get("action_known")  # converted v1 roots: rows whose action v1 never stored
+        known = ep.get("action_known")  # roots converted from format 1: rows whose action it never stored
         if known is not None:
             valid &= np.asarray(known, bool)[action_rows(t, length, spec)[0]]
         if state.shape[1] != lay.state_dim or action.shape[1] != lay.action_dim:

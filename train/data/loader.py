@@ -1,91 +1,85 @@
-"""BlockLoader: ShardLoader's API and batches over a format-2 shard root.
+"""BlockLoader: the public data-loading API (trainer, tune, eval, benchmarks, notebooks).
 
-    loader = BlockLoader(root, batch_size=64, num_workers=4, deltas=DeltaSpec(video=(0,), action_horizon=16))
-    for batch in loader: ...          # the same dict as ShardLoader's, plus nothing the model must learn
-    loader.state_dict() / load_state_dict(...) / close()
+    loader = BlockLoader(root, batch_size=64, num_workers=4, deltas=DeltaSpec(video=(0,), action_horizon=16),
+                         rank=r, world=w, device="cuda")
+    for batch in loader: ...          # dict of tensors, already on `device`
+    state = loader.state_dict()       # versioned; resume continues the exact sequence
+    loader.close()
 
-What differs from v1 (loader.py): samples are (episode, t) derived from the memory-mapped
-episode lengths (samples_v2.py), the order is block-aware (order_v2.py: runs of a block on
-one rank, a bounded window, contiguous rank slices), and each decode worker opens the
-dataset itself and keeps decoded blocks in a byte-bounded LRU (fill_v2.py). Frame counts
-are fixed (K = len(video deltas)), so there is one bucket and frame_mask is all True;
-action_valid flags the action rows past an episode's end (the loss ignores them).
-`open_loader` picks the class from the root's format_version.
+`batch_size` is the GLOBAL batch (all ranks together); each rank gets batch_size // world
+samples per step, a contiguous slice of the global batch (order.py: the dropped tail too).
+Samples are (episode, t) derived from the memory-mapped episode lengths (samples.py), the
+order is block-aware (order.py: runs of a block on one rank, a bounded window), and each
+decode worker opens the dataset itself and keeps decoded blocks in a byte-bounded LRU
+(fill.py). A batch dict holds: frames {camera slot: (B, K, 3, h, w) float RGB normalized,
+or (B, K, 3h/2, w) uint8 NV12 with rgb=False} with K = len(video deltas), state (B, K, Ds)
+and action (B, H, Da) float32 normalized with the index stats, action_valid (B, H) (False
+past the episode end: the loss ignores those rows), frame_mask (B, K) (False only for a
+bad sample), task_tokens / task_mask (B, L) (byte-level), sample_valid (B,) (False = bad
+sample masked out), sample_ids (B,) global sample numbers. Tensors are fresh (never views
+of the shared-memory ring); on CUDA they are ordered on the current stream.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
 import torch
 
-from loongforge.shared import paths
-from loongforge.shared.errors import CheckpointError, ConfigError, FormatError
-from loongforge.shared.storage import read_bytes
-from loongforge.train.data import order_v1 as order, order as order_v2
+from loongforge.shared.dataset import Dataset, open_root
+from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.shared.index import FORMAT_VERSION  # of the shard root, in the state: a resume reads the same kind
+from loongforge.train.data import order
 from loongforge.train.data.batch import BatchLayout
-from loongforge.train.data.fill import FillerSpec, dataset_info, open_dataset_v2
-from loongforge.train.data.loader_v1 import ANNOUNCE_BATCHES, LOADER_STATE_VERSION, ShardLoader
-from loongforge.train.data.prefetch import resolve_device
+from loongforge.train.data.fill import FillerSpec
+from loongforge.train.data.prefetch import Prefetcher, resolve_device
 from loongforge.train.data.samples import DeltaSpec, SampleTable
-from loongforge.train.data.sources import SourceSpec
+from loongforge.train.data.sources import SourceSpec, close_source, make_source
 from loongforge.train.data.workers import DecodePool
 
 log = logging.getLogger(__name__)
-DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "v2 loader")
-DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, "v2 loader")
+LOADER_STATE_VERSION = 1
+ANNOUNCE_BATCHES = 8  # global batches before an epoch's end at which the next epoch is announced
+DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "Format 2: loader row and block order")
+DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, same section)
 DEFAULT_CACHE_MB = 256
 
 
-def root_format_version(root: str) -> int:
-    """format_version of the shard root's index.json (1 or 2), without parsing the rest."""
-    try:
-        doc = json.loads(read_bytes(paths.join(root, paths.INDEX_FILE)))
-    except FileNotFoundError:
-        raise FormatError(f"no {paths.INDEX_FILE} under {root!r}: not a shard root, or preprocess did not "
-                          "finish. Run `loongforge preprocess --input DATASET --output ROOT`.") from None
-    except ValueError as exc:
-        raise FormatError(f"{root}/{paths.INDEX_FILE}: not valid JSON ({exc})") from exc
-    version = doc.get("format_version") if isinstance(doc, dict) else None
-    return version if isinstance(version, int) else -1
-
-
-def train_episodes(ds) -> np.ndarray | None:
+def train_episodes(ds: Dataset) -> np.ndarray | None:
     """Bool per episode (True = training) from the dataset's split; None when unsplit."""
     flags = ~np.asarray(ds.val_mask, bool)  # per episode row of the tables, memory-mapped ids
     return None if flags.all() else flags
 
 
-class BlockLoader(ShardLoader):
+class BlockLoader:
     def __init__(self, root: str, *, batch_size: int, num_workers: int = 0, seed: int = 0, rank: int = 0,
-                 world: int = 1, dataset=None, device: str | torch.device = "cpu", rgb: bool = True,
-                 deltas: DeltaSpec = DeltaSpec(), stride: int = 1, block_run: int = DEFAULT_RUN,
+                 world: int = 1, dataset: Dataset | None = None, device: str | torch.device = "cpu",
+                 rgb: bool = True, deltas: DeltaSpec = DeltaSpec(), stride: int = 1, block_run: int = DEFAULT_RUN,
                  block_window: int = DEFAULT_WINDOW, block_cache_mb: float = DEFAULT_CACHE_MB,
                  max_text_tokens: int = 32, bad_samples: str = "skip", prefetch: int = 2,
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
                  image_mean: float = 0.5, image_std: float = 0.25, train_only: bool = True,
                  source: SourceSpec | None = None):
-        self.ds = dataset if dataset is not None else open_dataset_v2(root)
-        info = dataset_info(self.ds)
+        self.ds = dataset if dataset is not None else open_root(root)
+        info = self.ds.info
         self.deltas, self.stride, self.run, self.window = deltas, stride, block_run, block_window
         self.table = SampleTable(np.asarray(self.ds.episode_lengths), stride=stride)
-        # Per episode, not per sample: the order is built per (episode, block) group (order_v2.EpochOrder).
+        # Per episode, not per sample: the order is built per (episode, block) group (order.EpochOrder).
         self.train_eps = train_episodes(self.ds) if train_only else None
         self.block_size = int(self.ds.block_size)
-        order_v2.block_sequence(np.zeros(1, np.int64), 0, 0, run=block_run, window=block_window)  # validate now
-        self.index = self.ds.shard_index  # shards only (no samples): what the cache client needs
+        order.block_sequence(np.zeros(1, np.int64), 0, 0, run=block_run, window=block_window)  # validate now
+        self.index = self.ds.shard_index  # shards only: what the cache client needs
         self.source_spec = source or SourceSpec(root=root)
         self._episode_shard = np.asarray(self.ds.tables["episode_shard"])
         self._names = [s["name"] for s in self.ds.manifest["shards"]]
         self.rank, self.world, self.seed = rank, world, seed
         self.global_batch = batch_size
-        order.rank_positions(batch_size, rank, world)
+        per_rank = order.check_layout(batch_size, rank, world)  # now, not mid-run
         n = self.table.num_samples if self.train_eps is None else \
             int(self.table.counts[np.asarray(self.train_eps, bool)].sum())
         self.plan = order.plan_epoch(n, batch_size)
-        self.layout = BatchLayout(batch_size // world, tuple(info.slots), info.height, info.width, deltas.frames,
+        self.layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames,
                                   info.state_dim, info.action_dim, deltas.action_horizon, max_text_tokens)
         self.device = resolve_device(device)
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
@@ -97,21 +91,24 @@ class BlockLoader(ShardLoader):
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.rgb = rgb
         self.epoch, self.consumed, self.steps_done, self.dropped = 0, 0, 0, 0
-        self._orders: dict[int, order_v2.EpochOrder] = {}  # this epoch and, near its end, the next
-        self._pool = self._prefetcher = self._announcer = None
+        self._orders: dict[int, order.EpochOrder] = {}  # this epoch and, near its end, the next
+        self._pool: DecodePool | None = None
+        self._prefetcher: Prefetcher | None = None
+        self._announcer = None
         self._announced_epoch, self._announced_next = -1, -1
 
     @property
     def num_samples(self) -> int:
         return self.table.num_samples
 
-    def epoch_order(self, epoch: int) -> order_v2.EpochOrder:
+    # -- order ---------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> order.EpochOrder:
         """The epoch's order, built per group; each rank expands only its own slices."""
         if epoch not in self._orders:
             if len(self._orders) >= 2:
                 self._orders.pop(min(self._orders))
-            self._orders[epoch] = order_v2.EpochOrder(self.table, self.block_size, self.seed, epoch, run=self.run,
-                                                      window=self.window, train_episodes=self.train_eps)
+            self._orders[epoch] = order.EpochOrder(self.table, self.block_size, self.seed, epoch, run=self.run,
+                                                   window=self.window, train_episodes=self.train_eps)
         return self._orders[epoch]
 
     def sequence(self, epoch: int) -> np.ndarray:
@@ -119,7 +116,9 @@ class BlockLoader(ShardLoader):
         seq_order = self.epoch_order(epoch)
         return seq_order.ids(0, seq_order.num_samples)
 
-    def _plans(self):
+    def plans(self):
+        """(meta, items) for each upcoming batch of this rank, from the current state (also what the
+        ablation baseline serves, so both loaders read the same samples in the same order)."""
         epoch, consumed, step = self.epoch, self.consumed, self.steps_done
         while self.max_steps is None or step < self.max_steps:
             ids = self.epoch_order(epoch).rank_ids(consumed, self.global_batch, self.rank, self.world)
@@ -129,17 +128,18 @@ class BlockLoader(ShardLoader):
             nxt_epoch, nxt_consumed = order.advance(epoch, consumed, self.plan)
             meta = {"epoch": epoch, "consumed": consumed, "step": step, "next_epoch": nxt_epoch,
                     "next_consumed": nxt_consumed, "sample_ids": ids.copy()}
-            yield meta, self.deltas.frames, items
+            yield meta, items
             epoch, consumed, step = nxt_epoch, nxt_consumed, step + 1
 
     def _announce(self, epoch, consumed) -> None:
-        """v1's contract (loader.py): the rest of this epoch's shards once, the next epoch's
-        near the end; here a shard is where the sample's episode lives."""
+        """Tell the cache this rank's shard order: the rest of the epoch once (so it can evict
+        by farthest next use, not LRU), and, within ANNOUNCE_BATCHES of the epoch's end, the
+        whole next epoch too (prefetch across the seam). A shard is where a sample's episode lives."""
         if self._announcer is None:
             return
         end = self.plan.steps * self.global_batch
         if epoch != self._announced_epoch:
-            if self._announced_next != epoch:
+            if self._announced_next != epoch:  # else sent whole near the last epoch's end
                 self._send_plan(epoch, consumed, end)
             self._announced_epoch = epoch
         if end - consumed <= ANNOUNCE_BATCHES * self.global_batch and self._announced_next != epoch + 1:
@@ -164,8 +164,70 @@ class BlockLoader(ShardLoader):
         except Exception as exc:  # noqa: BLE001 - the cache is an accelerator; training goes on without it
             log.warning("cache announce failed (%s); continuing without prefetch hints", exc)
 
-    def _make_pool(self) -> DecodePool:
-        return DecodePool(None, self.layout, self.source_spec, filler_spec=self.filler_spec, **self._pool_args)
+    # -- iteration -------------------------------------------------------------
+    def _start(self) -> None:
+        self._stop_pipeline()
+        self._pool = DecodePool(self.filler_spec, **self._pool_args)
+        if self.source_spec.wants_cache:
+            cand = make_source(self.source_spec, self.index)
+            self._announcer = cand if hasattr(cand, "announce") else None
+            if self._announcer is None:
+                close_source(cand)
+        self._announced_epoch, self._announced_next = -1, -1
+        plans, pool = self.plans(), self._pool
+        inflight: list[tuple[int, dict]] = []
+        counter = iter(range(1 << 62))
+
+        def pull():
+            while pool.free_slots > 1 or (pool.free_slots and not inflight):
+                nxt = next(plans, None)
+                if nxt is None:
+                    break
+                meta, items = nxt
+                seq = next(counter)
+                pool.submit(seq, items)
+                inflight.append((seq, meta))
+            if not inflight:
+                raise StopIteration
+            seq, meta = inflight.pop(0)
+            slot, arrays = pool.get(seq)
+            meta["bad_samples"] = pool.bad_samples
+            return meta, arrays, lambda: pool.release(slot)
+
+        self._prefetcher = Prefetcher(pull, device=self.device, rgb=self.rgb, depth=self.prefetch,
+                                      timeout_s=self._pool_args["timeout_s"] * 2, **self._conv)
+
+    def __iter__(self):
+        self._start()
+        return self
+
+    def __next__(self) -> dict:
+        if self._prefetcher is None:
+            self._start()
+        staged = next(self._prefetcher)
+        m = staged.meta
+        # State advances when a batch is handed out, not when it is staged ahead.
+        if m["next_epoch"] != m["epoch"]:
+            self.dropped += self.plan.dropped
+        self.epoch, self.consumed, self.steps_done = m["next_epoch"], m["next_consumed"], m["step"] + 1
+        batch = staged.tensors
+        batch["meta"] = m
+        return batch
+
+    @property
+    def bad_samples(self) -> int:
+        return self._pool.bad_samples if self._pool else 0
+
+    def wait_ready(self, timeout_s: float = 120.0) -> int:
+        """Block until every decode worker is past start-up (call after the first batch).
+        Returns how many batches may already be decoded ahead (ring slots + prefetch queue):
+        a throughput window that skips them times decoding, not a queue filled while waiting."""
+        if self._pool is None:
+            raise RuntimeError("wait_ready() before the first batch: iterate the loader first")
+        if self.num_workers == 0:
+            return self.prefetch
+        self._pool.wait_ready(timeout_s)
+        return self._pool_args["slots"] + self.prefetch
 
     def cache_counters(self) -> dict:
         """Block-cache hits/misses/evictions summed over the decode workers (as last reported)."""
@@ -175,29 +237,67 @@ class BlockLoader(ShardLoader):
                 out[key] = out.get(key, 0) + v
         return out
 
+    # -- state -------------------------------------------------------------------
     def _order_key(self) -> dict:
         return {"stride": self.stride, "block_run": self.run, "block_window": self.window,
-                "video_deltas": list(self.deltas.video), "block_size": int(self.ds.block_size)}
+                "video_deltas": list(self.deltas.video), "block_size": self.block_size}
 
     def state_dict(self) -> dict:
-        return {"version": LOADER_STATE_VERSION, "format_version": 2, "seed": self.seed, "epoch": self.epoch,
-                "consumed": self.consumed, "global_batch": self.global_batch, "steps_done": self.steps_done,
-                "dropped": self.dropped, "num_samples": self.num_samples, "order": self._order_key()}
+        return {"version": LOADER_STATE_VERSION, "format_version": FORMAT_VERSION, "seed": self.seed,
+                "epoch": self.epoch, "consumed": self.consumed, "global_batch": self.global_batch,
+                "steps_done": self.steps_done, "dropped": self.dropped, "num_samples": self.num_samples,
+                "order": self._order_key()}
 
-    def _check_state_version(self, state: dict) -> None:
-        if state.get("version") != LOADER_STATE_VERSION or state.get("format_version") != 2:
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != LOADER_STATE_VERSION or state.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"loader state version {state.get('version')!r} / format "
-                                  f"{state.get('format_version', 1)!r}: this loader reads a format-2 state of "
-                                  f"version {LOADER_STATE_VERSION}; resume on the shard root the run started on")
-
-    def _state_keys(self) -> tuple:
-        # rank slices and micro batches are both contiguous stretches of the order (order_v2), which does not
-        # depend on the batch: ShardLoader.load_state_dict's batch-change rule holds here too
-        return (("global_batch", self.global_batch), ("seed", self.seed), ("num_samples", self.num_samples),
+                                  f"{state.get('format_version', 1)!r}: this loader reads a format-{FORMAT_VERSION} "
+                                  f"state of version {LOADER_STATE_VERSION}; resume with the LoongForge that wrote "
+                                  "it, on the shard root the run started on")
+        # Rank slices and micro batches are both contiguous stretches of the order, which does not depend on the
+        # batch: another loader batch with the same optimizer-step batch (an elastic resume on fewer ranks: grad
+        # accum absorbs them) reads the same global positions (_same_positions).
+        mine = (("global_batch", self.global_batch), ("seed", self.seed), ("num_samples", self.num_samples),
                 ("order", self._order_key()))
+        for key, value in mine:
+            if state[key] != value and not (key == "global_batch" and self._same_positions(state)):
+                raise CheckpointError(f"checkpoint has {key}={state[key]} but this run has {value}: the sample "
+                                      f"sequence would change; resume with the same {key}")
+        self._stop_pipeline()
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.steps_done, self.dropped = int(state["steps_done"]), int(state["dropped"])
+        self.steps_done = self.steps_done * int(state["global_batch"]) // self.global_batch
+
+    def _same_positions(self, state: dict) -> bool:
+        """Another loader batch reads the same global positions when the resume point is on a batch boundary
+        and each epoch uses the same number of samples (same tail dropped)."""
+        old, n = int(state["global_batch"]), self.plan.samples
+        return int(state["consumed"]) % self.global_batch == 0 and n // old * old == n // self.global_batch * \
+            self.global_batch
+
+    def _stop_pipeline(self) -> None:
+        # Order matters: wake the prefetch thread out of pool.get first, then join it, and only
+        # then free the pool (its slots may be under the thread's copy until the join returns).
+        if self._pool is not None:
+            self._pool.interrupt()
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._announcer is not None:
+            close_source(self._announcer)
+            self._announcer = None
 
     def close(self) -> None:
-        super().close()
+        self._stop_pipeline()
         close = getattr(self.ds, "close", None)
         if callable(close):
             close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,8 +1,8 @@
-"""Global sample order for format v2: deterministic from (seed, epoch), block-aware.
+"""Global sample order: deterministic from (seed, epoch), block-aware.
 
-v1 orders samples that each carry their own frames. In v2 a sample's frames live in a
-zstd block of B consecutive frames shared by up to B/stride samples, so a decode worker
-should decompress a block once and serve several samples from it. The order:
+A sample's frames live in a zstd block of B consecutive frames shared by up to B/stride
+samples, so a decode worker should decompress a block once and serve several samples
+from it. The order:
 
 1. samples are grouped by (episode, block of t) (`SampleTable.block_groups`); inside a
    group they are shuffled, then cut into *runs* of `run` consecutive samples;
@@ -10,22 +10,66 @@ should decompress a block once and serve several samples from it. The order:
    of `window` samples (a bounded shuffle buffer at run granularity): a group's runs stay
    within about one window, so a worker's block cache (block_cache.py) sees them again;
 3. global batch b is positions [b*G, (b+1)*G); rank r takes the CONTIGUOUS slice
-   [r*G/world, (r+1)*G/world) of it, so a run never straddles ranks (v1's strided
+   [r*G/world, (r+1)*G/world) of it, so a run never straddles ranks (a strided
    p % world would scatter a run over ranks and every rank would decode the block).
 
 `run` = 1 and `window` >= the epoch is a uniform random permutation (GR00T's sampler);
 larger `run` trades batch diversity for decodes (measured by `batch_diversity`, reported
-in benchmarks/README.md). Every rank computes the same sequence; the loader state stays
-one global counter (order.py), so a resume may change the rank count, not the batch.
-The uneven tail is dropped as in v1 (`order.plan_epoch`).
+in benchmarks/README.md). Every rank computes the same sequence, so no rank ever needs to
+ask another what to read.
+
+Uneven tail: the last partial global batch of an epoch is DROPPED (and counted in
+`EpochPlan.dropped`). Every rank therefore runs exactly `steps` steps per epoch: ranks
+with different batch counts deadlock in allreduce (webdataset #188). We drop rather than
+pad because padding repeats samples within an epoch; the dropped samples differ every
+epoch, since the order does.
+
+The loader state is one global in-epoch counter (samples consumed by all ranks together)
+plus the epoch, never per-rank cursors, so a resume may change the data-parallel degree
+(and the loader batch, see loader.py) as long as the positions read stay the same.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.data.order_v1 import rank_positions
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    samples: int  # samples in the dataset (the training split)
+    global_batch: int
+    steps: int  # full global batches this epoch
+    dropped: int  # samples of the tail batch left out this epoch
+
+
+def plan_epoch(num_samples: int, global_batch: int) -> EpochPlan:
+    if num_samples < global_batch:
+        raise ConfigError(f"data.global_batch_size: {global_batch} exceeds the {num_samples} samples of the "
+                          "dataset; lower --batch-size")
+    steps = num_samples // global_batch
+    return EpochPlan(num_samples, global_batch, steps, num_samples - steps * global_batch)
+
+
+def advance(epoch: int, consumed: int, plan: EpochPlan) -> tuple[int, int]:
+    """(epoch, in-epoch counter) after one global batch; rolls over, dropping the tail."""
+    consumed += plan.global_batch
+    if consumed + plan.global_batch > plan.samples:
+        return epoch + 1, 0
+    return epoch, consumed
+
+
+def check_layout(global_batch: int, rank: int, world: int) -> int:
+    """The per-rank micro batch of a data-parallel layout; ConfigError unless every rank gets the same one."""
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} / world {world}: need 0 <= rank < world")
+    if global_batch % world:
+        raise ConfigError(f"data.global_batch_size: {global_batch} is not divisible by the {world} data-parallel "
+                          "ranks; pick a multiple so every rank gets the same micro batch")
+    return global_batch // world
 
 
 def block_sequence(groups: np.ndarray, seed: int, epoch: int, *, run: int, window: int,
@@ -45,7 +89,7 @@ def block_sequence(groups: np.ndarray, seed: int, epoch: int, *, run: int, windo
     g = np.asarray(groups, np.int64)[ids]
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     sizes = np.diff(np.r_[starts, len(g)])
-    rng = np.random.default_rng([seed, epoch, 2])  # its own stream: v1's use [seed, epoch] and [.., 1]
+    rng = np.random.default_rng([seed, epoch, 2])  # stream 2: what checkpoints of this order expect
     # 1. shuffle inside each group: one row of random keys per group (groups hold <= B samples)
     slot = np.arange(sizes.max())[None, :]
     real = slot < sizes[:, None]
@@ -211,7 +255,7 @@ class EpochOrder:
 
 
 def _check_slice(consumed: int, global_batch: int, rank: int, world: int, n: int) -> None:
-    rank_positions(global_batch, rank, world)  # validates rank/world/divisibility with the v1 messages
+    check_layout(global_batch, rank, world)
     if consumed % global_batch:
         raise ConfigError(f"in-epoch counter {consumed} is not a multiple of the global batch {global_batch}; "
                           "resume with the global batch size the run was started with")

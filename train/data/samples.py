@@ -1,4 +1,4 @@
-"""Sample semantics of shard format v2: a sample is (episode, t), derived, never listed.
+"""Sample semantics: a sample is (episode, t), derived from the index, never listed.
 
 Every `stride`-th timestep of every episode is a sample (GR00T N1.x: every timestep,
 stride 1). What a sample reads is given per modality as delta indices around t:
@@ -16,7 +16,7 @@ also flagged invalid (`action_valid`), so the loss can ignore them rather than l
 
 Sample ids are global numbers over every episode in index order (stable whatever the split),
 mapped to (episode, t) in O(log E) by `np.searchsorted` over the cumulative sample counts
-of the memory-mapped `episode_lengths` column (bench: `benchmarks/v2_rows.py`).
+of the memory-mapped `episode_lengths` column (bench: `benchmarks/micro/index_scale.py`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def gather_actions(actions: np.ndarray, t: int, spec: DeltaSpec) -> tuple[np.nda
 
 
 class SampleTable:
-    """(episode, t) of every sample of a v2 dataset, from its episode lengths alone.
+    """(episode, t) of every sample of a dataset, from its episode lengths alone.
 
     O(E) memory (E episodes), never O(samples): 100 M samples in 100 k episodes is two
     800 KB arrays."""
@@ -139,7 +139,7 @@ class SampleTable:
     def group_table(self, block_size: int, train_episodes: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(first sample id, size, episode) of every non-empty (episode, block of t) group, ascending:
-        `block_groups` at O(blocks) instead of O(samples) (the lazy order, order_v2.EpochOrder).
+        `block_groups` at O(blocks) instead of O(samples) (the lazy order, order.EpochOrder).
 
         Episodes where `train_episodes` is False are left out. A group's samples are the
         consecutive ids first .. first+size-1 (t = k*stride for k in [ceil(bB/s), ceil((b+1)B/s)))."""

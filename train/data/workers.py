@@ -1,10 +1,11 @@
 """Decode worker pool: shard bytes -> NV12 batches in shared-memory slots.
 
 The main process sends only integers (batch number, slot, sample locations)
-through multiprocessing queues; workers read shards through their own
-ShardSource (mmap, zero-copy), zstd-decompress straight into a slot of a ring
-of `multiprocessing.shared_memory` buffers, and answer with a few integers.
-Frames are never pickled. `num_workers=0` fills the same layout inline.
+through multiprocessing queues; each worker opens the dataset itself (its own
+ShardSource: mmap, zero-copy, or the cache client), zstd-decompresses blocks
+straight into a slot of a ring of `multiprocessing.shared_memory` buffers, and
+answers with a few integers. Frames are never pickled. `num_workers=0` fills the
+same layout inline.
 
 A dead worker is noticed within one poll interval (`is_alive()` on every
 wait) and reported as DataWorkerError naming the worker and its exit code;
@@ -25,9 +26,8 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from loongforge.shared.errors import DataWorkerError, LoongForgeError
-from loongforge.shared.index import ShardIndex
-from loongforge.train.data.batch import BatchLayout, Norm, fill_batch
-from loongforge.train.data.sources import SourceSpec, close_source, make_source
+from loongforge.train.data.batch import BatchLayout
+from loongforge.train.data.fill import FillerSpec
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -38,36 +38,11 @@ class PoolClosedError(DataWorkerError):
     """get() was interrupted because the pool is closing (never seen by a caller that closes it)."""
 
 
-class _V1Filler:
-    """Format 1: one byte-range read per sample through the worker's own ShardSource."""
-
-    def __init__(self, spec: SourceSpec, index: ShardIndex, layout: BatchLayout):
-        self.index, self.layout = index, layout
-        self.norm = Norm.from_index(index)
-        self.source = make_source(spec, index)
-
-    def fill(self, arrays, items, policy):
-        return fill_batch(self.source, self.index, self.layout, self.norm, arrays, items, policy)
-
-    def counters(self):
-        return None
-
-    def close(self):
-        close_source(self.source)
-
-
-def _open_filler(spec: SourceSpec, index_json: bytes | None, layout: BatchLayout, filler_spec):
-    # filler_spec (format 2: train/fill_v2.FillerSpec) opens its own memory-mapped dataset.
-    if filler_spec is not None:
-        return filler_spec.open()
-    return _V1Filler(spec, ShardIndex.from_json(index_json), layout)
-
-
-def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes | None, layout: BatchLayout,
-                 shm_names: list[str], policy: str, tasks, results, filler_spec=None, ready=None) -> None:
+def _worker_main(worker_id: int, filler_spec: FillerSpec, shm_names: list[str], policy: str, tasks, results,
+                 ready=None) -> None:
     # Runs in a fresh (spawned) process: no torch import, own source, own mmaps.
     try:
-        filler = _open_filler(spec, index_json, layout, filler_spec)
+        filler = filler_spec.open()
         shms = [SharedMemory(name=n) for n in shm_names]
     except BaseException:  # noqa: BLE001 - report why we could not start, then exit non-zero
         results.put(("fatal", worker_id, -1, traceback.format_exc(limit=8)))
@@ -86,12 +61,12 @@ def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes | None, lay
                 continue
             if task is None:
                 return
-            seq, slot, k, items = task
+            seq, slot, items = task
             try:
-                arrays = layout.views(shms[slot].buf, k)
+                arrays = filler_spec.layout.views(shms[slot].buf)
                 bad, reasons = filler.fill(arrays, items, policy)
                 del arrays
-                results.put(("ok", worker_id, seq, (slot, k, bad, reasons, filler.counters())))
+                results.put(("ok", worker_id, seq, (slot, bad, reasons, filler.counters())))
             except LoongForgeError as exc:
                 results.put(("error", worker_id, seq, f"{type(exc).__name__}: {exc}"))
             except Exception:  # noqa: BLE001 - a bug must surface in the trainer, with its traceback
@@ -105,13 +80,12 @@ def _worker_main(worker_id: int, spec: SourceSpec, index_json: bytes | None, lay
 class DecodePool:
     """Ring of `slots` batch buffers filled by `num_workers` processes (or inline)."""
 
-    def __init__(self, index: ShardIndex, layout: BatchLayout, spec: SourceSpec, *, num_workers: int,
-                 slots: int, policy: str = "skip", timeout_s: float = 120.0, start_method: str = "spawn",
-                 filler_spec=None):
-        # filler_spec: None = format 1 (`index` is the full ShardIndex); a fill_v2.FillerSpec = format 2
-        # (`index` may be None: each worker memory-maps the dataset's tables itself).
-        self.index, self.layout, self.spec, self.policy = index, layout, spec, policy
-        self.worker_counters: dict[int, dict] = {}  # worker id -> its block-cache counters (format 2)
+    def __init__(self, filler_spec: FillerSpec, *, num_workers: int, slots: int, policy: str = "skip",
+                 timeout_s: float = 120.0, start_method: str = "spawn"):
+        # Each worker (or the inline filler) opens the dataset itself from filler_spec: memory-mapped tables.
+        self.layout: BatchLayout = filler_spec.layout
+        self.policy = policy
+        self.worker_counters: dict[int, dict] = {}  # worker id -> its block-cache counters
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.bad_samples = 0
         self.bad_reasons: list[str] = []
@@ -122,23 +96,20 @@ class DecodePool:
         self._procs = []
         self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
         if num_workers == 0:
-            self._bufs = [np.empty(layout.nbytes, np.uint8) for _ in range(slots)]
-            self._filler = _open_filler(spec, None, layout, filler_spec) if filler_spec is not None \
-                else _V1Filler(spec, index, layout)
+            self._bufs = [np.empty(self.layout.nbytes, np.uint8) for _ in range(slots)]
+            self._filler = filler_spec.open()
             return
         self._filler = None
-        self._shms = [SharedMemory(create=True, size=max(1, layout.nbytes)) for _ in range(slots)]
+        self._shms = [SharedMemory(create=True, size=max(1, self.layout.nbytes)) for _ in range(slots)]
         self._bufs = [s.buf for s in self._shms]
         ctx = get_context(start_method)
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._ready = ctx.Value("i", 0)  # workers past start-up (a benchmark times only after all are)
         names = [s.name for s in self._shms]
-        index_json = index.to_json() if filler_spec is None else None
         try:
             for wid in range(num_workers):
                 p = ctx.Process(target=_worker_main, name=f"loongforge-decode-{wid}", daemon=True,
-                                args=(wid, spec, index_json, layout, names, policy, self._tasks, self._results,
-                                      filler_spec, self._ready))
+                                args=(wid, filler_spec, names, policy, self._tasks, self._results, self._ready))
                 p.start()
                 self._procs.append(p)
         except BaseException:
@@ -167,11 +138,12 @@ class DecodePool:
                                       f"within {timeout_s:.0f} s")
             time.sleep(POLL_S / 5)
 
-    def submit(self, seq: int, k: int, items: list[tuple[int, int, int]]) -> None:
+    def submit(self, seq: int, items: list[tuple[int, int, int]]) -> None:
+        """Queue batch `seq`: items = [(sample id, episode row, t)], one per row."""
         if not self._free:
             raise DataWorkerError("no free batch slot: release() consumed batches before submitting more")
         slot = self._free.pop()
-        task = (seq, slot, k, [tuple(int(v) for v in it) for it in items])
+        task = (seq, slot, [tuple(int(v) for v in it) for it in items])
         if self.num_workers == 0:
             self._pending[seq] = task
         else:
@@ -180,14 +152,14 @@ class DecodePool:
     def get(self, seq: int) -> tuple[int, dict[str, np.ndarray]]:
         """Wait for batch `seq`; returns (slot, arrays viewing the slot). Call release(slot) after use."""
         if self.num_workers == 0:
-            _, slot, k, items = self._pending.pop(seq)
-            arrays = self.layout.views(self._bufs[slot], k)
+            _, slot, items = self._pending.pop(seq)
+            arrays = self.layout.views(self._bufs[slot])
             try:
                 bad, reasons = self._filler.fill(arrays, items, self.policy)
             except BaseException:
                 self._free.append(slot)
                 raise
-            return self._finish(slot, k, bad, reasons, 0, self._filler.counters())
+            return self._finish(slot, bad, reasons, 0, self._filler.counters())
         deadline = time.monotonic() + self.timeout_s
         # Checked on every call, not only on a timeout: the surviving workers would otherwise
         # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
@@ -207,11 +179,11 @@ class DecodePool:
                 raise DataWorkerError(f"data worker {wid} failed to start:\n{payload}")
             if kind == "error":
                 raise DataWorkerError(f"data worker {wid} failed on batch {rseq}: {payload}")
-            self._done[rseq] = (*payload[:4], (wid, payload[4]))
-        slot, k, bad, reasons, counters = self._done.pop(seq)
-        return self._finish(slot, k, bad, reasons, *counters)
+            self._done[rseq] = (*payload[:3], (wid, payload[3]))
+        slot, bad, reasons, counters = self._done.pop(seq)
+        return self._finish(slot, bad, reasons, *counters)
 
-    def _finish(self, slot, k, bad, reasons, wid=0, counters=None):
+    def _finish(self, slot, bad, reasons, wid=0, counters=None):
         if counters is not None:
             self.worker_counters[wid] = counters
         if bad:
@@ -219,7 +191,7 @@ class DecodePool:
             self.bad_reasons.extend(reasons[-16:])
             for r in reasons:
                 log.warning("skipped bad sample (data.bad_samples='skip'): %s", r)
-        return slot, self.layout.views(self._bufs[slot], k)
+        return slot, self.layout.views(self._bufs[slot])
 
     def _check_alive(self) -> None:
         for wid, p in enumerate(self._procs):
@@ -228,7 +200,7 @@ class DecodePool:
                     why = f" (killed by signal {-p.exitcode}); check dmesg for the OOM killer or lower --workers"
                 else:  # it raised before our worker loop could report: its traceback went to stderr
                     why = ("; its traceback is on stderr above. If it died at start: workers are spawned and "
-                           "re-import the main module, so a script that makes a ShardLoader with workers must "
+                           "re-import the main module, so a script that makes a BlockLoader with workers must "
                            "do so under `if __name__ == '__main__':`")
                 raise DataWorkerError(f"data worker {wid} (pid {p.pid}) died with exit code {p.exitcode}{why}")
 

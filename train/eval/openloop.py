@@ -17,9 +17,8 @@ import os
 import numpy as np
 
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.split import sample_episodes
 from loongforge.shared.storage import write_bytes_atomic
-from loongforge.train.data.training_data import ValSetV2, chunk_ids
+from loongforge.train.data.samples import SampleTable
 from loongforge.train.eval.validation import ValSet
 
 METHODS = ("policy", "mean", "repeat_last")
@@ -32,20 +31,16 @@ def action_groups(index) -> dict[str, tuple[int, int]]:
     return out or {"action": (0, index.dataset.action_dim)}
 
 
-def chunk_starts(index, ids: np.ndarray) -> list[int]:
-    """Samples of one episode whose chunks tile its timeline: one every H frames of action."""
-    step = int(index.params.get("frame_step", 1))
-    h = index.dataset.action_horizon
-    chosen, next_frame = [], -1
-    for g in ids:
-        shard, local = index.locate(int(g))
-        entry = index.shards[shard]
-        first = int(entry.keys[local].rsplit("_f", 1)[1])
-        start = first + (entry.frames[local] - 1) * step  # the action chunk starts at the last frame
-        if start >= next_frame:
-            chosen.append(int(g))
-            next_frame = start + h
-    return chosen
+def chunk_ids(data, episode_id: int) -> np.ndarray:
+    """Sample ids of one episode whose action chunks tile its timeline: t = 0, H, 2H, ...
+    (data: training_data.TrainingData). Empty when the episode is not in the root."""
+    rows = np.flatnonzero(np.asarray(data.ds.tables["episode_id"]) == episode_id)
+    if not len(rows):
+        return np.zeros(0, np.int64)
+    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    row = int(rows[0])
+    ts = np.arange(0, int(table.lengths[row]), data.deltas.action_horizon)
+    return table.starts[row] + ts
 
 
 def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
@@ -111,21 +106,15 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
     if not eps:
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "
                           "--val-episodes 10%) and --episodes was not given")
-    v2 = getattr(index, "format_version", 1) == 2  # data_v2.V2Data: samples are (episode, t)
     groups = action_groups(index)
-    per_sample_ep = None if v2 else sample_episodes(index)
     os.makedirs(out_dir, exist_ok=True)
     summary, trajs = {"episodes": {}, "groups": {g: list(r) for g, r in groups.items()}}, []
     for ep in eps:
-        chosen = _chunks_v2(index, ep) if v2 else _chunks_v1(index, per_sample_ep, ep)
+        chosen = chunk_ids(index, ep)
         if not len(chosen):
             continue
-        kw = dict(batch_size=16, text_len=policy.text_len, device=policy.device, image_mean=policy.image_mean,
-                  image_std=policy.image_std)
-        if v2:
-            vs = ValSetV2(index, chosen, **kw)
-        else:
-            vs = ValSet(data_root, index, np.asarray(chosen), **kw)
+        vs = ValSet(index, chosen, batch_size=16, text_len=policy.text_len, device=policy.device,
+                    image_mean=policy.image_mean, image_std=policy.image_std)
         traj = evaluate_episode(policy, vs, steps=steps, seed=seed)
         trajs.append(traj)
         summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errors(traj, groups)}
@@ -136,17 +125,6 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
     summary["overall"] = errors({k: np.concatenate([t[k] for t in trajs]) for k in trajs[0]}, groups)
     write_bytes_atomic(os.path.join(out_dir, "eval.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary
-
-
-def _chunks_v1(index, per_sample_ep, ep) -> list[int]:
-    ids = np.flatnonzero(per_sample_ep == ep)
-    keys = [index.shards[index.locate(int(g))[0]].keys[index.locate(int(g))[1]] for g in ids]
-    ids = ids[np.argsort([int(k.rsplit("_f", 1)[1]) for k in keys], kind="stable")]
-    return chunk_starts(index, ids)
-
-
-def _chunks_v2(data, ep) -> np.ndarray:
-    return chunk_ids(data, ep)
 
 
 def format_table(summary: dict) -> str:

@@ -20,11 +20,10 @@ import numpy as np
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.shared.index import ShardIndex
 from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
-from loongforge.train.data.training_data import load_for_policy
+from loongforge.train.data.training_data import TrainingData, load_for_policy
 from loongforge.train.model.build import build_model, model_config_from
 from loongforge.train.model.model import VLAModel
 
@@ -47,17 +46,17 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
 
 
 class Policy:
-    def __init__(self, model: VLAModel, index: ShardIndex, *, image_mean: float = 0.5, image_std: float = 0.25,
+    def __init__(self, model: VLAModel, index: TrainingData, *, image_mean: float = 0.5, image_std: float = 0.25,
                  text_len: int | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.cfg = model.cfg
-        self.index, self.norm = index, Norm.from_index(index)
+        self.index, self.norm = index, Norm.from_dataset(index.dataset)
         self.image_mean, self.image_std = image_mean, image_std
         self.text_len = text_len or self.cfg.max_text_tokens
 
     @classmethod
-    def load(cls, run_dir: str, data_root: str | None = None, *, index: ShardIndex | None = None,
+    def load(cls, run_dir: str, data_root: str | None = None, *, index: TrainingData | None = None,
              tag: str | None = None, device: str | torch.device = "cpu") -> "Policy":
         tag = tag or ckpt_files.latest_tag(run_dir)
         if tag is None:
@@ -65,7 +64,7 @@ class Policy:
         doc = ckpt_files.read_sidecar(run_dir, tag)
         model = build_model(model_config_from(doc))
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
-        if index is None:  # a v1 index, or data_v2.V2Data for a format-2 root (same .dataset for us)
+        if index is None:
             index = load_for_policy(data_root, doc, model.cfg.action_horizon)
         data = doc.get("data", {})
         return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),

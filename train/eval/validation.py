@@ -12,56 +12,52 @@ import numpy as np
 import torch
 
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.split import sample_episodes
-from loongforge.train.data.batch import BatchLayout, Norm, bucket_for, default_buckets, fill_batch
+from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.colorspace import nv12_to_input
-from loongforge.train.data.sources import SourceSpec, close_source, make_source
+from loongforge.train.data.fill import BlockFiller
+from loongforge.train.data.samples import SampleTable
+from loongforge.train.data.training_data import TrainingData
 from loongforge.train.model.build import build_model
 
 
-def val_sample_ids(index, limit: int | None = None) -> np.ndarray:
-    """Global sample numbers of the validation episodes, in (episode, time) order; `limit` picks an
-    evenly spaced fixed subset."""
-    val = np.asarray(index.val_episodes, np.int64)
-    if not len(val):
+def val_sample_ids(data: TrainingData, limit: int, stride: int = 1) -> np.ndarray:
+    """Sample ids (stride-1 numbering) of the held-out episodes, every `stride`-th t, evenly
+    thinned to `limit`: the fixed subset --eval-every scores."""
+    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    val = np.asarray(data.ds.val_mask, bool)
+    if not val.any():
         raise ConfigError("the index has no validation split; re-run preprocess with --val-episodes 10%")
-    ids = np.flatnonzero(np.isin(sample_episodes(index), val))
-    if limit is not None and len(ids) > limit:
+    ids = np.flatnonzero(table.keep_mask(val))
+    ids = ids[table.locate(ids)[1] % stride == 0]
+    if limit and len(ids) > limit:
         ids = ids[np.linspace(0, len(ids) - 1, limit).round().astype(np.int64)]
     return ids
 
 
 class ValSet:
-    """Decoded batches of chosen samples (on `device`, frames as model input)."""
+    """Decoded batches of chosen samples (stride-1 ids), on `device`, frames as model input."""
 
-    def __init__(self, root: str, index, ids: np.ndarray, *, batch_size: int = 8, text_len: int = 32,
-                 device="cpu", image_mean: float = 0.5, image_std: float = 0.25, source: SourceSpec | None = None):
-        self.index, self.ids, self.device = index, np.asarray(ids, np.int64), torch.device(device)
-        self.norm = Norm.from_index(index)
-        max_frames = max(max(s.frames) for s in index.shards)
-        self.buckets = default_buckets(max_frames)
-        self.conv = dict(matrix=index.dataset.color_matrix, color_range=index.dataset.color_range,
-                         mean=image_mean, std=image_std)
-        self.batches: list[dict] = []
-        src = make_source(source or SourceSpec(root=root), index)
-        try:
-            for start in range(0, len(self.ids), batch_size):
-                self.batches.append(self._decode(src, self.ids[start:start + batch_size], text_len))
-        finally:
-            close_source(src)
-
-    def _decode(self, src, ids: np.ndarray, text_len: int) -> dict:
-        items = [(int(g), *self.index.locate(int(g))) for g in ids]
-        k = bucket_for(max(self.index.shards[s].frames[i] for _, s, i in items), self.buckets)
-        layout = BatchLayout.from_index(self.index, len(items), text_len, k)
-        buf = bytearray(layout.nbytes)
-        arrays = layout.views(buf, k)
-        fill_batch(src, self.index, layout, self.norm, arrays, items, "raise")
-        out = {name: torch.from_numpy(a.copy()).to(self.device) for name, a in arrays.items()
-               if not name.startswith("frames.")}
-        out["frames"] = {s: nv12_to_input(torch.from_numpy(arrays[f"frames.{s}"].copy()).to(self.device),
-                                          **self.conv) for s in layout.slots}
-        return out
+    def __init__(self, data: TrainingData, ids: np.ndarray, *, batch_size: int = 8, text_len: int = 32,
+                 device="cpu", image_mean: float = 0.5, image_std: float = 0.25):
+        ds, info = data.ds, data.dataset
+        table = SampleTable(np.asarray(ds.episode_lengths))
+        ids = np.asarray(ids, np.int64)
+        self.ids, self.device = ids, torch.device(device)
+        conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
+        self.batches = []
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start:start + batch_size]
+            layout = BatchLayout(len(chunk), tuple(info.slots), info.height, info.width, data.deltas.frames,
+                                 info.state_dim, info.action_dim, data.deltas.action_horizon, text_len)
+            arrays = layout.views(bytearray(layout.nbytes))
+            eps, ts = table.locate(chunk)
+            BlockFiller(ds, data.deltas, layout, 0).fill(arrays, list(zip(chunk.tolist(), eps.tolist(), ts.tolist())),
+                                                         "raise")
+            out = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in arrays.items()
+                   if not n.startswith("frames.")}
+            out["frames"] = {s: nv12_to_input(torch.from_numpy(arrays[f"frames.{s}"].copy()).to(self.device), **conv)
+                             for s in layout.slots}
+            self.batches.append(out)
 
 
 def _plain(model):

@@ -21,12 +21,10 @@ def build_model(cfg: ModelConfig) -> VLAModel:
 
 
 def model_config(cfg: TrainConfig, index) -> ModelConfig:
-    """The recipe's config, its data fields from the index, and the fields the user set on cfg.model."""
-    d = cfg.data
-    max_frames = index.max_frames if getattr(index, "format_version", 1) == 2 else \
-        max(max(s.frames) for s in index.shards)  # v2: len(video deltas) (train/data/training_data.py)
-    return recipes.resolve(cfg.recipe, index, max_text_tokens=d.max_text_tokens,
-                           max_frames=max(max_frames, *(d.frame_buckets or (0,))), **model_overrides(cfg))
+    """The recipe's config, its data fields from the index (a data.training_data.TrainingData: frames
+    per sample = len(video deltas)), and the fields the user set on cfg.model."""
+    return recipes.resolve(cfg.recipe, index, max_text_tokens=cfg.data.max_text_tokens, max_frames=index.max_frames,
+                           **model_overrides(cfg))
 
 
 def model_overrides(cfg: TrainConfig) -> dict:

@@ -5,8 +5,9 @@
   loongforge tune batch --recipe small --memory-budget 2GiB --ac-every 4 [--json batch.json]
 
 Both build the recipe's model (no DeepSpeed), take one real batch from the
-loader (from --data, or a synthetic shard root written to a temp dir), and
-measure single-rank forward+backward steps:
+loader (from --data with its default delta indices, or a synthetic shard root
+written to a temp dir, sampled at 4 frames per camera), and measure single-rank
+forward+backward steps:
 
 - activation bytes: what autograd keeps for backward, counted exactly with
   saved_tensors_hooks deduplicated by storage (kernels/checkpointing.py SavedBytesProbe), so the
@@ -35,7 +36,6 @@ import torch
 from loongforge.shared.synthetic import make_synthetic_root
 from loongforge.train.config import DataConfig
 from loongforge.train.data.loader import BlockLoader
-from loongforge.train.data.loader_v1 import ShardLoader
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac, block_lists
 from loongforge.train.kernels.precision import train_dtype
@@ -56,13 +56,17 @@ class Workload:
     """The recipe's model on the device and one real batch from the loader."""
 
     def __init__(self, recipe: str, root: str | None, micro_batch: int, device: str = "auto", seed: int = 0,
-                 precision: str = "auto", **model_overrides):
+                 precision: str = "auto", video_deltas: tuple[int, ...] | None = None, **model_overrides):
         self._tmp = None
         if root is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="loongforge-tune-")
             root = _synthetic_root(self._tmp.name, micro_batch)
+            video_deltas = video_deltas or SYNTHETIC_DELTAS
+        # None: DataConfig's default, what `loongforge train --data ROOT` samples (K = len(video_deltas)).
+        video_deltas = video_deltas or (0,)
         self.device = pick_device(device)
-        index, max_frames = _load_root(root)
+        index = _load_root(root, video_deltas)
+        max_frames = index.max_frames
         self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
         torch.manual_seed(seed)
         # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
@@ -87,28 +91,24 @@ class Workload:
             self._tmp.cleanup()
 
 
+SYNTHETIC_DELTAS = (-3, -2, -1, 0)  # 4 frames per camera and sample on the synthetic root
+
+
 def _synthetic_root(path: str, micro_batch: int) -> str:
-    # 128x128 frames, 4 per window, 2 cameras: with the small recipe's 16-px patches a
+    # 128x128 frames, 4 per sample (SYNTHETIC_DELTAS), 2 cameras: with the small recipe's 16-px patches a
     # sequence of 2*4*64 vision + 4 state + 32 text + action tokens.
-    make_synthetic_root(path, shards=1, samples_per_shard=max(2, micro_batch), frames=4, height=128, width=128)
+    make_synthetic_root(path, lengths=(max(8, micro_batch),), height=128, width=128)
     return path
 
 
-def _load_root(root: str):
-    """(index, longest window) of a v1 root, or (V2Data, frames per sample) of a format-2 root:
-    the same factory the trainer uses (train/data/training_data.py), with the default delta indices."""
-    index = load_training_data(DataConfig(root=root))
-    if getattr(index, "format_version", 1) == 2:
-        return index, index.max_frames
-    return index, max(max(s.frames) for s in index.shards)
+def _load_root(root: str, video_deltas: tuple[int, ...]):
+    """The root as the trainer sees it (train/data/training_data.py), sampled with `video_deltas`."""
+    return load_training_data(DataConfig(root=root, video_deltas=video_deltas))
 
 
 def _one_batch(root: str, index, device) -> dict:
     n = min(8, index.num_samples)
-    if getattr(index, "format_version", 1) == 2:
-        loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
-    else:
-        loader = ShardLoader(root, batch_size=n, index=index, device=device, shuffle_window=1)
+    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
     with loader:
         batch = next(iter(loader))
     batch.pop("meta", None)
@@ -224,7 +224,8 @@ def format_ac_table(result: dict) -> str:
 
 @contextlib.contextmanager
 def workload_from_args(a):
-    w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision)
+    w = Workload(a.recipe, a.data, a.micro_batch, device=a.device, seed=a.seed, precision=a.precision,
+                 video_deltas=a.video_deltas)
     try:
         yield w
     finally:

@@ -1,6 +1,7 @@
-"""`loongforge tune batch`: the largest micro-batch per frame count that fits a memory budget.
+"""`loongforge tune batch`: the largest micro-batch that fits a memory budget.
 
-For each frame count (the loader's length buckets up to the longest window)
+At the frame count a run trains with (K = the number of video delta indices: every
+sample has K frames, so one shape is what matters; `frame_counts` measures others)
 an exponential probe (1, 2, 4, ...) brackets the largest fitting micro-batch,
 then bisection finds it. "Fits": on CPU, the activation bytes measured by
 kernels/checkpointing.py SavedBytesProbe (a forward suffices: the bytes kept for backward are
@@ -9,8 +10,8 @@ torch.OutOfMemoryError nor peaks above the budget in max_memory_allocated
 (weights and gradients included; optimizer states, sharded by ZeRO, are not).
 
 Measured with the chosen --ac-every and --fp8, on one rank. The JSON's
-`micro_batch` (for the longest frame count, the one the loader pads to) is
-what `loongforge train --batch-plan FILE` turns into the global batch.
+`micro_batch` (for the largest frame count measured) is what
+`loongforge train --batch-plan FILE` turns into the global batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 
 import torch
 
-from loongforge.train.data.batch import default_buckets
 from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac
 from loongforge.train.tune.ac import measure_step
 from loongforge.train.tune.results import FORMAT_VERSION
@@ -89,7 +89,7 @@ def tune_batch(w, budget: int, *, ac_every: int = 0, limit: int = 256, frame_cou
     probe = SavedBytesProbe(w.model)
     apply_ac(w.model, ac_every, probe=probe)
     rows = []
-    for k in frame_counts or default_buckets(w.max_frames):
+    for k in sorted(frame_counts or (w.max_frames,)):
         check = lambda micro: fits(w, probe, micro, k, budget)  # noqa: E731
         guess = None
         if w.device.type != "cuda" and limit >= 2:  # CPU: bytes are exact, so extrapolate from 1 and 2

@@ -3,6 +3,7 @@ tuners (torch, the model, the data path) so that `loongforge --help` does not.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     ac.add_argument("--micro-batch", type=int, default=4, help="samples per rank per forward")
     ac.add_argument("--reps", type=int, default=2, help="timed steps per setting (median), after one warm-up")
     ac.set_defaults(func=_run_ac)
-    b = sub.add_parser("batch", help="largest micro-batch per frame count within a memory budget")
+    b = sub.add_parser("batch", help="largest micro-batch within a memory budget")
     _common(b)
     b.add_argument("--ac-every", type=int, default=0, help="activation checkpointing as in training (0 = off)")
     b.add_argument("--fp8", action="store_true", help="measure with FP8 linears (as --fp8 in training)")
@@ -39,6 +40,16 @@ def _common(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"), help="as the trainer's")
     p.add_argument("--json", default=None, help="where to write the result (default ./tune_<what>.json)")
+    p.add_argument("--video-deltas", type=_deltas, default=None, metavar="D,D,...",
+                   help="frame offsets per sample, as `train --video-deltas` (K = their count; default 0, "
+                   "-3,-2,-1,0 on the synthetic root)")
+
+
+def _deltas(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers (e.g. -1,0), got {text!r}") from None
 
 
 def _add_buckets(sub) -> None:

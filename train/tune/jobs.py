@@ -51,10 +51,11 @@ class JobResult:
 
 
 def synthetic_data(workdir: str, samples: int = 64) -> str:
-    """A small shard root (2 cameras, 2 frames) for jobs without --data; written once per workdir."""
+    """A small shard root (2 cameras, 4 episodes of samples // 4 frames, one shard each) for jobs
+    without --data; written once per workdir."""
     root = os.path.join(workdir, "data")
     if not os.path.exists(os.path.join(root, "index.json")):
-        make_synthetic_root(root, shards=4, samples_per_shard=max(1, samples // 4))
+        make_synthetic_root(root, lengths=(max(1, samples // 4),) * 4, shard_size=1)
     return root
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, _port, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--shuffle-window", "8", "--lr", "3e-3",
+COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
           "--no-ds-breakdown"]
 
 

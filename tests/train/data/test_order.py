@@ -1,64 +1,107 @@
+"""Block-aware global order (train/data/order.py): deterministic, every sample once per epoch,
+rank-balanced and disjoint, runs of a block on one rank, the tail dropped and counted."""
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.data import order_v1 as order
+from loongforge.train.data import order
+from loongforge.train.data.order import EpochOrder, batch_diversity, block_sequence, rank_slice
+from loongforge.train.data.samples import SampleTable
 
 
-def _epoch_batches(sizes, seed, epoch, window, gb, world):
-    seq = order.epoch_sequence(sizes, seed, epoch, window)
-    plan = order.plan_epoch(sum(sizes), gb)
-    return [[order.rank_batch(seq, s * gb, gb, r, world) for r in range(world)] for s in range(plan.steps)], plan
+def _table(seed=0, episodes=40):
+    lengths = np.random.default_rng(seed).integers(1, 90, episodes)
+    return SampleTable(lengths)
 
 
-@settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.integers(1, 20), min_size=1, max_size=8), seed=st.integers(0, 2**16),
-       epoch=st.integers(0, 5), window=st.integers(1, 40), world=st.sampled_from([1, 2, 3, 4]),
-       per_rank=st.integers(1, 4))
-def test_rank_slices_disjoint_cover_epoch_minus_counted_tail(sizes, seed, epoch, window, world, per_rank):
-    gb = world * per_rank
-    if sum(sizes) < gb:
-        with pytest.raises(ConfigError):
-            order.plan_epoch(sum(sizes), gb)
-        return
-    steps, plan = _epoch_batches(sizes, seed, epoch, window, gb, world)
-    seq = order.epoch_sequence(sizes, seed, epoch, window)
-    assert sorted(seq.tolist()) == list(range(sum(sizes)))  # a permutation: nothing repeats or vanishes
-    taken = np.concatenate([b for step in steps for b in step]) if steps else np.zeros(0, int)
-    assert len(set(taken.tolist())) == len(taken)  # disjoint across ranks and steps
-    assert len(taken) + plan.dropped == sum(sizes)  # covered, except the counted tail
-    assert plan.dropped < gb
-    assert all(len(b) == per_rank for step in steps for b in step)  # balanced: same step count everywhere
-    assert set(taken.tolist()) == set(seq[: plan.steps * gb].tolist())
+@pytest.mark.parametrize("run,window,world,per_rank", [(1, 1, 1, 8), (4, 256, 4, 6), (16, 10**9, 8, 4),
+                                                       (3, 50, 2, 5)])
+def test_every_sample_exactly_once_per_epoch_across_ranks(run, window, world, per_rank):
+    table = _table()
+    groups = table.block_groups(16)
+    g = world * per_rank
+    for epoch in (0, 1):
+        seq = block_sequence(groups, 7, epoch, run=run, window=window)
+        assert np.array_equal(np.sort(seq), np.arange(table.num_samples))  # a permutation: none twice, none missing
+        plan = order.plan_epoch(len(seq), g)
+        seen = [rank_slice(seq, c, g, r, world) for c in range(0, plan.steps * g, g) for r in range(world)]
+        assert {len(s) for s in seen} == {per_rank}  # rank-balanced
+        flat = np.concatenate(seen)
+        assert len(np.unique(flat)) == len(flat) == plan.steps * g  # disjoint across ranks and steps
+        assert len(seq) - len(flat) == plan.dropped < g
 
 
-def test_same_on_every_call_and_differs_by_epoch():
-    sizes = [16] * 4
-    a = order.epoch_sequence(sizes, 3, 0, 8)
-    assert np.array_equal(a, order.epoch_sequence(sizes, 3, 0, 8))
-    assert not np.array_equal(a, order.epoch_sequence(sizes, 3, 1, 8))
-    assert not np.array_equal(a, order.epoch_sequence(sizes, 4, 0, 8))
+def test_deterministic_and_differs_by_epoch_and_seed():
+    groups = _table().block_groups(8)
+    a = block_sequence(groups, 1, 0, run=4, window=64)
+    assert np.array_equal(a, block_sequence(groups, 1, 0, run=4, window=64))
+    assert not np.array_equal(a, block_sequence(groups, 1, 1, run=4, window=64))
+    assert not np.array_equal(a, block_sequence(groups, 2, 0, run=4, window=64))
 
 
-def test_window_keeps_shard_locality():
-    sizes, window = [32] * 8, 16
-    seq = order.epoch_sequence(sizes, 0, 0, window)
-    shard_of = seq // 32
-    for start in range(0, len(seq), window):
-        assert len(set(shard_of[start:start + window].tolist())) <= 2  # W <= shard size: at most 2 shards
-    # and it is a real shuffle inside the window
-    assert not np.array_equal(seq, order.epoch_sequence(sizes, 0, 0, 1))
+def test_runs_are_contiguous_samples_of_one_block_on_one_rank():
+    table = _table(3)
+    groups = table.block_groups(16)
+    seq = block_sequence(groups, 0, 0, run=4, window=512)
+    # Every sample sits in a run of <= 4 samples of one group; runs of a full group have exactly 4.
+    changes = np.flatnonzero(groups[seq][1:] != groups[seq][:-1]) + 1
+    lengths = np.diff(np.r_[0, changes, len(seq)])
+    assert lengths.max() <= 4 * 2  # two runs of one group may happen to be adjacent
+    assert np.mean(lengths >= 4) > 0.5
+    # A rank's micro batch is a contiguous slice (G/world = 8), so it holds about 8/4 runs; a strided
+    # slicing (position p to rank p % world) would give it 8 samples of 8 different runs.
+    ours = [len(np.unique(groups[rank_slice(seq, c, 64, r, 8)])) for c in range(0, 640, 64) for r in range(8)]
+    strided = [len(np.unique(groups[seq[c + np.arange(r, 64, 8)]])) for c in range(0, 640, 64) for r in range(8)]
+    assert np.mean(ours) <= 3.5 and np.mean(strided) >= 6
 
 
-def test_world_change_keeps_global_sequence():
-    sizes, gb = [10, 7, 12], 4
-    seq = order.epoch_sequence(sizes, 1, 0, 6)
-    for consumed in range(0, 24, gb):
-        two = np.stack([order.rank_batch(seq, consumed, gb, r, 2) for r in range(2)], axis=1).reshape(-1)
-        one = order.rank_batch(seq, consumed, gb, 0, 1)
-        assert np.array_equal(two, one)  # p % world: interleaving the ranks restores the global order
+def test_window_bounds_how_far_a_group_spreads():
+    groups = _table(5).block_groups(16)
+    window = 128
+    seq = block_sequence(groups, 0, 0, run=2, window=window)
+    pos = np.empty_like(seq)
+    pos[seq] = np.arange(len(seq))
+    for gno in np.unique(groups)[:50]:
+        p = pos[groups == gno]
+        assert p.max() - p.min() < 2 * window + 16
+
+
+def test_run_1_and_huge_window_is_as_diverse_as_a_random_permutation():
+    table = _table(1, episodes=200)
+    groups = table.block_groups(16)
+    ep, t = table.locate(np.arange(table.num_samples))
+    rand = np.random.default_rng(0).permutation(table.num_samples)
+    ours = block_sequence(groups, 0, 0, run=1, window=10**9)
+    d_rand, d_ours = (batch_diversity(s, ep, t, groups, 64) for s in (rand, ours))
+    assert abs(d_ours["distinct_episodes"] - d_rand["distinct_episodes"]) < 0.05
+    local = batch_diversity(block_sequence(groups, 0, 0, run=8, window=64), ep, t, groups, 64)
+    assert local["distinct_blocks"] <= 9 / 64 + 1e-9 < d_rand["distinct_blocks"]  # a window of 64 = 8 runs
+
+
+def test_keep_filters_and_stays_a_permutation_of_the_kept():
+    table = _table(2)
+    keep = table.keep_mask(np.arange(40) % 5 != 0)
+    seq = block_sequence(table.block_groups(8), 0, 0, run=2, window=32, keep=keep)
+    assert np.array_equal(np.sort(seq), np.flatnonzero(keep))
+
+
+def test_bad_parameters():
+    with pytest.raises(ConfigError):
+        block_sequence(np.zeros(4, np.int64), 0, 0, run=0, window=4)
+    seq = np.arange(16)
+    with pytest.raises(ConfigError, match="divisible"):
+        rank_slice(seq, 0, 6, 0, 4)
+    with pytest.raises(ConfigError, match="divisible"):
+        order.check_layout(5, 0, 2)
+    with pytest.raises(ConfigError, match="0 <= rank < world"):
+        order.check_layout(4, 2, 2)
+    with pytest.raises(ConfigError, match="multiple of the global batch"):
+        rank_slice(seq, 3, 4, 0, 1)
+    with pytest.raises(IndexError):
+        rank_slice(seq, 16, 8, 0, 2)
+    with pytest.raises(ConfigError, match="lower --batch-size"):
+        order.plan_epoch(7, 8)
 
 
 def test_advance_rolls_over_and_drops_tail():
@@ -72,16 +115,78 @@ def test_advance_rolls_over_and_drops_tail():
     assert seen == [(0, 0), (0, 4), (1, 0), (1, 4), (2, 0)]
 
 
-def test_bad_layouts_are_config_errors():
-    with pytest.raises(ConfigError, match="divisible"):
-        order.rank_positions(5, 0, 2)
-    with pytest.raises(ConfigError, match="multiple of the global batch"):
-        order.rank_batch(np.arange(20), 3, 4, 0, 1)
+def test_world_change_keeps_global_sequence():
+    """The state is one global counter: the rank slices of a step, laid side by side, are the step
+    of one rank, so a resume may change the data-parallel degree."""
+    lazy = EpochOrder(_table(6), 8, 1, 0, run=2, window=24)
+    g = 8
+    for consumed in range(0, 10 * g, g):
+        two = np.concatenate([lazy.rank_ids(consumed, g, r, 2) for r in range(2)])
+        assert np.array_equal(two, lazy.rank_ids(consumed, g, 0, 1))
 
 
-def test_upcoming_shards_in_order_of_first_use():
-    starts = np.array([0, 4, 8])
-    names = ["a", "b", "c"]
-    seq = np.array([9, 1, 10, 5, 2])
-    assert order.upcoming_shards(seq, 0, 5, starts, names) == ["c", "a", "b"]
-    assert order.upcoming_shards(seq, 3, 2, starts, names) == ["b", "a"]
+def _cases():
+    """Small datasets over the knobs the order depends on: stride (incl. > B: blocks without a
+    sample), B, run (incl. > window: windows without a run), window, a split, empty episodes."""
+    for case in range(60):
+        r = np.random.default_rng(case)
+        lengths = r.integers(0 if case % 3 == 0 else 1, r.integers(2, 120), r.integers(1, 40))
+        stride, block = int(r.choice([1, 1, 2, 3, 20])), int(r.choice([1, 4, 8, 16]))
+        run, window = int(r.choice([1, 2, 3, 4, 16, 40])), int(r.choice([1, 7, 64, 200, 10**9]))
+        table = SampleTable(lengths, stride=stride)
+        train = None if case % 2 else np.arange(len(lengths)) % 4 != 1
+        if table.num_samples and (train is None or table.counts[train].sum()):
+            yield case, table, block, run, window, train
+
+
+def test_epoch_order_is_block_sequence_position_for_position():
+    """The lazy order must give the sequence block_sequence gives (so checkpoints resume exactly)."""
+    for case, table, block, run, window, train in _cases():
+        full = block_sequence(table.block_groups(block), case, case % 3, run=run, window=window,
+                              keep=table.keep_mask(train))
+        lazy = EpochOrder(table, block, case, case % 3, run=run, window=window, train_episodes=train)
+        assert lazy.num_samples == len(full)
+        assert np.array_equal(lazy.ids(0, len(full)), full), case
+        r = np.random.default_rng(case)
+        for a in r.integers(0, len(full), 6):  # any stretch, in any order of asking
+            b = int(r.integers(a, len(full) + 1))
+            assert np.array_equal(lazy.ids(int(a), b), full[a:b]), (case, a, b)
+
+
+def test_rank_ids_and_episodes_match_the_full_rank_slices():
+    table = _table(4, episodes=60)
+    full = block_sequence(table.block_groups(16), 3, 1, run=4, window=96)
+    lazy = EpochOrder(table, 16, 3, 1, run=4, window=96)
+    g, world = 48, 4
+    end = order.plan_epoch(len(full), g).steps * g
+    ep_of = table.locate(np.arange(table.num_samples))[0]
+    for rank in range(world):
+        for c in range(0, end, g):
+            assert np.array_equal(lazy.rank_ids(c, g, rank, world), rank_slice(full, c, g, rank, world))
+        mine = np.concatenate([rank_slice(full, c, g, rank, world) for c in range(g, end, g)])
+        got = np.concatenate(list(lazy.rank_episodes(g, end, g, rank, world)))
+        want = ep_of[mine]
+        _, i = np.unique(want, return_index=True)
+        _, j = np.unique(got, return_index=True)
+        assert np.array_equal(want[np.sort(i)], got[np.sort(j)])  # the same episodes, first seen in the same order
+    with pytest.raises(ConfigError):
+        lazy.rank_ids(5, g, 0, world)
+    with pytest.raises(IndexError):
+        lazy.rank_ids(end, g, 0, world) if end + g > len(full) else lazy.ids(0, len(full) + 1)
+
+
+def test_epoch_order_memory_is_per_group_not_per_sample():
+    """block_sequence holds several int64 arrays per sample on every rank (~90 B a sample at
+    peak); the lazy order holds a few numbers per group of B samples plus one window."""
+    import tracemalloc
+
+    table = SampleTable(np.full(4000, 500))  # 2 M samples, 125 k groups of 16
+    tracemalloc.start()
+    try:
+        lazy = EpochOrder(table, 16, 0, 0, run=4, window=65536)
+        ids = lazy.rank_ids(1024 * 100, 1024, 3, 8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(np.unique(ids)) == 128
+    assert peak < 8 * table.num_samples, f"{peak / table.num_samples:.1f} bytes per sample"

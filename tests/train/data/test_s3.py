@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.train.data.loader_v1 import ShardLoader
+from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.samples import DeltaSpec
 
 
 @pytest.mark.slow
 def test_loader_on_s3_root_gives_the_local_batches(s3_server, train_root):
-    root, index = train_root
+    root, _ = train_root
     url = s3_server.upload(root, s3_server.bucket("train-data") + "/shards")
     batches = []
     for data, workers in ((root, 0), (url, 2)):
-        with ShardLoader(data, batch_size=4, num_workers=workers, seed=5, rank=0, world=2,
-                         max_steps=6) as loader:  # no index passed: the S3 run loads index.json from S3
+        with BlockLoader(data, batch_size=4, num_workers=workers, seed=5, rank=0, world=2, max_steps=6,
+                         deltas=DeltaSpec(video=(-1, 0), action_horizon=4)) as loader:  # the S3 run opens it on S3
             batches.append([(b["sample_ids"].clone(), b["frames"]["front"].clone(), b["action"].clone())
                             for b in loader])
     local, remote = batches

@@ -72,14 +72,15 @@ def test_probe_counts_exact_bytes_dedupes_storage_and_skips_params():
 
 
 def _vla(train_root, depth, dropout=0.0):
-    from loongforge.shared.index import load_index
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model import recipes
     from loongforge.train.model.model import VLAModel
     from loongforge.train.tune.ac import _one_batch
     from loongforge.train.model.noise import noise_for
 
     root, _ = train_root
-    index = load_index(root)
+    index = load_training_data(DataConfig(root=root, video_deltas=(-1, 0)))  # 2 frames per camera and sample
     cfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth, dropout=dropout)
     torch.manual_seed(0)
     model = VLAModel(cfg).train()

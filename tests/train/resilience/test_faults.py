@@ -147,13 +147,24 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
     assert "watchdog: rank 1 on" in err and "exit 75" in err
 
 
-def _global_order(index, steps, batch, seed=1, window=8):
-    from loongforge.train.data import order_v1 as order
+def _global_order(index, steps, batch, seed=1, window=8, run=4):
+    """The samples of each global step (sorted) in the BlockLoader's order for these flags (COMMON:
+    --seed 1 --block-window 8, the default --block-run 4): what every step of a faulted run must read."""
+    import numpy as np
 
-    sizes = [s.samples for s in index.shards]
-    per_epoch = index.num_samples // batch
-    return [sorted(int(g) for g in order.epoch_sequence(sizes, seed, s // per_epoch, window)
-                   [(s % per_epoch) * batch:(s % per_epoch + 1) * batch]) for s in range(steps)]
+    from loongforge.train.data.order import EpochOrder
+    from loongforge.train.data.samples import SampleTable
+
+    table = SampleTable(np.asarray(index.ds.episode_lengths))
+    per_epoch = table.num_samples // batch
+    orders = {}
+    out = []
+    for s in range(steps):
+        epoch, pos = divmod(s, per_epoch)
+        if epoch not in orders:
+            orders[epoch] = EpochOrder(table, index.ds.block_size, seed, epoch, run=run, window=window)
+        out.append(sorted(orders[epoch].ids(pos * batch, (pos + 1) * batch).tolist()))
+    return out
 
 
 def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
@@ -306,15 +317,3 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
     assert cs["skipped_ids"] == cs["expected_skipped_ids"] == [15, 16] and cs["skip_events"] >= 2, cs
     assert "blocks one by one from origin" in cs["action"] and "other 9 trained delivered" in cs["action"], cs
     assert "(2 skipped by policy)" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
-
-
-@pytest.mark.full
-def test_corrupt_shard_format1_skips_the_one_sample(tmp_path):
-    """`--format 1` keeps the old root: the flipped byte lies inside one sample, that sample only is skipped."""
-    from loongforge.benchmarks.faults import run as faults
-
-    doc = faults.run_suite(["corrupt_shard_at_origin"], steps=10, work=tmp_path, baseline=False, fmt=1)
-    row = doc["rows"][0]
-    assert doc["data_format"] == 1 and row["recovered"], row
-    assert row["skipped_ids"] == row["expected_skipped_ids"] == [19]  # that sample only, not its shard (16-31)
-    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)

@@ -44,7 +44,7 @@ def test_affine_guess():
 def workload(train_root):
     from loongforge.train.tune.ac import Workload
 
-    w = Workload("tiny", train_root[0], 2, device="cpu")
+    w = Workload("tiny", train_root[0], 2, device="cpu", video_deltas=(-1, 0))  # K = 2 frames per sample
     yield w
     w.close()
 
@@ -64,9 +64,10 @@ def _bytes(w, micro, frames, every):
 def test_tune_batch_finds_the_edge_per_frame_count(workload):
     w = workload
     budget = int(_bytes(w, 5, 2, 0) * 1.02)  # 5 fits at 2 frames, 6 would not (bytes grow ~linearly)
-    res = tune_batch.tune_batch(w, budget, ac_every=0, limit=64)
+    assert [r["frames"] for r in tune_batch.tune_batch(w, budget, limit=64)["rows"]] == [2]  # the run's K alone
+    res = tune_batch.tune_batch(w, budget, ac_every=0, limit=64, frame_counts=(2, 1))
     rows = {r["frames"]: r for r in res["rows"]}
-    assert sorted(rows) == [1, 2]  # the loader's buckets for 2-frame windows
+    assert sorted(rows) == [1, 2]
     assert res["micro_batch"] == rows[2]["micro_batch"] == 5 and res["frames"] == 2
     assert rows[2]["bytes"] <= budget < _bytes(w, 6, 2, 0)
     assert rows[1]["micro_batch"] > rows[2]["micro_batch"]  # fewer frames, shorter sequence, more samples
@@ -117,7 +118,8 @@ def test_batch_plan_rejects(tmp_path, kw, msg):
 def test_tune_batch_cli(train_root, tmp_path):
     out = tmp_path / "b.json"
     proc = launch([sys.executable, "-m", "loongforge", "tune", "batch", "--recipe", "tiny", "--data", train_root[0],
-                   "--memory-budget", "8MiB", "--ac-every", "2", "--limit", "32", "--json", str(out)],
+                   "--video-deltas=-1,0", "--memory-budget", "8MiB", "--ac-every", "2", "--limit", "32",
+                   "--json", str(out)],
                   cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -128,37 +130,37 @@ def test_tune_batch_cli(train_root, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_gpu_buckets_settle_allocator_after_warmup(train_root):
-    """A small fixed set of length buckets: after one pass over them, further steps allocate no
-    new CUDA segments (torch.cuda.memory_stats)."""
+def test_gpu_fixed_sample_shape_settles_allocator_after_warmup(train_root):
+    """Every batch of a run has one shape (K frames per sample): after the first steps, further
+    steps allocate no new CUDA segments (torch.cuda.memory_stats)."""
     import torch
 
     from loongforge.train.kernels.checkpointing import SavedBytesProbe
     from loongforge.train.tune.ac import Workload, measure_step
 
-    w = Workload("tiny", train_root[0], 4, device="cuda")
+    w = Workload("tiny", train_root[0], 4, device="cuda", video_deltas=(-1, 0))
     try:
         probe = SavedBytesProbe(w.model)
         segments = []
         for _ in range(4):
-            for frames in (1, 2):
-                measure_step(w, probe, 4, frames)
+            for _ in range(2):
+                measure_step(w, probe, 4)
             segments.append(torch.cuda.memory_stats()["segment.all.allocated"])
         assert segments[1] == segments[2] == segments[3], segments
     finally:
         w.close()
 
 
-def test_tune_workload_reads_a_v2_root(tmp_path):
-    """`loongforge tune` on a format-2 root (the preprocess default): the batch comes from the
-    BlockLoader with the default delta indices (one frame per camera), not the v1 reader."""
+def test_tune_workload_reads_a_root_with_the_default_deltas(tmp_path):
+    """`loongforge tune --data ROOT`: the batch comes from the BlockLoader with the trainer's default
+    delta indices (one frame per camera); without --data, a synthetic root at 4 frames per sample."""
     import torch
 
-    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+    from loongforge.shared.synthetic import make_synthetic_root
     from loongforge.train.tune.ac import Workload
 
-    root = str(tmp_path / "v2")
-    make_synthetic_v2_root(root, lengths=(12, 9), height=16, width=16, block_size=4)
+    root = str(tmp_path / "root")
+    make_synthetic_root(root, lengths=(12, 9), height=16, width=16, block_size=4)
     w = Workload("tiny", root, 2, device="cpu")
     try:
         assert w.max_frames == 1 and w.base["action"].shape[0] == 8
@@ -166,3 +168,8 @@ def test_tune_workload_reads_a_v2_root(tmp_path):
         assert batch["action"].shape[0] == 3 and torch.isfinite(w.loss(batch, noise, t))
     finally:
         w.close()
+    synthetic = Workload("tiny", None, 2, device="cpu")
+    try:
+        assert synthetic.max_frames == 4 and synthetic.base["frames"]["front"].shape[:2] == (8, 4)
+    finally:
+        synthetic.close()

@@ -1,6 +1,6 @@
-"""Read a format-2 shard root: frame blocks, per-episode arrays, O(1) lookups.
+"""Read a shard root: frame blocks, per-episode arrays, O(1) lookups.
 
-    ds = open_v2("out/shards")                     # local path or fsspec URL
+    ds = open_root("out/shards")                   # local path or fsspec URL
     e, t = ds.locate(123_456)                      # global frame -> (episode row, frame)
     b, i = ds.block_of(t)                          # frame -> (block, position in it)
     nv12 = ds.read_block(e, "ego_view", b)[i]      # uint8 (3h/2, w)
@@ -12,12 +12,16 @@ order); `episode_id(e)` is the source's episode index. The tables are
 memory-mapped (local roots), so opening costs a few header reads whatever the
 dataset size, and every process on a node shares the same pages. Every block
 and arrays read is checked against its xxh3 in the index before it is decoded.
+
+Every reader of a shard root (the trainer's loader and validation set, evaluation,
+tuning, `loongforge inspect`, the cache daemon) opens it here, so the manifest's
+format version is checked in one place (`index.parse_manifest`): a root of the
+retired format 1 is refused with the `loongforge convert` command that rewrites it.
 """
 
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Callable
 from functools import cached_property
 
@@ -27,9 +31,8 @@ import xxhash
 from loongforge.shared import paths, storage
 from loongforge.shared.blocks import DEFAULT_BLOCK_CODEC, decode_block, episode_key
 from loongforge.shared.errors import FormatError, IntegrityError
-from loongforge.shared.format import _load_npy, split_members
-from loongforge.shared.index import ShardIndex, load_index
-from loongforge.shared.index_v2 import TABLES, check_table, parse_manifest, refuse_version, shard_level_index
+from loongforge.shared.index import TABLES, ShardIndex, check_table, parse_manifest, shard_level_index
+from loongforge.shared.members import load_npy, split_members
 from loongforge.shared.source import OriginSource, ShardSource
 
 
@@ -57,7 +60,7 @@ def _load_table(root: str, name: str, entry: dict, origin: str) -> np.ndarray:
     return check_table(name, arr, entry, origin)
 
 
-class DatasetV2:
+class Dataset:
     def __init__(self, root: str, manifest: dict, tables: dict[str, np.ndarray],
                  source: ShardSource | Callable[[ShardIndex], ShardSource] | None = None):
         self.root = root
@@ -208,7 +211,7 @@ class DatasetV2:
             k, _, ext = member.partition(".")
             if k != key or not ext.endswith(".npy"):
                 raise FormatError(f"{name}: episode {self.episode_id(e)} arrays hold member {member!r}")
-            out[ext[:-4]] = _load_npy(data, f"{name}:{member}")
+            out[ext[:-4]] = load_npy(data, f"{name}:{member}")
         return out
 
     def verify(self) -> list[str]:
@@ -234,12 +237,13 @@ def read_manifest(root: str) -> dict:
         raw = storage.read_bytes(path)
     except FileNotFoundError:
         raise FormatError(f"no {paths.INDEX_FILE} under {root!r}: not a shard root, or the writer did not finish "
-                          "(the index is written last)") from None
+                          "(the index is written last). Run `loongforge preprocess --input DATASET --output ROOT`.") \
+            from None
     return parse_manifest(raw, origin=path)
 
 
-def open_v2(root: str, *, source: ShardSource | Callable[[ShardIndex], ShardSource] | None = None) -> DatasetV2:
-    """Open a format-2 root. `source`: where shard bytes come from (default: the origin);
+def open_root(root: str, *, source: ShardSource | Callable[[ShardIndex], ShardSource] | None = None) -> Dataset:
+    """Open a shard root. `source`: where shard bytes come from (default: the origin);
     a ShardSource, or a factory taking the shard-level ShardIndex (e.g. `lambda ix:
     CacheClient(root, ix)`), since a cache client needs the shard list first."""
     doc = read_manifest(root)
@@ -252,27 +256,14 @@ def open_v2(root: str, *, source: ShardSource | Callable[[ShardIndex], ShardSour
     for name, shape in want.items():
         if tables[name].shape != shape:
             raise FormatError(f"{origin}: table {name} has shape {tables[name].shape}, expected {shape}")
-    return DatasetV2(root, doc, tables, source)
+    return Dataset(root, doc, tables, source)
 
 
-def _reopen(root: str, source) -> DatasetV2:
-    return open_v2(root, source=source)
+def _reopen(root: str, source) -> Dataset:
+    return open_root(root, source=source)
 
 
-def load_any_index(root: str) -> ShardIndex:
-    """The ShardIndex of a v1 root, or the shard-level one (shards only) of a v2 root:
-    what shard-level services (the cache daemon) need from either."""
-    path = paths.join(root, paths.INDEX_FILE)
-    try:
-        raw = storage.read_bytes(path)
-    except FileNotFoundError:
-        return load_index(root)  # its error says what is missing and what to run
-    try:
-        version = json.loads(raw).get("format_version")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        version = None
-    if version == 2:
-        return shard_level_index(parse_manifest(raw, path))
-    if isinstance(version, int) and version > 2:
-        raise refuse_version(version, path)
-    return load_index(root)
+def load_shard_index(root: str) -> ShardIndex:
+    """The shard level of a root (shard names, sizes, hashes) from its manifest alone, tables
+    unread: what the cache daemon serves (it works per shard, never inside one)."""
+    return shard_level_index(read_manifest(root))

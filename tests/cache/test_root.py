@@ -1,26 +1,26 @@
-"""The cache daemon serves a format-2 root unchanged, per shard: a real daemon
-process over a v2 root, and open_v2 reading every block through its client."""
+"""The cache daemon serves a shard root unchanged, per shard: a real daemon process over a
+root, and open_root reading every block through its client."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from loongforge.shared.dataset_v2 import load_any_index, open_v2
-from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+from loongforge.shared.dataset import load_shard_index, open_root
+from loongforge.shared.synthetic import make_synthetic_root
 
 from tests.cache.cache_helpers import counter, settled
 
 pytestmark = pytest.mark.slow
 
 
-def test_daemon_serves_v2_shards_to_open_v2(tmp_path, daemons):
-    root = str(tmp_path / "v2")
-    written = make_synthetic_v2_root(root, lengths=(30, 12, 25), block_size=8, shard_size=1 << 15)
-    index = load_any_index(root)
+def test_daemon_serves_shards_to_open_root(tmp_path, daemons):
+    root = str(tmp_path / "root")
+    written = make_synthetic_root(root, lengths=(30, 12, 25), block_size=8, shard_size=1 << 15)
+    index = load_shard_index(root)
     d = daemons(root, index, ram="4MiB", ssd="8MiB")
     client = d.client()
-    ds = open_v2(root, source=client)
+    ds = open_root(root, source=client)
     assert ds.source is client
     for e in range(ds.num_episodes):
         frames, arrays = written[ds.episode_id(e)]

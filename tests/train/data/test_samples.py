@@ -1,4 +1,4 @@
-"""Sample semantics of format v2 (train/data/samples.py): pure functions, tiny inputs."""
+"""Sample semantics (train/data/samples.py): pure functions, tiny inputs."""
 
 import numpy as np
 import pytest

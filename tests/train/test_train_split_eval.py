@@ -1,5 +1,6 @@
-"""`loongforge train` on a format-2 root: 2 real gloo ranks (torchrun), one decode worker per rank,
-a real v2 root written by shared/writer_v2; exact resume; validation on the held-out episodes."""
+"""`loongforge train` on a root with a validation split and history deltas: 2 real gloo ranks (torchrun),
+one decode worker per rank, a root written by shared/writer.py; exact resume; validation on the held-out
+episodes; open-loop eval; config errors of the delta indices."""
 
 import json
 import os
@@ -19,12 +20,12 @@ STEPS = 20  # 143 // 8 = 17 steps an epoch: crosses the epoch boundary
 
 
 @pytest.fixture(scope="module")
-def v2_run(tmp_path_factory):
-    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
+def split_run(tmp_path_factory):
+    from loongforge.shared.synthetic import make_synthetic_root
 
-    work = tmp_path_factory.mktemp("v2train")
+    work = tmp_path_factory.mktemp("split_train")
     root = str(work / "shards")
-    make_synthetic_v2_root(root, lengths=LENGTHS, height=16, width=16, block_size=8, val_episodes=(4,))
+    make_synthetic_root(root, lengths=LENGTHS, height=16, width=16, block_size=8, val_episodes=(4,))
     run_dir = str(work / "run")
     proc = torchrun(2, ["--data", root, "--run-dir", run_dir, "--steps", str(STEPS), "--workers", "1",
                         "--save-every", "5", "--eval-every", "10", *COMMON], cwd=str(work), timeout=400)
@@ -32,8 +33,8 @@ def v2_run(tmp_path_factory):
     return root, run_dir
 
 
-def test_two_ranks_train_on_a_v2_root(v2_run):
-    root, run_dir = v2_run
+def test_two_ranks_train_on_the_training_episodes(split_run):
+    root, run_dir = split_run
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
     val_ids = set(range(sum(LENGTHS[:4]), sum(LENGTHS[:5])))
@@ -48,8 +49,8 @@ def test_two_ranks_train_on_a_v2_root(v2_run):
     assert "val_flow_loss" in rows[9] and np.isfinite(rows[9]["val_action_mse"])
 
 
-def test_resume_on_v2_is_exact(v2_run, tmp_path):
-    root, run_dir = v2_run
+def test_resume_with_deltas_and_split_is_exact(split_run, tmp_path):
+    root, run_dir = split_run
     resumed = str(tmp_path / "resumed")
     shutil.copytree(run_dir, resumed)
     with open(os.path.join(resumed, "checkpoints", "latest"), "w") as f:
@@ -63,11 +64,11 @@ def test_resume_on_v2_is_exact(v2_run, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
 
 
-def test_open_loop_eval_on_a_v2_root(v2_run, tmp_path):
-    """`loongforge eval` of the v2 run: the held-out episode in chunks of H from t=0, as GR00T's eval."""
+def test_open_loop_eval_of_the_held_out_episode(split_run, tmp_path):
+    """`loongforge eval` of the run: the held-out episode in chunks of H from t=0, as GR00T's eval."""
     from tests.train.train_launch import launch
 
-    root, run_dir = v2_run
+    root, run_dir = split_run
     out = str(tmp_path / "eval")
     proc = launch([sys.executable, "-m", "loongforge", "eval", run_dir, "--data", root, "--out", out, "--json"],
                   cwd=str(tmp_path), timeout=300)
@@ -79,11 +80,11 @@ def test_open_loop_eval_on_a_v2_root(v2_run, tmp_path):
     assert os.path.exists(os.path.join(out, "episode_000004.png"))
 
 
-def test_check_config_on_a_v2_root(v2_run, tmp_path):
-    """Preflight reads a v2 root (no process group); bad delta indices are config errors (exit 2)."""
+def test_check_config_reads_the_root_and_refuses_bad_deltas(split_run, tmp_path):
+    """Preflight reads the root (no process group); bad delta indices are config errors (exit 2)."""
     from tests.train.train_launch import launch
 
-    root, _ = v2_run
+    root, _ = split_run
     base = [sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(tmp_path / "r"), "--steps", "1",
             "--check-config"]
     ok = launch([*base, *COMMON], cwd=str(tmp_path), timeout=120)
