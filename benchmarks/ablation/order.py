@@ -22,6 +22,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from loongforge.benchmarks.harness.config import BenchConfig
+from loongforge.benchmarks.harness.data import transcode
+from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.benchmarks.ablation.run import launch
+from loongforge.benchmarks.ablation.rows import Setting, train_argv
+from loongforge.benchmarks.harness.dataset import SampleTable, open_root
 
 RANKS = 2
 STEPS = 100
@@ -29,17 +35,12 @@ BATCH = 8
 
 
 def learnable_config():
-    from loongforge.benchmarks.harness.config import BenchConfig
-
     # Small enough that 100 steps span several epochs, so per-epoch coverage is measured more than once.
     return BenchConfig(episodes=4, episode_frames=(60, 80), height=64, width=64, gop=10, gops=(10,),
                        shard_size="4MB", preprocess_workers=1, batch_size=BATCH)
 
 
 def prepare_learnable(workdir: Path) -> str:
-    from loongforge.benchmarks.harness.data import transcode
-    from loongforge.preprocess.sample_data import generate_dataset
-
     bc = learnable_config()
     ds = generate_dataset(workdir / "learnable", episodes=bc.episodes, frames=bc.episode_frames, task="learnable",
                           seed=0)
@@ -60,9 +61,6 @@ def epoch_coverage(step_ids: list[list[list[int]]], train_ids: np.ndarray, steps
 
 
 def _run_one(order: str, shards: str, workdir: Path) -> dict:
-    from loongforge.benchmarks.ablation.run import launch
-    from loongforge.benchmarks.ablation.rows import Setting, train_argv
-
     run_dir = workdir / f"order-{order}"
     s, bc = Setting(loader="shards", workers=0, prefetch=2), learnable_config()
     argv = train_argv(s, shards=shards, run_dir=str(run_dir), recipe="tiny", batch=BATCH, steps=STEPS + 1,
@@ -75,8 +73,6 @@ def _run_one(order: str, shards: str, workdir: Path) -> dict:
 
 def train_sample_ids(root: str, stride: int) -> np.ndarray:
     """Sample ids of the training episodes (the split's other episodes left out), at `stride`."""
-    from loongforge.benchmarks.harness.dataset import SampleTable, open_root
-
     ds = open_root(root)
     table = SampleTable(ds.episode_lengths, stride=stride)
     keep = table.keep_mask(~np.asarray(ds.val_mask, bool))

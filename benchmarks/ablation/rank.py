@@ -27,6 +27,16 @@ import sys
 import traceback
 
 import numpy as np
+from loongforge.benchmarks.harness.data import windows_of
+from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset
+from loongforge.benchmarks.loader.p3_rows import ModelInputs
+from loongforge.train.model.noise import noise_for
+from loongforge.train.kernels.checkpointing import SavedBytesProbe
+from loongforge.train.flags import add_train_args, config_from_args
+from loongforge.train.observe.profiler import StepTimer
+from loongforge.train.trainer import Trainer
+from loongforge.train.parallel import engine
+from loongforge.train.resilience.exits import exit_now
 
 log = logging.getLogger("loongforge.bench.ablation")
 
@@ -39,9 +49,6 @@ class BaselineLoader:
     def __init__(self, loader, dataset_root: str, *, num_workers: int, steps: int):
         import torch
 
-        from loongforge.benchmarks.harness.data import windows_of
-        from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset
-        from loongforge.benchmarks.loader.p3_rows import ModelInputs
 
         self.inner = loader  # its plan only: it never starts a worker pool here
         info = loader.ds.info
@@ -129,7 +136,6 @@ def _probe_step(trainer, it) -> int:
     """Bytes autograd saves for backward in one more step (parameters excluded)."""
     import torch
 
-    from loongforge.train.model.noise import noise_for
 
     e = trainer.engine
     probe = _activation_probe_class()(e.module)
@@ -154,7 +160,6 @@ def _probe_step(trainer, it) -> int:
 def _activation_probe_class():
     import torch
 
-    from loongforge.train.kernels.checkpointing import SavedBytesProbe
 
     class Probe(SavedBytesProbe):
         # NOTE: under ZeRO-3 a gathered weight is saved by the linear's autograd function; it is a
@@ -170,9 +175,6 @@ def _activation_probe_class():
 def run_rank(spec: dict) -> dict:
     import torch
 
-    from loongforge.train.flags import add_train_args, config_from_args
-    from loongforge.train.observe.profiler import StepTimer
-    from loongforge.train.trainer import Trainer
 
     p = argparse.ArgumentParser()
     add_train_args(p)
@@ -203,9 +205,6 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loongforge.train.parallel import engine
-    from loongforge.train.resilience.exits import exit_now
-
     args = argparse.ArgumentParser().parse_known_args(argv)[1]
     spec = json.loads(open(args[0]).read())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

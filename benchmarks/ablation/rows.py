@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from loongforge.shared.errors import ConfigError
+from loongforge.train.config import ParallelConfig
 
 DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (the baseline's)
 TUNED_BUCKET = 2_000_000  # elements: a few buckets per step for tiny/small, so reduction starts during backward
@@ -175,9 +177,6 @@ def train_argv(s: Setting, *, shards: str, run_dir: str, recipe: str, batch: int
 def sp_accepted(ranks: int) -> bool:
     """Does this trainer take --sp 2? Probed the way `loongforge train --check-config` validates it
     (the ParallelConfig dataclass), without a process."""
-    from loongforge.shared.errors import ConfigError
-    from loongforge.train.config import ParallelConfig
-
     try:
         ParallelConfig(tp=2, sp=2, zero_stage=3)
     except (ConfigError, TypeError):

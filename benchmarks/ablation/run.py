@@ -33,6 +33,10 @@ from loongforge.benchmarks.ablation import report
 from loongforge.benchmarks.ablation.rows import Plan, RowSpec, ladder, sp_accepted, train_argv
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.shared.errors import ConfigError
+from loongforge.benchmarks.harness.config import BenchConfig
+from loongforge.benchmarks.harness.daemon import CacheDaemon
+from loongforge.benchmarks.harness.data import generate, transcode
+from loongforge.train.model.recipes import RECIPES
 
 log = logging.getLogger(__name__)
 RANK_TIMEOUT_S = 600
@@ -73,8 +77,6 @@ class AblationConfig:
                       "episode_frames": (100, 120), "size": 64, "gop": 100, "quick": True, **kw})
 
     def bench_config(self):
-        from loongforge.benchmarks.harness.config import BenchConfig
-
         return BenchConfig(episodes=self.episodes, episode_frames=self.episode_frames, height=self.size,
                            width=self.size, gop=self.gop, gops=(self.gop,), shard_size="4MB",
                            preprocess_workers=1 if self.quick else 2, batch_size=self.batch, seed=self.seed)
@@ -92,8 +94,6 @@ class Inputs:
 def prepare(cfg: AblationConfig, workdir: Path) -> Inputs:
     """Generate the LeRobot dataset and transcode it with the real `loongforge preprocess`; a
     workdir that already holds the inputs of the same data settings is reused (inputs.json)."""
-    from loongforge.benchmarks.harness.data import generate, transcode
-
     bc = cfg.bench_config()
     marker = workdir / "inputs.json"
     data_key = {k: v for k, v in dataclasses.asdict(bc).items() if k not in ("batch_size",)}
@@ -196,7 +196,6 @@ def measure(cfg: AblationConfig, rows: list[RowSpec], inputs: Inputs, workdir: P
 def run(cfg: AblationConfig, out_dir: Path = RESULTS_DIR, workdir: Path | None = None, plot: bool = True):
     import torch
 
-    from loongforge.train.model.recipes import RECIPES
 
     cuda = torch.cuda.is_available()
     plan = Plan(ranks=cfg.ranks, cuda=cuda, sp_accepted=sp_accepted(cfg.ranks), heads=RECIPES[cfg.recipe]().heads)
@@ -228,8 +227,6 @@ def run(cfg: AblationConfig, out_dir: Path = RESULTS_DIR, workdir: Path | None =
     try:
         inputs = prepare(cfg, workdir)
         if any(r.setting.cache and r.skip is None for r in rows):
-            from loongforge.benchmarks.harness.daemon import CacheDaemon
-
             daemon = CacheDaemon(inputs.shards, workdir / "cache").start()
             inputs.socket = daemon.socket
         measured = measure(cfg, rows, inputs, workdir, cuda, on_progress=lambda m: write(m, False))

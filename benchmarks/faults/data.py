@@ -25,6 +25,9 @@ import numpy as np
 
 from loongforge.benchmarks.harness.dataset import (DeltaSpec, SampleTable, block_loader, make_synthetic_root, open_root,
                                                    video_indices)
+from loongforge.train.config import DataConfig
+from loongforge.benchmarks.faults.env import Setup
+from loongforge.benchmarks.faults.env import log_time
 
 LENGTHS = (7, 4, 6, 5, 8, 3, 6, 5, 7, 4, 5, 6)  # 66 samples: 8 batches of 8 an epoch, 2 dropped (uneven tail)
 # ~8 KB an episode here: 2 episodes a shard (a corrupt shard has a good neighbour), 6 shards, so each rank still
@@ -51,8 +54,6 @@ def describe(root: str) -> str:
 
 def expected_order(root: str, steps: int, batch: int, seed: int = 1) -> list[list[int]]:
     """Per step 0..steps-1: the sorted sample ids of that global batch in the run's global order."""
-    from loongforge.train.config import DataConfig
-
     d = DataConfig(root=root)  # the trainer's defaults: the suite's runs pass none of these
     loader = block_loader(root, batch_size=batch, seed=seed, stride=d.sample_stride, block_run=d.block_run,
                           block_window=d.block_window)
@@ -76,8 +77,6 @@ def flip_byte(path: str, pos: int | None = None, mask: int = 0xFF) -> None:
 
 
 def prepare_corrupt_shard(work: Path, root: str, name: str):
-    from loongforge.benchmarks.faults.env import Setup
-
     copy = str(work / f"{name}-data")
     shutil.copytree(root, copy)
     info = _corrupt_block(copy)
@@ -88,8 +87,6 @@ def prepare_corrupt_shard(work: Path, root: str, name: str):
 
 def _corrupt_block(root: str) -> dict:
     """Block 1 of the last camera of the first episode of shard 1 (the second shard)."""
-    from loongforge.train.config import DataConfig
-
     ds = open_root(root)
     shard_of = np.asarray(ds.tables["episode_shard"])
     shard_no = 1 if shard_of.max() >= 1 else 0
@@ -120,8 +117,6 @@ SKIP_RE = re.compile(r"skipped bad sample \(data\.bad_samples='skip'\): sample (
 
 
 def annotate_corrupt_shard(row: dict, run, setup) -> None:
-    from loongforge.benchmarks.faults.env import log_time
-
     log = Path(run.log.name).read_text(errors="replace").splitlines()
     hits = [(ln, int(m.group(1))) for ln in log for m in [SKIP_RE.search(ln)] if m]
     skipped = sorted({gid for _, gid in hits})

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from loongforge.train.ckpt import files as ckpt_files
 
 # tmpfs size for the checkpoint dir: big enough for 2 checkpoints of the tiny recipe with room to spare; the
 # trigger fills it with a ballast once the size of one real checkpoint is known.
@@ -152,8 +153,6 @@ def _top_up(fd: int, mnt: Path) -> None:
 
 
 def annotate_disk_full(row: dict, run, setup: Setup) -> None:
-    from loongforge.train.ckpt import files as ckpt_files
-
     lines = [ln for ln in Path(run.log.name).read_text(errors="replace").splitlines() if "NOT saved" in ln]
     if lines and (t := log_time(lines[0])) is not None:
         row["detected_after_s"] = round(max(0.0, t - row["t_inject"]), 1)

@@ -42,6 +42,7 @@ from pathlib import Path
 from loongforge.benchmarks.faults import data as fd
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.faults import env as fe
+from loongforge.benchmarks.harness.daemon import CacheDaemon
 
 VENV_BIN = Path(sys.executable).parent
 BATCH, SAVE_EVERY = 8, 2
@@ -298,8 +299,6 @@ def run_fault(name: str, work: Path, root: str, steps: int, expected) -> dict:
     daemon = run = None
     try:
         if needs_cache:
-            from loongforge.benchmarks.harness.daemon import CacheDaemon
-
             daemon = CacheDaemon(setup.root, work / f"{name[:8]}-c", extra_args=setup.daemon_args).start()
         run = Run(work, name, setup.root, steps, extra, env, cache_socket=daemon.socket if daemon else None)
         run.daemon, run.setup = daemon, setup

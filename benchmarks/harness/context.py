@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from loongforge.benchmarks.harness.config import BenchConfig
 from loongforge.benchmarks.harness.data import Prepared
 from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset
+from loongforge.benchmarks.loader import fast_path as lf
 
 
 @dataclass(slots=True)
@@ -20,8 +21,6 @@ class Context:
 
     def make_loader(self, *, workers: int, rgb: bool, socket: str | None | bool = True):
         """LoongForge's loader as the trainer builds it; socket=True: the hot daemon."""
-        from loongforge.benchmarks.loader import fast_path as lf
-
         return lf.make_loader(self.prep.shards, self.cfg, workers=workers, rgb=rgb,
                               socket=self.socket if socket is True else socket)
 

@@ -30,6 +30,7 @@ from loongforge.benchmarks.harness.dataset import DeltaSpec, SampleTable, open_r
 from loongforge.benchmarks.loader.baseline import Window
 from loongforge.shared.errors import ConfigError, LoongForgeError
 from loongforge.shared.index import DatasetInfo
+from loongforge.preprocess.sample_data import generate_dataset
 
 log = logging.getLogger(__name__)
 PREPROCESS_TIMEOUT_S = 900
@@ -59,8 +60,6 @@ def deltas_of(cfg: BenchConfig) -> DeltaSpec:
 
 
 def generate(cfg: BenchConfig, root: Path, gop: int | None = None) -> Path:
-    from loongforge.preprocess.sample_data import generate_dataset
-
     return Path(generate_dataset(root, episodes=cfg.episodes, frames=cfg.episode_frames, height=cfg.height,
                                  width=cfg.width, fps=cfg.fps, cameras=cfg.cameras, state_dim=cfg.state_dim,
                                  action_dim=cfg.action_dim, gop=cfg.gop if gop is None else gop, seed=cfg.seed))

@@ -19,6 +19,7 @@ from loongforge.shared.writer import RootWriter, write_tables
 from loongforge.train.data.fill import BlockFiller
 from loongforge.train.data.order import EpochOrder, batch_diversity, block_sequence, rank_slice
 from loongforge.train.data.samples import DeltaSpec, SampleTable, video_indices
+from loongforge.train.data.loader import BlockLoader
 
 __all__ = ["BlockFiller", "DeltaSpec", "EpochOrder", "RootWriter", "SampleTable", "TRAIN_DELTAS", "batch_diversity",
            "block_loader", "block_sequence", "bucket_shift", "decode_block", "frame_buckets", "make_synthetic_root",
@@ -39,6 +40,5 @@ def block_loader(root: str, **kwargs):
     """The trainer's loader of a shard root (`BlockLoader`), built with `kwargs`."""
     # NOTE: function-local: the loader needs torch (the train extra); the rest of this module does not,
     # so the index probes of micro/index_scale.py measure the reader alone.
-    from loongforge.train.data.loader import BlockLoader
 
     return BlockLoader(root, **kwargs)

@@ -112,7 +112,7 @@ def torchcodec_status() -> str | None:
 
 
 def decode_frames_torchcodec(path: str, timestamps: list[float], tolerance_s: float, fps: float) -> np.ndarray:
-    from torchcodec.decoders import VideoDecoder
+    from torchcodec.decoders import VideoDecoder  # optional baseline decoder: see torchcodec_status
 
     decoder = VideoDecoder(path, device="cpu", seek_mode="approximate")
     indices = [int(round(t * fps)) for t in timestamps]

@@ -31,6 +31,8 @@ from loongforge.benchmarks.harness.dataset import (BlockFiller, DeltaSpec, RootW
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.shared.index import CameraInfo, DatasetInfo
 from loongforge.train.data.batch import BatchLayout
+from loongforge.preprocess.decode import decode_nv12
+from loongforge.preprocess.sample_data import DATA_PATH, VIDEO_PATH, generate_dataset
 
 CAM = "ego_view"
 HORIZON = 16
@@ -40,8 +42,6 @@ def gr00t_episodes(workdir: str, episodes: int, seed: int = 0) -> list[tuple[np.
     """[(NV12 (T, 384, 256), arrays)] decoded from a generated GR00T-like LeRobot dataset."""
     import pyarrow.parquet as pq
 
-    from loongforge.preprocess.decode import decode_nv12
-    from loongforge.preprocess.sample_data import DATA_PATH, VIDEO_PATH, generate_dataset
 
     root = generate_dataset(os.path.join(workdir, "lerobot"), episodes=episodes, frames=(150, 300), height=256,
                             width=256, fps=20, cameras=(CAM,), state_dim=44, action_dim=44, gop=20, seed=seed)

@@ -27,6 +27,9 @@ import numpy as np
 from loongforge.benchmarks.harness.dataset import EpochOrder, RootWriter, SampleTable, open_root, synthetic_dataset_info
 from loongforge.cache.replay import replay
 from loongforge.shared.index import ShardIndex
+from loongforge.train.config import DataConfig
+from loongforge.cache.client import CacheClient
+from loongforge.shared.source import OriginSource
 
 CACHE_FRACTION = 0.30
 READY = "cache daemon ready on"
@@ -39,8 +42,6 @@ BLOCK = 16
 
 def order_defaults() -> dict:
     """The trainer's defaults of the sample order (DataConfig): run, window, stride."""
-    from loongforge.train.config import DataConfig
-
     got = {f.name: f.default for f in dataclasses.fields(DataConfig)}
     return {"run": got["block_run"], "window": got["block_window"], "stride": got["sample_stride"]}
 
@@ -168,8 +169,6 @@ def _tmpfs_pages(path: str) -> str:
 
 def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, ram_base: str = "/dev/shm",
                        tag: str = "") -> list[dict]:
-    from loongforge.cache.client import CacheClient
-
     names = [s.name for s in index.shards]
     total = sum(s.bytes for s in index.shards)
     dst = np.empty(max(s.bytes for s in index.shards), np.uint8)
@@ -212,9 +211,6 @@ def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, r
 
 # -- 3. cold-miss latency ----------------------------------------------------------
 def cold_miss_rows(root: str, index: ShardIndex, work: Path) -> list[dict]:
-    from loongforge.cache.client import CacheClient
-    from loongforge.shared.source import OriginSource
-
     names = [s.name for s in index.shards]
     size = index.shards[0].bytes
     direct, through = [], []

@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from loongforge.benchmarks.harness.config import BenchConfig
+from loongforge.benchmarks.harness.cores import CpuMeter
 from loongforge.benchmarks.harness.data import deltas_of
 from loongforge.benchmarks.harness.dataset import block_loader, decode_block, open_root
+from loongforge.benchmarks.harness.measure import PassTiming, time_pass
 from loongforge.shared.index import ShardIndex
 from loongforge.shared.source import OriginSource
+from loongforge.train.data.sources import SourceSpec, close_source, make_source
 
 
 def make_loader(root: str, cfg: BenchConfig, *, workers: int, socket: str | None, rgb: bool = True):
@@ -23,8 +26,6 @@ def make_loader(root: str, cfg: BenchConfig, *, workers: int, socket: str | None
     at video deltas -(K-1)..0, a sample every `stride` timesteps; block order and per-worker block
     cache at their defaults (what a user gets). rgb=True returns normalized float RGB, the same thing
     the baseline returns; rgb=False the NV12 a GPU trainer receives."""
-    from loongforge.train.data.sources import SourceSpec
-
     return block_loader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, deltas=deltas_of(cfg),
                         stride=cfg.stride, device="cpu", rgb=rgb, source=SourceSpec(root=root, cache_socket=socket))
 
@@ -45,8 +46,6 @@ def shard_index_of(root: str) -> ShardIndex:
 def warm_cache(root: str, index: ShardIndex, socket: str) -> dict:
     """Read every shard once through the daemon so the next reads are RAM-tier hits.
     Returns what the client reports about where the bytes came from."""
-    from loongforge.train.data.sources import SourceSpec, close_source, make_source
-
     source = make_source(SourceSpec(root=root, cache_socket=socket), index)
     try:
         if isinstance(source, OriginSource):
@@ -81,8 +80,6 @@ def evict_page_cache(root: str, index: ShardIndex) -> bool:
 def cache_counters(root: str, index: ShardIndex, socket: str) -> dict:
     """The daemon's counters (hits, misses, fills per tier), to show the hot
     figures really were served from the RAM tier."""
-    from loongforge.train.data.sources import SourceSpec, close_source, make_source
-
     source = make_source(SourceSpec(root=root, cache_socket=socket), index)
     try:
         stats = getattr(source, "stats", None)
@@ -115,3 +112,11 @@ def zstd_limit(root: str, *, min_seconds: float = 1.0, max_blocks: int = 256) ->
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return frames / elapsed
+
+
+def ours_pass(ctx, workers: int, batches: int, *, rgb: bool = True) -> PassTiming:
+    """One timed pass of LoongForge's loader of `ctx` (a harness.context.Context)."""
+    loader = ctx.make_loader(workers=workers, rgb=rgb)
+    with opened(loader):  # every worker up before the window opens (DecodePool.wait_ready)
+        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter(),
+                         ready=loader.wait_ready)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -103,8 +104,6 @@ def _break_even(ctx: Context) -> Row:
 
 
 def _cores() -> int:
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

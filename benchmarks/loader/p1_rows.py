@@ -25,6 +25,7 @@ import numpy as np
 
 from loongforge.benchmarks.loader import fast_path as lf
 from loongforge.benchmarks.loader.baseline import make_baseline_loader, torchcodec_status
+from loongforge.benchmarks.loader.p2_rows import fill_profile
 from loongforge.benchmarks.harness.context import Context
 from loongforge.benchmarks.micro.conversion import conversion_row
 from loongforge.benchmarks.harness.cores import CpuMeter, cores_for, pinned, usable_cores
@@ -52,13 +53,6 @@ def baseline_pass(ctx: Context, workers: int, batches: int, backend: str = "pyav
         stream.close()  # shuts the DataLoader's workers down now, not at garbage collection
 
 
-def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True) -> PassTiming:
-    loader = ctx.make_loader(workers=workers, rgb=rgb)
-    with lf.opened(loader):  # every worker up before the window opens (DecodePool.wait_ready)
-        return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter(),
-                         ready=loader.wait_ready)
-
-
 def decoded_per_window(windows, gop: int) -> float:
     """Frames the baseline decodes per window and camera: from the keyframe at
     or before the window's first frame through its last (what the seek costs)."""
@@ -71,8 +65,8 @@ def run_cell(ctx: Context, gop: int, workers: int) -> dict[str, list[PassTiming]
         with pinned(cores_for(workers)) if cfg.pin_cores else nullcontext():
             got["pyav"].append(baseline_pass(ctx, workers, cfg.baseline_batches, "pyav", gop))
             got["pyav-threaded"].append(baseline_pass(ctx, workers, cfg.baseline_batches, "pyav-threaded", gop))
-            got["rgb"].append(ours_pass(ctx, workers, cfg.ours_batches, rgb=True))
-            got["nv12"].append(ours_pass(ctx, workers, cfg.ours_batches, rgb=False))
+            got["rgb"].append(lf.ours_pass(ctx, workers, cfg.ours_batches, rgb=True))
+            got["nv12"].append(lf.ours_pass(ctx, workers, cfg.ours_batches, rgb=False))
     return got
 
 
@@ -119,8 +113,6 @@ def _explain(ctx: Context, row: Row) -> None:
     its pinned cores busy (CPU-bound: its decode-worker body, profiled, sets the
     rate) or it did not (it waited: for the scheduler on a loaded machine, or for
     IPC), and the baseline's per-window decode work at this GOP sets the other side."""
-    from loongforge.benchmarks.loader.p2_rows import fill_profile
-
     cores = row.params["cores"] or len(usable_cores())
     busy = row.extra["ours_busy_cores"].median
     per_cpu = row.extra["ratio_per_cpu_s"].median

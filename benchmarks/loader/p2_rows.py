@@ -17,7 +17,6 @@ from loongforge.benchmarks.harness.dataset import decode_block, open_root
 from loongforge.benchmarks.harness.measure import Stat, ratio
 from loongforge.benchmarks.harness.rows import Row
 from loongforge.benchmarks.loader import fast_path as lf
-from loongforge.benchmarks.loader.p1_rows import ours_pass
 
 log = logging.getLogger(__name__)
 P2_GOAL = 0.60
@@ -87,7 +86,7 @@ def p2_rows(ctx: Context) -> list[Row]:
     for _ in range(ctx.cfg.repeats):  # the limit is re-measured beside the loader: load drifts on a shared box
         limits.append(lf.zstd_limit(ctx.prep.shards))
         for w in counts:
-            rate = ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False).samples_per_s
+            rate = lf.ours_pass(ctx, w, ctx.cfg.ours_batches, rgb=False).samples_per_s
             per_worker[w].append(rate * per_sample / w)
     return [_p2_row(ctx, w, Stat.of(limits), Stat.of(per_worker[w])) for w in counts]
 

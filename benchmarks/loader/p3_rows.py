@@ -19,6 +19,13 @@ from loongforge.benchmarks.harness.context import Context
 from loongforge.benchmarks.micro.conversion import conversion_rate
 from loongforge.benchmarks.harness.measure import Stat, endless, ratio
 from loongforge.benchmarks.harness.rows import Row
+from loongforge.train.data.batch import Norm
+from loongforge.train.data.batch import encode_text
+from loongforge.train.config import DataConfig
+from loongforge.train.data.training_data import load_training_data
+from loongforge.train.model.model import VLAModel
+from loongforge.train.model.recipes import resolve
+from loongforge.train.observe.profiler import StepTimer
 
 log = logging.getLogger(__name__)
 TEXT_TOKENS = 32
@@ -32,8 +39,6 @@ class ModelInputs:
 
     def __init__(self, info, cameras: tuple[tuple[str, str], ...], image_mean: float = 0.5,
                  image_std: float = 0.25):
-        from loongforge.train.data.batch import Norm
-
         self.norm = Norm.from_dataset(info)  # the dataset's stats, as the loader normalizes
         self.cameras = cameras  # (dataset key, slot) pairs
         self.mean, self.std = image_mean, image_std
@@ -41,7 +46,6 @@ class ModelInputs:
     def __call__(self, item: dict) -> dict:
         import torch
 
-        from loongforge.train.data.batch import encode_text
 
         n = self.norm
         frames = {slot: (item[key] - self.mean) / self.std for key, slot in self.cameras}
@@ -61,9 +65,6 @@ class ModelInputs:
 
 def training_data(ctx: Context):
     """The shard root as the trainer reads it (model config from it), with the bench's sample shape."""
-    from loongforge.train.config import DataConfig
-    from loongforge.train.data.training_data import load_training_data
-
     info = ctx.prep.info
     k = info.frames_per_sample
     return load_training_data(DataConfig(root=ctx.prep.shards, video_deltas=tuple(range(1 - k, 1)),
@@ -75,8 +76,6 @@ def make_step(data, seed: int):
     own `StepTimer` (same data-wait definition as `loongforge train`)."""
     import torch
 
-    from loongforge.train.model.model import VLAModel
-    from loongforge.train.model.recipes import resolve
 
     # One vision token per frame (frames resized on the device to 2 patches a side) keeps the step
     # cheap (GPU-like) whatever the frame size.
@@ -105,7 +104,6 @@ def _train(batches, step, ctx: Context) -> list[dict]:
     """Per-step phase records of `train_steps` steps after `warmup_batches` untimed ones."""
     import torch
 
-    from loongforge.train.observe.profiler import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     records = []

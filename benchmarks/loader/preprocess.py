@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from loongforge.preprocess.decode import NV12Converter
+from loongforge.preprocess.config import PreprocessConfig
+from loongforge.preprocess.pipeline import run_job
+from loongforge.preprocess.config import default_workers
+from loongforge.preprocess.sample_data import generate_dataset
 
 QUICK = {"episodes": 4, "frames": (150, 150), "height": 128, "width": 128, "gop": 100}
 FULL = {"episodes": 8, "frames": (300, 300), "height": 256, "width": 256, "gop": 120}
@@ -42,7 +47,6 @@ def _decode_all(videos: list[Path], nv12: str = "") -> int:
     (plain PyAV usage); "job" = the job's NV12Converter (numpy repack)."""
     import av
 
-    from loongforge.preprocess.decode import NV12Converter
 
     n = 0
     for path in videos:
@@ -91,9 +95,6 @@ def _timed(fn, repeats: int) -> tuple[int, float]:
 
 
 def _job(dataset: Path, out: Path, workers: int) -> tuple[int, float]:
-    from loongforge.preprocess.config import PreprocessConfig
-    from loongforge.preprocess.pipeline import run_job
-
     mode = ["--direct_running_mode=in_memory", "--direct_num_workers=1"] if workers == 1 else []
     cfg = PreprocessConfig(input=str(dataset), output=str(out), workers=workers)
     t0 = time.perf_counter()
@@ -112,9 +113,6 @@ def _row(rid: str, title: str, frames: int, seconds: float, processes: int, base
 
 
 def run(quick: bool) -> list[dict]:
-    from loongforge.preprocess.config import default_workers
-    from loongforge.preprocess.sample_data import generate_dataset
-
     spec = QUICK if quick else FULL
     repeats = 1 if quick else 3
     cores = default_workers()

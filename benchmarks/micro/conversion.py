@@ -24,6 +24,9 @@ from contextlib import contextmanager
 from loongforge.benchmarks.harness.context import Context
 from loongforge.benchmarks.harness.measure import Stat, ratio
 from loongforge.benchmarks.harness.rows import Row
+from loongforge.train.data import colorspace_jit
+from loongforge.train.data.colorspace import nv12_to_input, nv12_to_input_ops, nv12_to_input_reference
+from loongforge.train.data import colorspace
 
 CONVERSION_GOAL = 3.0
 UNTIMED = 3  # the allocator's first touches of the output buffers
@@ -62,9 +65,6 @@ def measure(ctx: Context, batches: int = 15) -> dict[str, dict[str, Stat]]:
 
 def measure_frames(frames: list, matrix: str, color_range: str, batches: int = 15, fns: dict | None = None):
     """The same, on given NV12 batches; `fns` maps a name to a conversion (default old/ops/new)."""
-    from loongforge.train.data import colorspace_jit
-    from loongforge.train.data.colorspace import nv12_to_input, nv12_to_input_ops, nv12_to_input_reference
-
     colorspace_jit.warm_up()  # as the loader does at start: the compile is not a timed round's
     n_frames = sum(f[..., 0, 0].numel() for f in frames)
     fns = fns or {"old": nv12_to_input_reference, "ops": nv12_to_input_ops, "new": nv12_to_input}
@@ -91,8 +91,6 @@ def conversion_rate(ctx: Context) -> float:
 
 
 def conversion_row(ctx: Context) -> Row:
-    from loongforge.train.data import colorspace_jit
-
     m = measure(ctx)
     ctx.measured["conversion"] = m
     old, new = m["old"]["cpu"], m["new"]["cpu"]
@@ -128,7 +126,6 @@ def output_passes_only(nv12, matrix: str, color_range: str, *, mean: float, std:
     (~1.5 bytes per pixel in) is what the fused form adds on top."""
     import torch
 
-    from loongforge.train.data import colorspace
 
     rows, w = nv12.shape[-2:]
     h = rows * 2 // 3
@@ -155,9 +152,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def handle(a: argparse.Namespace) -> int:
-    from loongforge.train.data import colorspace_jit
-    from loongforge.train.data.colorspace import nv12_to_input, nv12_to_input_ops, nv12_to_input_reference
-
     fns = {"old": nv12_to_input_reference, "ops": nv12_to_input_ops, "new": nv12_to_input,
            "floor": output_passes_only}
     load0 = os.getloadavg()[0]

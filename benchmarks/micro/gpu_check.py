@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 
 from loongforge.benchmarks.harness.dataset import synthetic_train_root
 from loongforge.benchmarks.harness.report import RESULTS_DIR, SOURCE_CHECKOUT
+from loongforge.train.parallel.engine import fused_adam_prebuilt
 
 REPO = str(SOURCE_CHECKOUT)
 RECIPES = ("tiny", "small")
@@ -96,7 +97,6 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
         problems.append("--grad-compression topk: a step without the compressor's DP sync (no 'dp' comm group)")
     if pcode or tcode:
         problems.append(f"loongforge profile failed: {(pout + table)[-2000:]}")
-    from loongforge.train.parallel.engine import fused_adam_prebuilt
 
     if not optimizer["params"].get("torch_adam") and not fused_adam_prebuilt():
         problems.append(f"optimizer {optimizer} would need a DeepSpeed op build")

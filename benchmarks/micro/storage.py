@@ -39,14 +39,17 @@ import numpy as np
 from loongforge.benchmarks.harness.dataset import RootWriter, open_root, synthetic_dataset_info
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.shared import paths
+from loongforge.preprocess.decode import decode_nv12
+from loongforge.preprocess.discover import discover
+from loongforge.preprocess.episode import read_episode
+from loongforge.preprocess.convert import episode_arrays
+from loongforge.benchmarks.loader.block_loader import worker_row
+from loongforge.preprocess.sample_data import generate_preset
+from loongforge.preprocess.discover import discover as _discover
 
 
 def load_source(root: str) -> tuple[list, dict, int, float]:
     """[(episode, {slot: nv12}, table)], dataset info, mp4 bytes, CPU seconds of decoding the mp4s."""
-    from loongforge.preprocess.decode import decode_nv12
-    from loongforge.preprocess.discover import discover
-    from loongforge.preprocess.episode import read_episode
-
     meta, episodes = discover(root)
     out, mp4, decode_cpu = [], 0, 0.0
     for spec in episodes:
@@ -79,8 +82,6 @@ def _cpu_best(fn, repeats: int) -> float:
 
 def _write_root(root: str, episodes, info, block: int, codec: str, level: int) -> float:
     """Write the root; returns the encode CPU seconds."""
-    from loongforge.preprocess.convert import episode_arrays
-
     t = time.thread_time()
     with RootWriter(root, info, block_size=block, block_codec=codec, zstd_level=level) as w:
         for ep, frames, table in episodes:
@@ -144,8 +145,6 @@ def codec_decode_cost(work: str, episodes, info, block: int, codecs: list[str], 
 
 def _loader(root: str, batches: int, batch: int) -> dict:
     """The decode worker's body over the loader's order (block_loader.worker_row, 1 worker, 256 MiB LRU)."""
-    from loongforge.benchmarks.loader.block_loader import worker_row
-
     r = worker_row(root, batch=batch, max_batches=batches, run=4, window=65536)
     return {"loader_samples_per_s": r["samples_per_s"], "loader_cpu_us_per_sample": r["cpu_us_per_sample"],
             "loader_block_decodes_per_sample": r["block_decodes_per_sample"]}
@@ -169,8 +168,6 @@ def markdown(part: dict) -> str:
 
 
 def run_footage(work: str, footage: str, args) -> dict:
-    from loongforge.preprocess.sample_data import generate_preset
-
     src = os.path.join(work, f"gr00t-like-{footage}")
     generate_preset(src, "gr00t-like", episodes=args.episodes, frames=tuple(args.frames), gop=args.gop, quirks=(),
                     footage=footage)
@@ -193,7 +190,6 @@ def _source_gop(root: str) -> str:
     """'codec, keyframes/frames' of the root's first mp4 (what the source costs per frame depends on it)."""
     import av
 
-    from loongforge.preprocess.discover import discover as _discover
 
     path = _discover(root)[1][0].videos[0][1]
     with av.open(path) as c:

@@ -26,6 +26,12 @@ from pathlib import Path
 from loongforge.benchmarks.harness.dataset import TRAIN_DELTAS, synthetic_train_root
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.scale import alpha_beta as ab
+from loongforge.train.tune import jobs
+from loongforge.train.config import DataConfig
+from loongforge.train.data.training_data import load_training_data
+from loongforge.train.model import recipes
+from loongforge.train.model.model import VLAModel, count_parameters
+from loongforge.benchmarks.scale.report import plot as draw, tables
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -40,8 +46,6 @@ def scale_data(workdir: str, samples: int) -> tuple[str, list[str]]:
 
 
 def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str) -> list[dict]:
-    from loongforge.train.tune import jobs
-
     data, data_flags = scale_data(workdir, max(64, 4 * micro_batch * max(ranks)))
     rows = []
     for spec in plans:
@@ -72,10 +76,6 @@ def recipe_sizes(measured: str, target: str, workdir: str) -> dict:
     measured and the target recipe, on the measured data layout."""
     import torch
 
-    from loongforge.train.config import DataConfig
-    from loongforge.train.data.training_data import load_training_data
-    from loongforge.train.model import recipes
-    from loongforge.train.model.model import VLAModel, count_parameters
 
     index = load_training_data(DataConfig(root=os.path.join(workdir, "data"), video_deltas=TRAIN_DELTAS))
     frames = index.max_frames
@@ -153,8 +153,6 @@ def save(doc: dict, path: Path, plot: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
     if plot:
-        from loongforge.benchmarks.scale.report import plot as draw
-
         draw(doc, path.with_suffix(".png"))
     return path
 
@@ -196,8 +194,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from loongforge.benchmarks.scale.report import tables
-
     hw = ab.Hardware(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                      nvlink_latency_us=args.nvlink_latency_us, ib_gbps=args.ib_gbps, ib_latency_us=args.ib_latency_us)
     if args.from_json:
