@@ -84,10 +84,10 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
     hybrid = is_hybrid(state)
     with _construction(conf, hybrid):
         model = build()
-        apply_tp(model, state)
-        apply_sp(model, state, conf)
-        policies = apply_memory_policies(model, cfg, device)
-    if hybrid and conf["zero_optimization"]["stage"] == 3:
+        apply_tp(model, state)  # 1
+        apply_sp(model, state, conf)  # 2
+        policies = apply_memory_policies(model, cfg, device)  # 3-5
+    if hybrid and conf["zero_optimization"]["stage"] == 3:  # 6
         partition_zero3(model, state)  # over the shard group, never the pure DP group
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
                                            mpu=state if hybrid else None)
