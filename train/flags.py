@@ -40,40 +40,52 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
     p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
     p.add_argument("--recipe", default=_default(TrainConfig, "recipe"), help="tiny | small | 1.6b")
-    p.add_argument("--steps", type=int, default=_default(RunConfig, "steps"), help="optimizer steps to reach (total, counting resumed)")
-    p.add_argument("--batch-size", type=int, default=_default(DataConfig, "global_batch_size"), help="GLOBAL batch per optimizer step (all ranks)")
+    p.add_argument("--steps", type=int, default=_default(RunConfig, "steps"), help="optimizer steps to reach "
+                   "(total, counting resumed)")
+    p.add_argument("--batch-size", type=int, default=_default(DataConfig, "global_batch_size"),
+                   help="GLOBAL batch per optimizer step (all ranks)")
     p.add_argument("--grad-accum", type=int, default=_default(ParallelConfig, "grad_accum"))
-    p.add_argument("--zero", type=int, default=_default(ParallelConfig, "zero_stage"), choices=(0, 1, 2, 3), help="ZeRO stage")
-    p.add_argument("--workers", type=int, default=_default(DataConfig, "num_workers"), help="decode worker processes per rank (0 = inline)")
+    p.add_argument("--zero", type=int, default=_default(ParallelConfig, "zero_stage"), choices=(0, 1, 2, 3),
+                   help="ZeRO stage")
+    p.add_argument("--workers", type=int, default=_default(DataConfig, "num_workers"), help="decode worker "
+                   "processes per rank (0 = inline)")
     p.add_argument("--seed", type=int, default=_default(DataConfig, "seed"))
     p.add_argument("--lr", type=float, default=_default(OptimConfig, "lr"))
     p.add_argument("--bad-samples", default=_default(DataConfig, "bad_samples"), choices=BAD_SAMPLE_POLICIES)
-    p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"), help="frame offsets around each sample's t, "
-                   "comma-separated (GR00T: 0; history: --video-deltas=-6,-4,-2,0)")
-    p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"), help="action rows per sample (0 = the index's)")
-    p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"), help="every s-th timestep is a sample")
-    p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="samples of one frame block kept together in the "
-                   "order (1 = a random permutation at --block-window >= the epoch)")
-    p.add_argument("--block-window", type=int, default=_default(DataConfig, "block_window"), help="shuffle buffer of the order, samples")
-    p.add_argument("--block-cache-mb", type=float, default=_default(DataConfig, "block_cache_mb"), help="decoded-block cache per decode worker, "
-                   "MiB")
-    p.add_argument("--cache-socket", default=_default(DataConfig, "cache_socket"), help="cache daemon unix socket (reads go through the cache)")
+    p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"),
+                   help="frame offsets around each sample's t, comma-separated (GR00T: 0; history: "
+                   "--video-deltas=-6,-4,-2,0)")
+    p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"),
+                   help="action rows per sample (0 = the index's)")
+    p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"),
+                   help="every s-th timestep is a sample")
+    p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="samples of one frame "
+                   "block kept together in the order (1 = a random permutation at --block-window >= the epoch)")
+    p.add_argument("--block-window", type=int, default=_default(DataConfig, "block_window"),
+                   help="shuffle buffer of the order, samples")
+    p.add_argument("--block-cache-mb", type=float, default=_default(DataConfig, "block_cache_mb"),
+                   help="decoded-block cache per decode worker, MiB")
+    p.add_argument("--cache-socket", default=_default(DataConfig, "cache_socket"), help="cache daemon unix socket "
+                   "(reads go through the cache)")
     p.add_argument("--cache-tcp", default=_default(DataConfig, "cache_tcp"), help="cache daemon HOST:PORT")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
-    p.add_argument("--save-every", type=int, default=_default(RunConfig, "save_every"), help="checkpoint every N steps (0 = only at the end)")
-    p.add_argument("--sync-save", action="store_true", help="write checkpoints in the step loop (default: "
-                   "snapshot to host memory, write in the background)")
+    p.add_argument("--save-every", type=int, default=_default(RunConfig, "save_every"), help="checkpoint every N "
+                   "steps (0 = only at the end)")
+    p.add_argument("--sync-save", action="store_true", help="write checkpoints in the step loop (default: snapshot "
+                   "to host memory, write in the background)")
     p.add_argument("--save-busy", default=_default(RunConfig, "save_busy"), choices=("wait", "skip"),
                    help="a save due while the previous one is still being written: wait for it, or skip this one")
-    p.add_argument("--keep-last", type=int, default=_default(RunConfig, "keep_last"), help="keep the newest K checkpoints (0 = all); one "
-                   "before `latest` always stays, "
-                   "the fallback when `latest` fails its sha256 check on --resume")
-    p.add_argument("--save-mbps", type=float, default=_default(RunConfig, "save_mbps"), help="cap the checkpoint write rate, MB/s (0 = none)")
-    p.add_argument("--full-every", type=int, default=_default(RunConfig, "full_every"), help="full checkpoint every N saves, XOR+zstd deltas "
-                   "against it in between (0 = every save full)")
-    p.add_argument("--delta-max-ratio", type=float, default=_default(RunConfig, "delta_max_ratio"), help="write a save full when its delta would "
-                   "exceed this fraction of a full one")
-    p.add_argument("--profile-steps", type=_steps_range, default=_default(RunConfig, "profile_steps"), help="a:b torch.profiler trace of steps [a,b)")
+    p.add_argument("--keep-last", type=int, default=_default(RunConfig, "keep_last"), help="keep the newest K "
+                   "checkpoints (0 = all); one before `latest` always stays, the fallback when `latest` fails its "
+                   "sha256 check on --resume")
+    p.add_argument("--save-mbps", type=float, default=_default(RunConfig, "save_mbps"), help="cap the checkpoint "
+                   "write rate, MB/s (0 = none)")
+    p.add_argument("--full-every", type=int, default=_default(RunConfig, "full_every"), help="full checkpoint every "
+                   "N saves, XOR+zstd deltas against it in between (0 = every save full)")
+    p.add_argument("--delta-max-ratio", type=float, default=_default(RunConfig, "delta_max_ratio"),
+                   help="write a save full when its delta would exceed this fraction of a full one")
+    p.add_argument("--profile-steps", type=_steps_range, default=_default(RunConfig, "profile_steps"),
+                   help="a:b torch.profiler trace of steps [a,b)")
     p.add_argument("--device", default=_default(RunConfig, "device"), choices=("auto", "cpu", "cuda"))
     p.add_argument("--precision", default=_default(ParallelConfig, "precision"), choices=("auto", "bf16", "fp32"))
     p.add_argument("--attention", default=_default(ModelConfig, "attention"), choices=ATTENTION_BACKENDS,
@@ -81,48 +93,61 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-bucket-size", type=int, default=_default(ParallelConfig, "reduce_bucket_size"))
     p.add_argument("--no-overlap-comm", action="store_true")
     p.add_argument("--zero3-leaf-blocks", action="store_true", help="ZeRO-3: fetch each transformer block's "
-                   "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and "
-                   "gathers; for small models, whose per-layer hooks cost more than their math")
-    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown "
-                   "(its per-step timer lines); our breakdown in metrics.jsonl does not need it")
-    p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the trunk's attention and MLP "
-                   "split over TP ranks (train/parallel/); data-parallel size = ranks / (tp * sp)")
-    p.add_argument("--sp", type=int, default=_default(ParallelConfig, "sp"), help="sequence-parallel degree: the video tokens split over SP "
-                   "ranks, Ulysses attention (train/parallel/video_sp.py); heads %% (tp*sp) == 0")
-    p.add_argument("--grad-compression", default=_default(ParallelConfig, "grad_compression"), choices=("none", "topk"), help="topk: ZeRO-3 shards "
-                   "inside each SP group, replicas sync gradients by top-k + error feedback (needs --zero 3)")
-    p.add_argument("--compress-ratio", type=float, default=_default(ParallelConfig, "compress_ratio"), help="dense all-reduce bytes / bytes sent per "
-                   "bucket (a bucket where sparse would not win goes dense; 1 = dense everywhere)")
-    p.add_argument("--dist-timeout", type=float, default=_default(ParallelConfig, "dist_timeout_s"), help="seconds before a stuck collective fails")
+                   "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and gathers; "
+                   "for small models, whose per-layer hooks cost more than their math")
+    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown (its "
+                   "per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the "
+                   "trunk's attention and MLP split over TP ranks (train/parallel/); data-parallel size = ranks / "
+                   "(tp * sp)")
+    p.add_argument("--sp", type=int, default=_default(ParallelConfig, "sp"), help="sequence-parallel degree: the "
+                   "video tokens split over SP ranks, Ulysses attention (train/parallel/video_sp.py); heads %% "
+                   "(tp*sp) == 0")
+    p.add_argument("--grad-compression", default=_default(ParallelConfig, "grad_compression"),
+                   choices=("none", "topk"), help="topk: ZeRO-3 shards inside each SP group, replicas sync "
+                   "gradients by top-k + error feedback (needs --zero 3)")
+    p.add_argument("--compress-ratio", type=float, default=_default(ParallelConfig, "compress_ratio"),
+                   help="dense all-reduce bytes / bytes sent per bucket (a bucket where sparse would not win goes "
+                   "dense; 1 = dense everywhere)")
+    p.add_argument("--dist-timeout", type=float, default=_default(ParallelConfig, "dist_timeout_s"),
+                   help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=_default(RunConfig, "log_every"))
-    p.add_argument("--eval-every", type=int, default=_default(RunConfig, "eval_every"), help="log validation flow loss and action MSE every N "
-                   "steps (the index's --val-episodes split); 0 = never")
+    p.add_argument("--eval-every", type=int, default=_default(RunConfig, "eval_every"), help="log validation flow "
+                   "loss and action MSE every N steps (the index's --val-episodes split); 0 = never")
     p.add_argument("--ds-log-level", default="WARNING", help="level of DeepSpeed's logger (INFO: its setup chatter)")
-    p.add_argument("--check-config", action="store_true", help="validate recipe, batch divisibility (for "
-                   "WORLD_SIZE ranks) and the data root, then exit: 0 ok, 2 config error; no process group. "
-                   "The launch scripts run it in the launcher process first")
-    p.add_argument("--ac-every", type=int, default=_default(MemoryConfig, "ac_every"), help="activation checkpointing of every Nth block "
-                   "(0 = off; `loongforge tune ac` measures the choice)")
+    p.add_argument("--check-config", action="store_true", help="validate recipe, batch divisibility (for WORLD_SIZE "
+                   "ranks) and the data root, then exit: 0 ok, 2 config error; no process group. The launch scripts "
+                   "run it in the launcher process first")
+    p.add_argument("--ac-every", type=int, default=_default(MemoryConfig, "ac_every"), help="activation "
+                   "checkpointing of every Nth block (0 = off; `loongforge tune ac` measures the choice)")
     p.add_argument("--fp8", action="store_true", help="FP8 linears via torchao (CUDA capability >= 8.9)")
-    p.add_argument("--fp8-warmup-steps", type=int, default=_default(MemoryConfig, "fp8_warmup_steps"), help="blend BF16 -> FP8 over N steps")
-    p.add_argument("--fp8-warmup-mode", default=_default(MemoryConfig, "fp8_warmup_mode"), choices=("blend", "switch"))
-    p.add_argument("--fp8-recipe", default=_default(MemoryConfig, "fp8_recipe"), choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
-    p.add_argument("--fp8-min-features", type=int, default=_default(MemoryConfig, "fp8_min_features"), help="GEMMs with a smaller dim stay BF16")
-    p.add_argument("--fuse", default=_default(MemoryConfig, "fuse"), choices=("auto", "on", "off"), help="torch.compile of the "
-                   "transformer blocks (fused norm/residual/dropout); auto = on CUDA with ZeRO < 3")
+    p.add_argument("--fp8-warmup-steps", type=int, default=_default(MemoryConfig, "fp8_warmup_steps"),
+                   help="blend BF16 -> FP8 over N steps")
+    p.add_argument("--fp8-warmup-mode", default=_default(MemoryConfig, "fp8_warmup_mode"),
+                   choices=("blend", "switch"))
+    p.add_argument("--fp8-recipe", default=_default(MemoryConfig, "fp8_recipe"),
+                   choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    p.add_argument("--fp8-min-features", type=int, default=_default(MemoryConfig, "fp8_min_features"),
+                   help="GEMMs with a smaller dim stay BF16")
+    p.add_argument("--fuse", default=_default(MemoryConfig, "fuse"), choices=("auto", "on", "off"),
+                   help="torch.compile of the transformer blocks (fused norm/residual/dropout); auto = on CUDA with "
+                   "ZeRO < 3")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs over the transformer blocks "
-                   "(torch.compile reduce-overhead; --fuse off: graphs without inductor fusion); CUDA, ZeRO < 3, "
-                   "no --ac-every, no --tp; refused on CPU")
-    p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its "
-                   "micro-batch x ranks x --grad-accum (overrides --batch-size)")
-    p.add_argument("--nan-policy", default=_default(FaultConfig, "nan_policy"), choices=("skip", "fail"), help="a non-finite loss or grad "
-                   "norm: skip the optimizer step on every rank and count it in metrics.jsonl, or end the run")
-    p.add_argument("--nan-max-consecutive", type=int, default=_default(FaultConfig, "nan_max_consecutive"), help="with skip: end the run after more than "
-                   "N non-finite steps in a row")
-    p.add_argument("--hang-timeout-s", type=float, default=_default(FaultConfig, "hang_timeout_s"), help="watchdog: a rank whose step does not "
-                   "advance for this long is reported hung and the launch ends (exit 75); 0 = off")
-    p.add_argument("--heartbeat-s", type=float, default=_default(FaultConfig, "heartbeat_s"), help="heartbeat period to the launch's TCPStore; "
-                   "a rank silent for max(10 periods, 5 s) is reported dead")
+                   "(torch.compile reduce-overhead; --fuse off: graphs without inductor fusion); CUDA, ZeRO < 3, no "
+                   "--ac-every, no --tp; refused on CPU")
+    p.add_argument("--batch-plan", default=None, help="`loongforge tune batch` JSON: global batch = its micro-batch "
+                   "x ranks x --grad-accum (overrides --batch-size)")
+    p.add_argument("--nan-policy", default=_default(FaultConfig, "nan_policy"), choices=("skip", "fail"),
+                   help="a non-finite loss or grad norm: skip the optimizer step on every rank and count it in "
+                   "metrics.jsonl, or end the run")
+    p.add_argument("--nan-max-consecutive", type=int, default=_default(FaultConfig, "nan_max_consecutive"),
+                   help="with skip: end the run after more than N non-finite steps in a row")
+    p.add_argument("--hang-timeout-s", type=float, default=_default(FaultConfig, "hang_timeout_s"),
+                   help="watchdog: a rank whose step does not advance for this long is reported hung and the launch "
+                   "ends (exit 75); 0 = off")
+    p.add_argument("--heartbeat-s", type=float, default=_default(FaultConfig, "heartbeat_s"),
+                   help="heartbeat period to the launch's TCPStore; a rank silent for max(10 periods, 5 s) is "
+                   "reported dead")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
