@@ -60,7 +60,8 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
         latest = ckpt_files.latest_tag(run_dir)
         if latest is None:
             return None
-        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=torch.device("cpu"))  # no process group here
+        # rank 0 alone: no process group is up in the supervisor
+        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=torch.device("cpu"))
         doc = ckpt_files.read_sidecar(run_dir, tag)
     except CheckpointError as exc:  # the trainer meets the same error and reports it
         log.warning("elastic: not converting the checkpoint before the relaunch: %s", exc)
