@@ -24,9 +24,10 @@ def register(subparsers) -> None:
                               "and a global index. Beam options go after `--`, e.g. `-- --direct_running_mode="
                               "in_memory` or `--runner DataflowRunner -- --project=P --region=R`.")
     from loongforge.preprocess.config import add_job_arguments
+    from loongforge.preprocess.runners import add_runner_arguments
 
     add_job_arguments(p)
-    p.add_argument("--runner", default=None, help="Beam runner (default: local FnApiRunner, one process per core)")
+    add_runner_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     # The top-level parser rejects unknown flags, so Beam's own options go after
     # a `--`: loongforge preprocess --input D --output S -- --project=P --region=R
@@ -92,13 +93,12 @@ def _preprocess(args: argparse.Namespace) -> int:
     from loongforge.preprocess.config import config_from_args
     from loongforge.preprocess.pipeline import run_job
     from loongforge.preprocess.report import format_summary
+    from loongforge.preprocess.runners import runner_from_args
 
     _quiet_beam()
-    beam_args = [a for a in args.beam_args if a != "--"]
-    if args.runner:
-        beam_args.append(f"--runner={args.runner}")
     cfg = config_from_args(args)
-    summary = run_job(cfg, beam_args)
+    runner, beam_args = runner_from_args(args, [a for a in args.beam_args if a != "--"])
+    summary = run_job(cfg, beam_args, runner)
     allowed = cfg.failed_allowed(summary["input_episodes"])
     summary["failed_allowed"] = allowed
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))

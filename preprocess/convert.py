@@ -3,8 +3,12 @@
 `ConvertEpisodeFn` chains stages 2-5 for one episode (read the parquet, decode
 each camera once, encode its arrays and frame blocks into a staging file) and
 emits only metadata. Bad input never kills the job: a missing/corrupt video, an unreadable
-parquet or a parquet/video length mismatch becomes a record on the `failed`
-output (episode, camera, reason) plus a counter, and the other episodes go on.
+parquet or a parquet/video length mismatch becomes a `failed` record (episode, camera,
+reason) plus a counter, and the other episodes go on.
+
+Its outputs are `(tag, value)` pairs on the one main output, not Beam's tagged outputs:
+some runners (Dask's) do not split a ParDo's tagged outputs, and a pair is split by a
+plain filter (`select_tag`) on every runner.
 """
 
 from __future__ import annotations
@@ -23,14 +27,26 @@ from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.episode import read_episode
 from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, staging_path
+from loongforge.preprocess.progress import report_episode
 from loongforge.preprocess.stats import episode_moments
 from loongforge.shared import paths, storage
 from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
 
 log = logging.getLogger(__name__)
-FAILED = "failed"
-STATS = "stats"
+STAGED = "staged"  # StagedEpisode
+FAILED = "failed"  # failure record (dict)
+STATS = "stats"  # (episode, {"state": Moments, "action": Moments})
+
+
+def tagged(value, tag: str) -> tuple:
+    return tag, value
+
+
+def select_tag(pair: tuple, tag: str):
+    """`(tag, value)` -> value where the tag matches (a FlatMap): how a stage picks one kind of output."""
+    if pair[0] == tag:
+        yield pair[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +72,13 @@ def failure(episode: int, camera: str | None, reason: str, root: str = "") -> di
 
 
 class ConvertEpisodeFn(beam.DoFn):
-    def __init__(self, meta: SourceMeta, params: ConvertParams):
+    """EpisodeSpec -> (STAGED, StagedEpisode) and (STATS, moments), or (FAILED, record).
+    `progress_topic`: where each attempt reports on a dask worker (progress.report_episode); "" = nowhere."""
+
+    def __init__(self, meta: SourceMeta, params: ConvertParams, progress_topic: str = ""):
         self.meta = meta
         self.params = params
+        self.progress_topic = progress_topic
         self.converted = Metrics.counter(METRICS_NS, "episodes_converted")
         self.failed = Metrics.counter(METRICS_NS, "episodes_failed")
         self.samples = Metrics.counter(METRICS_NS, "samples")
@@ -73,7 +93,8 @@ class ConvertEpisodeFn(beam.DoFn):
                                        json.dumps(record).encode())
         except OSError as err:
             log.debug("episode %d: no failure marker (%s)", spec.index, err)
-        return beam.pvalue.TaggedOutput(FAILED, record)
+        report_episode(self.progress_topic, spec.index, ok=False)
+        return FAILED, record
 
     def _read_inputs(self, spec: EpisodeSpec):
         """(table, {slot: NV12}, video infos, source bytes); raises SourceDataError
@@ -117,9 +138,10 @@ class ConvertEpisodeFn(beam.DoFn):
         self.frames.inc(table.length * len(frames))
         log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
-        yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
-        yield StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
-                            source_bytes=source_bytes, videos=tuple(videos))
+        report_episode(self.progress_topic, spec.index, ok=True)
+        yield STATS, episode_moments(spec.index, table.state, table.action)
+        yield STAGED, StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
+                                    source_bytes=source_bytes, videos=tuple(videos))
 
 
 def episode_arrays(table) -> dict:

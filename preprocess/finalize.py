@@ -1,8 +1,11 @@
-"""Stage 6: write `failed.jsonl`, the tables, then `index.json` (LAST), then clean up.
+"""Stage 6: collect the job's results, write `failed.jsonl`, the tables, then `index.json` (LAST), then clean up.
 
 The index is the commit point of the job: readers treat a root without one as
-unfinished, so it is written only after every shard it names is in place
-(Beam side inputs guarantee all shard writers finished). Everything in it is
+unfinished, so it is written only after every shard it names is in place: the
+one element finalize runs on (`JobResults`) is combined from every shard
+writer's output, so no shard is still being written. It is a main input, not
+side inputs: a runner may compute each side input on its own (Dask's does,
+converting every episode once per side input). Everything in the index is
 sorted and free of timestamps, so identical runs give identical bytes.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 import apache_beam as beam
 
@@ -17,7 +21,7 @@ from loongforge import __version__
 from loongforge.preprocess import files
 from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.convert import ConvertParams
+from loongforge.preprocess.convert import FAILED, STAGED, STATS, ConvertParams
 from loongforge.preprocess.discover import SourceMeta
 from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
 from loongforge.preprocess.stats import norm_stats
@@ -27,6 +31,49 @@ from loongforge.shared.split import choose_val_episodes
 from loongforge.shared.writer import publish
 
 log = logging.getLogger(__name__)
+WRITTEN = "written"  # (shard number, manifest entry, placed layouts): WriteShards' output
+
+
+@dataclass(frozen=True, slots=True)
+class JobResults:
+    """Everything finalize needs, in a deterministic order whatever order the runner delivered it in."""
+
+    staged: tuple[StagedEpisode, ...]  # by episode
+    failed: tuple[dict, ...]  # by (episode, camera, reason)
+    moments: dict  # episode -> {"state": Moments, "action": Moments}, by episode
+    written: tuple[tuple, ...]  # by shard number
+
+
+class JobResultsFn(beam.CombineFn):
+    """(tag, value) pairs of every stage -> one JobResults. Metadata only (no frame bytes):
+    a layout per episode and a manifest entry per shard."""
+
+    def create_accumulator(self) -> dict:
+        return {STAGED: [], FAILED: [], STATS: {}, WRITTEN: []}
+
+    def add_input(self, acc: dict, element) -> dict:
+        tag, value = element
+        if tag == STATS:
+            episode, moments = value
+            acc[STATS][int(episode)] = moments
+        else:
+            acc[tag].append(value)
+        return acc
+
+    def merge_accumulators(self, accumulators) -> dict:
+        merged = self.create_accumulator()
+        for acc in accumulators:
+            merged[STATS].update(acc[STATS])
+            for tag in (STAGED, FAILED, WRITTEN):
+                merged[tag].extend(acc[tag])
+        return merged
+
+    def extract_output(self, acc: dict) -> JobResults:
+        return JobResults(
+            staged=tuple(sorted(acc[STAGED], key=lambda e: e.episode)),
+            failed=tuple(sorted(acc[FAILED], key=lambda r: (r["episode"], r.get("camera") or "", r["reason"]))),
+            moments=dict(sorted(acc[STATS].items())),
+            written=tuple(sorted(acc[WRITTEN], key=lambda w: w[0])))
 
 
 def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
@@ -54,7 +101,7 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
 
 def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, moments: dict,
                   staged: list[StagedEpisode]) -> tuple[DatasetInfo, tuple[int, ...]]:
-    """(dataset info, validation episodes). `moments`: EpisodeMomentsFn's per-episode partials;
+    """(dataset info, validation episodes). `moments`: the per-episode partials (JobResults);
     the stats use the training episodes only."""
     staged = sorted(staged, key=lambda e: e.episode)
     val_episodes = choose_val_episodes(cfg.val_episodes, [e.episode for e in staged])
@@ -95,18 +142,18 @@ def remove_stale_shards(output: str, keep: set[str]) -> None:
 
 
 class FinalizeFn(beam.DoFn):
-    """Runs once, after every shard is written: failed.jsonl, tables, index.json last."""
+    """JobResults -> failed.jsonl, tables, index.json last; runs once, after every shard is written."""
 
     def __init__(self, meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams):
         self.meta, self.cfg, self.params = meta, cfg, params
 
-    def process(self, _unused, written, failed, stats, staged):
-        dataset, val_episodes = build_dataset(self.meta, self.cfg, self.params, stats or {}, list(staged))
-        written = sorted(written, key=lambda w: w[0])
+    def process(self, results: JobResults):
+        dataset, val_episodes = build_dataset(self.meta, self.cfg, self.params, results.moments,
+                                              list(results.staged))
+        written, failed = results.written, list(results.failed)
         shards = [entry for _, entry, _ in written]
         layouts = [lay for _, _, placed in written for lay in placed]
         shard_of = [number for number, _, placed in written for _ in placed]
-        failed = sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"]))
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in failed)
         storage.write_bytes_atomic(paths.join(self.cfg.output, paths.FAILED_FILE), lines.encode())
         params = {**self.cfg.output_params(), "height": self.params.height, "width": self.params.width,

@@ -55,3 +55,13 @@ def format_summary(s: dict) -> str:
         lines.append("verify     all shards match their sha256" if s["verified"] else
                      f"verify     FAILED: {'; '.join(s['bad_shards'])}")
     return "\n".join(lines)
+
+
+def output_counters(root: str, summary: dict) -> dict[str, int]:
+    """The job's counters (its Beam counters' names) from what it wrote, for a runner that reports
+    no metrics; a counter that stayed 0 is left out, as Beam leaves it out."""
+    shards = open_root(root).manifest["shards"]
+    counters = {"episodes_converted": summary["episodes"], "episodes_failed": summary["failed"],
+                "samples": summary["samples"], "frames_decoded": summary["source_frames"] * len(summary["cameras"]),
+                "shards_written": len(shards), "shard_bytes_written": sum(int(s["bytes"]) for s in shards)}
+    return {name: value for name, value in sorted(counters.items()) if value}

@@ -34,6 +34,12 @@ class StorageError(LoongForgeError, OSError):
     and what to check."""
 
 
+class RunnerError(LoongForgeError):
+    """The job's runner failed under it: a cluster unreachable, without workers or without this
+    project installed, or workers lost past the runner's retries. The message says what to fix;
+    nothing was published."""
+
+
 class SourceDataError(LoongForgeError):
     """Input dataset problem: corrupt video, missing file, length mismatch."""
 
