@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 QUIRK_CHOICES = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
@@ -87,6 +88,9 @@ def _quiet_beam() -> None:
     # worker record a second time; keep our per-episode progress lines readable.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
+    # --runner dask: the cluster's own INFO lines (dask reads its logging config from the environment on import,
+    # which also reaches a local cluster's worker processes); a user's own setting wins
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 
 def _preprocess(args: argparse.Namespace) -> int:

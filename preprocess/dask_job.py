@@ -36,6 +36,15 @@ WORKERS_TIMEOUT_S = 60
 SETTLE_S = 10  # after the job: the last tasks' events may still be on their way
 
 
+def load_job_modules() -> str:
+    """Run on every worker and on the scheduler before the job: loads the modules its tasks
+    unpickle (a missing install or extra fails here, in one message, not in the first task; and
+    no worker pays the import in its first task while the others take the work), and returns the
+    installed version."""
+    importlib.import_module("loongforge.preprocess.pipeline")
+    return importlib.metadata.version("loongforge")
+
+
 class DaskSession:
     """The cluster (given, or a local one), a client subscribed to the job's progress topic,
     and the checks before any work. `start()`, the job, `settle()`, then `close()`."""
@@ -52,8 +61,9 @@ class DaskSession:
             raise ConfigError(f"--runner dask needs the dask extra: pip install 'loongforge[preprocess-dask]' "
                               f"({exc})") from exc
         if not self.scheduler:
+            # ":0": any free port for the scheduler's HTTP endpoints (another cluster may hold 8787)
             self.cluster = distributed.LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
-                                                    dashboard_address=None)
+                                                    dashboard_address=":0")
             self.address = self.cluster.scheduler_address
             log.info("dask: a local cluster of %d worker processes at %s", self.workers, self.address)
         try:
@@ -71,17 +81,19 @@ class DaskSession:
         except TimeoutError as exc:
             raise RunnerError(f"no dask worker joined {self.address} within {WORKERS_TIMEOUT_S} s: start workers "
                               f"(`dask worker {self.address} --nthreads 1`) where this project is installed") from exc
-        found = self.client.run(importlib.metadata.version, "loongforge", on_error="return")
+        found = self.client.run(load_job_modules, on_error="return")
         try:
-            found["scheduler"] = self.client.run_on_scheduler(importlib.metadata.version, "loongforge")
+            found["scheduler"] = self.client.run_on_scheduler(load_job_modules)
         except Exception as exc:  # noqa: BLE001 - whatever the scheduler raised is the answer
             found["scheduler"] = exc
         wrong = {where: got for where, got in sorted(found.items()) if got != __version__}
         if wrong:
-            where = "; ".join(f"{w}: {g if isinstance(g, str) else type(g).__name__}" for w, g in wrong.items())
-            raise RunnerError(f"the dask cluster at {self.address} does not run loongforge {__version__} ({where}). "
-                              "The scheduler unpickles the job's graph and the workers run it: install this project "
-                              "on both (pip install 'loongforge[preprocess-dask]', infra/dask/) and restart them")
+            where = "; ".join(f"{w}: {g if isinstance(g, str) else f'{type(g).__name__}: {g}'}"[:300]
+                              for w, g in wrong.items())
+            raise RunnerError(f"the dask cluster at {self.address} does not run loongforge {__version__} with the "
+                              f"preprocess extra ({where}). The scheduler unpickles the job's graph and the workers "
+                              "run it: install this project on both (pip install 'loongforge[preprocess-dask]', "
+                              "infra/dask/) and restart them")
         log.info("dask: %d workers at %s", len(found) - 1, self.address)
 
     def explain(self, exc: Exception) -> RunnerError | None:
