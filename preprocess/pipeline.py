@@ -102,12 +102,13 @@ def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None, runner: R
         raise SourceDataError(f"{cfg.input}: the dataset lists no episodes; nothing to convert")
     # Before any work: cameras in different colours need a decision (--color-range/--color-matrix).
     color = resolve_colors(probe_colors(episodes), cfg.color_range, cfg.color_matrix)
-    prepare_output(cfg.output)
-    log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
-             [c.key for c in meta.cameras], color.matrix, color.range)
-    t0 = time.perf_counter()
     lengths = {e.index: e.length for e in episodes}
+    # The runner first: a cluster that cannot run the job fails before the output root is touched.
     with Launch(cfg, runner or RunnerConfig(), beam_args or [], lengths, len(meta.cameras)) as launch:
+        prepare_output(cfg.output)
+        log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
+                 [c.key for c in meta.cameras], color.matrix, color.range)
+        t0 = time.perf_counter()
         p = beam.Pipeline(runner=launch.beam_runner, options=launch.options)
         build_pipeline(p, cfg, meta, episodes, color, launch.progress_topic)
         try:

@@ -18,16 +18,11 @@ from loongforge.preprocess.runners import RunnerConfig
 from loongforge.preprocess.sample_data import QUIRKS, generate_dataset
 from loongforge.shared import paths
 from loongforge.shared.errors import RunnerError
+from tests.preprocess.conftest import tree
 from tests.preprocess.dask_cluster import DaskProcs
 
 SIX = {"episodes": 6, "frames": (8, 12), "height": 32, "width": 48, "gop": 4}
 SPLIT = "1,4"  # validation episodes
-
-
-def tree(root: str) -> dict[str, bytes]:
-    """Every file under a shard root, by relative path."""
-    base = Path(root)
-    return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
 
 
 def assert_same_tree(got: str, want: str) -> None:

@@ -15,7 +15,7 @@ from loongforge.preprocess.discover import discover
 from loongforge.preprocess.launch import beam_options
 from loongforge.preprocess.pipeline import build_pipeline
 from loongforge.preprocess.runners import RUNNERS, RunnerConfig, add_runner_arguments, runner_from_args
-from loongforge.shared.errors import ConfigError
+from loongforge.shared.errors import ConfigError, RunnerError, SourceDataError
 
 DASK = "apache_beam.runners.dask.dask_runner.DaskRunner"
 
@@ -143,3 +143,40 @@ def test_dask_runner_spreads_episodes_and_shards_over_tasks(sample_dataset, tmp_
     assert bags["ConvertEpisodes"].npartitions == len(episodes) == 3
     assert bags["WriteShards/WriteShard"].npartitions >= len(episodes)
     assert list(bags)[-1] == "WriteIndex"  # the runner computes the last step: everything leads to it
+
+
+def test_unreachable_scheduler_fails_before_the_output_is_touched(sample_dataset, tmp_path, monkeypatch):
+    import loongforge.preprocess.dask_job as dask_job
+    from loongforge.preprocess.pipeline import run_job
+    from tests.conftest import free_port
+
+    monkeypatch.setattr(dask_job, "CONNECT_TIMEOUT_S", 1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "index.json").write_text("{}")  # a previous run's root stays published
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(RunnerError, match=f"cannot reach the dask scheduler at {address}"):
+        run_job(PreprocessConfig(input=sample_dataset, output=str(out)), [],
+                RunnerConfig(name="dask", dask_scheduler=address))
+    assert (out / "index.json").read_text() == "{}"
+
+
+def test_a_dataset_without_episodes_is_refused_not_published_empty(tmp_path, run_in_memory):
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    root = generate_dataset(tmp_path / "ds", episodes=1, frames=(4, 4), gop=2)
+    (root / "meta" / "episodes.jsonl").write_text("")
+    with pytest.raises(SourceDataError, match="no episodes"):
+        run_in_memory(str(root), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_direct_runner_writes_the_local_runners_bytes(sample_dataset, tmp_path, run_in_memory):
+    from loongforge.preprocess.pipeline import run_job
+    from tests.preprocess.conftest import tree
+
+    run_in_memory(sample_dataset, str(tmp_path / "local"), shard_size=1 << 16)
+    run_job(PreprocessConfig(input=sample_dataset, output=str(tmp_path / "direct"), shard_size=1 << 16, workers=1),
+            [], RunnerConfig(name="direct"))
+    want, got = tree(str(tmp_path / "local")), tree(str(tmp_path / "direct"))
+    assert sorted(got) == sorted(want) and [n for n in got if got[n] != want[n]] == []
