@@ -8,7 +8,11 @@ import contextlib
 import logging
 import uuid
 
+from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.portability.api import beam_provision_api_pb2
+from apache_beam.runners.portability.fn_api_runner import fn_runner
+from google.protobuf import struct_pb2
 
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.dask_job import DaskSession
@@ -51,10 +55,6 @@ def beam_options(cfg: PreprocessConfig, runner: RunnerConfig, beam_args: list[st
 def local_runner(options: PipelineOptions):
     """The FnApiRunner with worker log levels. FnApiRunner hands its workers only the
     options in its provision info, so they go there."""
-    from apache_beam.portability.api import beam_provision_api_pb2
-    from apache_beam.runners.portability.fn_api_runner import fn_runner
-    from google.protobuf import struct_pb2
-
     worker_options = struct_pb2.Struct()
     worker_options.update(WORKER_LOG_LEVELS)
     info = beam_provision_api_pb2.ProvisionInfo(pipeline_options=worker_options)
@@ -64,8 +64,6 @@ def local_runner(options: PipelineOptions):
 def job_counters(result) -> dict[str, int]:
     """This job's Beam counters (METRICS_NS), summed over steps; {} where the
     runner does not report them."""
-    from apache_beam.metrics.metric import MetricsFilter
-
     try:
         found = result.metrics().query(MetricsFilter().with_namespace(METRICS_NS))["counters"]
     except (AttributeError, NotImplementedError, KeyError):

@@ -71,12 +71,14 @@ class DaskProcs:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
     def stop(self) -> None:
-        for proc in [*self.workers, self.scheduler]:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in [*self.workers, self.scheduler]:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        """Workers first (they say goodbye to a live scheduler and exit at once), then the scheduler."""
+        for group in (self.workers, [self.scheduler]):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
