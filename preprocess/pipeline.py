@@ -1,4 +1,4 @@
-"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index (FORMAT.md).
+"""The preprocess job: LeRobot dataset (v2.0/v2.1/v3.0: parquet + mp4 or images) -> NV12 shards + index (FORMAT.md).
 
 Local (default runner: Beam's FnApiRunner, one worker process per core):
 
@@ -31,17 +31,18 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget, probe_colors, resolve_colors
+from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig, add_job_arguments, config_from_args
-from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn
+from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.finalize import FinalizeFn
 from loongforge.preprocess.report import summarize
 from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
+from loongforge.preprocess.prepare import prepare_job, resolve_params
 from loongforge.preprocess.progress import ProgressMonitor
 from loongforge.preprocess.stats import EpisodeMomentsFn
 from loongforge.shared import paths
-from loongforge.shared.errors import ConfigError, StorageError
+from loongforge.shared.errors import StorageError
 
 log = logging.getLogger(__name__)
 STAGED = "staged"
@@ -84,17 +85,6 @@ def local_runner(options: PipelineOptions):
     return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
 
 
-def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None) -> ConvertParams:
-    height, width = cfg.height, cfg.width
-    if height is None:  # source resolution: the first camera's, per info.json
-        height, width = meta.cameras[0].height, meta.cameras[0].width
-        if height % 2 or width % 2 or height <= 0 or width <= 0:
-            raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
-    return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
-                         zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
-                         block_frames=cfg.block_frames, block_codec=cfg.block_codec)
-
-
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
                    color: ColorTarget | None = None):
     params = resolve_params(cfg, meta, color)
@@ -133,9 +123,10 @@ def prepare_output(output: str) -> None:
 
 def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
     """Run the job to completion; returns the summary (index numbers + timing)."""
-    meta, episodes = discover(cfg.input, cfg.fingerprint)
-    # Before any work: cameras in different colours need a decision (--color-range/--color-matrix).
-    color = resolve_colors(probe_colors(episodes), cfg.color_range, cfg.color_matrix)
+    # Before any work (prepare.py): the dataset's version and episodes, the split checked against them,
+    # cameras in different colours decided (--color-range/--color-matrix).
+    job = prepare_job(cfg)
+    cfg, meta, episodes, color = job.cfg, job.meta, job.episodes, job.color
     prepare_output(cfg.output)
     log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
              [c.key for c in meta.cameras], color.matrix, color.range)
