@@ -15,6 +15,7 @@ content is the sample generator's; only the encoding and the layout change. `wri
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def _encode(path: Path, episodes: list[list[np.ndarray]], *, fps: int, codec: st
         options.update({"crf": str(crf), "preset": "veryfast",
                         "x265-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=error:pools=1"})
     else:
+        os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its configuration to stderr at info level
         options.update({"crf": str(crf), "preset": "12"})
     with av.open(str(path), "w", format="mp4") as out:
         stream = out.add_stream(ENCODERS[codec], rate=fps)
