@@ -42,11 +42,12 @@ test-full: setup
 parallel-full: setup
 	LOONGFORGE_PARALLEL_FULL=1 $(BIN)/python -m pytest -q -m parallel_full tests/train/parallel $(PYTEST_ARGS)
 
+# `loongforge bench` lists every benchmark (benchmarks/README.md); these are the data-path one.
 bench: setup
-	$(BIN)/loongforge bench
+	$(BIN)/loongforge bench data
 
 bench-quick: setup
-	$(BIN)/loongforge bench --quick
+	$(BIN)/loongforge bench data --quick
 
 # Fault-injection suite: each fault against a real 2-rank gloo run under `loongforge train --elastic`;
 # table + JSON under results/ (README "Reliability"). Its tests: tests/train/resilience/test_faults.py.
@@ -62,7 +63,7 @@ gpu-check: setup
 	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || { \
 	  echo "torch in $(VENV) is a CPU build: installing $(TORCH) from $(GPU_TORCH_INDEX)"; \
 	  $(BIN)/pip install -q --force-reinstall '$(TORCH)' --index-url $(GPU_TORCH_INDEX); }
-	$(BIN)/python -m loongforge.benchmarks.micro.gpu_check
+	$(BIN)/loongforge bench gpu-check
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

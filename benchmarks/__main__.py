@@ -1,12 +1,7 @@
-"""`python -m loongforge.benchmarks` = `loongforge bench`."""
+"""`python -m loongforge.benchmarks NAME` = `loongforge bench NAME`."""
 
-import argparse
-import logging
 import sys
 
-from loongforge.benchmarks.cli import add_arguments, handle
+from loongforge.benchmarks.cli import main
 
-parser = argparse.ArgumentParser(prog="python -m loongforge.benchmarks", description=__doc__)
-add_arguments(parser)
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-sys.exit(handle(parser.parse_args()))
+sys.exit(main())

@@ -22,7 +22,7 @@ from loongforge.shared.errors import ConfigError, FormatError
 from loongforge.shared.index import TABLES, DatasetInfo, bucket_shift, frame_buckets, manifest_json, table_name
 from loongforge.shared.members import DEFAULT_ZSTD_LEVEL, END_OF_ARCHIVE
 
-DEFAULT_BLOCK_FRAMES = 16  # chosen by `python -m loongforge.benchmarks.micro.storage` (benchmarks/README.md)
+DEFAULT_BLOCK_FRAMES = 16  # chosen by `loongforge bench storage` (benchmarks/README.md)
 
 
 def plan_episode_shards(sizes: Iterable[tuple[int, int]], shard_size: int) -> list[list[int]]:

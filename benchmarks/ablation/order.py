@@ -3,7 +3,7 @@ global index + seed, measured on the real trainer.
 
 "naive": every rank shuffles the whole dataset with its own seed (seed + rank) and takes
 its micro-batches from the front of its own permutation, which is what a loader without
-a global order does. "global": LoongForge's order (train/data/order_v1.py), one permutation of
+a global order does. "global": LoongForge's order (train/data/order.py), one order of
 (seed, epoch) sliced across ranks. Both train the tiny recipe on the learnable sample data
 (`loongforge sample-data --task learnable`) for 100 steps on 2 ranks, same seed and batch.
 From the sample ids every rank actually trained: per epoch, how many samples were
@@ -28,15 +28,21 @@ STEPS = 100
 BATCH = 8
 
 
-def prepare_learnable(workdir: Path) -> str:
+def learnable_config():
     from loongforge.benchmarks.harness.config import BenchConfig
+
+    # Small enough that 100 steps span several epochs, so per-epoch coverage is measured more than once.
+    return BenchConfig(episodes=4, episode_frames=(60, 80), height=64, width=64, gop=10, gops=(10,),
+                       shard_size="4MB", preprocess_workers=1, batch_size=BATCH)
+
+
+def prepare_learnable(workdir: Path) -> str:
     from loongforge.benchmarks.harness.data import transcode
     from loongforge.preprocess.sample_data import generate_dataset
 
-    # Small enough that 100 steps span several epochs, so per-epoch coverage is measured more than once.
-    ds = generate_dataset(workdir / "learnable", episodes=4, frames=(60, 80), task="learnable", seed=0)
-    bc = BenchConfig(episodes=4, episode_frames=(60, 80), height=64, width=64, gop=10, gops=(10,),
-                     shard_size="4MB", preprocess_workers=1, batch_size=BATCH)
+    bc = learnable_config()
+    ds = generate_dataset(workdir / "learnable", episodes=bc.episodes, frames=bc.episode_frames, task="learnable",
+                          seed=0)
     transcode(bc, Path(ds), workdir / "learnable-shards")
     return str(workdir / "learnable-shards")
 
@@ -58,29 +64,33 @@ def _run_one(order: str, shards: str, workdir: Path) -> dict:
     from loongforge.benchmarks.ablation.rows import Setting, train_argv
 
     run_dir = workdir / f"order-{order}"
-    s = Setting(loader="shards", workers=0, prefetch=2)
+    s, bc = Setting(loader="shards", workers=0, prefetch=2), learnable_config()
     argv = train_argv(s, shards=shards, run_dir=str(run_dir), recipe="tiny", batch=BATCH, steps=STEPS + 1,
-                      seed=0, cuda=False, cache_socket=None)
+                      seed=0, cuda=False, cache_socket=None, frames=bc.frames_per_sample, stride=bc.stride)
     spec = {"train_args": argv, "warmup": 1, "steps": STEPS - 1, "out": str(run_dir), "cuda": False,
             "order": order, "keep_ids": True, "probe_memory": False, "loader": "shards"}
     docs = launch(spec, RANKS, workdir, threads=1)
     return docs[0]
 
 
-def run_order(out_dir: Path, workdir: Path | None = None) -> tuple[dict, Path]:
-    from loongforge.shared import split
-    from loongforge.shared.index import load_index
-    from loongforge.train.data import order_v1 as gorder
+def train_sample_ids(root: str, stride: int) -> np.ndarray:
+    """Sample ids of the training episodes (the split's other episodes left out), at `stride`."""
+    from loongforge.benchmarks.harness.dataset import SampleTable, open_root
 
+    ds = open_root(root)
+    table = SampleTable(ds.episode_lengths, stride=stride)
+    keep = table.keep_mask(~np.asarray(ds.val_mask, bool))
+    return np.arange(table.num_samples) if keep is None else np.flatnonzero(keep)
+
+
+def run_order(out_dir: Path, workdir: Path | None = None) -> tuple[dict, Path]:
     tmp = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="lf-order-")) if tmp else Path(workdir)
     t0 = time.perf_counter()
     try:
         shards = prepare_learnable(workdir)
-        index = load_index(shards)
-        mask = split.train_mask(index)
-        train_ids = np.arange(index.num_samples) if mask is None else np.flatnonzero(mask)
-        per_epoch = gorder.plan_epoch(train_ids.size, BATCH).steps
+        train_ids = train_sample_ids(shards, learnable_config().stride)
+        per_epoch = train_ids.size // BATCH  # the uneven tail is dropped
         doc = {"kind": "ablation-order", "version": 1, "ranks": RANKS, "steps": STEPS, "global_batch": BATCH,
                "train_samples": int(train_ids.size), "steps_per_epoch": per_epoch, "runs": {}}
         for name in ("global", "naive"):
@@ -92,7 +102,7 @@ def run_order(out_dir: Path, workdir: Path | None = None) -> tuple[dict, Path]:
             shutil.rmtree(workdir, ignore_errors=True)
     doc["wall_s"] = time.perf_counter() - t0
     doc["load_avg_end"] = list(os.getloadavg())
-    doc["tail_dropped_per_epoch"] = doc["train_samples"] - doc["steps_per_epoch"] * BATCH  # order.py: tail drop
+    doc["tail_dropped_per_epoch"] = doc["train_samples"] - doc["steps_per_epoch"] * BATCH
     doc["summary"] = summary(doc)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "ablation-order.json"

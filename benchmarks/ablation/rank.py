@@ -1,15 +1,17 @@
 """One rank of one ablation row: the real `Trainer`, built from `loongforge train`
 arguments, with two benchmark-only swaps applied from outside:
 
-* `loader: pyav` replaces the ShardLoader with the on-the-fly PyAV decode loader
+* `loader: pyav` replaces the trainer's loader with the on-the-fly PyAV decode loader
   (benchmarks/loader/baseline.py) over the LeRobot mp4 + parquet tree, serving the SAME
-  global sample ids in the same order (the ShardLoader's own sequence), so every
-  row trains on identical data;
+  samples in the same order: per step, the sample ids the trainer's loader would serve
+  (its own plan: global order, rank slice, epoch roll-over), each decoded at the same
+  (episode, t) with the same video deltas and action horizon, so every row trains on
+  identical data and differs only in the optimisation it adds;
 * `prefetch: 0` turns the loader's async prefetch thread off (staging inline in
   next(), what a loader without a prefetch stage does).
 
 Run as `python -m loongforge.benchmarks.ablation.rank SPEC.json` under the usual
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT environment (ablation.py launches the
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT environment (ablation/run.py launches the
 ranks). Rank r writes `<out>/rank<r>.json`: per-step phase records after warm-up
 and the activation bytes saved for backward of one extra probed step.
 """
@@ -17,6 +19,7 @@ and the activation bytes saved for backward of one extra probed step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -29,38 +32,30 @@ log = logging.getLogger("loongforge.bench.ablation")
 
 
 class BaselineLoader:
-    """The PyAV decode-on-the-fly DataLoader behind the trainer's loader interface
-    (iterator of batch dicts with "meta"; state_dict; bad_samples; close)."""
+    """The PyAV decode-on-the-fly DataLoader behind the trainer's loader interface (iterator of
+    batch dicts with "meta"; state_dict; bad_samples; close), serving `steps` steps of the
+    samples the trainer's loader `loader` would serve."""
 
-    def __init__(self, shard_loader, dataset_root: str, windows, *, num_workers: int):
+    def __init__(self, loader, dataset_root: str, *, num_workers: int, steps: int):
         import torch
 
+        from loongforge.benchmarks.harness.data import windows_of
         from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset
         from loongforge.benchmarks.loader.p3_rows import ModelInputs
 
-        self.inner = shard_loader  # its order functions only: it never starts a worker pool here
-        index = shard_loader.index
-        cams = tuple((f"observation.images.{c.slot}", c.slot) for c in index.dataset.cameras)
-        ds = LeRobotVideoDataset(dataset_root, list(windows), action_horizon=index.dataset.action_horizon,
-                                 cameras=tuple(k for k, _ in cams), transform=ModelInputs(index, cams))
-        self.metas = self._metas()
-        self._dl = torch.utils.data.DataLoader(
-            ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers, collate_fn=pad_collate,
-            prefetch_factor=2 if num_workers else None, persistent_workers=False)
+        self.inner = loader  # its plan only: it never starts a worker pool here
+        info = loader.ds.info
+        cams = tuple((c.key, c.slot) for c in info.cameras)
+        # Sample id i of the loader's table -> (source episode, t, frames at its video deltas)
+        windows = windows_of(loader.ds.root, loader.deltas, loader.stride)
+        ds = LeRobotVideoDataset(dataset_root, list(windows), action_horizon=loader.deltas.action_horizon,
+                                 cameras=tuple(k for k, _ in cams), transform=ModelInputs(info, cams))
+        # The loader's own per-step plan (epoch, in-epoch position, this rank's sample ids), as it serves it.
+        self.metas = [meta for meta, _ in itertools.islice(loader.plans(), steps)]
+        self._dl = torch.utils.data.DataLoader(ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers,
+                                               prefetch_factor=2 if num_workers else None, persistent_workers=False)
         self._it = None
         self.bad_samples = 0
-
-    def _metas(self):
-        """Per-step (epoch, consumed, ids) of this rank, exactly as the ShardLoader would serve them."""
-        from loongforge.train.data import order_v1 as order
-
-        sl = self.inner
-        out, epoch, consumed = [], sl.epoch, sl.consumed
-        for _ in range(4096):  # far more steps than any ablation row runs
-            ids = order.rank_batch(sl.sequence(epoch), consumed, sl.global_batch, sl.rank, sl.world)
-            out.append({"epoch": epoch, "consumed": consumed, "sample_ids": ids.copy()})
-            epoch, consumed = order.advance(epoch, consumed, sl.plan)
-        return out
 
     def __iter__(self):
         self._it = iter(self._dl)
@@ -68,8 +63,12 @@ class BaselineLoader:
         return self
 
     def __next__(self) -> dict:
-        batch = next(self._it)
-        batch["meta"] = dict(self.metas[self._step])
+        batch = _to(next(self._it), self.inner.device)  # where the trainer's loader puts its batches
+        meta = dict(self.metas[self._step])
+        batch["sample_ids"] = _to(torch_ids(meta["sample_ids"]), self.inner.device)
+        batch["meta"] = meta
+        self.inner.epoch, self.inner.consumed = meta["next_epoch"], meta["next_consumed"]  # its state_dict follows
+        self.inner.steps_done = meta["step"] + 1
         self._step += 1
         return batch
 
@@ -81,29 +80,20 @@ class BaselineLoader:
         self.inner.close()
 
 
-def pad_collate(items: list[dict]) -> dict:
-    """Stack samples whose windows hold fewer frames (episode ends) by padding the frame axis
-    with zeros, masked out in frame_mask, as the ShardLoader's length buckets do."""
+def torch_ids(ids: np.ndarray):
     import torch
 
-    k = max(int(it["frame_mask"].shape[0]) for it in items)
+    return torch.from_numpy(np.asarray(ids, np.int64).copy())
 
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[0] == k:
-            return t
-        return torch.cat([t, t.new_zeros((k - t.shape[0], *t.shape[1:]))])
 
-    out = {"frames": {slot: torch.stack([pad(it["frames"][slot]) for it in items]) for slot in items[0]["frames"]},
-           "state": torch.stack([pad(it["state"]) for it in items]),
-           "frame_mask": torch.stack([pad(it["frame_mask"]) for it in items])}
-    for key in items[0]:
-        if key not in out:
-            out[key] = torch.stack([it[key] for it in items])
-    return out
+def _to(x, device):
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x.to(device, non_blocking=True) if hasattr(x, "to") else x
 
 
 class _IdBatches:
-    """batch_sampler yielding each step's global sample ids (the dataset is indexed by them)."""
+    """batch_sampler yielding each step's sample ids (the dataset is indexed by them)."""
 
     def __init__(self, metas):
         self.metas = metas
@@ -115,25 +105,24 @@ class _IdBatches:
         return len(self.metas)
 
 
+class NaiveOrder:
+    """What a loader without a global order does: every rank permutes the whole training set
+    with its own seed (seed + rank) and takes its micro-batches from the front of it."""
+
+    def __init__(self, train_ids: np.ndarray, seed: int, rank: int, epoch: int):
+        self.own = train_ids[np.random.default_rng([seed + rank, epoch]).permutation(len(train_ids))]
+        self.num_samples = len(train_ids)
+
+    def rank_ids(self, consumed: int, global_batch: int, rank: int, world: int) -> np.ndarray:
+        per = global_batch // world
+        step = consumed // global_batch
+        return self.own[step * per:(step + 1) * per]
+
+
 def naive_order(loader, rank: int, seed: int) -> None:
-    """What a naive loader does: every rank shuffles the whole dataset with its own seed
-    (seed + rank) and takes its micro-batches from the front. Installed by replacing the
-    loader's `sequence` so that this rank's slots of each global batch hold its own permutation."""
-    per = loader.global_batch // loader.world
-    n = len(loader.sequence(0))
-
-    def sequence(epoch: int) -> np.ndarray:
-        own = loader.subset_ids[np.random.default_rng([seed + rank, epoch]).permutation(n)]
-        seq = np.empty(n, np.int64)
-        steps = n // loader.global_batch
-        for s in range(steps):
-            at = s * loader.global_batch + np.arange(rank, loader.global_batch, loader.world)
-            seq[at] = own[s * per:(s + 1) * per]
-        seq[steps * loader.global_batch:] = own[steps * per:steps * per + n - steps * loader.global_batch]
-        return seq
-
-    loader.subset_ids = np.sort(loader.sequence(0))
-    loader.sequence = sequence
+    """Install NaiveOrder as the loader's epoch order (its plan reads `epoch_order(epoch).rank_ids`)."""
+    train_ids = np.sort(loader.sequence(0))
+    loader.epoch_order = lambda epoch: NaiveOrder(train_ids, seed, rank, epoch)
 
 
 def _probe_step(trainer, it) -> int:
@@ -193,8 +182,8 @@ def run_rank(spec: dict) -> dict:
         if spec.get("order") == "naive":
             naive_order(trainer.loader, trainer.data_rank, cfg.data.seed)
         if spec.get("loader") == "pyav":
-            trainer.loader = BaselineLoader(trainer.loader, spec["dataset"], _windows(spec["windows"]),
-                                            num_workers=cfg.data.num_workers)
+            trainer.loader = BaselineLoader(trainer.loader, spec["dataset"], num_workers=cfg.data.num_workers,
+                                            steps=spec["warmup"] + spec["steps"] + 1)  # + the probed step
         elif "prefetch" in spec:
             trainer.loader.prefetch = int(spec["prefetch"])  # 0 = no prefetch thread (Prefetcher is inline)
         timer, it, records, losses, ids = StepTimer(trainer.device), iter(trainer.loader), [], [], []
@@ -211,12 +200,6 @@ def run_rank(spec: dict) -> dict:
                 "saved_bytes": saved, "params": trainer.params, "torch_threads": torch.get_num_threads()}
     finally:
         trainer.close()
-
-
-def _windows(rows):
-    from loongforge.benchmarks.loader.baseline import Window
-
-    return [Window(int(e), tuple(int(f) for f in fr)) for e, fr in rows]
 
 
 def main(argv: list[str] | None = None) -> None:

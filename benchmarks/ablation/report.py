@@ -164,22 +164,3 @@ def plot(doc: dict, path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m loongforge.benchmarks.ablation.report RESULT.json [--plot]`: the table of a
-    (possibly partial) result, and its plot redrawn beside it."""
-    import json
-    import sys
-    from pathlib import Path
-
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0])
-    doc = json.loads(path.read_text())
-    print(markdown_table(doc))
-    if "--plot" in args:
-        print(plot(doc, path.with_suffix(".png")))
-
-
-if __name__ == "__main__":
-    main()

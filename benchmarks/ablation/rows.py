@@ -146,8 +146,12 @@ def ladder(plan: Plan, quick: bool = False) -> list[RowSpec]:
 
 
 def train_argv(s: Setting, *, shards: str, run_dir: str, recipe: str, batch: int, steps: int, seed: int,
-               cuda: bool, cache_socket: str | None) -> list[str]:
-    argv = ["--data", shards, "--run-dir", run_dir, "--recipe", recipe, "--steps", str(steps),
+               cuda: bool, cache_socket: str | None, frames: int = 4, stride: int = 4) -> list[str]:
+    """`loongforge train` arguments of one row; every row reads the same samples: K = `frames`
+    frames per camera at video deltas -(K-1)..0, every `stride`-th timestep."""
+    deltas = ",".join(str(d) for d in range(1 - frames, 1))
+    argv = ["--data", shards, "--video-deltas=" + deltas, "--sample-stride", str(stride),
+            "--run-dir", run_dir, "--recipe", recipe, "--steps", str(steps),
             "--batch-size", str(batch * s.batch_scale), "--zero", str(s.zero), "--workers", str(s.workers),
             "--seed", str(seed), "--tp", str(s.tp), "--attention", s.attention, "--ac-every", str(s.ac_every),
             "--reduce-bucket-size", str(s.bucket), "--no-ds-breakdown", "--save-every", "0",

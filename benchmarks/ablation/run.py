@@ -1,7 +1,7 @@
 """`loongforge bench ablation`: the seed's ablation table, measured on this machine.
 
 The same training job (same data, seed, global batch, timed steps after warm-up) runs
-under each row of the ladder (ablation_rows.py) with the real trainer on N ranks
+under each row of the ladder (ablation/rows.py) with the real trainer on N ranks
 (gloo on CPU, NCCL on GPU). Repeats are interleaved (repeat-major), so load drift on a
 shared machine hits every row alike. Per row: step time median [min-max] over the
 repeats; for the median repeat, the step split into data wait, exposed communication,
@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loongforge.benchmarks.ablation import report
-from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.ablation.rows import Plan, RowSpec, ladder, sp_accepted, train_argv
+from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
-DEFAULT_OUT = RESULTS_DIR
 RANK_TIMEOUT_S = 600
 
 
@@ -49,7 +48,7 @@ class AblationConfig:
     batch: int = 8  # global batch (all ranks)
     workers: int = 1  # loader workers per rank, both loaders
     # The data-bound setting: GR00T-class 224x224 frames, H.264 at the GR00T demo data's GOP 250,
-    # 2 cameras, K = 4 frames per sample; the tiny model's step is cheap, as a GPU step is.
+    # 2 cameras, K = 4 frames per sample (BenchConfig's samples); the tiny model's step is cheap, as a GPU step is.
     episodes: int = 4
     episode_frames: tuple[int, int] = (260, 300)
     size: int = 224
@@ -85,31 +84,29 @@ class AblationConfig:
 class Inputs:
     dataset: str
     shards: str
-    windows: list
+    frames: int  # K frames per camera per sample
+    stride: int
     socket: str | None = None
 
 
 def prepare(cfg: AblationConfig, workdir: Path) -> Inputs:
     """Generate the LeRobot dataset and transcode it with the real `loongforge preprocess`; a
     workdir that already holds the inputs of the same data settings is reused (inputs.json)."""
-    from loongforge.benchmarks.harness.data import generate, transcode, windows_of
-    from loongforge.shared.index import load_index
+    from loongforge.benchmarks.harness.data import generate, transcode
 
     bc = cfg.bench_config()
     marker = workdir / "inputs.json"
     data_key = {k: v for k, v in dataclasses.asdict(bc).items() if k not in ("batch_size",)}
+    shape = {"frames": bc.frames_per_sample, "stride": bc.stride}
     if marker.exists():
         doc = json.loads(marker.read_text())
         if doc.get("data") == json.loads(json.dumps(data_key)):
             log.info("reusing the dataset and shards in %s", workdir)
-            return Inputs(dataset=doc["dataset"], shards=doc["shards"], windows=doc["windows"])
+            return Inputs(dataset=doc["dataset"], shards=doc["shards"], **shape)
     dataset, shards = generate(bc, workdir / "lerobot"), workdir / "shards"
     transcode(bc, dataset, shards)
-    index = load_index(str(shards))
-    wins = [[w.episode, list(w.frames)] for w in windows_of(str(shards), index)]
-    marker.write_text(json.dumps({"data": data_key, "dataset": str(dataset), "shards": str(shards),
-                                  "windows": wins}))
-    return Inputs(dataset=str(dataset), shards=str(shards), windows=wins)
+    marker.write_text(json.dumps({"data": data_key, "dataset": str(dataset), "shards": str(shards)}))
+    return Inputs(dataset=str(dataset), shards=str(shards), **shape)
 
 
 def _free_port() -> int:
@@ -160,11 +157,12 @@ def launch(spec: dict, ranks: int, workdir: Path, threads: int) -> list[dict]:
 def row_spec(cfg: AblationConfig, row: RowSpec, inputs: Inputs, run_dir: Path, cuda: bool) -> dict:
     s = row.setting
     argv = train_argv(s, shards=inputs.shards, run_dir=str(run_dir), recipe=cfg.recipe, batch=cfg.batch,
-                      steps=cfg.warmup + cfg.steps + 1, seed=cfg.seed, cuda=cuda, cache_socket=inputs.socket)
+                      steps=cfg.warmup + cfg.steps + 1, seed=cfg.seed, cuda=cuda, cache_socket=inputs.socket,
+                      frames=inputs.frames, stride=inputs.stride)
     spec = {"train_args": argv, "warmup": cfg.warmup, "steps": cfg.steps, "out": str(run_dir), "cuda": cuda,
             "prefetch": s.prefetch, "loader": s.loader}
     if s.loader == "pyav":
-        spec.update(dataset=inputs.dataset, windows=inputs.windows)
+        spec["dataset"] = inputs.dataset  # the mp4 + parquet tree the shards were made from
     return spec
 
 
@@ -195,7 +193,7 @@ def measure(cfg: AblationConfig, rows: list[RowSpec], inputs: Inputs, workdir: P
     return {"runs": runs, "errors": errors}
 
 
-def run(cfg: AblationConfig, out_dir: Path = DEFAULT_OUT, workdir: Path | None = None, plot: bool = True):
+def run(cfg: AblationConfig, out_dir: Path = RESULTS_DIR, workdir: Path | None = None, plot: bool = True):
     import torch
 
     from loongforge.train.model.recipes import RECIPES

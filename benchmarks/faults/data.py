@@ -1,22 +1,17 @@
-"""The fault suite's data: its synthetic shard root per format, that root's global sample order
-(what metrics.jsonl's sample ids are checked against), and the corrupt-shard-at-origin fault,
-whose damage and expected row depend on the format.
+"""The fault suite's data: its synthetic shard root, that root's global sample order (what
+metrics.jsonl's sample ids are checked against), and the corrupt-shard-at-origin fault.
 
-Format 2 (frame blocks, the default users deploy) is the suite's default; `--format 1` keeps
-the old root. Both roots hold ~64 training samples, so a global batch of 8 is ~8 steps an
-epoch and a 10-step run crosses an epoch boundary (the order is checked across it).
+The root holds 12 episodes of 3-8 frames (blocks of 4 frames) in 6 shards of 2 episodes
+(`make_synthetic_root`): 66 samples, so a global batch of 8 is 8 steps an epoch and a 10-step
+run crosses an epoch boundary (the order is checked across it). The order is the trainer's
+loader's own `epoch_order`, built with the trainer's defaults (DataConfig: block_run,
+block_window, sample_stride).
 
-* format 1: 4 shards x 16 samples (`make_synthetic_root`), order = train/data/order_v1.py's
-  `epoch_sequence` with the run's --shuffle-window;
-* format 2: 12 episodes of 3-8 frames (blocks of 4 frames) in 6 shards of 2 episodes
-  (`make_synthetic_v2_root`), order = the BlockLoader's own `epoch_order` (order_v2.EpochOrder)
-  built with the trainer's defaults (DataConfig: block_run, block_window, sample_stride).
-
-Corrupt shard at origin: one byte flipped, in a copy of the root, before anything reads it.
-Format 1: inside one sample (its xxh3 fails: that sample only). Format 2: inside one frame block
-of one camera of an episode in shard 1: every sample that SHOWS that block (its video frames,
-after the episode-end clamp) is skipped by the bad-sample policy, every other sample of the
-shard is delivered (the cache client's per-block reads, each checked by xxh3).
+Corrupt shard at origin: one byte flipped, in a copy of the root, before anything reads it,
+inside one frame block of one camera of an episode in shard 1: every sample that SHOWS that
+block (its video frames, after the episode-end clamp) is skipped by the bad-sample policy,
+every other sample of the shard is delivered (the cache client's per-block reads, each
+checked by xxh3).
 """
 
 from __future__ import annotations
@@ -28,69 +23,39 @@ from pathlib import Path
 
 import numpy as np
 
-V2_LENGTHS = (7, 4, 6, 5, 8, 3, 6, 5, 7, 4, 5, 6)  # 66 samples: 8 batches of 8 an epoch, 2 dropped (uneven tail)
+from loongforge.benchmarks.harness.dataset import (DeltaSpec, SampleTable, block_loader, make_synthetic_root, open_root,
+                                                   video_indices)
+
+LENGTHS = (7, 4, 6, 5, 8, 3, 6, 5, 7, 4, 5, 6)  # 66 samples: 8 batches of 8 an epoch, 2 dropped (uneven tail)
 # ~8 KB an episode here: 2 episodes a shard (a corrupt shard has a good neighbour), 6 shards, so each rank still
 # maps a new shard at steps 5-7 (a daemon killed after step 2 is missed at the next such read; with 2 shards
 # every shard was mapped by step 2 and the kill went unnoticed: nothing asked the daemon again).
-V2_SHARD_BYTES = 20000
-SHUFFLE_WINDOW = 8  # the v1 order's window (the run's --shuffle-window); v2's order ignores it
+SHARD_BYTES = 20000
 
 
-def make_root(root: str, fmt: int) -> None:
-    if fmt == 1:
-        from loongforge.shared.synthetic import make_synthetic_root
+def make_root(root: str) -> None:
+    make_synthetic_root(root, lengths=LENGTHS, shard_size=SHARD_BYTES)
 
-        make_synthetic_root(root, shards=4, samples_per_shard=16)
-    elif fmt == 2:
-        from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
 
-        make_synthetic_v2_root(root, lengths=V2_LENGTHS, shard_size=V2_SHARD_BYTES)
-    else:
-        raise ValueError(f"--format {fmt}: the fault suite builds format 1 or 2 roots")
+def format_version(root: str) -> int:
+    return int(open_root(root).manifest["format_version"])
 
 
 def describe(root: str) -> str:
     """One line for the result JSON: what the runs trained on."""
-    if root_format(root) == 2:
-        from loongforge.shared.dataset_v2 import open_v2
-
-        ds = open_v2(root)
-        lengths = list(map(int, ds.episode_lengths))
-        return (f"format 2 (make_synthetic_v2_root): {ds.num_episodes} episodes of {lengths} frames, blocks of "
-                f"{ds.block_size} frames, {len(ds.manifest['shards'])} shards, cameras {list(ds.cameras)}")
-    from loongforge.shared.index import load_index
-
-    index = load_index(root)
-    return f"format 1 (make_synthetic_root): {len(index.shards)} shards x {index.shards[0].samples} samples"
-
-
-def root_format(root: str) -> int:
-    from loongforge.train.data.loader import root_format_version
-
-    return root_format_version(root)
+    ds = open_root(root)
+    lengths = list(map(int, ds.episode_lengths))
+    return (f"format {ds.manifest['format_version']} synthetic root: {ds.num_episodes} episodes of {lengths} "
+            f"frames, blocks of {ds.block_size} frames, {len(ds.manifest['shards'])} shards, cameras {list(ds.cameras)}")
 
 
 def expected_order(root: str, steps: int, batch: int, seed: int = 1) -> list[list[int]]:
     """Per step 0..steps-1: the sorted sample ids of that global batch in the run's global order."""
-    if root_format(root) == 2:
-        return _expected_v2(root, steps, batch, seed)
-    from loongforge.shared.index import load_index
-    from loongforge.train.data import order_v1 as order
-
-    index = load_index(root)
-    sizes = [s.samples for s in index.shards]
-    per_epoch = index.num_samples // batch
-    return [sorted(int(g) for g in order.epoch_sequence(sizes, seed, s // per_epoch, SHUFFLE_WINDOW)
-                   [(s % per_epoch) * batch:(s % per_epoch + 1) * batch]) for s in range(steps)]
-
-
-def _expected_v2(root: str, steps: int, batch: int, seed: int) -> list[list[int]]:
     from loongforge.train.config import DataConfig
-    from loongforge.train.data.loader import BlockLoader
 
     d = DataConfig(root=root)  # the trainer's defaults: the suite's runs pass none of these
-    loader = BlockLoader(root, batch_size=batch, seed=seed, stride=d.sample_stride, block_run=d.block_run,
-                         block_window=d.block_window)
+    loader = block_loader(root, batch_size=batch, seed=seed, stride=d.sample_stride, block_run=d.block_run,
+                          block_window=d.block_window)
     try:
         per_epoch = loader.plan.steps
         return [sorted(int(g) for g in loader.epoch_order(s // per_epoch).ids((s % per_epoch) * batch,
@@ -115,33 +80,17 @@ def prepare_corrupt_shard(work: Path, root: str, name: str):
 
     copy = str(work / f"{name}-data")
     shutil.copytree(root, copy)
-    info = _corrupt_v2(copy) if root_format(copy) == 2 else _corrupt_v1(copy)
+    info = _corrupt_block(copy)
     setup = Setup(copy)
     setup.info.update(info)
     return setup
 
 
-def _corrupt_v1(root: str) -> dict:
-    from loongforge.shared.index import load_index
-
-    index = load_index(root)
-    shard_no, local = 1, 3
-    entry = index.shards[shard_no]
-    pos = entry.offsets[local] + entry.lengths[local] // 2
-    flip_byte(os.path.join(root, entry.name), pos)
-    gid = sum(s.samples for s in index.shards[:shard_no]) + local
-    first = gid - local
-    return {"format": 1, "show_ids": [gid], "shard_ids": list(range(first, first + entry.samples)),
-            "corrupt_where": f"global sample {gid} ({entry.name}#{local} byte {pos})"}
-
-
-def _corrupt_v2(root: str) -> dict:
+def _corrupt_block(root: str) -> dict:
     """Block 1 of the last camera of the first episode of shard 1 (the second shard)."""
-    from loongforge.shared.dataset_v2 import open_v2
     from loongforge.train.config import DataConfig
-    from loongforge.train.data.samples import DeltaSpec, SampleTable, video_indices
 
-    ds = open_v2(root)
+    ds = open_root(root)
     shard_of = np.asarray(ds.tables["episode_shard"])
     shard_no = 1 if shard_of.max() >= 1 else 0
     e = int(np.flatnonzero(shard_of == shard_no)[0])
@@ -156,7 +105,7 @@ def _corrupt_v2(root: str) -> dict:
             if (video_indices(t, length_e, spec) // ds.block_size == b).any()]
     shard_ids = [int(i) for ep in np.flatnonzero(shard_of == shard_no)
                  for i in range(int(table.starts[ep]), int(table.ends[ep]))]
-    return {"format": 2, "show_ids": show, "shard_ids": shard_ids,
+    return {"show_ids": show, "shard_ids": shard_ids,
             "corrupt_where": f"block {b} (frames {b * ds.block_size}-{min(length_e, (b + 1) * ds.block_size) - 1}) "
                              f"of camera {cam} of episode {ds.episode_id(e)} ({shard} byte {off + length // 2}); "
                              f"video deltas {tuple(spec.video)}: samples {_ranges(show)} show it"}
@@ -188,10 +137,9 @@ def annotate_corrupt_shard(row: dict, run, setup) -> None:
     row["skipped_ids"], row["expected_skipped_ids"] = skipped, want
     row["skip_events"] = len(hits)  # a sample trained in two epochs is skipped twice
     per_member = any("one by one from origin" in ln for ln in log)  # the cache client's WARNING (cache/client.py)
-    unit = "blocks" if setup.info["format"] == 2 else "samples"
     row["action"] = (f"1 byte flipped in {setup.info['corrupt_where']}, before launch; detected (s after launch) by "
                      f"{why}; "
-                     + (f"the daemon refused the shard (sha256), the client read its {unit} one by one from origin, "
+                     + ("the daemon refused the shard (sha256), the client read its blocks one by one from origin, "
                         "each checked by xxh3; " if per_member else "")
                      + f"bad-sample policy skip (the default): {len(skipped)} sample(s) {_ranges(skipped)} masked "
                      f"out of their batches, the shard's other {len(shard - set(skipped))} trained delivered")

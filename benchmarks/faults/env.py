@@ -1,9 +1,9 @@
 """The faults of benchmarks/faults/run.py that need something set up around the run or checked after it: a Redis
 server behind the cache daemon, a small real filesystem under the checkpoints, a corrupt `latest` checkpoint
-that the relaunch must reject. (The corrupt copy of the shard root depends on the format: faults_data.py.)
+that the relaunch must reject. (The corrupt copy of the shard root: faults/data.py.)
 
 Each fault here is a `prepare(work, root, name) -> Setup` (before the run starts) plus a trigger (as in
-faults.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
+faults/run.py) and an `annotate(row, run, setup)` that adds what only this fault can say (skipped sample ids, the
 checkpoint that stayed `latest`). They keep the suite's accounting: sample ids of every step row against the
 global order.
 """

@@ -5,8 +5,7 @@ elastic supervisor, and a table of what happened.
     make faults
 
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
-recipe, global batch 8, checkpoint every 2 steps) on a synthetic dataset (format 2, frame
-blocks, by default; `--format 1` for the old per-sample root: faults_data.py), read
+recipe, global batch 8, checkpoint every 2 steps) on a synthetic shard root (faults/data.py), read
 through a real cache daemon (`loongforge cache serve`) where the fault needs
 one (with a real redis-server behind it for redis_sigkill). Clean runs of the same configuration,
 one before the faults and one after, are the wall-time baseline.
@@ -19,8 +18,7 @@ Columns, all from the run's own records (metrics.jsonl step rows and
 * steps redone: steps finished before the fault minus the step the relaunch
   resumed from;
 * samples lost / duplicated: the sample ids of every step row against the
-  global order for steps 0..N-1 (format 2: the BlockLoader's order_v2.EpochOrder; format 1:
-  train/data/order_v1.py; faults_data.py); both must be 0;
+  global order for steps 0..N-1 (the trainer's loader's own epoch order: faults/data.py); both must be 0;
 * wall cost: wall time of the faulted run minus the median of the clean runs' (one before the faults, one
   after: under a shared machine's changing load a single clean run made some costs negative).
 """
@@ -58,7 +56,7 @@ class Run:
         args = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
                 "--capacity-file", str(self.capacity), "--data", root, "--run-dir", self.run_dir,
                 "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch-size", str(BATCH), "--recipe",
-                "tiny", "--seed", "1", "--shuffle-window", str(fd.SHUFFLE_WINDOW), "--no-ds-breakdown",
+                "tiny", "--seed", "1", "--no-ds-breakdown",
                 "--heartbeat-s", "0.5", "--hang-timeout-s", "30", *extra,
                 *(["--cache-socket", cache_socket] if cache_socket else [])]
         self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -159,7 +157,7 @@ def _is_decode_worker(pid: int) -> bool:
 
 def f_cache_daemon_sigkill(run):
     # Early: a rank maps each shard once and reads it without the daemon afterwards, so the kill must come while
-    # shards are still to be mapped (faults_data.py: a rank maps a new one at step 6 or 7 of either root, and
+    # shards are still to be mapped (faults/data.py: a rank maps a new one at step 5-7, and
     # its prefetch reads at most 2 steps ahead).
     run.wait_steps(2)
     t = run.mark_fault()
@@ -258,9 +256,9 @@ def steps_redone(log: str) -> int:
     return redone
 
 
-def run_suite(names, *, steps: int, work: Path, baseline: bool = True, fmt: int = 2) -> dict:
+def run_suite(names, *, steps: int, work: Path, baseline: bool = True) -> dict:
     root = str(work / "data")
-    fd.make_root(root, fmt)
+    fd.make_root(root)
     expected = fd.expected_order(root, steps, BATCH)
     clean = [clean_run(work, "clean-0", root, steps)] if baseline else []
     rows = []
@@ -276,7 +274,7 @@ def run_suite(names, *, steps: int, work: Path, baseline: bool = True, fmt: int 
             r["wall_cost_s"] = round(r["wall_s"] - base_wall, 1)
     return {"suite": "faults", "format_version": 2, "host": socket.gethostname(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "steps": steps,
-            "data_format": fmt, "data": fd.describe(root), "ranks": 2, "global_batch": BATCH,
+            "data_format": fd.format_version(root), "data": fd.describe(root), "ranks": 2, "global_batch": BATCH,
             "save_every": SAVE_EVERY, "clean_wall_s": round(base_wall, 1),
             "clean_runs_wall_s": [round(c, 1) for c in clean],
             "baseline": "median of a clean run before the faults and one after (mean of the two)",
@@ -339,30 +337,14 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("faults", help="fault-injection suite: each fault against a real 2-rank gloo run "
-                              "under the elastic supervisor; table + JSON (benchmarks/faults/run.py)",
-                              description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.set_defaults(func=handle)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="loongforge bench faults", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return handle(p.parse_args(argv))
-
-
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of {', '.join(FAULTS)}")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--format", type=int, choices=(1, 2), default=2, dest="fmt",
-                   help="shard root format the runs train on (2: frame blocks, the default; 1: the old root)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp dir)")
 
 
-def handle(args) -> int:
+def handle(args: argparse.Namespace) -> int:
     names = [n for n in args.faults.split(",") if n]
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
@@ -371,7 +353,7 @@ def handle(args) -> int:
     with tempfile.TemporaryDirectory(prefix="lf-faults-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        doc = run_suite(names, steps=args.steps, work=work, fmt=args.fmt)
+        doc = run_suite(names, steps=args.steps, work=work)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"faults-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(doc, indent=1))
@@ -380,7 +362,3 @@ def handle(args) -> int:
     bad = [r["fault"] for r in doc["rows"] if r.get("status") != "not run" and
            not (r["recovered"] and r["samples_lost"] == 0 and r["samples_duplicated"] == 0)]
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,14 +27,13 @@ class BenchConfig:
     gops: tuple[int, ...] = (2, 20, 250)
     state_dim: int = 8
     action_dim: int = 8
-    # -- the training windows (preprocess parameters) --------------------------
-    frames_per_sample: int = 4
-    stride: int = 4
+    # -- the samples (preprocess and loader parameters) --------------------------
+    frames_per_sample: int = 4  # K: video deltas -(K-1)..0 per camera
+    stride: int = 4  # a sample every `stride` timesteps
     action_horizon: int = 16
     shard_size: str = "64MB"  # the preprocess default
     preprocess_workers: int = 2
-    block_frames: int = 16  # format 2: frames per zstd block (the preprocess default)
-    ours_format: int = 2  # shard format P2-P5 read (2: the default a user deploys; 1: the v1 window loader)
+    block_frames: int = 16  # frames per zstd block (the preprocess default)
     # -- the loaders ------------------------------------------------------------
     pin_cores: bool = True  # P1: both loaders pinned to the same max(1, workers) cores (benchmarks/harness/cores.py)
     batch_size: int = 8
@@ -67,7 +66,6 @@ class BenchConfig:
         need(self.frames_per_sample >= 1 and self.stride >= 1, "frames_per_sample", "K and stride must be >= 1")
         need(lo >= self.frames_per_sample, "episode_frames", "episodes must hold at least one full window")
         need(self.batch_size >= 1, "batch_size", "must be >= 1")
-        need(self.ours_format in (1, 2), "ours_format", "use 1 or 2 (--format)")
         need(self.block_frames >= 1, "block_frames", "must be >= 1")
         need(bool(self.workers) and all(w >= 0 for w in self.workers), "workers", "give counts >= 0, e.g. 0,1,2")
         need(self.repeats >= 1, "repeats", "must be >= 1 (--repeats)")
@@ -86,12 +84,6 @@ class BenchConfig:
 
     def with_overrides(self, **overrides) -> "BenchConfig":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-    @property
-    def min_samples(self) -> int:
-        """Samples the shard set must hold so the longest timed pass never wraps an epoch."""
-        need = max(self.baseline_batches, self.ours_batches, self.train_steps) + self.warmup_batches
-        return need * self.batch_size
 
     def to_dict(self) -> dict:
         return asdict(self)

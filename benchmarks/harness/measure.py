@@ -38,10 +38,6 @@ def ratio(num: Stat, den: Stat) -> Stat:
     return Stat(num.median / den.median, num.min / den.max, num.max / den.min, ())
 
 
-def repeat(fn: Callable[[], float], repeats: int) -> Stat:
-    return Stat.of(fn() for _ in range(repeats))
-
-
 @dataclass(slots=True)
 class PassTiming:
     """One timed pass over a loader: the first `warmup` batches are excluded."""
@@ -95,7 +91,7 @@ def time_pass(batches: Iterator, *, warmup: int, timed: int,
     """Pull `warmup` then `timed` batches from `batches`; `on_batch` runs on each
     timed batch after the wait (the model step in a training loop). `meter`
     (a cores.CpuMeter) counts CPU seconds over the timed batches only. `ready`
-    (e.g. ShardLoader.wait_ready), called after the warm-up, blocks until every
+    (e.g. the loader's wait_ready), called after the warm-up, blocks until every
     worker is up and returns how many batches were decoded ahead meanwhile; those
     are pulled untimed too (`settle_batches`), so neither a worker's start-up nor
     a queue filled during it lands in the timed window."""

@@ -1,7 +1,7 @@
 """One result row: what was measured, with which parameters, against what.
 
 A row is plain data, serialised as-is into the result JSON and rendered by
-table.py. `status` is "ok", or "not available: <reason>" when a component the
+harness/report.py. `status` is "ok", or "not available: <reason>" when a component the
 row needs is missing: a row is never filled with a guessed figure.
 """
 
@@ -45,9 +45,6 @@ class Row:
             "ratio_note": self.ratio_note, "goal": self.goal, "goal_met": self.goal_met, "notes": self.notes,
             "extra": {k: stat(v) for k, v in self.extra.items()}, "status": self.status,
         }
-
-
-ROW_IDS = ("P1", "P2", "P3", "P4", "P5")
 
 
 def component_row(kind: str, n: int, raw: dict) -> dict:

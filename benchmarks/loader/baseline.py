@@ -43,10 +43,12 @@ BACKENDS = ("pyav", "pyav-threaded", "torchcodec")
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One training window: the same (episode, frames) a LoongForge sample holds."""
+    """One training sample as LeRobot indexes it: timestep t of an episode, the frames its
+    video delta timestamps show (clamped into the episode) and, from t, the action chunk."""
 
-    episode: int
-    frames: tuple[int, ...]  # source frame indices of the window, ascending
+    episode: int  # the source's episode index
+    t: int
+    frames: tuple[int, ...]  # source frame indices shown, ascending (repeats where clamped)
 
 
 def decode_frames_pyav(path: str, timestamps: list[float], tolerance_s: float, threaded: bool = False) -> np.ndarray:
@@ -185,13 +187,13 @@ class LeRobotVideoDataset:
             rgb = self.decode(w.episode, cam, timestamps)
             item[cam] = torch.from_numpy(rgb).permute(0, 3, 1, 2).float().div_(255.0)
         n = len(table["state"])
-        # Action chunk from the window's last frame; indices past the episode end
-        # are clamped and flagged, as LeRobot's delta_timestamps padding does.
-        idx = frames[-1] + np.arange(self.action_horizon)
+        # Action chunk from t; indices past the episode end are clamped and flagged, as
+        # LeRobot's delta_timestamps padding does.
+        idx = w.t + np.arange(self.action_horizon)
         item["observation.state"] = torch.from_numpy(table["state"][frames])
         item["action"] = torch.from_numpy(table["action"][np.minimum(idx, n - 1)])
         item["action_is_pad"] = torch.from_numpy(idx >= n)
-        item["task"] = self.tasks.get(int(table["task_index"][frames[0]]), "")
+        item["task"] = self.tasks.get(int(table["task_index"][w.t]), "")
         return self.transform(item) if self.transform is not None else item
 
 

@@ -1,28 +1,36 @@
-"""Format-2 loader row (issue 12): samples/s per decode worker, NV12 out, on GR00T-shaped data
+"""The loader's worker body on GR00T-shaped data: samples/s per decode worker, NV12 out
 (256x256 H.264 at 20 fps, 44-D state/action, one camera; K=1, H=16, every timestep a sample):
 
-    v2, B in {4, 8, 16, 32}   the worker body (fill_v2.V2Filler.fill) over BlockLoader's order
-    v1, K=1 per-frame layout  the worker body (batch.fill_batch) over ShardLoader's order
-    block-zstd limit          zstd decompression of B=16 blocks from RAM, frames/s = samples/s at K=1
+    B in {4, 8, 16, 32}   the worker body (the block filler) over BlockLoader's order, at run 4 with a
+                          worker's 256 MiB LRU, at run 4 and run 1 with only the reuse inside a batch
+                          (the fleet case); run 1 is a uniform random order, what GR00T's sampler does
+    zstd limit            zstd decompression of B=16 blocks from RAM, frames/s = samples/s at K=1
 
-and the order table: batch diversity of the v2 order vs a uniform random permutation, and the
-block decodes per sample a worker's LRU leaves (simulated for rank 0 of 8, worker 0 of 4).
+and the order table: batch diversity of the block order against a uniform random permutation (the
+order users run today), and the block decodes per sample a worker's LRU leaves (simulated for rank
+0 of 8, worker 0 of 4); and what locating a sample costs at fleet scale.
 
-    python -m loongforge.benchmarks.loader.block_loader --episodes 8 --out /tmp/lv2     # ~10 min on a loaded 2-core VM
+    loongforge bench block-loader --episodes 8      # ~10 min on a loaded 2-core VM
 
 Every figure of one run is measured in that run on the same frames, one process, one core;
-report the ratios with the load average beside them.
+report the ratios with the load average beside them. Writes results/block-loader-<time>-<host>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import tempfile
 import time
 from collections import OrderedDict
 
 import numpy as np
+
+from loongforge.benchmarks.harness.dataset import (BlockFiller, DeltaSpec, RootWriter, SampleTable, batch_diversity,
+                                                   block_sequence, decode_block, open_root, rank_slice)
+from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
+from loongforge.shared.index import CameraInfo, DatasetInfo
+from loongforge.train.data.batch import BatchLayout
 
 CAM = "ego_view"
 HORIZON = 16
@@ -51,43 +59,17 @@ def gr00t_episodes(workdir: str, episodes: int, seed: int = 0) -> list[tuple[np.
     return out
 
 
-def dataset_info():
-    from loongforge.shared.index import CameraInfo, DatasetInfo
-
+def dataset_info() -> DatasetInfo:
     return DatasetInfo(fps=20.0, height=256, width=256, cameras=(CameraInfo(key=f"observation.images.{CAM}", slot=CAM,
                                                                             source_height=256, source_width=256),),
                        state_dim=44, action_dim=44, action_horizon=HORIZON, frames_per_sample=1,
                        tasks={"0": "pick", "1": "place"})
 
 
-def write_v2(root: str, episodes, block: int) -> None:
-    from loongforge.shared.writer_v2 import RootWriterV2
-
-    with RootWriterV2(root, dataset_info(), block_size=block, shard_size=256 << 20) as w:
+def write_root(root: str, episodes, block: int) -> None:
+    with RootWriter(root, dataset_info(), block_size=block, shard_size=256 << 20) as w:
         for e, (nv12, arrays) in enumerate(episodes):
             w.add_episode(e, {CAM: nv12}, arrays)
-
-
-def write_v1(root: str, episodes) -> None:
-    """The v1 per-frame layout at K=1, every timestep a sample (what preprocess writes with
-    --frames-per-sample 1 --stride 1)."""
-    from loongforge.shared import paths
-    from loongforge.shared.format import Sample, pack_sample
-    from loongforge.shared.index import ShardIndex, save_index
-    from loongforge.shared.writer import write_shard
-
-    entries = []
-    for e, (nv12, arrays) in enumerate(episodes):
-        n, frags = len(nv12), []
-        for t in range(n):
-            rows = np.minimum(t + np.arange(HORIZON), n - 1)
-            key = paths.sample_key(e, t)
-            s = Sample(key=key, episode=e, frame_indices=np.array([t]), timestamps=arrays["timestamp"][[t]],
-                       frames={CAM: nv12[t:t + 1]}, state=arrays["state"][[t]], action=arrays["action"][rows],
-                       action_valid=int(min(HORIZON, n - t)), task="pick", task_index=0)
-            frags.append((key, 1, pack_sample(s)))
-        entries.append(write_shard(root, paths.shard_name(e), frags))
-    save_index(ShardIndex(dataset=dataset_info(), shards=tuple(entries), episodes=len(episodes)), root)
 
 
 def _timed(batches, fill) -> tuple[float, float, int]:
@@ -99,27 +81,20 @@ def _timed(batches, fill) -> tuple[float, float, int]:
     return n / (time.perf_counter() - w0), (time.process_time() - c0) / n * 1e6, n
 
 
-def v2_row(root: str, batch: int, max_batches: int, run: int, window: int, cache_blocks: int | None = None):
+def worker_row(root: str, batch: int, max_batches: int, run: int, window: int, cache_blocks: int | None = None):
     """The worker body over rank 0's batches (world 1). cache_blocks=None: the default 256 MiB LRU;
     a small number (2) leaves only the reuse inside a batch, what a worker sees when it gets 1/32
     or less of the batches (8 ranks x 4 workers): the fleet case."""
-    from loongforge.shared.dataset_v2 import open_v2
-    from loongforge.train.data import order_v1 as order, order as order_v2
-    from loongforge.train.data.batch import BatchLayout
-    from loongforge.train.data.fill import V2Filler
-    from loongforge.train.data.samples import DeltaSpec, SampleTable
-
-    ds = open_v2(root)
+    ds = open_root(root)
     spec = DeltaSpec(video=(0,), action_horizon=HORIZON)
     table = SampleTable(np.asarray(ds.episode_lengths))
-    seq = order_v2.block_sequence(table.block_groups(ds.block_size), 0, 0, run=run, window=window)
-    plan = order.plan_epoch(len(seq), batch)
-    mine = [order_v2.rank_slice(seq, c * batch, batch, 0, 1) for c in range(plan.steps)]
+    seq = block_sequence(table.block_groups(ds.block_size), 0, 0, run=run, window=window)
+    mine = [rank_slice(seq, c * batch, batch, 0, 1) for c in range(len(seq) // batch)]  # the tail is dropped
     batches = [list(zip(ids.tolist(), *(a.tolist() for a in table.locate(ids)))) for ids in mine][:max_batches]
     layout = BatchLayout(batch, (CAM,), 256, 256, 1, 44, 44, HORIZON, 32)
-    arrays = layout.views(bytearray(layout.nbytes), 1)
+    arrays = layout.views(bytearray(layout.nbytes))
     budget = 256 << 20 if cache_blocks is None else cache_blocks * ds.block_size * 256 * 384
-    filler = V2Filler(ds, spec, layout, budget)
+    filler = BlockFiller(ds, spec, layout, budget)
     rate, cpu_us, n = _timed(batches, lambda items: filler.fill(_rows(arrays, len(items)), items, "raise"))
     c = filler.cache.counters()
     return {"samples_per_s": rate, "cpu_us_per_sample": cpu_us, "samples": n,
@@ -130,29 +105,9 @@ def _rows(arrays, n):
     return {k: v[:n] for k, v in arrays.items()}
 
 
-def v1_row(root: str, batch: int, max_batches: int):
-    from loongforge.shared.index import load_index
-    from loongforge.train.data.batch import BatchLayout, Norm, fill_batch
-    from loongforge.train.data.order_v1 import epoch_sequence
-    from loongforge.train.data.sources import SourceSpec, make_source
-
-    index = load_index(root)
-    seq = epoch_sequence([s.samples for s in index.shards], 0, 0, 64)  # ShardLoader's default window
-    batches = [[(int(g), *index.locate(int(g))) for g in seq[i:i + batch]]
-               for i in range(0, len(seq) - batch + 1, batch)][:max_batches]
-    layout = BatchLayout.from_index(index, batch, 32, 1)
-    arrays = layout.views(bytearray(layout.nbytes), 1)
-    norm, source = Norm.from_index(index), make_source(SourceSpec(root=root), index)
-    rate, cpu_us, n = _timed(batches, lambda items: fill_batch(source, index, layout, norm, arrays, items, "raise"))
-    return {"samples_per_s": rate, "cpu_us_per_sample": cpu_us, "samples": n}
-
-
 def zstd_limit(root: str) -> dict:
     """Decompress every block of a B=16 root from RAM (bytes read first): the ceiling."""
-    from loongforge.shared.dataset_v2 import open_v2
-    from loongforge.shared.format import decompress_into
-
-    ds = open_v2(root)
+    ds = open_root(root)
     blobs = []
     for e in range(ds.num_episodes):
         for b in range(ds.num_blocks(e)):
@@ -161,7 +116,7 @@ def zstd_limit(root: str) -> dict:
     out = np.empty((ds.block_size, 384, 256), np.uint8)
     t0, frames = time.perf_counter(), 0
     for blob, n in blobs:
-        decompress_into(blob, out[:n])
+        decode_block(blob, out[:n], "zstd limit", ds.block_codec)
         frames += n
     return {"frames_per_s": frames / (time.perf_counter() - t0), "frames": frames}
 
@@ -170,19 +125,15 @@ def order_table(batch: int = 512, world: int = 8, workers: int = 4, episodes: in
                 cache_blocks: int = 170, seed: int = 0) -> list[dict]:
     """Diversity and simulated decodes per sample of each order on GR00T-scale episode counts
     (lengths 150-600, every timestep a sample). cache_blocks: 256 MiB of 256x256 B=16 blocks."""
-    from loongforge.train.data import order as order_v2
-    from loongforge.train.data.samples import SampleTable
-
     table = SampleTable(np.random.default_rng(seed).integers(150, 600, episodes))
     groups = table.block_groups(block)
     ep, t = table.locate(np.arange(table.num_samples))
     orders = {"random permutation": (np.random.default_rng(seed).permutation(table.num_samples), None)}
     for run, window in ((1, 4096), (1, 1 << 30), (2, 65536), (4, 4096), (4, 65536), (8, 65536), (16, 65536)):
-        orders[f"v2 run={run} window={window}"] = (order_v2.block_sequence(groups, seed, 0, run=run, window=window),
-                                                   run)
+        orders[f"run={run} window={window}"] = (block_sequence(groups, seed, 0, run=run, window=window), run)
     rows = []
     for name, (seq, run) in orders.items():
-        d = order_v2.batch_diversity(seq, ep, t, groups, batch, max_batches=40)
+        d = batch_diversity(seq, ep, t, groups, batch, max_batches=40)
         d.update(order=name, decodes_per_sample=_sim_decodes(seq, groups, batch, world, workers, cache_blocks,
                                                              contiguous=run is not None))
         rows.append(d)
@@ -196,7 +147,7 @@ def _sim_decodes(seq, groups, batch, world, workers, cache_blocks, contiguous, b
     per = batch // world
     for b in range(0, min(batches, len(seq) // batch), workers):
         g = seq[b * batch:(b + 1) * batch]
-        mine = g[:per] if contiguous else g[::world]  # v1's strided p % world for the plain permutation
+        mine = g[:per] if contiguous else g[::world]  # the plain permutation: position p to rank p % world
         for blk in groups[mine].tolist():
             n += 1
             if blk in lru:
@@ -213,8 +164,6 @@ def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
     """SampleTable.locate at fleet scale (1 M episodes of 150-600 frames: ~375 M samples):
     one id per call and batches of 64 ids (what a rank's batch plan does); CPU seconds, and
     np.searchsorted alone beside it (the floor: ~20 cache misses into an 8 MB column)."""
-    from loongforge.train.data.samples import SampleTable
-
     table = SampleTable(np.random.default_rng(0).integers(150, 600, episodes))
     ids = np.random.default_rng(1).integers(0, table.num_samples, samples)
     t0 = time.process_time()
@@ -229,47 +178,63 @@ def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
     for k in range(0, samples, 64):
         np.searchsorted(table.ends, ids[k:k + 64], side="right")
     raw = (time.process_time() - t0) / samples
-    return {"searchsorted_us_per_id": raw * 1e6, "episodes": episodes, "samples": table.num_samples, "us_per_call_scalar": one * 1e6,
+    return {"searchsorted_us_per_id": raw * 1e6, "episodes": episodes, "samples": table.num_samples,
+            "us_per_call_scalar": one * 1e6,
             "us_per_id_batch64": batch64 * 1e6, "table_bytes": table.ends.nbytes + table.starts.nbytes}
 
 
-CONFIGS = [("v1 K=1 per-frame", None, None, None)] + [
-    (f"v2 B={b} {name}", b, run, cache) for b in (4, 8, 16, 32)
-    for name, run, cache in (("run=4, 1 worker (256 MiB LRU)", 4, None), ("run=4, fleet (reuse within batch)", 4, 2),
-                             ("run=1, fleet (random order)", 1, 2))]
+CONFIGS = [(f"B={b} {name}", b, run, cache) for b in (4, 8, 16, 32)
+           for name, run, cache in (("run=4, 1 worker (256 MiB LRU)", 4, None),
+                                    ("run=4, fleet (reuse within batch)", 4, 2), ("run=1, fleet (random order)", 1, 2))]
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--batch", type=int, default=32, help="per-rank micro batch")
-    p.add_argument("--max-batches", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of each is reported")
-    p.add_argument("--out", required=True, help="work directory (data is generated here)")
-    a = p.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    episodes = gr00t_episodes(a.out, a.episodes)
-    res = {"episodes": a.episodes, "frames": sum(len(f) for f, _ in episodes), "loadavg": os.getloadavg(),
-           "batch": a.batch, "window": 65536}
-    roots = {None: os.path.join(a.out, "v1")}
-    write_v1(roots[None], episodes)
+def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int) -> dict:
+    eps = gr00t_episodes(work, episodes)
+    res = {"episodes": episodes, "frames": sum(len(f) for f, _ in eps), "loadavg": os.getloadavg(), "batch": batch,
+           "window": 65536}
+    roots = {}
     for block in (4, 8, 16, 32):
-        roots[block] = os.path.join(a.out, f"v2_b{block}")
-        write_v2(roots[block], episodes, block)
+        roots[block] = os.path.join(work, f"b{block}")
+        write_root(roots[block], eps, block)
     runs: dict[str, list] = {}
-    for _ in range(a.rounds):  # interleaved: load drifts on a shared machine, ratios stay comparable
-        for name, block, run, cache in CONFIGS:
-            row = v1_row(roots[None], a.batch, a.max_batches) if block is None else \
-                v2_row(roots[block], a.batch, a.max_batches, run, 65536, cache)
-            runs.setdefault(name, []).append(row)
+    for _ in range(rounds):  # interleaved: load drifts on a shared machine, ratios stay comparable
+        for name, block, order_run, cache in CONFIGS:
+            runs.setdefault(name, []).append(worker_row(roots[block], batch, max_batches, order_run, 65536, cache))
         runs.setdefault("zstd limit (B=16 blocks from RAM)", []).append(zstd_limit(roots[16]))
     res["rows"] = {name: {k: float(np.median([r[k] for r in rows])) for k in rows[0]} for name, rows in runs.items()}
     res["order"] = order_table()
     res["locate"] = locate_cost()
     res["loadavg_end"] = os.getloadavg()
-    print(json.dumps(res, indent=1))
     return res
 
 
-if __name__ == "__main__":
-    main()
+def markdown(res: dict) -> str:
+    lines = ["| worker body | samples/s | CPU us/sample | block decodes/sample |", "|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        if "samples_per_s" in r:
+            lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['cpu_us_per_sample']:.0f} | "
+                         f"{r['block_decodes_per_sample']:.3f} |")
+        else:
+            lines.append(f"| {name} | {r['frames_per_s']:,.0f} frames/s | - | - |")
+    lines += ["", "| order | distinct episodes | distinct blocks | same-episode pairs | decodes/sample (sim.) |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {d['order']} | {d['distinct_episodes']:.2f} | {d['distinct_blocks']:.2f} | "
+              f"{d['same_episode_pairs']:.3f} | {d['decodes_per_sample']:.3f} |" for d in res["order"]]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="per-rank micro batch")
+    p.add_argument("--max-batches", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of each is reported")
+    p.add_argument("--workdir", help="where the data is generated (default: a temp dir, removed)")
+    p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
+
+
+def handle(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="block-loader-", dir=args.workdir) as work:
+        res = run(work, args.episodes, args.batch, args.max_batches, args.rounds)
+    print(markdown(res))
+    write_timestamped(args.out, "block-loader", res)
+    return 0

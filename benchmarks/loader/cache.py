@@ -1,9 +1,10 @@
-"""Cache benchmark: `python benchmarks/loader/cache.py [--quick]` (also folded into `loongforge bench`).
+"""Cache benchmark: `loongforge bench cache [--quick]` (also folded into `loongforge bench data`).
 
 Three measurements, each next to a baseline timed in the same run:
   1. hit rate of plan-aware caching vs LRU, cache = 30% of the dataset, two
-     epochs of the trainer's real order (loongforge.train.data.order_v1), replayed
-     through the daemon's own policy module (cache/policy.py, no I/O);
+     epochs of the trainer's real sample order (the loader's epoch order at its
+     defaults, over episodes packed into shards), replayed through the daemon's
+     own policy module (cache/policy.py, no I/O);
   2. RAM-tier read bandwidth through CacheClient (mmap of the tier file) vs a
      plain numpy memcpy of the same bytes;
   3. cold-miss latency through a real daemon vs reading origin directly.
@@ -12,6 +13,7 @@ Three measurements, each next to a baseline timed in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -22,49 +24,55 @@ from pathlib import Path
 
 import numpy as np
 
+from loongforge.benchmarks.harness.dataset import EpochOrder, RootWriter, SampleTable, open_root, synthetic_dataset_info
 from loongforge.cache.replay import replay
-from loongforge.shared.index import CameraInfo, DatasetInfo, ShardIndex, save_index
-from loongforge.shared.writer import write_shard
+from loongforge.shared.index import ShardIndex
 
 CACHE_FRACTION = 0.30
 READY = "cache daemon ready on"
 
 
 # -- 1. hit rate -------------------------------------------------------------
-def node_access_sequence(samples_per_shard: list[int], seed: int, epoch: int, window: int,
-                         global_batch: int) -> tuple[list[int], str]:
-    """Shard numbers in the order one node's readers first ask the daemon for
-    them. All ranks read the same global batches' shards at once, and a
-    client keeps a shard mapped while the bounded shuffle still draws from
-    it, so the daemon sees each shard once per epoch, in first-touch order."""
-    try:
-        from loongforge.train.data import order_v1 as order
-        seq = order.epoch_sequence(samples_per_shard, seed, epoch, window)
-        source = "loongforge.train.data.order_v1.epoch_sequence"
-    except ImportError:  # trainer not installed: its documented order, shard level only
-        perm = np.random.default_rng([seed, epoch]).permutation(len(samples_per_shard))
-        seq = np.concatenate([np.full(samples_per_shard[s], s) for s in perm])
-        starts = None
-        source = "numpy default_rng([seed, epoch]).permutation (trainer not importable)"
-    else:
-        starts = np.concatenate(([0], np.cumsum(samples_per_shard)[:-1]))
-    shards = np.searchsorted(starts, seq, side="right") - 1 if starts is not None else seq
-    steps = len(shards) // global_batch  # the tail batch is dropped, as the trainer does
-    return list(dict.fromkeys(shards[:steps * global_batch].tolist())), source
+EPISODES_PER_SHARD = 4
+BLOCK = 16
+
+
+def order_defaults() -> dict:
+    """The trainer's defaults of the sample order (DataConfig): run, window, stride."""
+    from loongforge.train.config import DataConfig
+
+    got = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    return {"run": got["block_run"], "window": got["block_window"], "stride": got["sample_stride"]}
+
+
+def node_access_sequence(lengths: np.ndarray, seed: int, epoch: int, global_batch: int) -> list[int]:
+    """Shard numbers in the order one node's readers first ask the daemon for them. All ranks
+    read the same global batches' shards at once, and a client keeps a shard mapped once it
+    has it, so the daemon sees each shard once per epoch, in first-touch order. The order is
+    the loader's (episodes in shards of EPISODES_PER_SHARD, the uneven tail dropped)."""
+    d = order_defaults()
+    table = SampleTable(lengths, stride=d["stride"])
+    order = EpochOrder(table, BLOCK, seed, epoch, run=d["run"], window=d["window"])
+    ids = order.ids(0, order.num_samples // global_batch * global_batch)
+    episodes, _ = table.locate(ids)
+    return list(dict.fromkeys((episodes // EPISODES_PER_SHARD).tolist()))
 
 
 def hit_rate_rows(quick: bool) -> list[dict]:
-    n = 120 if quick else 400
-    rng = np.random.default_rng(0)
-    samples = rng.integers(24, 41, n).tolist()  # shards of uneven length, like real episodes
-    sizes = {f"s{i}": samples[i] * 100_000 for i in range(n)}  # bytes proportional to samples
+    n = 120 if quick else 400  # shards
+    lengths = np.random.default_rng(0).integers(150, 601, n * EPISODES_PER_SHARD)  # GR00T-like episodes
+    frames = lengths.reshape(n, EPISODES_PER_SHARD).sum(axis=1)
+    sizes = {f"s{i}": int(frames[i]) * 10_000 for i in range(n)}  # bytes proportional to frames
     capacity = int(CACHE_FRACTION * sum(sizes.values()))
-    epochs, source = [], ""
+    batch, epochs = 16, []
     for e in range(2):
-        seq, source = node_access_sequence(samples, seed=0, epoch=e, window=64, global_batch=16)
-        epochs.append({0: [f"s{i}" for i in seq]})
+        epochs.append({0: [f"s{i}" for i in node_access_sequence(lengths, seed=0, epoch=e, global_batch=batch)]})
     w = 4
-    horizon = 8 * 16 // 32 + 2  # shards that ANNOUNCE_BATCHES=8 global batches of 16 span (~32 samples/shard)
+    # shards that ANNOUNCE_BATCHES=8 global batches span, counted on the order itself
+    d = order_defaults()
+    table = SampleTable(lengths, stride=d["stride"])
+    first = EpochOrder(table, BLOCK, 0, 0, run=d["run"], window=d["window"]).ids(0, 8 * batch)
+    horizon = len(np.unique(table.locate(first)[0] // EPISODES_PER_SHARD)) + 2
     cases = [
         ("LRU, fill on miss (baseline: Mosaic/fsspec style)", dict(plan_aware=False)),
         ("LRU + prefetch next 4", dict(plan_aware=False, window=w, fills_per_step=1)),
@@ -84,7 +92,7 @@ def hit_rate_rows(quick: bool) -> list[dict]:
         rows.append({"id": f"hit-{i}", "title": title, "metric": "hit rate", "epoch1": round(r.hit_rate(0), 4),
                      "epoch2": round(r.hit_rate(1), 4), "vs_lru_epoch2": _ratio(r.hit_rate(1), base.hit_rate(1)),
                      "origin_fills": r.origin_fills, "reads": sum(r.reads), "shards": n,
-                     "cache_fraction": CACHE_FRACTION, "order": source})
+                     "cache_fraction": CACHE_FRACTION, "order": f"the loader's epoch order ({d})"})
     return rows
 
 
@@ -94,19 +102,19 @@ def _ratio(a: float, b: float) -> float | None:
 
 # -- helpers for the I/O measurements -----------------------------------------
 def make_random_root(root: str, shards: int, shard_bytes: int) -> ShardIndex:
-    """A shard root of incompressible bytes (like encoded video): the daemon
-    moves and hashes bytes, it never parses samples."""
+    """A shard root of incompressible frames (like encoded video), one episode per shard: the
+    daemon moves and hashes bytes, it never parses them. Returns its shard-level index."""
+    side = 256
+    frames = max(1, shard_bytes // (side * side * 3 // 2))
     rng = np.random.default_rng(1)
-    per = 4
-    entries = []
-    for s in range(shards):
-        frags = [(f"e{s:06d}_f{i:06d}", 1, rng.integers(0, 256, shard_bytes // per, np.uint8).tobytes())
-                 for i in range(per)]
-        entries.append(write_shard(root, f"shards/shard-{s:06d}.tar", frags))
-    ds = DatasetInfo(fps=20.0, height=16, width=16, cameras=(CameraInfo("observation.images.front", "front", 16, 16),))
-    index = ShardIndex(dataset=ds, shards=tuple(entries), episodes=shards, created_by="benchmarks/loader/cache.py")
-    save_index(index, root)
-    return index
+    info = synthetic_dataset_info(side, side, ("front",), 4, 4)
+    with RootWriter(root, info, shard_size=shard_bytes // 2, created_by="benchmarks/loader/cache.py") as w:
+        arrays = {"state": np.zeros((frames, 4), np.float32), "action": np.zeros((frames, 4), np.float32),
+                  "timestamp": np.arange(frames) / 20.0, "frame_index": np.arange(frames, dtype=np.int64),
+                  "task_index": np.zeros(frames, np.int64)}
+        for e in range(shards):  # a shard holds one episode: the writer cuts after each that passes shard_size/2
+            w.add_episode(e, {"front": rng.integers(0, 256, (frames, side * 3 // 2, side), np.uint8)}, arrays)
+    return open_root(root).shard_index
 
 
 class _Daemon:
@@ -272,18 +280,15 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smaller trace and shards (~20 s)")
     p.add_argument("--ram-dir", action="append", default=[],
                    help="also measure a RAM tier under this directory (e.g. a huge=within_size tmpfs)")
-    args = p.parse_args(argv)
+
+
+def handle(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows = run(args.quick, tuple(args.ram_dir))
     print(render(rows))
     print(f"\n({time.perf_counter() - t0:.1f}s, {os.cpu_count()} CPUs)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

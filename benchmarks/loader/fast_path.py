@@ -1,10 +1,9 @@
-"""LoongForge's side of the comparison: the trainer's `ShardLoader` reading shards
-through the cache daemon, and the physical limit of that path (raw zstd).
+"""LoongForge's side of the comparison: the trainer's `BlockLoader` reading the shard root
+through the cache daemon, and the physical limit of that path (raw zstd of the frame blocks).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from contextlib import contextmanager
@@ -13,55 +12,21 @@ from pathlib import Path
 import numpy as np
 
 from loongforge.benchmarks.harness.config import BenchConfig
-from loongforge.shared.format import SampleParts, decompress_into
+from loongforge.benchmarks.harness.data import deltas_of
+from loongforge.benchmarks.harness.dataset import block_loader, decode_block, open_root
 from loongforge.shared.index import ShardIndex
 from loongforge.shared.source import OriginSource
 
 
-def cache_status() -> str | None:
-    """None if the cache client and daemon are installed, else why not."""
-    for module in ("loongforge.cache.client", "loongforge.cache.cli"):
-        try:
-            if importlib.util.find_spec(module) is None:
-                return f"{module} does not exist yet"
-        except ImportError as exc:
-            return f"{module} not importable ({exc})"
-    return None
-
-
-def loader_status() -> str | None:
-    try:
-        if importlib.util.find_spec("loongforge.train.data.loader_v1") is None:
-            return "loongforge.train.data.loader_v1 does not exist yet"
-    except ImportError as exc:
-        return f"loongforge.train.data.loader_v1 not importable ({exc})"
-    return None
-
-
-def make_loader(root: str, index: ShardIndex, cfg: BenchConfig, *, workers: int, socket: str | None,
-                rgb: bool = True):
-    """The loader exactly as the trainer builds it (global batch = batch_size, one rank).
-    rgb=True returns normalized float RGB, the same thing the baseline returns."""
-    from loongforge.train.data.loader_v1 import ShardLoader
+def make_loader(root: str, cfg: BenchConfig, *, workers: int, socket: str | None, rgb: bool = True):
+    """The loader as the trainer builds it (global batch = batch_size, one rank): K frames per camera
+    at video deltas -(K-1)..0, a sample every `stride` timesteps; block order and per-worker block
+    cache at their defaults (what a user gets). rgb=True returns normalized float RGB, the same thing
+    the baseline returns; rgb=False the NV12 a GPU trainer receives."""
     from loongforge.train.data.sources import SourceSpec
 
-    spec = SourceSpec(root=root, cache_socket=socket)
-    return ShardLoader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, index=index,
-                       source=spec, device="cpu", rgb=rgb)
-
-
-def make_loader_v2(root: str, cfg: BenchConfig, *, workers: int, socket: str | None, rgb: bool = False):
-    """The format-2 loader as the trainer builds it, shaped like the v1 windows: K frames per camera
-    at video deltas -(K-1)..0, a sample every `stride` timesteps, the same batch, seed and workers;
-    block order and per-worker block cache at their defaults (what a user gets)."""
-    from loongforge.train.data.loader import BlockLoader
-    from loongforge.train.data.samples import DeltaSpec
-    from loongforge.train.data.sources import SourceSpec
-
-    k = cfg.frames_per_sample
-    deltas = DeltaSpec(video=tuple(range(1 - k, 1)), action_horizon=cfg.action_horizon)
-    return BlockLoader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, deltas=deltas,
-                       stride=cfg.stride, device="cpu", rgb=rgb, source=SourceSpec(root=root, cache_socket=socket))
+    return block_loader(root, batch_size=cfg.batch_size, num_workers=workers, seed=cfg.seed, deltas=deltas_of(cfg),
+                        stride=cfg.stride, device="cpu", rgb=rgb, source=SourceSpec(root=root, cache_socket=socket))
 
 
 @contextmanager
@@ -70,6 +35,11 @@ def opened(loader):
         yield loader
     finally:
         loader.close()
+
+
+def shard_index_of(root: str) -> ShardIndex:
+    """Shard names and bytes of the root: what the daemon serves and the page cache holds."""
+    return open_root(root).shard_index
 
 
 def warm_cache(root: str, index: ShardIndex, socket: str) -> dict:
@@ -108,33 +78,6 @@ def evict_page_cache(root: str, index: ShardIndex) -> bool:
     return True
 
 
-def zstd_limit(root: str, index: ShardIndex, *, min_seconds: float = 1.0, max_samples: int = 256) -> float:
-    """Frames/s one core decompresses from the very frame payloads the loader
-    reads, already in memory, into one reused buffer: no I/O, no parsing, no
-    copies — the ceiling of a decode worker."""
-    ds = index.dataset
-    source = OriginSource(root, index)
-    blobs: list[tuple[bytes, int]] = []
-    for entry in index.shards:
-        for off, length, k in zip(entry.offsets, entry.lengths, entry.frames):
-            parts = SampleParts(source.read_range(entry.name, off, length))
-            blobs.extend((bytes(parts.frames_blob(slot)), k) for slot in ds.slots)
-            if len(blobs) >= max_samples * len(ds.slots):
-                break
-        if len(blobs) >= max_samples * len(ds.slots):
-            break
-    kmax = max(k for _, k in blobs)
-    out = np.empty((kmax, ds.height * 3 // 2, ds.width), np.uint8)
-    frames, start = 0, time.perf_counter()
-    while True:
-        for blob, k in blobs:
-            decompress_into(blob, out[:k])
-            frames += k
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return frames / elapsed
-
-
 def cache_counters(root: str, index: ShardIndex, socket: str) -> dict:
     """The daemon's counters (hits, misses, fills per tier), to show the hot
     figures really were served from the RAM tier."""
@@ -149,26 +92,12 @@ def cache_counters(root: str, index: ShardIndex, socket: str) -> dict:
         close_source(source)
 
 
-def shard_index_of(root: str, version: int) -> ShardIndex:
-    """Shard names and bytes (what the daemon serves and the page cache holds) of either format."""
-    if version == 2:
-        from loongforge.shared.dataset_v2 import open_v2
-
-        return open_v2(root).shard_index
-    from loongforge.shared.index import load_index
-
-    return load_index(root)
-
-
-def zstd_limit_v2(root: str, *, min_seconds: float = 1.0, max_blocks: int = 256) -> float:
-    """Format 2's ceiling: frames/s one core decompresses from the root's own frame blocks
-    (every camera), bytes already in memory, into one reused buffer (`blocks.decode_block`,
+def zstd_limit(root: str, *, min_seconds: float = 1.0, max_blocks: int = 256) -> float:
+    """The ceiling of a decode worker: frames/s one core decompresses from the root's own frame
+    blocks (every camera), bytes already in memory, into one reused buffer (`blocks.decode_block`,
     the codec the loader uses; no checksum, no I/O). The loader may pass it: a decoded block
     serves up to B/stride samples, so frames delivered can exceed frames decompressed."""
-    from loongforge.shared.blocks import decode_block
-    from loongforge.shared.dataset_v2 import open_v2
-
-    ds = open_v2(root)
+    ds = open_root(root)
     blobs: list[tuple[bytes, int]] = []
     for e in range(ds.num_episodes):
         for b in range(ds.num_blocks(e)):

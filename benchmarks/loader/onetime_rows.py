@@ -1,6 +1,5 @@
 """The one-off costs: P4 (first epoch from an empty cache vs hot) and P5
-(the preprocess transcode, and after how many epochs it has paid for itself),
-on format 2 unless `--format 1` (P5 also reports the other format's job).
+(the preprocess transcode, and after how many epochs it has paid for itself).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ def _epoch_pass(ctx: Context, workers: int, socket: str | None) -> PassTiming:
     """One whole epoch, first batch included: on a cold cache the first batch is
     where the first fills happen. Worker start-up is in it too, for cold and
     hot alike (its size shows in the first-batch figures)."""
-    loader = ctx.make_loader(ctx.cfg.ours_format, workers=workers, rgb=True, socket=socket)
+    loader = ctx.make_loader(workers=workers, rgb=True, socket=socket)
     with lf.opened(loader) as ld:
         steps = ld.plan.steps
         batches = iter(ld)
@@ -35,13 +34,12 @@ def _epoch_pass(ctx: Context, workers: int, socket: str | None) -> PassTiming:
 
 
 def p4_rows(ctx: Context, daemon_ok: str | None) -> list[Row]:
-    workers, fmt = max(ctx.cfg.workers), ctx.cfg.ours_format
-    title = f"Cold start: first epoch, empty cache, local origin, format {fmt}"
-    root, hot_socket = ctx.root_of(fmt), ctx.socket_of(fmt)
+    workers = max(ctx.cfg.workers)
+    title = "Cold start: first epoch, empty cache, local origin"
+    root, hot_socket = ctx.prep.shards, ctx.socket
     if daemon_ok is not None or hot_socket is None:
-        return [Row.unavailable("P4", title, daemon_ok or f"no hot cache daemon for the format-{fmt} root",
-                                unit="samples/s")]
-    shard_index = lf.shard_index_of(root, fmt)
+        return [Row.unavailable("P4", title, daemon_ok or "no hot cache daemon", unit="samples/s")]
+    shard_index = lf.shard_index_of(root)
     cold, hot, evicted = [], [], True
     for _ in range(ctx.cfg.repeats):
         with tempfile.TemporaryDirectory(prefix="lfb-") as tmp, \
@@ -52,7 +50,7 @@ def p4_rows(ctx: Context, daemon_ok: str | None) -> list[Row]:
         hot.append(_epoch_pass(ctx, workers, hot_socket))  # the long-warm daemon of P1-P3, same protocol
     c, h = Stat.of(t.samples_per_s for t in cold), Stat.of(t.samples_per_s for t in hot)
     row = Row(id="P4", title=title, unit="samples/s",
-              params={**ctx.window_params(fmt), "workers": workers, "repeats": ctx.cfg.repeats, "format_version": fmt,
+              params={**ctx.window_params(), "workers": workers, "repeats": ctx.cfg.repeats,
                       "origin": "local disk", "page_cache_evicted": evicted, "ram_budget": ctx.cfg.ram_budget,
                       "timed": "whole epoch incl. first batch (worker start-up in both)"},
               baseline_label="hot (P1's warm daemon, whole epoch)", ours_label="cold (fresh daemon, first epoch)",
@@ -65,49 +63,38 @@ def p4_rows(ctx: Context, daemon_ok: str | None) -> list[Row]:
 
 
 def p5_rows(ctx: Context) -> list[Row]:
-    """P5/transcode: the format-`ours_format` preprocess job; P5/transcode-v{other}: the other
-    format's job of the same run (both are made anyway); P5/break-even for `ours_format`."""
-    fmt = ctx.cfg.ours_format
-    rows = [_transcode_row(ctx, fmt, "")]
-    if ctx.prep.shards_v2:
-        rows.append(_transcode_row(ctx, 3 - fmt, f"-v{3 - fmt}"))
-    return rows + [_break_even(ctx, fmt)]
+    """P5/transcode: the preprocess job that made the shards; P5/break-even: epochs to pay it back."""
+    return [_transcode_row(ctx), _break_even(ctx)]
 
 
-def _transcode_row(ctx: Context, version: int, suffix: str) -> Row:
+def _transcode_row(ctx: Context) -> Row:
     prep, cfg = ctx.prep, ctx.cfg
-    seconds = prep.transcode_seconds(version)
     cores = max(1, min(prep.transcode_workers, _cores()))
-    per_core = prep.source_frames / seconds / cores
-    what = f"block_frames={cfg.block_frames}" if version == 2 else f"K={cfg.frames_per_sample} stride={cfg.stride}"
+    per_core = prep.source_frames / prep.transcode_s / cores
     row = Row(
-        id=f"P5/transcode{suffix}", title=f"Preprocess cost (one-off transcode), format {version}",
-        unit="frames/s/core",
+        id="P5/transcode", title="Preprocess cost (one-off transcode)", unit="frames/s/core",
         params={"source_frames": prep.source_frames, "episodes": cfg.episodes, "cameras": list(cfg.cameras),
                 "source_resolution": [cfg.height, cfg.width], "gop": cfg.gop, "workers": prep.transcode_workers,
-                "cores_counted": cores, "runs": 1, "format_version": version, "shape": what},
-        ours_label=f"loongforge preprocess --format-version {version} (whole job, start-up included)",
-        ours=Stat.of([per_core]), extra={"transcode_s": seconds})
+                "cores_counted": cores, "runs": 1, "block_frames": cfg.block_frames},
+        ours_label="loongforge preprocess (whole job, start-up included)",
+        ours=Stat.of([per_core]), extra={"transcode_s": prep.transcode_s})
     row.notes.append("measured once per bench run (the job that made the shards), not repeated")
     return row
 
 
-def _break_even(ctx: Context, fmt: int) -> Row:
-    """Format 1: P1's float-RGB cell; format 2 has NV12 cells only (what a GPU trainer takes)."""
+def _break_even(ctx: Context) -> Row:
+    """From P1's NV12 cell at the most workers (what a GPU trainer takes)."""
     prep, w = ctx.prep, max(ctx.cfg.workers)
-    key = ("p1-v2", w) if fmt == 2 else ("p1", w)
+    key = ("p1-nv12", w)
     if key not in ctx.measured:
         return Row.unavailable("P5/break-even", "Epochs to pay back the transcode",
-                               f"P1 at {w} workers, format {fmt}, was not measured")
+                               f"P1 at {w} workers was not measured")
     base, ours = ctx.measured[key]
-    n = ctx.measured["v2_shape"][0] if fmt == 2 else prep.index.num_samples
-    seconds = prep.transcode_seconds(fmt)
+    n, seconds = prep.num_samples, prep.transcode_s
     saved = [n / b - n / o for b in (base.median, base.min, base.max) for o in (ours.median,)]
     epochs = [seconds / s if s > 0 else float("inf") for s in saved]
-    row = Row(id="P5/break-even", title=f"Epochs of training that pay back the transcode, format {fmt}",
-              unit="epochs",
-              params={"workers": w, "samples_per_epoch": n, "transcode_s": seconds, "format_version": fmt,
-                      "output": "NV12 uint8" if fmt == 2 else "float RGB",
+    row = Row(id="P5/break-even", title="Epochs of training that pay back the transcode", unit="epochs",
+              params={"workers": w, "samples_per_epoch": n, "transcode_s": seconds, "output": "NV12 uint8",
                       "formula": "transcode_s / (baseline_epoch_s - loongforge_epoch_s)"},
               ours_label="break-even", ours=Stat(epochs[0], min(epochs), max(epochs), ()),
               extra={"baseline_epoch_s": n / base.median, "loongforge_epoch_s": n / ours.median})

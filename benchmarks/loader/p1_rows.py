@@ -3,22 +3,16 @@ at equal cores.
 
 One cell per (GOP, workers). In each repeat the cell runs four passes back to
 back, all pinned to the same max(1, workers) cores (cores.pinned; workers
-inherit the mask): PyAV baseline, PyAV with threaded decoding, LoongForge with
-float RGB out (CPU conversion in its prefetch thread), LoongForge with NV12 out
-(what a GPU trainer receives). Each pass also counts the CPU seconds of the
-whole process tree (cores.CpuMeter), so every row carries samples per
-CPU-second for both sides beside samples/s.
-
-A fifth pass, "nv12-v2", reads the format-2 root made from the same mp4
-(BlockLoader, K frames at video deltas -(K-1)..0, same stride, batch, workers
-and cores; data.py): rows P1/g*/w*-v2 (vs PyAV) and -v2-threaded, beside the
-format-1 rows, which keep their ids.
+inherit the mask): PyAV baseline, PyAV with threaded decoding, LoongForge's
+BlockLoader with float RGB out (CPU conversion in its prefetch thread), and
+with NV12 out (what a GPU trainer receives). Both sides serve the same samples
+(data.py: K frames at video deltas -(K-1)..0, every `stride`-th timestep). Each
+pass also counts the CPU seconds of the whole process tree (cores.CpuMeter), so
+every row carries samples per CPU-second for both sides beside samples/s.
 
 The baseline's cost depends on the keyframe interval (a window decodes from the
 keyframe before it); LoongForge's does not (its shards hold decoded frames). So
-the headline (P1/worst) is the worst NV12 ratio over GOPs, both baselines and
-both formats: format 2 is what preprocess writes by default (what a user
-deploys) and format 1 still loads, so neither may hide behind the other.
+the headline (P1/worst) is the worst NV12 ratio over GOPs and both baselines.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ from loongforge.benchmarks.harness.rows import Row
 log = logging.getLogger(__name__)
 LONG_GOP = 100  # from here on a GOP counts as "long" (recorders, the GR00T demo data: ~250)
 GOAL_LONG, GOAL_SHORT = 50.0, 20.0
-PASSES = ("pyav", "pyav-threaded", "rgb", "nv12", "nv12-v2")
+PASSES = ("pyav", "pyav-threaded", "rgb", "nv12")
 
 
 def goal_for(gop: int) -> float:
@@ -58,10 +52,8 @@ def baseline_pass(ctx: Context, workers: int, batches: int, backend: str = "pyav
         stream.close()  # shuts the DataLoader's workers down now, not at garbage collection
 
 
-def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True, version: int = 1) -> PassTiming:
-    loader = ctx.make_loader(version, workers=workers, rgb=rgb)
-    if version == 2:
-        ctx.measured["v2_shape"] = (loader.num_samples, loader.deltas.frames)
+def ours_pass(ctx: Context, workers: int, batches: int, *, rgb: bool = True) -> PassTiming:
+    loader = ctx.make_loader(workers=workers, rgb=rgb)
     with lf.opened(loader):  # every worker up before the window opens (DecodePool.wait_ready)
         return time_pass(iter(loader), warmup=ctx.cfg.warmup_batches, timed=batches, meter=CpuMeter(),
                          ready=loader.wait_ready)
@@ -75,14 +67,12 @@ def decoded_per_window(windows, gop: int) -> float:
 
 def run_cell(ctx: Context, gop: int, workers: int) -> dict[str, list[PassTiming]]:
     cfg, got = ctx.cfg, {p: [] for p in PASSES}
-    for _ in range(cfg.repeats):  # interleaved, so machine noise hits all five alike
+    for _ in range(cfg.repeats):  # interleaved, so machine noise hits all four alike
         with pinned(cores_for(workers)) if cfg.pin_cores else nullcontext():
             got["pyav"].append(baseline_pass(ctx, workers, cfg.baseline_batches, "pyav", gop))
             got["pyav-threaded"].append(baseline_pass(ctx, workers, cfg.baseline_batches, "pyav-threaded", gop))
             got["rgb"].append(ours_pass(ctx, workers, cfg.ours_batches, rgb=True))
             got["nv12"].append(ours_pass(ctx, workers, cfg.ours_batches, rgb=False))
-            if ctx.prep.shards_v2:
-                got["nv12-v2"].append(ours_pass(ctx, workers, cfg.ours_batches, rgb=False, version=2))
     return got
 
 
@@ -91,11 +81,9 @@ def _per_cpu(passes: list[PassTiming]) -> Stat:
 
 
 def _ours_label(ctx: Context, ours: str) -> str:
-    if ours == "nv12-v2":
-        k = ctx.cfg.frames_per_sample
-        return (f"BlockLoader, format 2 ({ctx.source_label_v2}), rgb=False, video deltas {1 - k}..0, "
-                f"stride {ctx.cfg.stride}")
-    return f"ShardLoader, format 1 ({ctx.source_label})" + (", rgb=False" if ours == "nv12" else "")
+    k = ctx.cfg.frames_per_sample
+    return (f"BlockLoader ({ctx.source_label}), video deltas {1 - k}..0, stride {ctx.cfg.stride}"
+            + (", rgb=False" if ours == "nv12" else ""))
 
 
 def _cell_row(ctx: Context, gop: int, w: int, got: dict, base: str, ours: str) -> Row:
@@ -103,15 +91,14 @@ def _cell_row(ctx: Context, gop: int, w: int, got: dict, base: str, ours: str) -
     r = ratio(o, b)
     out = "float RGB, normalized (CPU conversion)" if ours == "rgb" else "NV12 uint8 (as a GPU trainer receives)"
     suffix = {("pyav", "rgb"): "", ("pyav", "nv12"): "-nv12", ("pyav-threaded", "nv12"): "-threaded",
-              ("pyav-threaded", "rgb"): "-threaded-rgb", ("pyav", "nv12-v2"): "-v2",
-              ("pyav-threaded", "nv12-v2"): "-v2-threaded"}[(base, ours)]
-    goal, version = goal_for(gop), 2 if ours == "nv12-v2" else 1
+              ("pyav-threaded", "rgb"): "-threaded-rgb"}[(base, ours)]
+    goal = goal_for(gop)
     row = Row(
         id=f"P1/g{gop}/w{w}{suffix}",
         title=f"Loader samples/s, GOP {gop}, {w} worker{'s' if w != 1 else ''}, {out.split(' (')[0]} out"
-              + (", threaded-decode baseline" if base == "pyav-threaded" else "") + f", format {version}",
+              + (", threaded-decode baseline" if base == "pyav-threaded" else ""),
         unit="samples/s",
-        params={**ctx.p1_params(gop, w), "output": out, "baseline_backend": base, "format_version": version,
+        params={**ctx.p1_params(gop, w), "output": out, "baseline_backend": base,
                 "cores": cores_for(w) if ctx.cfg.pin_cores else None,
                 "baseline_decoded_frames_per_window": decoded_per_window(ctx.prep.windows, gop)},
         baseline_label="PyAV on-the-fly" + (" (thread_type=AUTO)" if base == "pyav-threaded" else "")
@@ -124,9 +111,6 @@ def _cell_row(ctx: Context, gop: int, w: int, got: dict, base: str, ours: str) -
                "ratio_per_cpu_s": ratio(_per_cpu(got[ours]), _per_cpu(got[base])),
                "baseline_busy_cores": Stat.of(p.busy_cores for p in got[base]),
                "ours_busy_cores": Stat.of(p.busy_cores for p in got[ours])})
-    if version == 2:
-        row.params["ours_source"] = ctx.source_label_v2
-        row.params["samples"], row.params["frames_per_sample"] = ctx.measured["v2_shape"]
     return row
 
 
@@ -151,21 +135,16 @@ def _explain(ctx: Context, row: Row) -> None:
                          "row was written: other processes held the cores); its per-CPU-second ratio is the figure "
                          "to read here")
         return
-    if row.params.get("format_version") == 2:  # fill_profile is format 1's body; v2's: benchmarks/loader/block_loader.py
-        row.notes.append(f"{head}; LoongForge (format 2) is CPU-bound ({busy:.2f} of {cores} pinned cores busy): "
-                         "its worker body (fill_v2.V2Filler) is profiled by `python -m loongforge.benchmarks."
-                         "loader_v2`")
-        return
     if "fill_profile" not in ctx.measured:
         ctx.measured["fill_profile"] = fill_profile(ctx)
     prof = ctx.measured["fill_profile"]
-    ds = ctx.prep.index.dataset
-    body = prof["frames_per_s"] / (ds.frames_per_sample * len(ds.slots))
+    info = ctx.prep.info
+    body = prof["frames_per_s"] / (info.frames_per_sample * len(info.slots))
     stages = sorted(prof["stage_share"].items(), key=lambda kv: kv[1], reverse=True)[:3]
     row.extra["worker_body_samples_per_s"] = body
     row.notes.append(
         f"{head}; LoongForge is CPU-bound ({busy:.2f} of {cores} pinned cores busy): its decode-worker body "
-        f"(fill_batch in-process) runs {body:,.0f} samples/s on one core, top stages "
+        f"(the block filler in-process) runs {body:,.0f} samples/s on one core, top stages "
         + ", ".join(f"{k} {v:.0%}" for k, v in stages))
 
 
@@ -176,47 +155,34 @@ def p1_rows(ctx: Context) -> list[Row]:
             got = run_cell(ctx, gop, w)
             cell = [_cell_row(ctx, gop, w, got, "pyav", "rgb"), _cell_row(ctx, gop, w, got, "pyav", "nv12"),
                     _cell_row(ctx, gop, w, got, "pyav-threaded", "nv12")]
-            if got["nv12-v2"]:
-                cell += [_cell_row(ctx, gop, w, got, "pyav", "nv12-v2"),
-                         _cell_row(ctx, gop, w, got, "pyav-threaded", "nv12-v2")]
             cell[0].notes.append(
                 f"vs the threaded baseline: {_cell_row(ctx, gop, w, got, 'pyav-threaded', 'rgb').ratio.median:.1f}x; "
                 "CPU conversion rate in row P1/rgb-conversion")
             for row in cell[1:]:
                 if not row.goal_met:
                     _explain(ctx, row)
-            if gop == ctx.cfg.gop:  # P5 and the torchcodec row reuse the main dataset's figures
-                ctx.measured[("p1", w)] = (cell[0].baseline, cell[0].ours)
-                ctx.measured[("p1-nv12", w)] = cell[1].ours
-                if len(cell) > 3:  # format 2 is NV12 only: P5's format-2 break-even uses this cell
-                    ctx.measured[("p1-v2", w)] = (cell[3].baseline, cell[3].ours)
+            if gop == ctx.cfg.gop:  # P5 and the torchcodec row reuse the main dataset's NV12 figures
+                ctx.measured[("p1-nv12", w)] = (cell[1].baseline, cell[1].ours)
             rows += cell
-            log.info("P1 gop=%d w=%d: pyav %.1f threaded %.1f | rgb %.1f nv12 %.1f nv12-v2 %.1f samples/s", gop, w,
-                     cell[0].baseline.median, cell[2].baseline.median, cell[0].ours.median, cell[1].ours.median,
-                     cell[3].ours.median if len(cell) > 3 else float("nan"))
+            log.info("P1 gop=%d w=%d: pyav %.1f threaded %.1f | rgb %.1f nv12 %.1f samples/s", gop, w,
+                     cell[0].baseline.median, cell[2].baseline.median, cell[0].ours.median, cell[1].ours.median)
     rows.append(worst_row(ctx, rows))
     rows.append(torchcodec_row(ctx))
     return rows
 
 
 def worst_row(ctx: Context, rows: list[Row]) -> Row:
-    """The headline: the worst NV12 ratio over every GOP, both baselines and both formats (format 2
-    is the default a user deploys, format 1 still loads), at the most workers."""
+    """The headline: the worst NV12 ratio over every GOP and both baselines, at the most workers."""
     w = max(ctx.cfg.workers)
     cands = [r for r in rows if r.params.get("workers") == w and r.params.get("output", "").startswith("NV12")]
     worst = min(cands, key=lambda r: r.ratio.median)
     rgb = [r for r in rows if r.params.get("workers") == w and r.id.startswith("P1/g") and r.id.endswith(f"/w{w}")]
-    per_format = {f"format_{v}_worst_ratio": min((r.ratio.median for r in cands if r.params["format_version"] == v),
-                                                 default=None) for v in (1, 2)}
-    formats = sorted({r.params["format_version"] for r in cands})
-    row = Row(id="P1/worst", title=f"Headline: worst NV12 ratio over GOPs {list(ctx.cfg.gops)}, both baselines and "
-                                   f"format(s) {formats}, {w} workers (= {worst.id})", unit="samples/s",
-              params=dict(worst.params),
-              baseline_label=worst.baseline_label, ours_label=worst.ours_label, baseline=worst.baseline,
-              ours=worst.ours, ratio=worst.ratio, goal=worst.goal, goal_met=worst.goal_met,
-              extra={"row": worst.id, "float_rgb_worst_ratio": min((r.ratio.median for r in rgb), default=None),
-                     **per_format})
-    return row
+    return Row(id="P1/worst", title=f"Headline: worst NV12 ratio over GOPs {list(ctx.cfg.gops)} and both baselines, "
+                                    f"{w} workers (= {worst.id})", unit="samples/s",
+               params=dict(worst.params),
+               baseline_label=worst.baseline_label, ours_label=worst.ours_label, baseline=worst.baseline,
+               ours=worst.ours, ratio=worst.ratio, goal=worst.goal, goal_met=worst.goal_met,
+               extra={"row": worst.id, "float_rgb_worst_ratio": min((r.ratio.median for r in rgb), default=None)})
 
 
 def torchcodec_row(ctx: Context) -> Row:
@@ -230,10 +196,10 @@ def torchcodec_row(ctx: Context) -> Row:
     with pinned(cores_for(w)) if ctx.cfg.pin_cores else nullcontext():
         base = Stat.of(baseline_pass(ctx, w, ctx.cfg.baseline_batches, "torchcodec", gop).samples_per_s
                        for _ in range(ctx.cfg.repeats))
-    ours = ctx.measured[("p1-nv12", w)]
+    ours = ctx.measured[("p1-nv12", w)][1]
     r = ratio(ours, base)
     return Row(id="P1/torchcodec", title=title, unit="samples/s",
                params={**ctx.p1_params(gop, w), "backend": "torchcodec"},
                baseline_label="torchcodec on-the-fly (LeRobot-style DataLoader)",
-               ours_label="ShardLoader, rgb=False (P1 figure)", baseline=base, ours=ours, ratio=r,
+               ours_label="BlockLoader, rgb=False (P1 figure)", baseline=base, ours=ours, ratio=r,
                goal=f">= {goal_for(gop):.0f}x", goal_met=r.median >= goal_for(gop))

@@ -1,9 +1,9 @@
 """P3: data-bound training. The `tiny` recipe's model trains in one process
-from each loader (LoongForge's: format 2 unless `--format 1`; the model config
-comes from the format-1 index of the same frames: same cameras, K, dims and
-horizon); the share of step time spent blocked on the next batch is the data
-wait. The model is kept cheap (one vision token per frame) so data dominates, as
-it does on a GPU where the step takes milliseconds.
+from each loader (LoongForge's BlockLoader and the on-the-fly baseline, the same
+samples; the model config comes from the shard root as the trainer reads it:
+cameras, K, dims and horizon); the share of step time spent blocked on the next
+batch is the data wait. The model is kept cheap (one vision token per frame) so
+data dominates, as it does on a GPU where the step takes milliseconds.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ class ModelInputs:
     """The per-item transform a GR00T-style dataset runs in its workers: the
     model's input dict (normalized images/state/action, byte tokens, masks)."""
 
-    def __init__(self, index, cameras: tuple[str, ...], image_mean: float = 0.5, image_std: float = 0.25):
+    def __init__(self, info, cameras: tuple[tuple[str, str], ...], image_mean: float = 0.5,
+                 image_std: float = 0.25):
         from loongforge.train.data.batch import Norm
 
-        self.norm = Norm.from_index(index)
+        self.norm = Norm.from_dataset(info)  # the dataset's stats, as the loader normalizes
         self.cameras = cameras  # (dataset key, slot) pairs
         self.mean, self.std = image_mean, image_std
 
@@ -58,7 +59,18 @@ class ModelInputs:
         }
 
 
-def make_step(index, seed: int):
+def training_data(ctx: Context):
+    """The shard root as the trainer reads it (model config from it), with the bench's sample shape."""
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data.training_data import load_training_data
+
+    info = ctx.prep.info
+    k = info.frames_per_sample
+    return load_training_data(DataConfig(root=ctx.prep.shards, video_deltas=tuple(range(1 - k, 1)),
+                                         action_horizon=info.action_horizon, sample_stride=ctx.cfg.stride))
+
+
+def make_step(data, seed: int):
     """A real optimizer step of the tiny model, timed by phase with the trainer's
     own `StepTimer` (same data-wait definition as `loongforge train`)."""
     import torch
@@ -66,10 +78,9 @@ def make_step(index, seed: int):
     from loongforge.train.model.model import VLAModel
     from loongforge.train.model.recipes import resolve
 
-    ds = index.dataset
     # One vision token per frame (frames resized on the device to 2 patches a side) keeps the step
     # cheap (GPU-like) whatever the frame size.
-    cfg = resolve("tiny", index, max_text_tokens=TEXT_TOKENS, max_frames=ds.frames_per_sample, vision_tokens=1)
+    cfg = resolve("tiny", data, max_text_tokens=TEXT_TOKENS, max_frames=data.max_frames, vision_tokens=1)
     torch.manual_seed(seed)
     model = VLAModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -110,11 +121,10 @@ def _train(batches, step, ctx: Context) -> list[dict]:
 
 
 def baseline_train(ctx: Context, workers: int, step) -> list[dict]:
-    index = ctx.prep.index
-    cams = tuple((f"observation.images.{c.slot}", c.slot) for c in index.dataset.cameras)
-    dataset = LeRobotVideoDataset(ctx.prep.dataset, list(ctx.prep.windows),
-                                  action_horizon=index.dataset.action_horizon, cameras=tuple(k for k, _ in cams),
-                                  transform=ModelInputs(index, cams))
+    info = ctx.prep.info
+    cams = tuple((c.key, c.slot) for c in info.cameras)
+    dataset = LeRobotVideoDataset(ctx.prep.dataset, list(ctx.prep.windows), action_horizon=info.action_horizon,
+                                  cameras=tuple(k for k, _ in cams), transform=ModelInputs(info, cams))
     loader = make_baseline_loader(dataset, batch_size=ctx.cfg.batch_size, num_workers=workers, seed=ctx.cfg.seed)
     stream = endless(lambda: loader)
     try:
@@ -124,9 +134,8 @@ def baseline_train(ctx: Context, workers: int, step) -> list[dict]:
 
 
 def ours_train(ctx: Context, workers: int, step) -> list[dict]:
-    """The loader of `cfg.ours_format` (2 by default: BlockLoader, K frames at video deltas
-    -(K-1)..0, same batch dict as ShardLoader's), float RGB out as the model takes it here."""
-    with lf.opened(ctx.make_loader(ctx.cfg.ours_format, workers=workers, rgb=True)) as loader:
+    """BlockLoader (K frames at video deltas -(K-1)..0), float RGB out as the model takes it here."""
+    with lf.opened(ctx.make_loader(workers=workers, rgb=True)) as loader:
         return _train(iter(loader), step, ctx)
 
 
@@ -162,7 +171,7 @@ def _cores() -> int:
 def _p3(ctx: Context, workers: int) -> list[Row]:
     import torch
 
-    step, model_cfg = make_step(ctx.prep.index, ctx.cfg.seed)
+    step, model_cfg = make_step(training_data(ctx), ctx.cfg.seed)
     shares = {"baseline": [], "ours": []}
     steps = {"baseline": [], "ours": []}
     waits = {"baseline": [], "ours": []}
@@ -181,15 +190,11 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     step_s = {k: Stat.of(v) for k, v in steps.items()}
     wait_s = {k: Stat.of(v) for k, v in waits.items()}
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
-    fmt = ctx.cfg.ours_format
-    params = {**ctx.window_params(ctx.cfg.ours_format), "workers": workers, "train_steps": ctx.cfg.train_steps,
+    params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
               "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
               "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens,
-              "ours_source": ctx.label_of(fmt), "processes": 1,
-              "format_version": fmt,
-              "torch_threads": torch.get_num_threads()}
-    loader = "BlockLoader, format 2" if fmt == 2 else "ShardLoader, format 1"
-    labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"{loader} ({ctx.label_of(fmt)})")
+              "ours_source": ctx.source_label, "processes": 1, "torch_threads": torch.get_num_threads()}
+    labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"BlockLoader ({ctx.source_label})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]
     wait_ratio = ratio(wait_s["baseline"], wait_s["ours"])
     share_row = Row(id="P3/share", title="Data-wait share of step time, tiny model", unit="share", params=params,

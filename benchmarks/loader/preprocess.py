@@ -1,6 +1,6 @@
 """Preprocess throughput against PyAV on the same files, timed in one run.
 
-    python benchmarks/loader/preprocess.py [--quick]
+    loongforge bench preprocess [--quick]
 
 Generates a LeRobot v2 dataset (H.264, GOP >= 100), then times on the same mp4s:
   decode-only        PyAV sequential decode, one thread (the floor: every
@@ -8,13 +8,13 @@ Generates a LeRobot v2 dataset (H.264, GOP >= 100), then times on the same mp4s:
   decode+nv12        the same plus PyAV's frame.reformat(format="nv12") per
                      frame into a preallocated buffer (plain PyAV usage)
   decode+nv12-job    decode plus the job's own NV12 repack (decode.NV12Converter),
-                     i.e. the decode stage without Beam, windows, zstd or IO
+                     i.e. the decode stage without Beam, blocks, zstd or IO
   seek-per-frame     the random-access pattern the job avoids: seek to each
                      frame's timestamp and decode forward from the keyframe
   job, 1 worker      the whole Beam job in-process (start-up included)
   job, N workers     the whole Beam job, one worker process per core
 Frames are source frames x cameras. `per_core` divides by the processes used.
-`run(quick)` returns the rows as dicts (folded into `loongforge bench`).
+`run(quick)` returns the rows as dicts (folded into `loongforge bench data`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -96,7 +95,7 @@ def _job(dataset: Path, out: Path, workers: int) -> tuple[int, float]:
     from loongforge.preprocess.pipeline import run_job
 
     mode = ["--direct_running_mode=in_memory", "--direct_num_workers=1"] if workers == 1 else []
-    cfg = PreprocessConfig(input=str(dataset), output=str(out), workers=workers)  # the default format (2)
+    cfg = PreprocessConfig(input=str(dataset), output=str(out), workers=workers)
     t0 = time.perf_counter()
     summary = run_job(cfg, mode)
     seconds = time.perf_counter() - t0
@@ -134,11 +133,10 @@ def run(quick: bool) -> list[dict]:
         rows.append(_row("seek-per-frame", f"PyAV seek + decode per frame ({SEEK_FRAMES} frames, GOP "
                          f"{spec['gop']})", seek_n, t_seek, 1, base))
         frames, t_job1 = _job(dataset, Path(tmp) / "out1", 1)
-        rows.append(_row("job-1", "loongforge preprocess, 1 worker in-process (format 2, start-up included)", frames,
+        rows.append(_row("job-1", "loongforge preprocess, 1 worker in-process (start-up included)", frames,
                          t_job1, 1, base))
         frames, t_jobn = _job(dataset, Path(tmp) / "outn", cores)
-        rows.append(_row(f"job-{cores}", f"loongforge preprocess, {cores} worker processes (format 2, start-up "
-                         "included)",
+        rows.append(_row(f"job-{cores}", f"loongforge preprocess, {cores} worker processes (start-up included)",
                          frames, t_jobn, cores, base))
     for row in rows:
         row["dataset"] = (f"{spec['episodes']} episodes x 2 cameras x {spec['frames'][0]} frames, "
@@ -157,16 +155,13 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="128x128, 4 episodes (about a minute)")
-    args = parser.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="128x128, 4 episodes (about a minute)")
+
+
+def handle(args: argparse.Namespace) -> int:
     rows = run(args.quick)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"dataset: {rows[0]['dataset']}; cores: {os.cpu_count()}; load average after: {load}")
     print(format_table(rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 the step loop), with a run that never saves as the baseline. Same machine, same
 data, same recipe, one invocation; each mode runs in turn, `--repeats` times.
 
-    python -m loongforge.benchmarks.micro.ckpt --recipe small --steps 24 --save-every 4 --delta-steps 10,100
+    loongforge bench ckpt --recipe small --steps 24 --save-every 4 --delta-steps 10,100
 
 Per mode, from metrics.jsonl: `save_s` (the blocking part of each save, recorded
 on the step after it) and `step_s`. The stall per save is
@@ -28,18 +28,20 @@ import sys
 import tempfile
 import time
 
+from loongforge.benchmarks.harness.dataset import synthetic_train_root
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 
 MODES = {"none": [], "sync": ["--sync-save"], "async": []}
 
 
-def _run(mode: str, args, root: str, work: str, idx: int) -> dict:
+def _run(mode: str, args, data: tuple[str, list[str]], work: str, idx: int) -> dict:
     run_dir = os.path.join(work, f"{mode}{idx}")
     save = [] if mode == "none" else ["--save-every", str(args.save_every), *MODES[mode]]
     # The final save (synchronous in every mode) follows the last row: it is not in the loop time.
+    root, flags = data
     cmd = [sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--recipe", args.recipe,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--zero", "2", "--no-ds-breakdown",
-           "--log-every", "1000", *save]
+           "--log-every", "1000", *flags, *save]
     if args.ranks > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(args.ranks),
                "--master_port", str(_port()), "-m", *cmd[2:]]
@@ -57,11 +59,12 @@ def _run(mode: str, args, root: str, work: str, idx: int) -> dict:
             "step_s_median": statistics.median(r["step_s"] for r in rows)}
 
 
-def delta_run(args, root: str, work: str) -> dict:
+def delta_run(args, data: tuple[str, list[str]], work: str) -> dict:
     dists = sorted(int(x) for x in args.delta_steps.split(","))
     every = min(dists)
     run_dir = os.path.join(work, "delta")
-    cmd = [sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--recipe", args.recipe,
+    root, flags = data
+    cmd = [sys.executable, "-m", "loongforge.train", "--data", root, *flags, "--run-dir", run_dir, "--recipe", args.recipe,
            "--steps", str(every + max(dists) + 1), "--batch-size", str(args.batch_size), "--zero", "2",
            "--no-ds-breakdown", "--log-every", "1000", "--sync-save", "--save-every", str(every),
            "--full-every", "100000", "--delta-max-ratio", "1.0", "--keep-last", "1"]
@@ -125,8 +128,7 @@ def _x(v) -> str:
     return "n/a (below the load noise)" if v is None else f"{v:.2f}x"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.micro.ckpt", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default="small")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--save-every", type=int, default=4)
@@ -137,18 +139,19 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--delta-steps", default="", help="e.g. 10,100: delta/full ratios at these distances from the "
                    "base (one extra run)")
-    p.add_argument("--out", default=str(RESULTS_DIR))
-    args = p.parse_args(argv)
-    from loongforge.shared.synthetic import make_synthetic_root
+    p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
 
+
+def handle(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lf-ckpt-bench-") as work:
         root = os.path.join(work, "root")
-        make_synthetic_root(root, shards=4, samples_per_shard=16)
-        results = [_run(m, args, root, work, i) for i in range(args.repeats) for m in MODES]
+        data = root, synthetic_train_root(root, (16,) * 4)  # 64 samples of 2 frames per camera
+        results = [_run(m, args, data, work, i) for i in range(args.repeats) for m in MODES]
         summary = summarize(results)
         if args.delta_steps:
-            summary["delta"] = delta_run(args, root, work)
-    doc = {"benchmark": "checkpoint-stall", "args": vars(args), "summary": summary, "runs": results,
+            summary["delta"] = delta_run(args, data, work)
+    options = {k: v for k, v in vars(args).items() if not callable(v)}  # the parsed options, not the handler
+    doc = {"benchmark": "checkpoint-stall", "args": options, "summary": summary, "runs": results,
            "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -165,7 +168,3 @@ def main(argv=None) -> int:
         print(f"delta {d} steps after the full save: {100 * v['bytes_ratio']:.1f}% of its bytes, save time "
               f"{'n/a' if st is None else f'{100 * st:.0f}%'} of the full save's")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,6 +16,8 @@ rates are kept in the row's `extra`.
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 from contextlib import contextmanager
 
@@ -40,7 +42,7 @@ def _one_thread():
 
 
 def _batch_frames(ctx: Context):
-    ds = ctx.prep.index.dataset
+    ds = ctx.prep.info
     return random_batches(ctx.cfg.batch_size * ds.frames_per_sample, ds.height, ds.width, len(ds.slots), ctx.cfg.seed)
 
 
@@ -54,7 +56,7 @@ def random_batches(frames: int, height: int, width: int, batches: int = 1, seed:
 
 def measure(ctx: Context, batches: int = 15) -> dict[str, dict[str, Stat]]:
     """{"old"|"ops"|"new": {"cpu": frames/CPU-s, "wall": frames/s}} over `batches` interleaved batches."""
-    ds = ctx.prep.index.dataset
+    ds = ctx.prep.info
     return measure_frames(_batch_frames(ctx), ds.color_matrix, ds.color_range, batches)
 
 
@@ -84,7 +86,7 @@ def conversion_rate(ctx: Context) -> float:
     """samples/s of the loader's conversion alone (wall clock, one thread), for
     P3's note: what one batch's conversion costs the prefetch thread."""
     new = ctx.measured.get("conversion") or measure(ctx)
-    ds = ctx.prep.index.dataset
+    ds = ctx.prep.info
     return new["new"]["wall"].median / (ds.frames_per_sample * len(ds.slots))
 
 
@@ -95,7 +97,7 @@ def conversion_row(ctx: Context) -> Row:
     ctx.measured["conversion"] = m
     old, new = m["old"]["cpu"], m["new"]["cpu"]
     r = ratio(new, old)
-    ds = ctx.prep.index.dataset
+    ds = ctx.prep.info
     jit = colorspace_jit.available()
     new_label = ("train.colorspace.nv12_to_input: one numba pass (colorspace_jit), bit-identical" if jit else
                  "train.colorspace.nv12_to_input: fused torch ops (numba not available), within 1 LSB")
@@ -142,19 +144,17 @@ def output_passes_only(nv12, matrix: str, color_range: str, *, mean: float, std:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The row alone, without preparing a dataset (what benchmarks/README.md quotes):
-    python -m loongforge.benchmarks.micro.conversion --size 256 --frames 32 --batches 15"""
-    import argparse
-    import os
-
-    p = argparse.ArgumentParser(description=main.__doc__)
+    loongforge bench conversion --size 256 --frames 32 --batches 15"""
     p.add_argument("--size", type=int, default=256, help="frame height and width")
     p.add_argument("--frames", type=int, default=32, help="frames per batch (bench: batch 8 x K 4)")
     p.add_argument("--batches", type=int, default=15, help="timed rounds, all conversions interleaved")
     p.add_argument("--matrix", default="bt601")
     p.add_argument("--range", dest="color_range", default="limited")
-    a = p.parse_args(argv)
+
+
+def handle(a: argparse.Namespace) -> int:
     from loongforge.train.data import colorspace_jit
     from loongforge.train.data.colorspace import nv12_to_input, nv12_to_input_ops, nv12_to_input_reference
 
@@ -168,14 +168,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{'numba pass' if colorspace_jit.available() else 'torch ops (no numba)'}, "
           f"kernel warm-up {colorspace_jit.warm_up() or 0:.2f} s")
     for name in m:
-        per_round = Stat.of(a / b for a, b in zip(m[name]["cpu"].values, old.values))  # same round, same load
+        per_round = Stat.of(x / y for x, y in zip(m[name]["cpu"].values, old.values))  # same round, same load
         print(f"  {name}: {m[name]['cpu'].median:,.0f} frames/CPU-s, {m[name]['wall'].median:,.0f} frames/s wall, "
               f"{per_round.median:.2f}x old [{per_round.min:.2f}-{per_round.max:.2f} over rounds]")
     print(f"  new / old: {ratio(m['new']['cpu'], old).median:.2f}x per CPU-second "
           f"(goal >= {CONVERSION_GOAL:.0f}x), {ratio(m['new']['wall'], m['old']['wall']).median:.2f}x wall")
     print(f"  floor / old: {ratio(m['floor']['cpu'], old).median:.2f}x: the output passes alone, the most any "
           "design with separate torch ops can reach")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

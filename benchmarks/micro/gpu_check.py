@@ -1,6 +1,6 @@
 """`make gpu-check`: everything only a GPU can check, in one short run (< 4 min on one H200).
 
-    python -m loongforge.benchmarks.micro.gpu_check [--out results/gpu] [--steps 20]
+    loongforge bench gpu-check [--out results/gpu] [--steps 20]
 
 1. every CUDA-only test: `pytest -m gpu tests` (the marker, not a list, so new GPU tests join);
 2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
@@ -25,6 +25,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+from loongforge.benchmarks.harness.dataset import synthetic_train_root
 from loongforge.benchmarks.harness.report import RESULTS_DIR, SOURCE_CHECKOUT
 
 REPO = str(SOURCE_CHECKOUT)
@@ -72,13 +73,14 @@ def gpu_tests(out_dir: str, timeout: float) -> dict:
 
 
 def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
-              extra: tuple[str, ...] = ()) -> dict:
+              extra: tuple[str, ...] = (), data_flags: tuple[str, ...] = ()) -> dict:
     label = recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
     run_dir = os.path.join(work, label)
     a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up (and graph recording), 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
                             "--recipe", recipe, "--steps", str(steps), "--batch-size", "16", "--workers", "2",
-                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown", *extra], timeout)
+                            "--device", device, "--profile-steps", f"{a}:{b}", "--no-ds-breakdown", *data_flags,
+                            *extra], timeout)
     res = {"recipe": label, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
@@ -132,12 +134,13 @@ def launch_overhead(eager: dict, graphed: dict) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=os.path.join(str(RESULTS_DIR), "gpu"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip-tests", action="store_true", help="only the two training runs")
-    a = p.parse_args(argv)
+
+
+def handle(a: argparse.Namespace) -> int:
     env = environment()
     if not env["cuda_available"]:
         print(f"gpu-check: torch {env['torch']} sees no CUDA device (torch.version.cuda={env['cuda']}). On a GPU "
@@ -149,15 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     report["tests"] = {"ok": True, "skipped_by_flag": True} if a.skip_tests else gpu_tests(a.out, 180)
     with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
-        from loongforge.shared.synthetic import make_synthetic_root
-
         data = os.path.join(work, "shards")
-        make_synthetic_root(data, shards=4, samples_per_shard=64, frames=2, height=96, width=96)
+        flags = tuple(synthetic_train_root(data, (64,) * 4, height=96, width=96, shard_size=1 << 22))
         for recipe in RECIPES:
-            report["runs"].append(train_run(recipe, data, work, a.steps, 150))
-        graphed = train_run("tiny", data, work, a.steps, 150, extra=("--cuda-graphs",))
+            report["runs"].append(train_run(recipe, data, work, a.steps, 150, data_flags=flags))
+        graphed = train_run("tiny", data, work, a.steps, 150, extra=("--cuda-graphs",), data_flags=flags)
         report["runs"].append(graphed)
-        report["runs"].append(train_run("tiny", data, work, min(a.steps, 10), 150, extra=TOPK))
+        report["runs"].append(train_run("tiny", data, work, min(a.steps, 10), 150, extra=TOPK, data_flags=flags))
         report["launch_overhead"] = launch_overhead(report["runs"][0], graphed)
     report["seconds"] = round(time.monotonic() - t0, 1)
     report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"]) and report["launch_overhead"]["ok"]
@@ -181,7 +182,3 @@ def main(argv: list[str] | None = None) -> int:
         print(t.get("log_tail", ""))
     print(f"gpu-check {'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s: {base}.json, {base}.txt")
     return 0 if report["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
-"""Order scale: what building one epoch's v2 sample order costs ONE rank, lazy against full, same run.
+"""Order scale: what building one epoch's sample order costs ONE rank, lazy against full, same run.
 
-    python -m loongforge.benchmarks.micro.order_scale                          # 10 M and 100 M samples, 8 ranks
-    python -m loongforge.benchmarks.micro.order_scale --samples 1e6 --walk 1e6   # quick
+    loongforge bench order-scale                                  # 10 M and 100 M samples, 8 ranks
+    loongforge bench order-scale --samples 1e6 --walk 1e6         # quick
 
-`full` is `order_v2.block_sequence` + `rank_slice` (what BlockLoader did before: every rank
-built the whole epoch, ~5 int64 arrays per sample); `lazy` is `order_v2.EpochOrder` +
+`full` is `order.block_sequence` + `rank_slice` (what BlockLoader did before: every rank
+built the whole epoch, ~5 int64 arrays per sample); `lazy` is `order.EpochOrder` +
 `rank_ids` (what it does now: per (episode, block) group, one window expanded). Each cell
 is a fresh `python -c` process, as a rank starts: wall and CPU seconds to the rank's first
 micro batch, and its peak RSS (ru_maxrss, the interpreter and numpy included; `base` is
@@ -33,13 +33,11 @@ from loongforge.benchmarks.harness.report import RESULTS_DIR
 CHILD = r"""
 import hashlib, json, resource, sys, time
 import numpy as np
-from loongforge.benchmarks.micro.index_scale import _lengths
-from loongforge.train.data import order_v1 as order
-from loongforge.train.data.order import EpochOrder, block_sequence, rank_slice
-from loongforge.train.data.samples import SampleTable
+from loongforge.benchmarks.harness.dataset import EpochOrder, SampleTable, block_sequence, rank_slice
+from loongforge.benchmarks.micro.index_scale import episode_lengths
 mode, samples, block, run, window, batch, world, walk = sys.argv[1], *map(int, sys.argv[2:9])
 rank = world - 1
-table = SampleTable(_lengths(samples))
+table = SampleTable(episode_lengths(samples))
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 base = rss()
 t0, c0 = time.perf_counter(), time.process_time()
@@ -51,7 +49,7 @@ else:
 out = {"build_s": time.perf_counter() - t0, "build_cpu_s": time.process_time() - c0, "peak_mb": rss(),
        "base_mb": base, "first_sha": hashlib.sha256(first.tobytes()).hexdigest()[:16]}
 if mode == "lazy" and samples <= walk:
-    t0, c0, steps = time.perf_counter(), time.process_time(), order.plan_epoch(lazy.num_samples, batch).steps
+    t0, c0, steps = time.perf_counter(), time.process_time(), lazy.num_samples // batch  # the tail is dropped
     got = sum(len(lazy.rank_ids(c * batch, batch, rank, world)) for c in range(steps))
     out.update(walk_s=time.perf_counter() - t0, walk_cpu_s=time.process_time() - c0, walk_steps=steps,
                walk_samples=got, peak_after_walk_mb=rss())
@@ -91,8 +89,7 @@ def run(args) -> dict:
             "host": platform.node(), "python": sys.version.split()[0], "numpy": np.__version__}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.micro.order_scale", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=float, nargs="+", default=[10e6, 100e6])
     p.add_argument("--walk", type=float, default=10e6, help="walk the lazy rank's whole epoch up to this size")
     p.add_argument("--world", type=int, default=8)
@@ -100,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-frames", type=int, default=16)
     p.add_argument("--run", type=int, default=4)
     p.add_argument("--window", type=int, default=65536)
-    p.add_argument("--out", default=str(RESULTS_DIR))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
+
+
+def handle(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     doc = run(args)
     doc["load_avg"], doc["load_avg_end"] = load, os.getloadavg()
@@ -114,7 +113,3 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(doc, f, indent=1)
     print(f"results: {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

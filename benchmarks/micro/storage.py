@@ -1,31 +1,27 @@
-"""Storage of format 2 against the source mp4 and format 1, with decode CPU per frame.
+"""Storage of the shard root against the source mp4, with decode CPU per frame of each.
 
-    python -m loongforge.benchmarks.micro.storage                      # grain + camera footage, 4 episodes each
-    python -m loongforge.benchmarks.micro.storage --footage camera --episodes 2 --frames 60 80 --blocks 4,16  # quick
-    python -m loongforge.benchmarks.micro.storage --footage "" --lerobot /data/my_lerobot_root   # your real footage
+    loongforge bench storage                                       # grain + camera footage, 4 episodes each
+    loongforge bench storage --footage camera --episodes 2 --frames 60 80 --blocks 4,16   # quick
+    loongforge bench storage --footage "" --lerobot /data/my_lerobot_root                 # your real footage
 
-On GR00T-shaped data (`sample_data` preset gr00t-like: one 256x256 H.264
-camera, 20 fps, GOP 20, 44-D state/action; every timestep a sample), for each
-`--footage` kind: `grain` (the default sample footage: a scrolling noise
-texture, every pixel changes every frame: the worst case for storing decoded
-frames) and `camera` (sample_camera.py's fixed robot camera model: static
-scene, moving arm and cube, sensor noise before x264). The mp4s are decoded
-once (PyAV, as preprocess does), then written as real roots: format 2 with
-blocks of B frames for each B and each block codec (`RootWriterV2`, shards +
-tables + index.json), and format 1 with K=1, stride 1, H=16 (one sample per
-timestep, what GR00T semantics cost in v1). Bytes are the whole root on disk
-over the source mp4 bytes; "block ratio" is raw NV12 bytes over the stored
-block (v1: frame) bytes, the figure issue 12 quotes as ~17.7:1 for 16-frame
-blocks of the real GR00T demo data. Decode CPU per frame is `time.thread_time`
-over reading every frame back through the library reader (range read + xxh3 +
-zstd (+ the codec's inverse) into a reused buffer; v1: its per-sample reader),
-best of `--repeats`. Loader samples/s: the decode worker's body
-(`loader_v2.v2_row`: V2Filler over BlockLoader's order, run 4, 256 MiB LRU, one
-process) for `--loader-batches` batches of 32. `--levels 3,9` adds rows at
-other zstd levels for B=`--level-block`. `--lerobot ROOT` measures an existing LeRobot
-v2.x root instead (real footage: its own mp4s are the reference, its own GOP and
-codec). Prints markdown tables, writes
-results/storage-v2-<date>-<host>.json.
+On GR00T-shaped data (`sample_data` preset gr00t-like: one 256x256 H.264 camera, 20 fps,
+GOP 20, 44-D state/action; every timestep a sample), for each `--footage` kind: `grain` (the
+default sample footage: a scrolling noise texture, every pixel changes every frame: the worst
+case for storing decoded frames) and `camera` (sample_camera.py's fixed robot camera model:
+static scene, moving arm and cube, sensor noise before x264). The baseline is the source mp4
+itself, what an on-the-fly loader reads today: its bytes, and the CPU its sequential decode to
+NV12 costs per frame (PyAV, one thread, as preprocess decodes; a random sample read costs more:
+it decodes from the keyframe before it). The mp4s are decoded once, then written as real roots
+with blocks of B frames for each B and each block codec (`RootWriter`: shards + tables +
+index.json). Bytes are the whole root on disk over the source mp4 bytes; "block ratio" is raw
+NV12 bytes over the stored block bytes (~17.7:1 measured for 16-frame blocks of the real GR00T
+demo data). Decode CPU per frame is `time.thread_time` over reading every frame back through the
+library reader (range read + xxh3 + zstd (+ the codec's inverse) into a reused buffer), best of
+`--repeats`. Loader samples/s: the decode worker's body (block_loader.worker_row: the block
+filler over BlockLoader's order, run 4, 256 MiB LRU, one process) for `--loader-batches` batches
+of 32. `--levels 3,9` adds rows at other zstd levels for B=`--level-block`. `--lerobot ROOT`
+measures an existing LeRobot v2.x root instead (real footage: its own mp4s are the reference,
+its own GOP and codec). Prints markdown tables, writes results/storage-<date>-<host>.json.
 """
 
 from __future__ import annotations
@@ -40,39 +36,32 @@ import time
 
 import numpy as np
 
+from loongforge.benchmarks.harness.dataset import RootWriter, open_root, synthetic_dataset_info
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.episode import read_episode
-from loongforge.preprocess.sample_data import generate_preset
 from loongforge.shared import paths
-from loongforge.shared.dataset_v2 import open_v2
-from loongforge.shared.format import Sample, decompress_into, pack_sample
-from loongforge.shared.index import ShardIndex, save_index
-from loongforge.shared.reader import ShardReader
-from loongforge.shared.writer import write_shard
-from loongforge.shared.writer_v2 import RootWriterV2
-
-H = 16  # v1 action horizon (GR00T's)
 
 
-def load_source(root: str) -> tuple[list, dict, int]:
-    """[(episode, {slot: nv12}, table)], dataset info, mp4 bytes."""
+def load_source(root: str) -> tuple[list, dict, int, float]:
+    """[(episode, {slot: nv12}, table)], dataset info, mp4 bytes, CPU seconds of decoding the mp4s."""
+    from loongforge.preprocess.decode import decode_nv12
+    from loongforge.preprocess.discover import discover
+    from loongforge.preprocess.episode import read_episode
+
     meta, episodes = discover(root)
-    out, mp4 = [], 0
+    out, mp4, decode_cpu = [], 0, 0.0
     for spec in episodes:
         table = read_episode(spec, meta)
         frames = {}
         for key, path in spec.videos:
+            t = time.process_time()  # one decoding thread (decode_nv12's default), whatever the process holds
             frames[paths.camera_slot(key)] = decode_nv12(path, table.length)[0]
+            decode_cpu += time.process_time() - t
             mp4 += os.path.getsize(path)
         out.append((spec.index, frames, table))
     h, w = out[0][1][meta.cameras[0].slot].shape[1:]
-    from loongforge.shared.synthetic_v2 import synthetic_dataset_info
-
     info = synthetic_dataset_info(h * 2 // 3, w, tuple(c.slot for c in meta.cameras), meta.state_dim,
                                   meta.action_dim)
-    return out, info, mp4
+    return out, info, mp4, decode_cpu
 
 
 def _root_bytes(root: str) -> int:
@@ -88,12 +77,12 @@ def _cpu_best(fn, repeats: int) -> float:
     return best
 
 
-def _write_v2(root: str, episodes, info, block: int, codec: str, level: int) -> float:
+def _write_root(root: str, episodes, info, block: int, codec: str, level: int) -> float:
     """Write the root; returns the encode CPU seconds."""
     from loongforge.preprocess.convert import episode_arrays
 
     t = time.thread_time()
-    with RootWriterV2(root, info, block_size=block, block_codec=codec, zstd_level=level) as w:
+    with RootWriter(root, info, block_size=block, block_codec=codec, zstd_level=level) as w:
         for ep, frames, table in episodes:
             w.add_episode(ep, frames, episode_arrays(table))
     return time.thread_time() - t
@@ -111,18 +100,18 @@ def _reader(ds, block: int):
     return read_all, buf
 
 
-def measure_v2(work: str, episodes, info, block: int, repeats: int, codec: str = "zstd", level: int = 3,
-               loader_batches: int = 0) -> dict:
-    root = os.path.join(work, f"v2-b{block}-{codec}-{level}")
-    encode_cpu = _write_v2(root, episodes, info, block, codec, level)
-    ds = open_v2(root)
+def measure_root(work: str, episodes, info, block: int, repeats: int, codec: str = "zstd", level: int = 3,
+                 loader_batches: int = 0) -> dict:
+    root = os.path.join(work, f"b{block}-{codec}-{level}")
+    encode_cpu = _write_root(root, episodes, info, block, codec, level)
+    ds = open_root(root)
     read_all, buf = _reader(ds, block)
 
     frames = ds.num_frames * len(ds.cameras)
     cpu = _cpu_best(read_all, repeats)
     nblocks = int(ds.manifest["blocks"])
     stored = int(np.asarray(ds.tables["blocks"])[:, 1].sum())
-    row = {"format": f"v2 B={block}", "codec": codec, "zstd_level": level, "bytes": _root_bytes(root),
+    row = {"format": f"blocks B={block}", "codec": codec, "zstd_level": level, "bytes": _root_bytes(root),
            "frames": frames, "block_ratio": frames * buf[0].nbytes / stored,
            "decode_cpu_us_per_frame": cpu / frames * 1e6, "encode_cpu_us_per_frame": encode_cpu / frames * 1e6,
            # a sample read out of order decodes its whole block (until a block cache holds it)
@@ -139,8 +128,8 @@ def codec_decode_cost(work: str, episodes, info, block: int, codecs: list[str], 
     readers, times = {}, {c: [] for c in codecs}
     for codec in codecs:
         root = os.path.join(work, f"decode-{codec}")
-        _write_v2(root, episodes, info, block, codec, 3)
-        ds = open_v2(root)
+        _write_root(root, episodes, info, block, codec, 3)
+        ds = open_root(root)
         readers[codec] = (_reader(ds, block)[0], ds.num_frames * len(ds.cameras))
     for _ in range(rounds):
         for codec, (read_all, frames) in readers.items():
@@ -154,52 +143,12 @@ def codec_decode_cost(work: str, episodes, info, block: int, codecs: list[str], 
 
 
 def _loader(root: str, batches: int, batch: int) -> dict:
-    """The decode worker's body over the loader's order (loader_v2's v2 row, 1 worker, 256 MiB LRU)."""
-    from loongforge.benchmarks.loader.block_loader import v2_row
+    """The decode worker's body over the loader's order (block_loader.worker_row, 1 worker, 256 MiB LRU)."""
+    from loongforge.benchmarks.loader.block_loader import worker_row
 
-    r = v2_row(root, batch=batch, max_batches=batches, run=4, window=65536)
+    r = worker_row(root, batch=batch, max_batches=batches, run=4, window=65536)
     return {"loader_samples_per_s": r["samples_per_s"], "loader_cpu_us_per_sample": r["cpu_us_per_sample"],
             "loader_block_decodes_per_sample": r["block_decodes_per_sample"]}
-
-
-def measure_v1(work: str, episodes, info, repeats: int) -> dict:
-    """K=1, stride 1, H=16: one sample per timestep, each its own frame, state row and action chunk."""
-    import dataclasses
-
-    root = os.path.join(work, "v1-k1")
-    t = time.thread_time()
-    fragments = []
-    for ep, frames, table in episodes:
-        n = table.length
-        for f in range(n):
-            rows = np.minimum(np.arange(f, f + H), n - 1)
-            s = Sample(key=paths.sample_key(ep, f), episode=ep, frame_indices=table.frame_index[f : f + 1],
-                       timestamps=table.timestamps[f : f + 1], frames={k: v[f : f + 1] for k, v in frames.items()},
-                       state=table.state[f : f + 1], action=table.action[rows], action_valid=min(H, n - f),
-                       task="task", task_index=int(table.task_index[f]))
-            fragments.append((s.key, 1, pack_sample(s)))
-    entries, per = [], 2000
-    for i in range(0, len(fragments), per):
-        entries.append(write_shard(root, paths.shard_name(i // per), fragments[i : i + per]))
-    encode_cpu = time.thread_time() - t
-    ds = dataclasses.replace(info, frames_per_sample=1, action_horizon=H)
-    save_index(ShardIndex(dataset=ds, shards=tuple(entries), episodes=len(episodes)), root)
-    reader = ShardReader(root)
-    buf = np.empty((1, info.height * 3 // 2, info.width), np.uint8)
-    slots = info.slots
-
-    def read_all():
-        for n in range(len(reader)):
-            parts = reader.parts(n)  # range read + xxh3 + tar headers
-            for slot in slots:
-                decompress_into(parts.frames_blob(slot), buf)
-
-    frames = len(reader) * len(slots)
-    cpu = _cpu_best(read_all, repeats)
-    stored = sum(len(reader.parts(n).frames_blob(slot)) for n in range(len(reader)) for slot in slots)
-    return {"format": "v1 K=1 stride 1", "codec": "zstd", "zstd_level": 3, "bytes": _root_bytes(root),
-            "frames": frames, "block_ratio": frames * buf[0].nbytes / stored,
-            "decode_cpu_us_per_frame": cpu / frames * 1e6, "encode_cpu_us_per_frame": encode_cpu / frames * 1e6}
 
 
 def markdown(part: dict) -> str:
@@ -214,24 +163,27 @@ def markdown(part: dict) -> str:
                      f"{block:.0f} | {r['encode_cpu_us_per_frame']:.1f} | {loader} |")
     src = f"source mp4 ({part['gop']})" if "source" in part else f"source mp4 (H.264 CRF 23, GOP {part['gop']})"
     lines.append(f"| {src} | - | - | {part['mp4_bytes'] / 1e6:.2f} | 1.00 | "
-                 f"{part['raw_bytes'] / part['mp4_bytes']:.0f} | - | - | - | - |")
+                 f"{part['raw_bytes'] / part['mp4_bytes']:.0f} | {part['mp4_decode_cpu_us_per_frame']:.1f} "
+                 "(sequential, to NV12) | - | - | - |")
     return "\n".join(lines)
 
 
 def run_footage(work: str, footage: str, args) -> dict:
+    from loongforge.preprocess.sample_data import generate_preset
+
     src = os.path.join(work, f"gr00t-like-{footage}")
     generate_preset(src, "gr00t-like", episodes=args.episodes, frames=tuple(args.frames), gop=args.gop, quirks=(),
                     footage=footage)
-    eps, info, mp4 = load_source(src)
+    eps, info, mp4, decode_cpu = load_source(src)
     shutil.rmtree(src)
-    return measure_source(work, eps, info, mp4, args, gop=args.gop)
+    return measure_source(work, eps, info, mp4, decode_cpu, args, gop=args.gop)
 
 
 def run_lerobot(work: str, root: str, args) -> dict:
     """The same table on an existing LeRobot root: its mp4s (codec, GOP, bitrate as recorded) are the reference."""
-    eps, info, mp4 = load_source(root)
-    # the loader column's worker body is built for the gr00t-like shape (loader_v2.v2_row): not measured here
-    part = measure_source(work, eps, info, mp4, argparse.Namespace(**{**vars(args), "loader_batches": 0}),
+    eps, info, mp4, decode_cpu = load_source(root)
+    # the loader column's worker body is built for the gr00t-like shape (block_loader.worker_row): not measured here
+    part = measure_source(work, eps, info, mp4, decode_cpu, argparse.Namespace(**{**vars(args), "loader_batches": 0}),
                           gop=_source_gop(root))
     part["episodes"], part["source"] = len(eps), os.path.abspath(root)
     return part
@@ -250,20 +202,22 @@ def _source_gop(root: str) -> str:
     return f"{name}, {sum(keys)} keyframes in {len(keys)} frames"
 
 
-def measure_source(work: str, eps, info, mp4: int, args, gop) -> dict:
-    rows = [measure_v1(work, eps, info, args.repeats)]
-    shutil.rmtree(os.path.join(work, "v1-k1"))
+def measure_source(work: str, eps, info, mp4: int, mp4_decode_cpu: float, args, gop) -> dict:
+    rows = []
     for b in args.blocks:
-        rows += [measure_v2(work, eps, info, b, args.repeats, codec, 3, args.loader_batches) for codec in args.codecs]
+        rows += [measure_root(work, eps, info, b, args.repeats, codec, 3, args.loader_batches)
+                 for codec in args.codecs]
     for level in (lv for lv in args.levels if lv != 3):
-        rows += [measure_v2(work, eps, info, args.level_block, args.repeats, codec, level) for codec in args.codecs]
+        rows += [measure_root(work, eps, info, args.level_block, args.repeats, codec, level) for codec in args.codecs]
     decode = codec_decode_cost(work, eps, info, args.level_block, args.codecs, args.decode_rounds) \
         if args.decode_rounds else None
     raw = sum(f.nbytes for _, frames, _ in eps for f in frames.values())
     for r in rows:
         r["over_mp4"] = r["bytes"] / mp4
+    frames = sum(t.length for _, _, t in eps)
     return {"rows": rows, "decode_interleaved": decode, "mp4_bytes": mp4, "raw_bytes": raw,
-            "frames": sum(t.length for _, _, t in eps), "episodes": args.episodes, "gop": gop,
+            "mp4_decode_cpu_us_per_frame": mp4_decode_cpu / (frames * len(info.slots)) * 1e6,
+            "frames": frames, "episodes": args.episodes, "gop": gop,
             "resolution": [info.height, info.width]}
 
 
@@ -271,8 +225,7 @@ def _csv(text: str, cast=str) -> list:
     return [cast(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.micro.storage", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--footage", default="grain,camera", help="sample footage kinds (grain,camera; FOOTAGE_KINDS)")
     p.add_argument("--lerobot", default="", help="comma-separated LeRobot roots to measure as they are (real footage)")
     p.add_argument("--episodes", type=int, default=4)
@@ -286,16 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader-batches", type=int, default=20, help="batches of 32 for the loader column (0: skip)")
     p.add_argument("--gop", type=int, default=20, help="source keyframe interval (20, the gr00t-like preset's)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(RESULTS_DIR))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
+
+
+def handle(args: argparse.Namespace) -> int:
+    if not _csv(args.footage) and not _csv(args.lerobot):
+        print("loongforge bench storage: error: nothing to measure: give --footage kinds and/or --lerobot roots",
+              file=sys.stderr)
+        return 2
     args.blocks, args.codecs, args.levels = _csv(args.blocks, int), _csv(args.codecs), _csv(args.levels, int)
-    doc = {"benchmark": "storage-v2", "load_avg": os.getloadavg(), "host": platform.node(), "repeats": args.repeats,
+    doc = {"benchmark": "storage", "load_avg": os.getloadavg(), "host": platform.node(), "repeats": args.repeats,
            "codecs": args.codecs, "footage": {}}
-    with tempfile.TemporaryDirectory(prefix="storage-v2-") as work:
+    with tempfile.TemporaryDirectory(prefix="storage-") as work:
         sources = [(f, lambda f=f: run_footage(work, f, args)) for f in _csv(args.footage)] + \
             [(f"lerobot:{r}", lambda r=r: run_lerobot(work, r, args)) for r in _csv(args.lerobot)]
-        if not sources:
-            p.error("nothing to measure: give --footage kinds and/or --lerobot roots")
         for footage, run in sources:
             doc["footage"][footage] = part = run()
             print(f"\n{footage} footage: {part['frames']} frames, {part['episodes']} episodes, load average "
@@ -306,9 +263,5 @@ def main(argv: list[str] | None = None) -> int:
                       ", ".join(f"{c} {us:.1f} us" for c, us in d["us_per_frame"].items()), flush=True)
     doc["load_avg_end"] = os.getloadavg()
     print(f"\nload average {doc['load_avg'][0]:.2f} -> {doc['load_avg_end'][0]:.2f}")
-    write_timestamped(args.out, "storage-v2", doc)
+    write_timestamped(args.out, "storage", doc)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

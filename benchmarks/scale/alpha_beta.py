@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-PARAM_GROUPS = ("dp", "sp_dp", "world")  # gradient / parameter traffic (ZeRO)
-ACT_GROUPS = ("tp", "sp")  # activation traffic (TP all-reduces, Ulysses all-to-alls)
+ACT_GROUPS = ("tp", "sp")  # activation traffic (TP all-reduces, Ulysses all-to-alls); the rest (dp, sp_dp,
+# world) is gradient / parameter traffic (ZeRO)
 
 
 @dataclass(frozen=True, slots=True)

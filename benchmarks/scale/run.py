@@ -15,6 +15,7 @@ Writes results/scale-<date>.json and .png.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import logging
@@ -22,37 +23,26 @@ import os
 import tempfile
 from pathlib import Path
 
+from loongforge.benchmarks.harness.dataset import TRAIN_DELTAS, synthetic_train_root
+from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.scale import alpha_beta as ab
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-SEED_COMPUTE_S = 4.15 - 1.29  # the seed's 32-GPU step minus its comm (issue 9): GPU compute per step, 1.6b
+SEED_COMPUTE_S = 4.15 - 1.29  # the seed's 32-GPU step minus its comm: GPU compute per step, 1.6b
 
 
-V2_VIDEO_DELTAS = "-1,0"  # format 2: 2 frames per camera per sample, the v1 synthetic root's K
+def scale_data(workdir: str, samples: int) -> tuple[str, list[str]]:
+    """(root, extra trainer flags) of a small synthetic shard root: episodes of 16 frames,
+    16x16, 2 cameras, read with 2 frames per camera; written once per workdir."""
+    root = os.path.join(workdir, "data")
+    return root, synthetic_train_root(root, (16,) * -(-samples // 16))
 
 
-def scale_data(workdir: str, samples: int, version: int) -> tuple[str, list[str]]:
-    """(root, extra trainer flags) of a small synthetic root of `version`: format 2 (the default,
-    what preprocess writes) is episodes of 16 frames, 16x16, 2 cameras, read with 2 frames per
-    camera; format 1 is jobs.synthetic_data's root of 2-frame samples (same shapes)."""
+def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str) -> list[dict]:
     from loongforge.train.tune import jobs
 
-    if version == 1:
-        return jobs.synthetic_data(workdir, samples=samples), []
-    from loongforge.shared.synthetic_v2 import make_synthetic_v2_root
-
-    root = os.path.join(workdir, "data-v2")
-    if not os.path.exists(os.path.join(root, "index.json")):
-        make_synthetic_v2_root(root, lengths=(16,) * -(-samples // 16))
-    return root, [f"--video-deltas={V2_VIDEO_DELTAS}"]
-
-
-def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir: str, device: str,
-            version: int = 2) -> list[dict]:
-    from loongforge.train.tune import jobs
-
-    data, data_flags = scale_data(workdir, max(64, 4 * micro_batch * max(ranks)), version)
+    data, data_flags = scale_data(workdir, max(64, 4 * micro_batch * max(ranks)))
     rows = []
     for spec in plans:
         plan, flags = jobs.plan_args(spec)
@@ -77,26 +67,18 @@ def _split_params(model) -> int:
                + blk.proj.weight.numel() + blk.fc2.weight.numel() for blk in model.blocks)
 
 
-def recipe_sizes(measured: str, target: str, workdir: str, version: int = 2) -> dict:
+def recipe_sizes(measured: str, target: str, workdir: str) -> dict:
     """Parameters (all, and TP-split) and trunk activation size (dim x depth x tokens) of the
     measured and the target recipe, on the measured data layout."""
     import torch
 
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model import recipes
     from loongforge.train.model.model import VLAModel, count_parameters
 
-    if version == 2:
-        from loongforge.train.config import DataConfig
-        from loongforge.train.data.training_data import load_training_data
-
-        deltas = tuple(int(x) for x in V2_VIDEO_DELTAS.split(","))
-        index = load_training_data(DataConfig(root=os.path.join(workdir, "data-v2"), video_deltas=deltas))
-        frames = index.max_frames
-    else:
-        from loongforge.shared.index import load_index
-
-        index = load_index(os.path.join(workdir, "data"))
-        frames = max(max(s.frames) for s in index.shards)
+    index = load_training_data(DataConfig(root=os.path.join(workdir, "data"), video_deltas=TRAIN_DELTAS))
+    frames = index.max_frames
     out = {}
     for role, name in (("measured", measured), ("target", target)):
         c = recipes.resolve(name, index, max_text_tokens=32, max_frames=frames)
@@ -147,16 +129,17 @@ def reproject(doc: dict, *, hw: ab.Hardware, sizes, compute_s: float, dtype_byte
     return doc
 
 
-def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", out_dir: Path, hw=ab.Hardware(),
-        sizes=(32, 64, 128), project_recipe="1.6b", compute_s=SEED_COMPUTE_S, dtype_bytes=2, workdir=None,
-        plot=True, version: int = 2) -> tuple:
+def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", out_dir: Path = RESULTS_DIR,
+        hw=ab.Hardware(), sizes=(32, 64, 128), project_recipe="1.6b", compute_s=SEED_COMPUTE_S, dtype_bytes=2,
+        workdir=None, plot=True) -> tuple:
     with tempfile.TemporaryDirectory(prefix="loongforge-scale-") as tmp:
         work = workdir or tmp
         rows = measure(ranks, plans, recipe=recipe, steps=steps, micro_batch=micro_batch, workdir=work,
-                       device=device, version=version)
-        sizes_of = recipe_sizes(recipe, project_recipe, work, version)
+                       device=device)
+        sizes_of = recipe_sizes(recipe, project_recipe, work)
     doc = {"version": FORMAT_VERSION, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "device": device, "recipe": recipe, "steps": steps, "data_format_version": version,
+           "device": device, "recipe": recipe, "steps": steps, "data": f"synthetic shard root, video deltas "
+           f"{TRAIN_DELTAS}",
            "micro_batch_per_replica": micro_batch,
            "load_avg": os.getloadavg()[0], "measured": rows,
            "projection_inputs": {"hardware": hw.to_dict(), "recipe": project_recipe, "recipes": sizes_of,
@@ -174,3 +157,60 @@ def save(doc: dict, path: Path, plot: bool = True) -> Path:
 
         draw(doc, path.with_suffix(".png"))
     return path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated counts, e.g. 1,2,4,8") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must be >= 1")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=_ints, default=(1, 2, 4, 8), help="rank counts to run (default 1,2,4,8)")
+    p.add_argument("--plan", action="append", help="dp or tp=T,sp=S[,zero=Z][,compress=R]; repeat to compare "
+                                                   "(default: dp and tp=2,sp=2)")
+    p.add_argument("--recipe", default="tiny", help="recipe the jobs train (default tiny)")
+    p.add_argument("--micro-batch", type=int, default=2, help="samples per data-parallel replica per step")
+    p.add_argument("--steps", type=int, default=4, help="steps per job (the first is warm-up)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--project-to", type=_ints, default=(32, 64, 128), help="GPU counts to project to")
+    p.add_argument("--project-recipe", default="1.6b", help="recipe whose bytes the projection scales to")
+    p.add_argument("--compute-s", type=float, default=SEED_COMPUTE_S, help="GPU compute seconds per step at the "
+                   "projected sizes (default 2.86: the seed's 4.15 s step minus its 1.29 s comm, 1.6b on 32 GPUs)")
+    p.add_argument("--nvlink-gbps", type=float, default=150.0, help="achieved NVLink GB/s per GPU")
+    p.add_argument("--nvlink-latency-us", type=float, default=5.0)
+    p.add_argument("--ib-gbps", type=float, default=40.0, help="achieved InfiniBand GB/s per GPU")
+    p.add_argument("--ib-latency-us", type=float, default=10.0)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--from-json", type=Path, default=None, help="re-project an earlier scale JSON with these "
+                   "inputs (no new measurement); writes <name>-reprojected.json/.png beside it")
+    p.add_argument("--dtype-bytes", type=int, default=2, choices=(2, 4), help="bytes per element on the GPUs "
+                   "(2: bf16, as the trainer on CUDA; the gloo runs measure fp32)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})")
+    p.add_argument("--workdir", type=Path, help="keep the synthetic root and the run directories here")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from loongforge.benchmarks.scale.report import tables
+
+    hw = ab.Hardware(gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
+                     nvlink_latency_us=args.nvlink_latency_us, ib_gbps=args.ib_gbps, ib_latency_us=args.ib_latency_us)
+    if args.from_json:
+        doc = reproject(json.loads(args.from_json.read_text()), hw=hw, sizes=args.project_to,
+                        compute_s=args.compute_s, dtype_bytes=args.dtype_bytes)
+        path = save(doc, args.from_json.with_name(args.from_json.stem + "-reprojected.json"), plot=not args.no_plot)
+        print(tables(doc))
+        print(f"\nresults: {path}")
+        return 0
+    doc, path = run(args.ranks, args.plan or ["dp", "tp=2,sp=2"], recipe=args.recipe, steps=args.steps,
+                    micro_batch=args.micro_batch, device=args.device, out_dir=args.out, hw=hw, sizes=args.project_to,
+                    project_recipe=args.project_recipe, compute_s=args.compute_s, dtype_bytes=args.dtype_bytes,
+                    workdir=str(args.workdir) if args.workdir else None, plot=not args.no_plot)
+    print(tables(doc))
+    print(f"\nresults: {path}" + ("" if args.no_plot else f" (plot: {path.with_suffix('.png')})"))
+    return 0

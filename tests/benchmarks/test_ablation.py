@@ -148,27 +148,67 @@ def test_quick_ablation_produces_a_consistent_table(tmp_path):
     print(f"quick ablation wall {wall:.0f} s, load {os.getloadavg()}")
 
 
-def test_baseline_collate_pads_short_windows_and_masks_them():
+@pytest.fixture(scope="module")
+def shard_root(lerobot_root, tmp_path_factory):
+    """The conftest's LeRobot dataset through the real `loongforge preprocess`."""
+    from loongforge.benchmarks.harness.config import BenchConfig
+    from loongforge.benchmarks.harness.data import transcode
+
+    cfg = BenchConfig(episodes=2, episode_frames=(150, 160), height=32, width=32, gop=100, gops=(100,),
+                      shard_size="1MB", preprocess_workers=1)
+    out = tmp_path_factory.mktemp("ablation") / "shards"
+    transcode(cfg, lerobot_root, out)
+    return str(out)
+
+
+def _trainer_loader(shards: str, rank: int, world: int):
+    """The loader a trainer rank of a ladder row builds: the row's `loongforge train` arguments, parsed."""
+    import argparse
+
+    from loongforge.train.data.training_data import load_training_data, make_loader
+    from loongforge.train.launch import add_train_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    argv = train_argv(Setting(), shards=shards, run_dir="unused", recipe="tiny", batch=8, steps=12, seed=0,
+                      cuda=False, cache_socket=None)
+    d = config_from_args(p.parse_args(argv)).data
+    return make_loader(d, load_training_data(d), batch_size=8, rank=rank, world=world, device="cpu")
+
+
+def test_baseline_row_serves_the_fast_paths_samples_in_its_order(lerobot_root, shard_root):
+    """Row 0's on-the-fly PyAV loader and the trainer's loader of the same row, rank 1 of 2: per step the
+    same sample ids (the global order, this rank's slice, across the epoch boundary) and the same samples:
+    K=4 frames at deltas -3..0 (clamped at an episode start) every 4th t, state, action chunk and its
+    validity, task tokens; frames equal up to the transcode's NV12 round trip."""
+    from itertools import islice
+
+    from loongforge.benchmarks.ablation.rank import BaselineLoader
+
+    steps = 12  # an epoch is ~78 samples / 8 = 9 steps: the plan rolls over inside this run
+    with _trainer_loader(shard_root, 1, 2) as fast:
+        assert fast.deltas.video == (-3, -2, -1, 0) and fast.stride == 4
+        ours = list(islice(fast, steps))
+    base = BaselineLoader(_trainer_loader(shard_root, 1, 2), str(lerobot_root), num_workers=0, steps=steps)
+    try:
+        theirs = list(islice(iter(base), steps))
+    finally:
+        base.close()
+    assert {b["meta"]["epoch"] for b in ours} == {0, 1}
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["meta"]["sample_ids"].tolist() == b["meta"]["sample_ids"].tolist() == b["sample_ids"].tolist()
+        assert (a["meta"]["epoch"], a["meta"]["consumed"]) == (b["meta"]["epoch"], b["meta"]["consumed"])
+        for key in ("state", "action"):
+            torch_close(a[key], b[key], 1e-5)
+        for key in ("action_valid", "frame_mask", "task_tokens", "task_mask", "sample_valid"):
+            assert a[key].tolist() == b[key].tolist(), key
+        for slot, frames in a["frames"].items():
+            assert frames.shape == b["frames"][slot].shape
+            assert float((frames - b["frames"][slot]).abs().mean()) < 0.15  # 0.04 of the RGB range, std 0.25
+    assert base.state_dict()["consumed"] == fast.state_dict()["consumed"]  # the inner loader's state follows
+
+
+def torch_close(a, b, atol: float) -> None:
     import torch
 
-    from loongforge.benchmarks.ablation.rank import pad_collate
-
-    def item(k):
-        return {"frames": {"ego": torch.ones(k, 3, 2, 2)}, "state": torch.ones(k, 3),
-                "frame_mask": torch.ones(k, dtype=torch.bool), "action": torch.zeros(4, 2)}
-
-    b = pad_collate([item(4), item(2)])  # an episode-end window holds 2 of K = 4 frames
-    assert b["frames"]["ego"].shape == (2, 4, 3, 2, 2) and b["state"].shape == (2, 4, 3)
-    assert b["frame_mask"].tolist() == [[True] * 4, [True, True, False, False]]
-    assert b["frames"]["ego"][1, 2:].abs().sum() == 0 and b["action"].shape == (2, 4, 2)
-
-
-def test_bench_cli_keeps_its_flags_and_routes_ablation():
-    from loongforge.cli import build_parser
-
-    p = build_parser()
-    plain = p.parse_args(["bench", "--quick", "--workers", "0,1"])
-    assert plain.func.__module__ == "loongforge.benchmarks.cli" and plain.workers == (0, 1)
-    abl = p.parse_args(["bench", "ablation", "--ranks", "8", "--rows", "0,C10"])
-    assert abl.func.__module__ == "loongforge.benchmarks.ablation.cli" and abl.ranks == 8
-    assert abl.rows == ("0", "C10")
+    assert torch.allclose(a.float(), b.float(), atol=atol), float((a.float() - b.float()).abs().max())

@@ -17,7 +17,7 @@ CAM = "observation.images.ego_view"
 def test_pyav_seek_decode_matches_sequential_decode(lerobot_root, decode_all, frames):
     # Windows inside the first GOP, across the keyframe at 100, inside the second
     # GOP (needs the seek to land on 100, not 0), and sparse.
-    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames)], action_horizon=4)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames[-1], frames)], action_horizon=4)
     path = ds.video_file(0, CAM)
     truth = decode_all(path)[list(frames)]
     got = decode_frames_pyav(path, [f / ds.fps for f in frames], ds.tolerance_s)
@@ -27,7 +27,7 @@ def test_pyav_seek_decode_matches_sequential_decode(lerobot_root, decode_all, fr
 @pytest.mark.parametrize("frames", [(0, 1, 2, 3), (96, 98, 100, 102), (120, 121, 122, 123)])
 def test_threaded_pyav_decodes_the_same_frames(lerobot_root, decode_all, frames):
     # The second baseline (thread_type="AUTO"): FFmpeg's frame threads must not change what a window holds.
-    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames)], action_horizon=4, backend="pyav-threaded")
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, frames[-1], frames)], action_horizon=4, backend="pyav-threaded")
     path = ds.video_file(0, CAM)
     np.testing.assert_array_equal(ds.decode(0, CAM, [f / ds.fps for f in frames]), decode_all(path)[list(frames)])
 
@@ -41,8 +41,8 @@ def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobo
     cfg = BenchConfig(episodes=2, episode_frames=(150, 160), height=32, width=32, gop=100, gops=(2, 100), seed=3)
     roots = generate_gops(cfg, tmp_path, lerobot_root)
     assert set(roots) == {2, 100} and roots[100] == str(lerobot_root)
-    short = LeRobotVideoDataset(roots[2], [Window(0, (0,))], action_horizon=4)
-    long_ = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    short = LeRobotVideoDataset(roots[2], [Window(0, 0, (0,))], action_horizon=4)
+    long_ = LeRobotVideoDataset(lerobot_root, [Window(0, 0, (0,))], action_horizon=4)
     a, b = decode_all(short.video_file(0, CAM)), decode_all(long_.video_file(0, CAM))
     assert a.shape == b.shape
     # Same source pixels: frame 0 is a keyframe in both encodings (later frames differ by
@@ -50,7 +50,7 @@ def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobo
     assert float(np.abs(a[0].astype(np.int16) - b[0]).mean()) < 1.0
     first, ts = decode_span(short.video_file(0, CAM), 121 / short.fps, 123 / short.fps)
     assert ts[0] == pytest.approx(120 / short.fps)  # GOP 2: the seek lands one frame back, not on 100
-    windows = [Window(0, (121, 122, 123)), Window(0, (100, 101, 102))]
+    windows = [Window(0, 123, (121, 122, 123)), Window(0, 102, (100, 101, 102))]
     assert decoded_per_window(windows, 2) == 3.5 and decoded_per_window(windows, 100) == (24 + 3) / 2
 
 
@@ -58,7 +58,7 @@ def test_the_same_dataset_at_another_gop_has_the_same_episodes_and_pixels(lerobo
 def test_seek_lands_on_the_keyframe_before_the_window(lerobot_root, first, keyframe):
     # GOP 100: keyframes at frames 0 and 100. Decoding starts there, as in
     # LeRobot's pyav path, and stops at the last requested frame.
-    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, 0, (0,))], action_horizon=4)
     frames, ts = decode_span(ds.video_file(0, CAM), first / ds.fps, (first + 3) / ds.fps)
     assert ts[0] == pytest.approx(keyframe / ds.fps)
     assert ts[-1] == pytest.approx((first + 3) / ds.fps)
@@ -66,13 +66,13 @@ def test_seek_lands_on_the_keyframe_before_the_window(lerobot_root, first, keyfr
 
 
 def test_timestamp_past_the_video_is_an_error(lerobot_root):
-    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, 0, (0,))], action_horizon=4)
     with pytest.raises(SourceDataError, match="tolerance"):
         decode_frames_pyav(ds.video_file(0, CAM), [1000.0], ds.tolerance_s)
 
 
 def test_truncated_mp4_is_a_clear_error(lerobot_root, tmp_path):
-    ds = LeRobotVideoDataset(lerobot_root, [Window(0, (0,))], action_horizon=4)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, 0, (0,))], action_horizon=4)
     data = open(ds.video_file(0, CAM), "rb").read()
     bad = tmp_path / "bad.mp4"
     bad.write_bytes(data[: len(data) // 3])
@@ -88,7 +88,7 @@ def test_item_holds_the_window_rows_and_pads_the_action_at_the_episode_end(lerob
     state = np.stack(table.column("observation.state").to_numpy(zero_copy_only=False))
     action = np.stack(table.column("action").to_numpy(zero_copy_only=False))
     frames = (n - 3, n - 2, n - 1)
-    ds = LeRobotVideoDataset(lerobot_root, [Window(1, frames)], action_horizon=5)
+    ds = LeRobotVideoDataset(lerobot_root, [Window(1, n - 1, frames)], action_horizon=5)
     item = ds[0]
     assert item[CAM].shape == (3, 3, 32, 32) and item[CAM].dtype.is_floating_point
     assert 0.0 <= float(item[CAM].min()) and float(item[CAM].max()) <= 1.0
@@ -100,7 +100,7 @@ def test_item_holds_the_window_rows_and_pads_the_action_at_the_episode_end(lerob
 
 
 def test_dataloader_with_a_worker_batches_items(lerobot_root):
-    windows = [Window(e, tuple(range(s, s + 2))) for e in (0, 1) for s in range(0, 140, 20)]
+    windows = [Window(e, s + 1, (s, s + 1)) for e in (0, 1) for s in range(0, 140, 20)]
     ds = LeRobotVideoDataset(lerobot_root, windows, action_horizon=2)
     batches = list(make_baseline_loader(ds, batch_size=4, num_workers=1, seed=0))
     assert len(batches) == len(windows) // 4  # drop_last, as LeRobot trains
@@ -117,3 +117,21 @@ def test_torchcodec_status_is_a_reason_or_none():
     status = torchcodec_status()
     if status is not None:
         assert "torchcodec" in status
+
+
+def test_episode_start_sample_repeats_the_first_frame_and_reads_actions_from_t(lerobot_root, decode_all):
+    """A sample at t=0 with K=4 frames at deltas -3..0 shows frame 0 four times (clamped, as the loader
+    and LeRobot clamp); its state rows are row 0's and its action chunk starts at t."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(lerobot_root / "data/chunk-000/episode_000000.parquet")
+    state = np.stack(table.column("observation.state").to_numpy(zero_copy_only=False))
+    action = np.stack(table.column("action").to_numpy(zero_copy_only=False))
+    ds = LeRobotVideoDataset(lerobot_root, [Window(0, 0, (0, 0, 0, 0)), Window(0, 7, (5, 7))], action_horizon=3)
+    first, later = ds[0], ds[1]
+    truth = decode_all(ds.video_file(0, CAM))
+    got = (first[CAM].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    np.testing.assert_array_equal(got, np.stack([truth[0]] * 4))
+    np.testing.assert_array_equal(first["observation.state"].numpy(), state[[0, 0, 0, 0]])
+    np.testing.assert_array_equal(first["action"].numpy(), action[0:3])
+    np.testing.assert_array_equal(later["action"].numpy(), action[7:10])  # from t, not from the first frame

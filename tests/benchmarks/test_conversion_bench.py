@@ -5,13 +5,14 @@ from types import SimpleNamespace
 
 import torch
 
+from loongforge.benchmarks.cli import main as bench
 from loongforge.benchmarks.micro import conversion
 
 
 def test_row_measurement_on_the_bench_batch_shape():
     ds = SimpleNamespace(height=16, width=24, frames_per_sample=2, slots=("a", "b"), color_matrix="bt709",
                          color_range="full")
-    ctx = SimpleNamespace(prep=SimpleNamespace(index=SimpleNamespace(dataset=ds)),
+    ctx = SimpleNamespace(prep=SimpleNamespace(info=ds),
                           cfg=SimpleNamespace(batch_size=3, seed=1), measured={})
     frames = conversion._batch_frames(ctx)
     assert [tuple(f.shape) for f in frames] == [(6, 24, 24)] * 2  # batch x K frames per camera
@@ -21,7 +22,7 @@ def test_row_measurement_on_the_bench_batch_shape():
 
 
 def test_standalone_run_reports_old_new_and_the_output_pass_floor(capsys):
-    conversion.main(["--size", "32", "--frames", "4", "--batches", "2"])
+    assert bench(["conversion", "--size", "32", "--frames", "4", "--batches", "2"]) == 0
     out = capsys.readouterr().out
     for line in ("old:", "ops:", "new:", "floor:", "new / old:", "floor / old:", "load average"):
         assert line in out

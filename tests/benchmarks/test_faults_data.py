@@ -1,6 +1,6 @@
-"""The fault suite's data (benchmarks/faults/data.py), checked against the real loaders without a launch:
-the global order its sample accounting uses is the order the loader really serves (2 ranks, format 2 and 1),
-and the corrupt-shard fault's expected skips are exactly the samples a loader masks out of the corrupt copy."""
+"""The fault suite's data (benchmarks/faults/data.py), checked against the real loader without a launch:
+the global order its sample accounting uses is the order the loader really serves (2 ranks), and the
+corrupt-shard fault's expected skips are exactly the samples a loader masks out of the corrupt copy."""
 
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from loongforge.benchmarks.faults import data as fd
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory):
     work = tmp_path_factory.mktemp("faults-data")
-    out = {}
-    for fmt in (1, 2):
-        out[fmt] = str(work / f"d{fmt}")
-        fd.make_root(out[fmt], fmt)
-    return work, out
+    root = str(work / "data")
+    fd.make_root(root)
+    return work, root
 
 
 def _rank_batches(root: str, steps: int, rank: int):
@@ -28,24 +26,17 @@ def _rank_batches(root: str, steps: int, rank: int):
 
     from loongforge.train.config import DataConfig
     from loongforge.train.data.training_data import load_training_data, make_loader
-    from loongforge.train.data.loader_v1 import ShardLoader
 
-    d = DataConfig(root=root, seed=1, shuffle_window=fd.SHUFFLE_WINDOW)  # the suite's --seed / --shuffle-window
-    data = load_training_data(d)
-    if getattr(data, "format_version", 1) == 2:
-        loader = make_loader(d, data, batch_size=8, rank=rank, world=2, device="cpu")
-    else:
-        loader = ShardLoader(root, batch_size=8, rank=rank, world=2, seed=1, shuffle_window=d.shuffle_window,
-                             rgb=False)
+    d = DataConfig(root=root, seed=1)  # the suite's --seed
+    loader = make_loader(d, load_training_data(d), batch_size=8, rank=rank, world=2, device="cpu")
     with loader:
         return [(b["sample_ids"].tolist(), b["sample_valid"].tolist()) for b in islice(loader, steps)]
 
 
-@pytest.mark.parametrize("fmt", [2, 1])
-def test_expected_order_is_what_two_ranks_are_served(roots, fmt):
+def test_expected_order_is_what_two_ranks_are_served(roots):
     """10 steps cross the epoch boundary (8 steps an epoch): every step's ids, both ranks together, are that step of
-    `expected_order`. Before, the suite used the v1 order on every root (a v2 root has no v1 index at all)."""
-    _, root = roots[0], roots[1][fmt]
+    `expected_order`."""
+    _, root = roots
     want = fd.expected_order(root, 10, 8)
     r0, r1 = (_rank_batches(root, 10, r) for r in (0, 1))
     got = [sorted(a[0] + b[0]) for a, b in zip(r0, r1, strict=True)]
@@ -53,13 +44,13 @@ def test_expected_order_is_what_two_ranks_are_served(roots, fmt):
     assert len({i for ids in want[:8] for i in ids}) == 64  # an epoch: each sample once
 
 
-def test_v2_corrupt_block_expected_skips_are_what_the_loader_masks(roots):
-    """The byte flipped in a frame block of the v2 copy: reading that copy directly (every read checked by xxh3),
+def test_corrupt_block_expected_skips_are_what_the_loader_masks(roots):
+    """The byte flipped in a frame block of the copy: reading that copy directly (every read checked by xxh3),
     the loader masks exactly `show_ids` (the samples whose video frames lie in that block), across 10 steps."""
-    work, root = roots[0], roots[1][2]
+    work, root = roots
     setup = fd.prepare_corrupt_shard(Path(work), root, "cs2")
     info = setup.info
-    assert info["format"] == 2 and 0 < len(info["show_ids"]) < len(info["shard_ids"])  # a block, not the shard
+    assert 0 < len(info["show_ids"]) < len(info["shard_ids"])  # a block, not the shard
     bad, seen = set(), set()
     for rank in (0, 1):
         for ids, valid in _rank_batches(setup.root, 10, rank):
@@ -71,13 +62,13 @@ def test_v2_corrupt_block_expected_skips_are_what_the_loader_masks(roots):
 
 def test_annotate_corrupt_shard_fails_a_row_that_skipped_more_than_the_block(tmp_path):
     """The row holds only when the skipped ids are exactly the trained samples showing the block: a whole shard
-    refused (the old v2 behaviour: every sample of it skipped) fails it."""
+    refused (every sample of it skipped) fails it."""
     from loongforge.benchmarks.faults.env import Setup
 
     show, shard = [15, 16], list(range(11, 22))
     rows = [{"step": 0, "sample_ids": [[11, 12, 13, 14], [15, 16, 17, 18]]},
             {"step": 1, "sample_ids": [[19, 20, 21, 0], [1, 2, 3, 4]]}]
-    setup = Setup(str(tmp_path), info={"format": 2, "show_ids": show, "shard_ids": shard, "corrupt_where": "x"})
+    setup = Setup(str(tmp_path), info={"show_ids": show, "shard_ids": shard, "corrupt_where": "x"})
 
     def annotate(skipped):
         log = tmp_path / "run.log"

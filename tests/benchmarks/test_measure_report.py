@@ -151,8 +151,8 @@ def test_a_missed_p1_goal_names_what_bounded_loongforge():
 
     assert (goal_for(2), goal_for(20), goal_for(250)) == (20.0, 20.0, 50.0)
     ds = SimpleNamespace(frames_per_sample=4, slots=("a", "b"))
-    prof = {"frames_per_s": 8000.0, "stage_share": {"zstd decompress": 0.7, "tar + meta parse": 0.2, "other": 0.1}}
-    ctx = SimpleNamespace(measured={"fill_profile": prof}, prep=SimpleNamespace(index=SimpleNamespace(dataset=ds)))
+    prof = {"frames_per_s": 8000.0, "stage_share": {"zstd decompress": 0.7, "xxh3 check": 0.2, "other": 0.1}}
+    ctx = SimpleNamespace(measured={"fill_profile": prof}, prep=SimpleNamespace(info=ds))
     waiting = _nv12_row(busy=0.5)
     _explain(ctx, waiting)  # half a core busy of 2 pinned: it waited, whatever its body costs
     assert "not CPU-bound" in waiting.notes[0] and "4.0 frames per window" in waiting.notes[0]

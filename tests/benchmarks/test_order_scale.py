@@ -2,11 +2,11 @@
 
 import json
 
-from loongforge.benchmarks.micro.order_scale import main
+from loongforge.benchmarks.cli import main as bench
 
 
 def test_order_scale_small(tmp_path, capsys):
-    assert main(["--samples", "3e5", "--walk", "3e5", "--out", str(tmp_path)]) == 0
+    assert bench(["order-scale", "--samples", "3e5", "--walk", "3e5", "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("order-scale-*.json")).read_text())
     lazy, full = doc["rows"]
     assert (lazy["mode"], full["mode"]) == ("lazy", "full") and lazy["same"] is True

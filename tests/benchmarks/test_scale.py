@@ -96,18 +96,18 @@ def test_bench_scale_real_runs(tmp_path):
     rows = doc["measured"]
     assert [r["world"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
     assert rows[0]["wire_bytes"] == 0 and rows[1]["wire_bytes"] > 0  # one rank sends nothing
-    assert doc["data_format_version"] == 2  # the jobs trained on a format-2 root (preprocess's default)
+    assert doc["data"].startswith("synthetic shard root")
     assert path.exists() and path.with_suffix(".png").exists()
 
 
-def test_scale_data_is_format_2_by_default_and_sizes_read_it(tmp_path):
-    """`bench scale` trains on a format-2 root read with 2 frames per camera (the v1 root's K)."""
+def test_scale_data_is_read_with_two_frames_per_camera(tmp_path):
+    """`bench scale` trains on a synthetic shard root read with 2 frames per camera; the projection's
+    recipe sizes come from that very layout."""
+    from loongforge.benchmarks.harness.dataset import open_root
     from loongforge.benchmarks.scale.run import recipe_sizes, scale_data
-    from loongforge.train.data.loader import root_format_version
 
-    root, flags = scale_data(str(tmp_path), 64, 2)
-    assert root_format_version(root) == 2 and flags == ["--video-deltas=-1,0"]
-    sizes = recipe_sizes("tiny", "tiny", str(tmp_path), 2)
-    v1_root, v1_flags = scale_data(str(tmp_path), 64, 1)
-    assert root_format_version(v1_root) == 1 and v1_flags == []
-    assert sizes == recipe_sizes("tiny", "tiny", str(tmp_path), 1)  # same shapes either way
+    root, flags = scale_data(str(tmp_path), 64)
+    assert open_root(root).num_frames == 64 and flags == ["--video-deltas=-1,0"]
+    assert scale_data(str(tmp_path), 64) == (root, flags)  # written once per workdir
+    sizes = recipe_sizes("tiny", "tiny", str(tmp_path))
+    assert sizes["measured"] == sizes["target"] and sizes["measured"]["params"] > 0

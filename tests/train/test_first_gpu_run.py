@@ -120,9 +120,9 @@ def test_bare_cuda_loader_delivers_on_the_current_device(train_root):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_check_refuses_a_cpu_torch_clearly(tmp_path, capsys):
-    from loongforge.benchmarks.micro import gpu_check
+    from loongforge.benchmarks.cli import main as bench
 
-    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert bench(["gpu-check", "--out", str(tmp_path)]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 

@@ -129,8 +129,9 @@ class BlockLoader:
         seq_order = self.epoch_order(epoch)
         return seq_order.ids(0, seq_order.num_samples)
 
-    def _plans(self):
-        """(meta, items) for each upcoming batch of this rank, from the current state."""
+    def plans(self):
+        """(meta, items) for each upcoming batch of this rank, from the current state (also what the
+        ablation baseline serves, so both loaders read the same samples in the same order)."""
         epoch, consumed, step = self.epoch, self.consumed, self.steps_done
         while self.max_steps is None or step < self.max_steps:
             ids = self.epoch_order(epoch).rank_ids(consumed, self.global_batch, self.rank, self.world)
@@ -186,7 +187,7 @@ class BlockLoader:
             if self._announcer is None:
                 close_source(cand)
         self._announced_epoch, self._announced_next = -1, -1
-        plans, pool = self._plans(), self._pool
+        plans, pool = self.plans(), self._pool
         inflight: list[tuple[int, dict]] = []
         counter = iter(range(1 << 62))
 

@@ -22,7 +22,7 @@ def test_rank_announces_whole_epoch_then_next_near_its_end(synthetic_root):
     steps = loader.plan.steps
     assert steps > ANNOUNCE_BATCHES + 1
     seen = []  # (step, epoch) at which each announce happened
-    for step, (meta, items) in enumerate(loader._plans()):
+    for step, (meta, items) in enumerate(loader.plans()):
         seen += [(step, meta["epoch"])] * (len(rec.calls) - len(seen))
         if step == 2 * steps - 1:
             break

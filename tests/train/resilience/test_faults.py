@@ -317,15 +317,3 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
     assert cs["skipped_ids"] == cs["expected_skipped_ids"] == [15, 16] and cs["skip_events"] >= 2, cs
     assert "blocks one by one from origin" in cs["action"] and "other 9 trained delivered" in cs["action"], cs
     assert "(2 skipped by policy)" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
-
-
-@pytest.mark.full
-def test_corrupt_shard_format1_skips_the_one_sample(tmp_path):
-    """`--format 1` keeps the old root: the flipped byte lies inside one sample, that sample only is skipped."""
-    from loongforge.benchmarks.faults import run as faults
-
-    doc = faults.run_suite(["corrupt_shard_at_origin"], steps=10, work=tmp_path, baseline=False, fmt=1)
-    row = doc["rows"][0]
-    assert doc["data_format"] == 1 and row["recovered"], row
-    assert row["skipped_ids"] == row["expected_skipped_ids"] == [19]  # that sample only, not its shard (16-31)
-    assert (row["samples_lost"], row["samples_duplicated"]) == (0, 0)

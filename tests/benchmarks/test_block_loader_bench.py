@@ -1,4 +1,4 @@
-"""The format-2 loader benchmark's order table (benchmarks/loader/block_loader.py) on a small table: the
+"""The block-loader benchmark's order table (benchmarks/loader/block_loader.py) on a small table: the
 counted columns it reports follow the order's design (decodes per sample ~ 1/run at fleet scale)."""
 
 from loongforge.benchmarks.loader.block_loader import locate_cost, order_table
@@ -9,10 +9,10 @@ def test_order_table_counts_follow_the_run_length():
     rand = rows["random permutation"]
     assert rand["decodes_per_sample"] > 0.9 and rand["distinct_blocks"] > 0.9
     for run in (2, 4, 8, 16):
-        r = rows[f"v2 run={run} window=65536"]
+        r = rows[f"run={run} window=65536"]
         assert 0.5 / run < r["decodes_per_sample"] < 2.2 / run  # a run cut by a rank slice or a group tail: 2
         assert r["distinct_blocks"] < 1.5 / run
-    assert rows["v2 run=1 window=1073741824"]["distinct_episodes"] > 0.9 * rand["distinct_episodes"]
+    assert rows["run=1 window=1073741824"]["distinct_episodes"] > 0.9 * rand["distinct_episodes"]
 
 
 def test_locate_cost_reports_per_id_costs():

@@ -1,0 +1,86 @@
+"""The storage and index benchmark commands run end to end at tiny sizes and write their
+JSON (figures themselves are not asserted: they come from the full runs)."""
+
+from __future__ import annotations
+
+import json
+
+from loongforge.benchmarks.cli import main as bench
+from loongforge.benchmarks.micro import index_scale
+
+
+def test_index_scale_runs_both_indexes_and_extrapolates_the_json_one(tmp_path, capsys):
+    assert bench(["index-scale", "--samples", "20000", "--json-samples", "5000", "--lookups", "500",
+                  "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| mmap tables (shard root) | 20,000 |" in out and "| JSON tables (json.load) (extrapolated) | 20,000 |" in out
+    doc = json.loads(next(tmp_path.glob("index-scale-*.json")).read_text())
+    assert [r["samples"] for r in doc["rows"]] == [5000, 20000, 20000]
+    assert doc["built"]["tables"]["episodes"] > 10 and doc["built"]["json"]["blocks"] > 5000 // 700
+    for kind in ("tables", "json"):
+        assert doc["raw"][kind]["locate_us"] > 0 and doc["raw"][kind]["block_entry_us"] > 0
+
+
+def test_index_scale_tables_and_json_index_agree_and_locate_like_brute_force(tmp_path):
+    from loongforge.benchmarks.harness.dataset import open_root
+
+    index_scale.build_root_index(str(tmp_path / "root"), 5000, 16)
+    index_scale.build_json_index(str(tmp_path), 5000, 16)
+    ds = open_root(str(tmp_path / "root"))
+    doc = json.loads((tmp_path / index_scale.JSON_INDEX).read_text())
+    starts = [int(x) for x in ds.episode_starts]
+    assert doc["episode_start"] == starts  # the baseline holds the very same tables
+    for n in (0, 1, 299, 300, 4999, 2500):
+        e, t = ds.locate(n)
+        assert starts[e] <= n < starts[e + 1] and t == n - starts[e]
+        b = t // 16
+        name, off, length, frames, digest = ds.block_entry(e, 0, b)
+        assert doc["blocks"][doc["first_block"][e][0] + b] == [off, length, frames, digest]
+
+
+def test_storage_runs(tmp_path, capsys):
+    assert bench(["storage", "--footage", "grain,camera", "--episodes", "1", "--frames", "20", "24", "--blocks", "4,8",
+                  "--levels", "3,5", "--level-block", "4", "--loader-batches", "1", "--repeats", "1",
+                  "--decode-rounds", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("storage-*.json")).read_text())
+    assert sorted(doc["footage"]) == ["camera", "grain"]
+    for part in doc["footage"].values():
+        rows = part["rows"]
+        assert [(r["format"], r["codec"], r["zstd_level"]) for r in rows] == [
+            ("blocks B=4", "zstd", 3), ("blocks B=4", "delta-zstd", 3), ("blocks B=8", "zstd", 3),
+            ("blocks B=8", "delta-zstd", 3), ("blocks B=4", "zstd", 5), ("blocks B=4", "delta-zstd", 5)]
+        assert all(r["over_mp4"] > 0 and r["frames"] > 0 and r["block_ratio"] > 1 for r in rows)
+        assert all(r["loader_samples_per_s"] > 0 for r in rows[:4])
+        assert part["mp4_decode_cpu_us_per_frame"] > 0  # the baseline: decoding the source mp4
+        d = part["decode_interleaved"]
+        assert d["block"] == 4 and sorted(d["us_per_frame"]) == ["delta-zstd", "zstd"]
+        assert all(len(v) == 2 for v in d["all_us_per_frame"].values())
+    # the camera model is what lossless block coding can exploit; the grain is not
+    assert doc["footage"]["camera"]["rows"][2]["block_ratio"] > 2 * doc["footage"]["grain"]["rows"][2]["block_ratio"]
+    assert "| source mp4" in capsys.readouterr().out
+
+
+def test_storage_measures_an_existing_lerobot_root(tmp_path, capsys):
+    """--lerobot: a user's own (real) footage, its mp4s the reference, its codec and GOP reported."""
+    import os
+    import re
+
+    from loongforge.preprocess.sample_data import generate_dataset
+
+    root = generate_dataset(tmp_path / "lerobot", episodes=2, frames=(12, 16), height=32, width=32,
+                            cameras=("image",), state_dim=8, action_dim=7, gop=5)
+    mp4 = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs if f.endswith(".mp4"))
+    assert bench(["storage", "--footage", "", "--lerobot", str(root), "--blocks", "4", "--codecs", "zstd",
+                  "--repeats", "1", "--decode-rounds", "0", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("storage-*.json")).read_text())
+    (key, part), = doc["footage"].items()
+    assert key == f"lerobot:{root}" and part["mp4_bytes"] == mp4 and part["episodes"] == 2
+    keys, frames = map(int, re.fullmatch(r"h264, (\d+) keyframes in (\d+) frames", part["gop"]).groups())
+    assert 12 <= frames <= 16 and keys == -(-frames // 5)  # the first episode's mp4, GOP 5
+    assert [r["format"] for r in part["rows"]] == ["blocks B=4"]
+    assert "| source mp4 (h264, " in capsys.readouterr().out
+
+
+def test_storage_refuses_nothing_to_measure(tmp_path, capsys):
+    assert bench(["storage", "--footage", "", "--out", str(tmp_path)]) == 2
+    assert "nothing to measure" in capsys.readouterr().err and not list(tmp_path.iterdir())
