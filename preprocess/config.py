@@ -142,7 +142,7 @@ class _RetiredFlag(argparse.Action):
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
+    parser.add_argument("--input", required=True, help="LeRobot dataset root, v2.0, v2.1 or v3.0 (path or URL)")
     parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
     parser.add_argument("--action-horizon", type=int, default=16, metavar="H",
                         help="action rows per sample recorded for loaders (train --action-horizon overrides; 16)")
