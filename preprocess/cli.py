@@ -59,7 +59,8 @@ def register(subparsers) -> None:
                    help="refuse when actions are missing from the v1 root instead of filling them (action_known)")
     c.set_defaults(func=_convert)
 
-    s = subparsers.add_parser("sample-data", help="generate a LeRobot sample dataset (v2.0/v2.1/v3.0, real video via PyAV)")
+    s = subparsers.add_parser("sample-data",
+                              help="generate a LeRobot sample dataset (v2.0/v2.1/v3.0, real video via PyAV)")
     s.add_argument("out", metavar="OUT", help="directory to create")
     s.add_argument("--preset", choices=("default", "gr00t-like"), default="default",
                    help="gr00t-like: 256x256, 20 fps, one ego_view camera, 44-D state/action, metadata quirks")

@@ -80,8 +80,9 @@ def list_episodes(root: str, info: dict, tables: list, cams: list[CameraSource])
             paths, spans = [], []
             for c in videos:
                 col = f"videos/{c.key}/"
-                paths.append((c.key, files.join(root, video_tpl.format(
-                    video_key=c.key, chunk_index=cols[col + "chunk_index"][i], file_index=cols[col + "file_index"][i]))))
+                rel = video_tpl.format(video_key=c.key, chunk_index=cols[col + "chunk_index"][i],
+                                       file_index=cols[col + "file_index"][i])
+                paths.append((c.key, files.join(root, rel)))
                 spans.append((float(cols[col + "from_timestamp"][i]), float(cols[col + "to_timestamp"][i])))
             out.append(dict(index=int(cols["episode_index"][i]), length=int(cols["length"][i]),
                             tasks=tuple(task_lists[i] or ()), parquet=files.join(root, data), videos=tuple(paths),

@@ -17,7 +17,8 @@ def summarize(root: str, seconds: float | None = None) -> dict:
     out = {"format_version": m["format_version"], "episodes": root_ds.num_episodes, "samples": frames,
            "frames": frames, "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
            "resolution": [ds.height, ds.width], "fps": ds.fps,
-           "camera_sizes": {c.key: list(ds.camera_size(i)) for i, c in enumerate(ds.cameras)}, "failed": len(m["failed"]),
+           "camera_sizes": {c.key: list(ds.camera_size(i)) for i, c in enumerate(ds.cameras)},
+           "failed": len(m["failed"]),
            "block_size": root_ds.block_size, "block_codec": root_ds.block_codec}
     bytes_in = int(ds.source.get("bytes", 0))
     nv12 = frames * ds.timestep_bytes

@@ -105,8 +105,9 @@ def write_v3(src: str | Path, out: str | Path, *, codec: str = "av1", gop: int =
             row = {"episode_index": e.index, "tasks": list(e.tasks), "length": n, "data/chunk_index": 0,
                    "data/file_index": file_index, "dataset_from_index": first, "dataset_to_index": first + n}
             for cam in meta.cameras:
-                row.update({f"videos/{cam.key}/chunk_index": 0, f"videos/{cam.key}/file_index": file_index,
-                            f"videos/{cam.key}/from_timestamp": offset, f"videos/{cam.key}/to_timestamp": offset + n / fps})
+                key = f"videos/{cam.key}/"
+                row.update({key + "chunk_index": 0, key + "file_index": file_index, key + "from_timestamp": offset,
+                            key + "to_timestamp": offset + n / fps})
             ep_rows.append(row)
             offset += n / fps
             first += n

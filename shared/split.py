@@ -2,7 +2,8 @@
 
 Preprocess chooses the validation episodes (episode ids `--val-episodes 3,7`, a number of them
 `--val-count 2`, a fraction `--val-fraction 0.1`, or the percentage `--val-episodes 10%`) against
-the episodes it discovered, before any transcoding, and records them in the index (`split.val_episodes`); the trainer reads training samples only and
+the episodes it discovered, before any transcoding, and records them in the index
+(`split.val_episodes`); the trainer reads training samples only and
 evaluation reads whole validation episodes. Splitting by episode, not by sample, matters:
 neighbouring samples of one episode share frames and action rows, so a per-sample split would
 score the model on what it trained on.

@@ -163,7 +163,8 @@ def test_a_span_is_reached_by_seeking_not_by_decoding_the_file_from_its_start(v3
             yield frame
 
     monkeypatch.setattr(av.container.InputContainer, "decode", counting)
-    span = (last["videos/observation.images.front/from_timestamp"], last["videos/observation.images.front/to_timestamp"])
+    key = "videos/observation.images.front/"
+    span = (last[key + "from_timestamp"], last[key + "to_timestamp"])
     frames, _ = decode.decode_nv12(path, last["length"], span=span)
     assert len(frames) == last["length"] == 52
     assert len(decoded) <= last["length"] + 2  # the keyframe at (or one frame before) the span, then forward
