@@ -14,14 +14,17 @@ import sys
 
 QUIRK_CHOICES = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrupt_video", "length_mismatch")
 # Exit codes of `loongforge preprocess` (README "Exit codes"): 0 done; 1 error, nothing
-# published (LoongForgeError: bad config, unreadable dataset, disk full); 2 usage error
-# (argparse); 3 done and published, but more records failed than --allow-failed permits.
+# published (LoongForgeError: bad config, unreadable files, disk full); 2 usage error, found
+# before any work (argparse; UsageError: a flag naming what the dataset lacks;
+# UnsupportedSourceError: a LeRobot version not read, a meta/ file that is not JSON);
+# 3 done and published, but more records failed than --allow-failed permits.
 EXIT_FAILED_RECORDS = 3
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("preprocess", help="convert a LeRobot v2 dataset to NV12 shards (Apache Beam)",
-                              description="Convert a LeRobot v2 dataset (parquet + H.264 mp4) into NV12 shards "
+    p = subparsers.add_parser("preprocess", help="convert a LeRobot dataset to NV12 shards (Apache Beam)",
+                              description="Convert a LeRobot dataset (v2.0, v2.1 or v3.0; video or image features) "
+                              "into NV12 shards "
                               "and a global index. Beam options go after `--`, e.g. `-- --direct_running_mode="
                               "in_memory` or `--runner DataflowRunner -- --project=P --region=R`.")
     from loongforge.preprocess.config import add_job_arguments
@@ -58,7 +61,8 @@ def register(subparsers) -> None:
                    help="refuse when actions are missing from the v1 root instead of filling them (action_known)")
     c.set_defaults(func=_convert)
 
-    s = subparsers.add_parser("sample-data", help="generate a LeRobot v2 sample dataset (real H.264 via PyAV)")
+    s = subparsers.add_parser("sample-data",
+                              help="generate a LeRobot sample dataset (v2.0/v2.1/v3.0, real video via PyAV)")
     s.add_argument("out", metavar="OUT", help="directory to create")
     s.add_argument("--preset", choices=("default", "gr00t-like"), default="default",
                    help="gr00t-like: 256x256, 20 fps, one ego_view camera, 44-D state/action, metadata quirks")
@@ -80,6 +84,13 @@ def register(subparsers) -> None:
     s.add_argument("--footage", choices=("grain", "camera"), default=None,
                    help="grain (default): scrolling noise texture, worst case for storing frames; "
                         "camera: a fixed robot camera model (static scene, moving arm, sensor noise)")
+    s.add_argument("--lerobot-version", choices=("v2.0", "v2.1", "v3.0"), default="v2.0",
+                   help="layout to write: v2.0 (default), v2.1 (+ episodes_stats.jsonl) or v3.0 (LeRobot >= 0.4: "
+                        "episodes concatenated per file, re-encoded with --codec at --gop, default 2)")
+    s.add_argument("--codec", choices=("h264", "hevc", "av1"), default="av1",
+                   help="v3.0 only: the re-encoding codec (av1, LeRobot's default)")
+    s.add_argument("--episodes-per-file", type=int, default=0, metavar="N",
+                   help="v3.0 only: episodes per data/video file (0: all in one)")
     s.set_defaults(func=_sample_data)
 
 
@@ -153,6 +164,21 @@ def _sample_data(args: argparse.Namespace) -> int:
              "state_dim": args.state_dim, "action_dim": args.action_dim, "gop": args.gop, "crf": args.crf,
              "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None,
              "task": args.task, "footage": args.footage}
-    root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
-    print(f"wrote LeRobot v2.0 dataset ({args.preset}) to {root}", file=sys.stderr)
+    version = args.lerobot_version
+    if version == "v3.0":
+        import tempfile
+
+        from loongforge.preprocess.sample_layouts import write_v3
+
+        given["gop"] = given["gop"] or 2  # LeRobot's encoder default
+        with tempfile.TemporaryDirectory(prefix="lf-sample-v2-") as tmp:
+            v2 = generate_preset(f"{tmp}/v2", args.preset, **{k: v for k, v in given.items() if v is not None})
+            root = write_v3(v2, args.out, codec=args.codec, gop=given["gop"], episodes_per_file=args.episodes_per_file)
+    else:
+        root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
+        if version == "v2.1":
+            from loongforge.preprocess.sample_layouts import write_v21
+
+            write_v21(root)
+    print(f"wrote LeRobot {version} dataset ({args.preset}) to {root}", file=sys.stderr)
     return 0

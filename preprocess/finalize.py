@@ -27,7 +27,7 @@ from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
 from loongforge.preprocess.stats import norm_stats
 from loongforge.shared import paths, storage
 from loongforge.shared.index import TABLE_DIR, CameraInfo, DatasetInfo
-from loongforge.shared.split import choose_val_episodes
+from loongforge.shared.split import choose_val_episodes, parse_val_spec
 from loongforge.shared.writer import publish
 
 log = logging.getLogger(__name__)
@@ -76,15 +76,27 @@ class JobResultsFn(beam.CombineFn):
             written=tuple(sorted(acc[WRITTEN], key=lambda w: w[0])))
 
 
-def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
+def _cameras(meta: SourceMeta, params: ConvertParams, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
     """Camera infos from the decoded streams (first converted episode), falling
-    back to info.json when nothing converted."""
+    back to info.json when nothing converted; a stored size of its own where a
+    camera's differs from the dataset's (the first camera's)."""
     seen = {key: (h, w, codec) for key, h, w, codec, *_ in (staged[0].videos if staged else ())}
     cams = []
-    for cam in meta.cameras:
+    for c, cam in enumerate(meta.cameras):
         h, w, codec = seen.get(cam.key, (cam.height, cam.width, cam.codec))
-        cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec))
+        own = params.size(c) if params.size(c) != (params.height, params.width) else (0, 0)
+        cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec,
+                               height=own[0], width=own[1]))
     return tuple(cams)
+
+
+def held_out(cfg: PreprocessConfig, converted: list[int]) -> tuple[int, ...]:
+    """The validation episodes: the ids the launcher resolved against the discovered episodes
+    (prepare.py), less any that failed to convert."""
+    parsed = parse_val_spec(cfg.val_episodes)
+    if isinstance(parsed, tuple) and not cfg.val_count and not cfg.val_fraction:
+        return tuple(e for e in parsed if e in set(converted))
+    return choose_val_episodes(cfg.val_episodes, converted, count=cfg.val_count, fraction=cfg.val_fraction)
 
 
 def _source_colors(staged: list[StagedEpisode]) -> dict:
@@ -104,13 +116,13 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
     """(dataset info, validation episodes). `moments`: the per-episode partials (JobResults);
     the stats use the training episodes only."""
     staged = sorted(staged, key=lambda e: e.episode)
-    val_episodes = choose_val_episodes(cfg.val_episodes, [e.episode for e in staged])
+    val_episodes = held_out(cfg, [e.episode for e in staged])
     stats = norm_stats(moments, exclude=val_episodes)
     if moments and not stats:
         log.warning("val_episodes %s hold every converted episode: normalisation stats fall back to all of "
                     "them, and nothing is left to train on", list(val_episodes))
         stats = norm_stats(moments)
-    cameras = _cameras(meta, staged)
+    cameras = _cameras(meta, params, staged)
     color = params.color or (ColorTarget(*staged[0].videos[0][4:6]) if staged and staged[0].videos else ColorTarget())
     state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
     action_dim = meta.action_dim or len(stats.get("action", {}).get("mean", ()))
@@ -118,7 +130,11 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         "uri": meta.uri, "codebase_version": meta.codebase_version, "robot_type": meta.robot_type,
         "fingerprint": meta.fingerprint, "fingerprint_mode": cfg.fingerprint, "warnings": list(meta.warnings),
         "color": _source_colors(staged),
-        "bytes": sum(e.source_bytes for e in staged), "frames": sum(e.source_frames for e in staged),
+        "bytes": sum(e.source_bytes for e in staged) + (meta.shared_bytes if staged else 0),
+        "frames": sum(e.source_frames for e in staged),
+        # What LeRobot-compatible readers (train/data/lerobot.py) need: LeRobot's own statistics
+        # (over every source episode, as LeRobotDataset loads them) and info.json's features.
+        "lerobot_stats": meta.stats, "features": meta.features,
     }
     # frames_per_sample 1: every frame is stored once; samples are shaped at training time (delta indices).
     dataset = DatasetInfo(

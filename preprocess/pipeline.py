@@ -1,4 +1,4 @@
-"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index (FORMAT.md).
+"""The preprocess job: LeRobot dataset (v2.0/v2.1/v3.0: parquet + mp4 or images) -> NV12 shards + index (FORMAT.md).
 
 Local (default runner: Beam's FnApiRunner, one worker process per core):
 
@@ -33,30 +33,20 @@ import time
 import apache_beam as beam
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget, probe_colors, resolve_colors
+from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig, add_job_arguments, config_from_args
-from loongforge.preprocess.convert import STAGED, ConvertEpisodeFn, ConvertParams, select_tag, tagged
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.convert import STAGED, ConvertEpisodeFn, select_tag, tagged
+from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.finalize import WRITTEN, FinalizeFn, JobResultsFn
-from loongforge.preprocess.pack import STAGING_DIR, WriteShards
-from loongforge.preprocess.report import summarize
 from loongforge.preprocess.launch import Launch
+from loongforge.preprocess.pack import STAGING_DIR, WriteShards
+from loongforge.preprocess.prepare import prepare_job, resolve_params
+from loongforge.preprocess.report import summarize
 from loongforge.preprocess.runners import RunnerConfig, add_runner_arguments, runner_from_args
 from loongforge.shared import paths
-from loongforge.shared.errors import ConfigError, SourceDataError, StorageError
+from loongforge.shared.errors import StorageError
 
 log = logging.getLogger(__name__)
-
-
-def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None) -> ConvertParams:
-    height, width = cfg.height, cfg.width
-    if height is None:  # source resolution: the first camera's, per info.json
-        height, width = meta.cameras[0].height, meta.cameras[0].width
-        if height % 2 or width % 2 or height <= 0 or width <= 0:
-            raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
-    return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
-                         zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
-                         block_frames=cfg.block_frames, block_codec=cfg.block_codec)
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
@@ -97,13 +87,12 @@ def prepare_output(output: str) -> None:
 
 def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None, runner: RunnerConfig | None = None) -> dict:
     """Run the job to completion; returns the summary (index numbers + timing)."""
-    meta, episodes = discover(cfg.input, cfg.fingerprint)
-    if not episodes:
-        raise SourceDataError(f"{cfg.input}: the dataset lists no episodes; nothing to convert")
-    # Before any work: cameras in different colours need a decision (--color-range/--color-matrix).
-    color = resolve_colors(probe_colors(episodes), cfg.color_range, cfg.color_matrix)
+    # Before any work (prepare.py): the dataset's version and episodes, the split checked against them,
+    # cameras in different colours decided (--color-range/--color-matrix).
+    job = prepare_job(cfg)
+    cfg, meta, episodes, color = job.cfg, job.meta, job.episodes, job.color
     lengths = {e.index: e.length for e in episodes}
-    # The runner first: a cluster that cannot run the job fails before the output root is touched.
+    # The runner next: a cluster that cannot run the job fails before the output root is touched.
     with Launch(cfg, runner or RunnerConfig(), beam_args or [], lengths, len(meta.cameras)) as launch:
         prepare_output(cfg.output)
         log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),

@@ -60,8 +60,10 @@ def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tm
     with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
         names = tar.getnames()
     blocks = -(-lengths[0] // 4)
-    assert names[:5] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "state", "task_index", "timestamp")]
-    assert names[5:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
+    # `index`: the source's global frame index (LeRobot's column), an optional array (FORMAT.md)
+    assert names[:6] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "index", "state", "task_index",
+                                                      "timestamp")]
+    assert names[6:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
 
 
 def test_job_results_stats_equal_numpy_and_are_order_free(sample_dataset):
