@@ -41,6 +41,8 @@ RUNNERS = {
     "flink": "FlinkRunner",  # needs Beam's Flink job server
     "spark": "SparkRunner",  # needs Beam's Spark job server
 }
+# Beam's class name, which Beam itself does not know without the module path.
+ALIASES = {"daskrunner": "dask"}
 # The Dask runner puts up to 128 elements of a Create in one task (one worker); the job wants one
 # episode per task, up to this many tasks (a few episodes per task beyond).
 DASK_MAX_EPISODE_TASKS = 4096
@@ -63,7 +65,8 @@ class RunnerConfig:
 
     @property
     def beam_name(self) -> str:
-        return RUNNERS.get(self.name.lower(), self.name)
+        key = ALIASES.get(self.name.lower(), self.name.lower())
+        return RUNNERS.get(key, self.name)
 
     @property
     def kind(self) -> str:

@@ -24,15 +24,15 @@ import time
 from pathlib import Path
 
 from loongforge.benchmarks.harness.report import RESULTS_DIR, machine_info, write_timestamped
+from loongforge.preprocess.config import PreprocessConfig
+from loongforge.preprocess.pipeline import run_job
+from loongforge.preprocess.runners import RunnerConfig
+from loongforge.preprocess.sample_data import generate_dataset
 
 QUICK = {"episodes": 4, "frames": (30, 30), "height": 64, "width": 64, "gop": 30}
 
 
 def _job(dataset: str, out: Path, runner: str, workers: int) -> dict:
-    from loongforge.preprocess.config import PreprocessConfig
-    from loongforge.preprocess.pipeline import run_job
-    from loongforge.preprocess.runners import RunnerConfig
-
     cfg = PreprocessConfig(input=dataset, output=str(out), workers=workers, progress_s=0)
     t0 = time.perf_counter()
     summary = run_job(cfg, [], RunnerConfig(name=runner))
@@ -46,8 +46,6 @@ def _job(dataset: str, out: Path, runner: str, workers: int) -> dict:
 
 
 def run(spec: dict, workers: int, workdir: str | None = None) -> dict:
-    from loongforge.preprocess.sample_data import generate_dataset
-
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lf-bench-dask-", dir=workdir) as tmp:
         dataset = str(generate_dataset(Path(tmp) / "ds", **spec))

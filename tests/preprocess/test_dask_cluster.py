@@ -98,6 +98,18 @@ def test_validation_split_is_identical(cluster, six, tmp_path, run_in_memory):
     assert got["conversions"]["repeated"] == []
 
 
+def test_lerobot_v3_shared_files_are_identical(cluster, six, tmp_path, run_in_memory):
+    """LeRobot v3.0: episodes are spans of shared parquet and mp4 files, each worker seeking into
+    the same files."""
+    from loongforge.preprocess.sample_layouts import write_v3
+
+    v3 = str(write_v3(six, tmp_path / "v3", codec="h264", gop=2, episodes_per_file=4))
+    local_job(v3, str(tmp_path / "local"), run_in_memory)
+    got = dask_job(v3, str(tmp_path / "dask"), cluster.address, progress_s=0)
+    assert_same_tree(str(tmp_path / "dask"), str(tmp_path / "local"))
+    assert got["conversions"]["attempts"] == SIX["episodes"] and got["failed"] == 0
+
+
 KILL = {"episodes": 8, "frames": (24, 32), "height": 48, "width": 64, "gop": 4}
 
 
