@@ -92,10 +92,14 @@ class Launch:
         self.options = self.beam_runner = self.monitor = self.result = None
 
     def __enter__(self) -> "Launch":
-        if self.dask is not None:
-            self.dask.start()
-        self.options = beam_options(self.cfg, self.runner, self.beam_args, len(self.lengths),
-                                    self.dask.address if self.dask else "")
+        try:
+            if self.dask is not None:
+                self.dask.start()
+            self.options = beam_options(self.cfg, self.runner, self.beam_args, len(self.lengths),
+                                        self.dask.address if self.dask else "")
+        except BaseException:  # a cluster that failed its checks: its client (and a local cluster) still close
+            self.__exit__(None, None, None)
+            raise
         self.beam_runner = local_runner(self.options) if self.runner.kind == "local" else None
         if self.cfg.progress_s > 0 and self.runner.kind in ("local", "direct", "dask"):
             self.monitor = ProgressMonitor(self.cfg.output, self.lengths, self.cameras, self.cfg.progress_s,

@@ -31,7 +31,8 @@ class DaskProcs:
                                               "--no-dashboard", "--name", f"w{i}", "--death-timeout", "60",
                                               "--local-directory", str(workdir / f"w{i}")])
                         for i in range(workers)]
-        self.wait_for_workers(workers)
+        if workers:
+            self.wait_for_workers(workers)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process

@@ -110,6 +110,19 @@ def test_lerobot_v3_shared_files_are_identical(cluster, six, tmp_path, run_in_me
     assert got["conversions"]["attempts"] == SIX["episodes"] and got["failed"] == 0
 
 
+def test_a_scheduler_without_workers_is_one_clear_error(tmp_path, sample_dataset, monkeypatch):
+    import loongforge.preprocess.dask_job as dask_module
+
+    monkeypatch.setattr(dask_module, "WORKERS_TIMEOUT_S", 1)
+    procs = DaskProcs(tmp_path / "lonely", workers=0)
+    try:
+        with pytest.raises(RunnerError, match=f"no dask worker joined {procs.address}"):
+            dask_job(sample_dataset, str(tmp_path / "out"), procs.address)
+    finally:
+        procs.stop()
+    assert not (tmp_path / "out").exists()  # refused before the output was touched
+
+
 KILL = {"episodes": 8, "frames": (24, 32), "height": 48, "width": 64, "gop": 4}
 
 
