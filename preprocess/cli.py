@@ -26,7 +26,8 @@ def register(subparsers) -> None:
                               description="Convert a LeRobot dataset (v2.0, v2.1 or v3.0; video or image features) "
                               "into NV12 shards "
                               "and a global index. Beam options go after `--`, e.g. `-- --direct_running_mode="
-                              "in_memory` or `--runner DataflowRunner -- --project=P --region=R`.")
+                              "in_memory` or `--runner dataflow -- --project=P --region=R` (every runner: README "
+                              "'Preprocess at scale').")
     from loongforge.preprocess.config import add_job_arguments
     from loongforge.preprocess.runners import add_runner_arguments
 

@@ -9,9 +9,9 @@ Rows (frames = source frames x cameras, the job's own count):
   dask-N    the same with N worker processes
 `job_s` runs from the pipeline's start to the published index: on Dask the cluster is already
 up and its workers' imports done (as on a standing cluster); FnApiRunner starts its worker
-processes inside it. `wall_s` is the whole job, the local dask cluster's start-up included. The figure is the scaling efficiency on job_s:
-(dask-N frames/s / dask-1 frames/s) / N; with N free cores and the per-episode work dominating,
-expect close to 1.0. Other work on the cores lowers it: the load average before and after is
+processes inside it. `wall_s` is the whole job, the local dask cluster's start-up included.
+The figure is the scaling efficiency on job_s: (dask-N frames/s / dask-1 frames/s) / N; with N
+free cores and the per-episode work dominating, expect close to 1.0. Other work on the cores lowers it: the load average before and after is
 recorded. Each row's index.json is checked byte-identical to the local runner's.
 """
 
@@ -41,7 +41,8 @@ def _job(dataset: str, out: Path, runner: str, workers: int) -> dict:
         raise RuntimeError(f"preprocess job had failures: {summary['failed_records']}")
     frames = summary["source_frames"] * len(summary["cameras"])
     return {"id": f"{runner}-{workers}", "runner": runner, "workers": workers, "frames": frames,
-            "job_s": summary["seconds"], "wall_s": round(wall, 2), "frames_per_s": round(frames / summary["seconds"], 1),
+            "job_s": summary["seconds"], "wall_s": round(wall, 2),
+            "frames_per_s": round(frames / summary["seconds"], 1),
             "conversions": summary.get("conversions"), "index_json": (out / "index.json").read_bytes()}
 
 

@@ -28,7 +28,8 @@ def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 @pytest.mark.parametrize("name, beam_name, kind", [
     ("local", "FnApiRunner", "local"), ("direct", "DirectRunner", "direct"), ("dask", DASK, "dask"),
-    ("Dask", DASK, "dask"), ("DaskRunner", DASK, "dask"), ("dataflow", "DataflowRunner", "other"), ("flink", "FlinkRunner", "other"),
+    ("Dask", DASK, "dask"), ("DaskRunner", DASK, "dask"), ("dataflow", "DataflowRunner", "other"),
+    ("flink", "FlinkRunner", "other"),
     ("spark", "SparkRunner", "other"), ("PortableRunner", "PortableRunner", "other"), (DASK, DASK, "dask")])
 def test_short_runner_names_map_to_beams_and_others_pass_through(name, beam_name, kind):
     runner = RunnerConfig(name=name)
