@@ -11,8 +11,9 @@ Rows (frames = source frames x cameras, the job's own count):
 up and its workers' imports done (as on a standing cluster); FnApiRunner starts its worker
 processes inside it. `wall_s` is the whole job, the local dask cluster's start-up included.
 The figure is the scaling efficiency on job_s: (dask-N frames/s / dask-1 frames/s) / N; with N
-free cores and the per-episode work dominating, expect close to 1.0. Other work on the cores lowers it: the load average before and after is
-recorded. Each row's index.json is checked byte-identical to the local runner's.
+free cores and the per-episode work dominating, expect close to 1.0. Other work on the cores
+lowers it: the load average before and after is recorded. Each row's index.json is checked
+byte-identical to the local runner's.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tm
             lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "length mismatch" in r["reason"]))
         assert_that(reasons, equal_to([(1, "observation.images.ego_view", True),
                                        (3, "observation.images.ego_view", True)]), label="CheckFailed")
-        counts = out | "Stats" >> beam.FlatMap(select_tag, STATS) | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count))
+        counts = (out | "Stats" >> beam.FlatMap(select_tag, STATS)
+                  | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count)))
         assert_that(counts, equal_to([(0, lengths[0]), (2, lengths[2])]), label="CheckStats")
     staged = sorted(f for f in (tmp_path / "_staging").iterdir() if f.suffix == ".bin")
     assert [f.name for f in staged] == ["episode_000000.bin", "episode_000002.bin"]
