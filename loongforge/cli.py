@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None, services=SERVICES) -> int:
         return int(args.func(args) or 0)
     except LoongForgeError as exc:
         print(f"loongforge {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"loongforge {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from loongforge.preprocess.config import EXIT_FAILED_RECORDS
@@ -17,14 +18,17 @@ QUIRK_CHOICES = ("missing_camera", "splits_beyond", "total_chunks_zero", "corrup
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("preprocess", help="convert a LeRobot v2 dataset to NV12 shards (Apache Beam)",
-                              description="Convert a LeRobot v2 dataset (parquet + H.264 mp4) into NV12 shards "
+    p = subparsers.add_parser("preprocess", help="convert a LeRobot dataset to NV12 shards (Apache Beam)",
+                              description="Convert a LeRobot dataset (v2.0, v2.1 or v3.0; video or image features) "
+                              "into NV12 shards "
                               "and a global index. Beam options go after `--`, e.g. `-- --direct_running_mode="
-                              "in_memory` or `--runner DataflowRunner -- --project=P --region=R`.")
+                              "in_memory` or `--runner dataflow -- --project=P --region=R` (every runner: README "
+                              "'Preprocess at scale').")
     from loongforge.preprocess.config import add_job_arguments
+    from loongforge.preprocess.runners import add_runner_arguments
 
     add_job_arguments(p)
-    p.add_argument("--runner", default=None, help="Beam runner (default: local FnApiRunner, one process per core)")
+    add_runner_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     # The top-level parser rejects unknown flags, so Beam's own options go after
     # a `--`: loongforge preprocess --input D --output S -- --project=P --region=R
@@ -54,7 +58,8 @@ def register(subparsers) -> None:
                    help="refuse when actions are missing from the v1 root instead of filling them (action_known)")
     c.set_defaults(func=_convert)
 
-    s = subparsers.add_parser("sample-data", help="generate a LeRobot v2 sample dataset (real H.264 via PyAV)")
+    s = subparsers.add_parser("sample-data",
+                              help="generate a LeRobot sample dataset (v2.0/v2.1/v3.0, real video via PyAV)")
     s.add_argument("out", metavar="OUT", help="directory to create")
     s.add_argument("--preset", choices=("default", "gr00t-like"), default="default",
                    help="gr00t-like: 256x256, 20 fps, one ego_view camera, 44-D state/action, metadata quirks")
@@ -76,6 +81,13 @@ def register(subparsers) -> None:
     s.add_argument("--footage", choices=("grain", "camera"), default=None,
                    help="grain (default): scrolling noise texture, worst case for storing frames; "
                         "camera: a fixed robot camera model (static scene, moving arm, sensor noise)")
+    s.add_argument("--lerobot-version", choices=("v2.0", "v2.1", "v3.0"), default="v2.0",
+                   help="layout to write: v2.0 (default), v2.1 (+ episodes_stats.jsonl) or v3.0 (LeRobot >= 0.4: "
+                        "episodes concatenated per file, re-encoded with --codec at --gop, default 2)")
+    s.add_argument("--codec", choices=("h264", "hevc", "av1"), default="av1",
+                   help="v3.0 only: the re-encoding codec (av1, LeRobot's default)")
+    s.add_argument("--episodes-per-file", type=int, default=0, metavar="N",
+                   help="v3.0 only: episodes per data/video file (0: all in one)")
     s.set_defaults(func=_sample_data)
 
 
@@ -84,19 +96,21 @@ def _quiet_beam() -> None:
     # worker record a second time; keep our per-episode progress lines readable.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
+    # --runner dask: the cluster's own INFO lines (dask reads its logging config from the environment on import,
+    # which also reaches a local cluster's worker processes); a user's own setting wins
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 
 def _preprocess(args: argparse.Namespace) -> int:
     from loongforge.preprocess.config import config_from_args
     from loongforge.preprocess.pipeline import run_job
     from loongforge.preprocess.report import format_summary
+    from loongforge.preprocess.runners import runner_from_args
 
     _quiet_beam()
-    beam_args = [a for a in args.beam_args if a != "--"]
-    if args.runner:
-        beam_args.append(f"--runner={args.runner}")
     cfg = config_from_args(args)
-    summary = run_job(cfg, beam_args)
+    runner, beam_args = runner_from_args(args, [a for a in args.beam_args if a != "--"])
+    summary = run_job(cfg, beam_args, runner)
     allowed = cfg.failed_allowed(summary["input_episodes"])
     summary["failed_allowed"] = allowed
     print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
@@ -147,6 +161,21 @@ def _sample_data(args: argparse.Namespace) -> int:
              "state_dim": args.state_dim, "action_dim": args.action_dim, "gop": args.gop, "crf": args.crf,
              "seed": args.seed, "quirks": tuple(args.quirks) if args.quirks is not None else None,
              "task": args.task, "footage": args.footage}
-    root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
-    print(f"wrote LeRobot v2.0 dataset ({args.preset}) to {root}", file=sys.stderr)
+    version = args.lerobot_version
+    if version == "v3.0":
+        import tempfile
+
+        from loongforge.preprocess.sample_layouts import write_v3
+
+        given["gop"] = given["gop"] or 2  # LeRobot's encoder default
+        with tempfile.TemporaryDirectory(prefix="lf-sample-v2-") as tmp:
+            v2 = generate_preset(f"{tmp}/v2", args.preset, **{k: v for k, v in given.items() if v is not None})
+            root = write_v3(v2, args.out, codec=args.codec, gop=given["gop"], episodes_per_file=args.episodes_per_file)
+    else:
+        root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
+        if version == "v2.1":
+            from loongforge.preprocess.sample_layouts import write_v21
+
+            write_v21(root)
+    print(f"wrote LeRobot {version} dataset ({args.preset}) to {root}", file=sys.stderr)
     return 0

@@ -33,6 +33,9 @@ class StreamColor:
 
 
 UNTAGGED = StreamColor(matrix="bt601", range="limited")
+# The colour image features are stored in when no video stream sets one: JPEG's own YCbCr
+# (BT.601, full range) keeps the most levels of 8-bit RGB.
+IMAGES_ONLY = StreamColor(matrix="bt601", range="full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,13 @@ def probe_colors(episodes) -> dict[str, StreamColor]:
         if len(found) == len({c for c, _ in spec.videos}):
             break
     return found
+
+
+def dataset_colors(episodes, has_video: bool, color_range: str = "auto", color_matrix: str = "auto") -> ColorTarget:
+    """The colour every camera's NV12 is stored in: the video streams' (probed), or IMAGES_ONLY for a
+    dataset of image features only; --color-range/--color-matrix override either."""
+    probed = probe_colors(episodes) if has_video else {"images": IMAGES_ONLY}
+    return resolve_colors(probed, color_range, color_matrix)
 
 
 def resolve_colors(probed: dict[str, StreamColor], color_range: str = "auto",

@@ -17,13 +17,16 @@ import re
 from dataclasses import dataclass, fields
 
 from loongforge.shared.errors import ConfigError
-from loongforge.shared.split import parse_val_spec
+from loongforge.shared.split import check_val_options
 from loongforge.shared.units import parse_size
 
-# Exit codes of `loongforge preprocess` and of the pipeline module (README "Exit codes"): 0 done;
-# 1 error, nothing published (LoongForgeError: bad config, unreadable dataset, disk full); 2 usage
-# error (argparse); 3 done and published, but more records failed than --allow-failed permits.
+# Exit codes of `loongforge preprocess` and of `python -m loongforge.preprocess.pipeline` (README
+# "Exit codes"): 0 done; 1 error, nothing published (LoongForgeError: bad config, unreadable files,
+# disk full); 2 usage error, found before any work (argparse; UsageError: a flag naming what the
+# dataset lacks; UnsupportedSourceError: a LeRobot version not read, a meta/ file that is not JSON);
+# 3 done and published, but more records failed than --allow-failed permits.
 EXIT_FAILED_RECORDS = 3
+
 RESIZE_MODES = ("resize", "crop")
 OUTPUT_FIELDS = ("action_horizon", "height", "width", "resize_mode", "shard_size", "zstd_level", "color_range",
                  "color_matrix")
@@ -52,7 +55,9 @@ class PreprocessConfig:
     shard_size: int = 64 << 20
     zstd_level: int = 3
     workers: int = 0  # 0 = one per core
-    val_episodes: str = ""  # validation split: "10%" or "3,7" (shared/split.py); "" = no split
+    val_episodes: str = ""  # validation split: episode ids "3,7" or a percentage "10%" (shared/split.py); "" = none
+    val_count: int = 0  # validation split: this many episodes, picked deterministically; 0 = none
+    val_fraction: float = 0.0  # validation split: this fraction of the episodes; 0 = none
     allow_failed: str = "0"  # failed records accepted before the exit code says failure: "N" or "P%" of episodes
     fingerprint: str = "stat"  # how source.fingerprint covers the input files (FINGERPRINT_MODES)
     color_range: str = "auto"  # output range; anything but "auto" converts every stream to it
@@ -79,7 +84,7 @@ class PreprocessConfig:
             raise ConfigError(f"zstd_level={self.zstd_level}: must be in 1..22")
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers}: must be >= 0 (0 = one per core)")
-        parse_val_spec(self.val_episodes)  # raises ConfigError on a bad spec, before any work
+        check_val_options(self.val_episodes, self.val_count, self.val_fraction)  # ConfigError before any work
         self.failed_allowed(1)  # validates allow_failed
         if self.fingerprint not in FINGERPRINT_MODES:
             raise ConfigError(f"fingerprint={self.fingerprint!r}: choose one of {FINGERPRINT_MODES}")
@@ -143,7 +148,7 @@ class _RetiredFlag(argparse.Action):
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="LeRobot v2 dataset root (path or URL)")
+    parser.add_argument("--input", required=True, help="LeRobot dataset root, v2.0, v2.1 or v3.0 (path or URL)")
     parser.add_argument("--output", required=True, help="shard root to write (path or URL)")
     parser.add_argument("--action-horizon", type=int, default=16, metavar="H",
                         help="action rows per sample recorded for loaders (train --action-horizon overrides; 16)")
@@ -154,8 +159,13 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB, 1GB (SI units are powers of 1000, IEC powers of 1024; default 64MiB)")
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd level of NV12 payloads (3)")
     parser.add_argument("--workers", type=int, default=0, help="local worker processes (0 = one per core)")
-    parser.add_argument("--val-episodes", default="", metavar="SPEC",
-                        help="hold out episodes for validation: a percentage (10%%) or ids (3,7); default none")
+    parser.add_argument("--val-episodes", default="", metavar="IDS",
+                        help="hold out these episode ids for validation (3,7: ids, not a count), or a percentage "
+                        "(10%%); checked against the dataset before any work; default none")
+    parser.add_argument("--val-count", type=int, default=0, metavar="N",
+                        help="hold out N episodes for validation, picked deterministically (default 0: none)")
+    parser.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                        help="hold out this fraction of the episodes for validation, e.g. 0.1 (default 0: none)")
     parser.add_argument("--allow-failed", default="0", metavar="N|P%",
                         help="failed records (episodes) tolerated before the exit code is 3: a count or a "
                         "percentage of episodes, e.g. 2 or 5%% (default 0)")
@@ -184,6 +194,8 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             resize_mode=args.resize_mode, shard_size=parse_size(args.shard_size, "--shard-size"),
                             zstd_level=args.zstd_level, workers=args.workers,
                             val_episodes=getattr(args, "val_episodes", "") or "",
+                            val_count=getattr(args, "val_count", 0) or 0,
+                            val_fraction=getattr(args, "val_fraction", 0.0) or 0.0,
                             allow_failed=args.allow_failed, fingerprint=args.fingerprint,
                             color_range=args.color_range, color_matrix=args.color_matrix,
                             progress_s=args.progress_s, block_frames=args.block_frames,

@@ -1,10 +1,15 @@
-"""The per-episode transform: parquet + every camera's mp4 -> a staged episode fragment.
+"""The per-episode transform: parquet + every camera's mp4 (or images) -> a staged episode fragment.
 
 `ConvertEpisodeFn` chains stages 2-5 for one episode (read the parquet, decode
-each camera once, encode its arrays and frame blocks into a staging file) and
+each camera once: its mp4 or its span of a shared mp4, or the image bytes of the
+parquet; encode its arrays and frame blocks into a staging file) and
 emits only metadata. Bad input never kills the job: a missing/corrupt video, an unreadable
-parquet or a parquet/video length mismatch becomes a record on the `failed`
-output (episode, camera, reason) plus a counter, and the other episodes go on.
+parquet or a parquet/video length mismatch becomes a `failed` record (episode, camera,
+reason) plus a counter, and the other episodes go on.
+
+Its outputs are `(tag, value)` pairs on the one main output, not Beam's tagged outputs:
+some runners (Dask's) do not split a ParDo's tagged outputs, and a pair is split by a
+plain filter (`select_tag`) on every runner.
 """
 
 from __future__ import annotations
@@ -15,22 +20,36 @@ import time
 from dataclasses import dataclass
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 
 from loongforge.preprocess import files
 from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.decode import decode_nv12
 from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
-from loongforge.preprocess.episode import read_episode
+from loongforge.preprocess.episode import EpisodeTable, read_episode
+from loongforge.preprocess.images import images_to_nv12
 from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, staging_path
+from loongforge.preprocess.progress import report_episode
 from loongforge.preprocess.stats import episode_moments
 from loongforge.shared import paths, storage
 from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
 
 log = logging.getLogger(__name__)
-FAILED = "failed"
-STATS = "stats"
+STAGED = "staged"  # StagedEpisode
+FAILED = "failed"  # failure record (dict)
+STATS = "stats"  # (episode, {"state": Moments, "action": Moments})
+
+
+def tagged(value, tag: str) -> tuple:
+    return tag, value
+
+
+def select_tag(pair: tuple, tag: str):
+    """`(tag, value)` -> value where the tag matches (a FlatMap): how a stage picks one kind of output."""
+    if pair[0] == tag:
+        yield pair[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +58,7 @@ class ConvertParams:
     (target size filled in from the source when the config leaves it open)."""
 
     output: str
-    height: int
+    height: int  # the dataset's (the first camera's) stored size
     width: int
     resize_mode: str
     zstd_level: int
@@ -47,6 +66,10 @@ class ConvertParams:
     color: ColorTarget | None = None  # the dataset's colour (launcher probe); None: each stream keeps its own
     block_frames: int = 16  # frames per zstd block
     block_codec: str = "zstd"  # FORMAT.md "Block codec"
+    sizes: tuple[tuple[int, int], ...] = ()  # per slot, its stored (height, width); () = all height x width
+
+    def size(self, camera: int) -> tuple[int, int]:
+        return self.sizes[camera] if self.sizes else (self.height, self.width)
 
 
 def failure(episode: int, camera: str | None, reason: str, root: str = "") -> dict:
@@ -56,9 +79,13 @@ def failure(episode: int, camera: str | None, reason: str, root: str = "") -> di
 
 
 class ConvertEpisodeFn(beam.DoFn):
-    def __init__(self, meta: SourceMeta, params: ConvertParams):
+    """EpisodeSpec -> (STAGED, StagedEpisode) and (STATS, moments), or (FAILED, record).
+    `progress_topic`: where each attempt reports on a dask worker (progress.report_episode); "" = nowhere."""
+
+    def __init__(self, meta: SourceMeta, params: ConvertParams, progress_topic: str = ""):
         self.meta = meta
         self.params = params
+        self.progress_topic = progress_topic
         self.converted = Metrics.counter(METRICS_NS, "episodes_converted")
         self.failed = Metrics.counter(METRICS_NS, "episodes_failed")
         self.samples = Metrics.counter(METRICS_NS, "samples")
@@ -73,30 +100,50 @@ class ConvertEpisodeFn(beam.DoFn):
                                        json.dumps(record).encode())
         except OSError as err:
             log.debug("episode %d: no failure marker (%s)", spec.index, err)
-        return beam.pvalue.TaggedOutput(FAILED, record)
+        report_episode(self.progress_topic, spec.index, ok=False)
+        return FAILED, record
 
     def _read_inputs(self, spec: EpisodeSpec):
-        """(table, {slot: NV12}, video infos, source bytes); raises SourceDataError
-        tagged with the camera at fault (None = the parquet)."""
-        p = self.params
+        """(table, {slot: NV12}, camera infos, source bytes); raises _Failed naming the camera
+        at fault (None = the parquet)."""
         camera = None
         try:
             table = read_episode(spec, self.meta)
             if spec.length >= 0 and spec.length != table.length:
-                log.warning("episode %d: episodes.jsonl says %d frames, parquet has %d; trusting the parquet",
+                log.warning("episode %d: the episode metadata says %d frames, parquet has %d; trusting the parquet",
                             spec.index, spec.length, table.length)
-            frames, videos, source_bytes = {}, [], files.size(spec.parquet)
-            for camera, path in spec.videos:
-                frames[paths.camera_slot(camera)], info = decode_nv12(
-                    path, table.length, height=p.height, width=p.width, resize_mode=p.resize_mode, color=p.color)
-                source_bytes += files.size(path)
-                videos.append((camera, info.height, info.width, info.codec, info.color_matrix, info.color_range))
+            frames, videos, source_bytes = {}, [], 0 if spec.shared_parquet else files.size(spec.parquet)
+            paths_of, spans = dict(spec.videos), dict(zip((k for k, _ in spec.videos), spec.spans))
+            for c, cam in enumerate(self.meta.cameras):
+                camera = cam.key
+                frames[cam.slot], info, size = self._camera(c, cam, table, paths_of.get(cam.key), spans.get(cam.key),
+                                                            spec)
+                source_bytes += size
+                videos.append(info)
         except (SourceDataError, FormatError) as exc:
             raise _Failed(camera, exc) from exc
         except Exception as exc:  # noqa: BLE001 - a reader/decoder bug on one input must not kill the job
             log.exception("episode %d: unexpected error reading %s", spec.index, camera or "the parquet")
             raise _Failed(camera, SourceDataError(f"{type(exc).__name__}: {exc}")) from exc
         return table, frames, videos, source_bytes
+
+    def _camera(self, c: int, cam, table: EpisodeTable, path: str | None, span, spec: EpisodeSpec):
+        """(NV12 frames, (key, source h, w, codec, matrix, range), source bytes) of one camera. Files
+        shared by several episodes count 0 here: their bytes are SourceMeta.shared_bytes."""
+        p = self.params
+        height, width = p.size(c)
+        if cam.kind == "image":
+            target = p.color or ColorTarget()
+            out = np.empty((table.length, height * 3 // 2, width), np.uint8)
+            sh, sw, fmt = images_to_nv12(table.images[cam.key], out, resize_mode=p.resize_mode, target=target,
+                                         origin=f"{spec.parquet} {cam.key}")
+            return out, (cam.key, sh, sw, fmt, target.matrix, target.range), 0
+        if path is None:
+            raise SourceDataError(f"episode {spec.index}: no video file for {cam.key}")
+        out, info = decode_nv12(path, table.length, height=height, width=width, resize_mode=p.resize_mode,
+                                color=p.color, span=span)
+        size = files.size(path) if span is None else 0
+        return out, (cam.key, info.height, info.width, info.codec, info.color_matrix, info.color_range), size
 
     def process(self, spec: EpisodeSpec):
         t0 = time.perf_counter()
@@ -117,15 +164,19 @@ class ConvertEpisodeFn(beam.DoFn):
         self.frames.inc(table.length * len(frames))
         log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
-        yield beam.pvalue.TaggedOutput(STATS, episode_moments(spec.index, table.state, table.action))
-        yield StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
-                            source_bytes=source_bytes, videos=tuple(videos))
+        report_episode(self.progress_topic, spec.index, ok=True)
+        yield STATS, episode_moments(spec.index, table.state, table.action)
+        yield STAGED, StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
+                                    source_bytes=source_bytes, videos=tuple(videos))
 
 
 def episode_arrays(table) -> dict:
-    """The per-frame arrays an episode stores (FORMAT.md)."""
-    return {"state": table.state, "action": table.action, "timestamp": table.timestamps,
-            "frame_index": table.frame_index, "task_index": table.task_index}
+    """The per-frame arrays an episode stores (FORMAT.md), with the source's `index` when it has one."""
+    out = {"state": table.state, "action": table.action, "timestamp": table.timestamps,
+           "frame_index": table.frame_index, "task_index": table.task_index}
+    if table.index is not None:
+        out["index"] = table.index
+    return out
 
 
 class _Failed(Exception):

@@ -1,9 +1,16 @@
 """Stage 3: decode one camera's mp4 to NV12 frames at the configured resolution.
 
-Each file is decoded ONCE, front to back (`container.decode`): a seek per frame
+Each episode is decoded ONCE, front to back (`container.decode`): a seek per frame
 would re-decode from the previous keyframe every time, which at GOP 100+ costs
 ~GOP/2 decodes per frame. The whole episode lands in one preallocated
 (n, 3h/2, w) uint8 buffer; its blocks are then encoded from it without re-decoding.
+
+An episode inside a file holding several (LeRobot v3.0) is its `span` [from, to) in seconds:
+the decoder seeks to the keyframe at or before `from` (never decodes the file from its start
+for a later episode) and keeps exactly the frames whose presentation time t satisfies
+from - p/2 <= t < to - p/2 (p: one frame period): frame-exact, the first and last frame of
+the episode and no frame of a neighbour, what LeRobotDataset shows at episode time 0 ..
+(n-1)/fps.
 
 Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
 (no matrix or range conversion), so the NV12 carries the source's colour
@@ -13,6 +20,7 @@ for another colour (--color-range/--color-matrix) is a stream converted.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,10 +138,50 @@ class NV12Converter:
                                              dst_color_range=self.sws_range).to_ndarray()
 
 
+def _span_window(stream, span: tuple[float, float], n_frames: int) -> tuple[float, float, float]:
+    """(lo, hi, period): the frames a span holds are those at lo <= t < hi seconds, half a frame
+    period before each end, so a frame a rounding error off its nominal time lands in the right episode."""
+    start, end = span
+    rate = stream.average_rate or stream.guessed_rate
+    period = float(1 / rate) if rate else (end - start) / max(1, n_frames)
+    return start - period / 2, end - period / 2, period
+
+
+def _time(frame, stream) -> float:
+    return float(frame.pts * stream.time_base) if frame.pts is not None else float(frame.time or 0.0)
+
+
+def _frames(container, stream, window: tuple[float, float, float] | None):
+    """The stream's frames in presentation order, limited to `window` when given: seek to the
+    keyframe at or before lo, skip what precedes lo, stop at hi. A seek that lands past the
+    span's first frame (a file without a usable index) falls back to decoding from the start."""
+    frames = container.decode(stream)
+    if window is None:
+        yield from frames
+        return
+    lo, hi, period = window
+    if lo > 0:
+        container.seek(int(lo / stream.time_base), stream=stream, backward=True, any_frame=False)
+        frames = container.decode(stream)
+        first = next(frames, None)
+        if first is not None and _time(first, stream) > lo + period:
+            container.seek(0, stream=stream, backward=True, any_frame=False)
+            frames = container.decode(stream)
+        elif first is not None:
+            frames = itertools.chain((first,), frames)
+    for frame in frames:
+        t = _time(frame, stream)
+        if t >= hi:
+            return
+        if t >= lo:
+            yield frame
+
+
 def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: int | None = None,
-                resize_mode: str = "resize", threads: int = 1,
-                color: ColorTarget | None = None) -> tuple[np.ndarray, VideoInfo]:
-    """Decode exactly `n_frames` frames of the first video stream into NV12.
+                resize_mode: str = "resize", threads: int = 1, color: ColorTarget | None = None,
+                span: tuple[float, float] | None = None) -> tuple[np.ndarray, VideoInfo]:
+    """Decode exactly `n_frames` frames of the first video stream into NV12 (those of `span`,
+    [from, to) seconds, when the file holds several episodes).
     `color`: the dataset's colour; None keeps the stream's own (and records it).
 
     Raises SourceDataError when the file is missing or unreadable, holds a
@@ -162,10 +210,13 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
             h, w = convert.dst
             out = np.empty((n_frames, h * 3 // 2, w), dtype=np.uint8)
             count = 0
-            for frame in container.decode(stream):
+            window = _span_window(stream, span, n_frames) if span is not None else None
+            where = f"{path} [{span[0]:g}, {span[1]:g}) s" if span is not None else path
+            for frame in _frames(container, stream, window):
                 if count == n_frames:
-                    total = stream.frames or "more"
-                    raise SourceDataError(f"{path}: length mismatch: video has {total} frames, parquet {n_frames} rows")
+                    total = "more" if span is not None else stream.frames or "more"
+                    raise SourceDataError(f"{where}: length mismatch: video has {total} frames, parquet "
+                                          f"{n_frames} rows")
                 convert(frame, out[count])
                 count += 1
             info = VideoInfo(height=src_h, width=src_w, codec=cc.name, pix_fmt=str(cc.pix_fmt),
@@ -175,5 +226,5 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
     except av.FFmpegError as exc:
         raise SourceDataError(f"{path}: unreadable video ({type(exc).__name__}: {exc})") from exc
     if count != n_frames:
-        raise SourceDataError(f"{path}: length mismatch: video has {count} frames, parquet {n_frames} rows")
+        raise SourceDataError(f"{where}: length mismatch: video has {count} frames, parquet {n_frames} rows")
     return out, info

@@ -1,49 +1,43 @@
-"""Stage 1: read a LeRobot v2.x dataset's `meta/` and list its episodes.
+"""Stage 1: read a LeRobot dataset's `meta/` and list its episodes (v2.0, v2.1, v3.0).
 
-Runs once on the launcher (metadata only, no video). Real datasets ship with
-inconsistent metadata (GR00T's own sample data among them): `total_chunks: 0`,
-`splits` naming episodes that do not exist, cameras in `info.json` that have no
-video files. Each is tolerated with a warning (logged and recorded in the index
-under `source.warnings`), because the files themselves are the truth: chunks are
-derived from `chunks_size`, a camera with no files at all is dropped. Problems
-of one episode (missing parquet or video) are left for the convert stage, which
-reports them as failed records instead of stopping the job.
+Runs once on the launcher (metadata only, no video). `codebase_version` picks the layout reader
+(lerobot_v2.py, lerobot_v3.py); any other version is refused here, before any work, with the
+versions LoongForge reads (lerobot_meta.py). Inconsistent metadata that real datasets ship with
+(GR00T's own sample data among them: `total_chunks: 0`, `splits` naming episodes that do not
+exist, cameras in `info.json` that have no video files) is tolerated with a warning (logged and
+recorded in the index under `source.warnings`), because the files themselves are the truth.
+Problems of one episode (missing parquet or video) are left for the convert stage, which reports
+them as failed records instead of stopping the job.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from dataclasses import dataclass, field
 
-from loongforge.preprocess import files
-from loongforge.shared import paths
-from loongforge.shared.errors import SourceDataError
+from loongforge.preprocess import files, lerobot_v2, lerobot_v3
+from loongforge.preprocess.lerobot_meta import ACTION_KEY, STATE_KEY, CameraSource, cameras, check_version, \
+    derived_modality, names, parse_json, vector_dim
+from loongforge.shared.errors import SourceDataError, UnsupportedSourceError
 
 log = logging.getLogger(__name__)
-META_FILES = ("info.json", "modality.json", "episodes.jsonl", "tasks.jsonl")
-DEFAULT_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
-DEFAULT_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
-
-
-@dataclass(frozen=True, slots=True)
-class CameraSource:
-    key: str  # observation.images.ego_view
-    slot: str  # ego_view
-    height: int
-    width: int
-    codec: str
+META_FILES = ("info.json", "modality.json", *lerobot_v2.META_FILES, *lerobot_v3.META_FILES)
+__all__ = ["CameraSource", "EpisodeSpec", "SourceMeta", "discover"]
 
 
 @dataclass(frozen=True, slots=True)
 class EpisodeSpec:
     index: int
-    length: int  # from episodes.jsonl; -1 when unknown
+    length: int  # from the episode metadata; -1 when unknown
     tasks: tuple[str, ...]
     parquet: str  # full path or URL
-    videos: tuple[tuple[str, str], ...]  # (camera key, full path or URL)
+    videos: tuple[tuple[str, str], ...]  # (camera key, full path or URL) of every video camera
+    # Per video camera, the episode's [from, to) seconds inside a file holding several episodes
+    # (v3.0); () = each file is the episode's alone.
+    spans: tuple[tuple[float, float], ...] = ()
+    shared_parquet: bool = False  # the parquet holds other episodes too: rows are selected by episode_index
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,24 +55,13 @@ class SourceMeta:
     modality: dict = field(default_factory=dict)
     fingerprint: str = ""
     warnings: tuple[str, ...] = ()
+    stats: dict = field(default_factory=dict)  # LeRobot's own statistics, as LeRobotDataset loads them
+    features: dict = field(default_factory=dict)  # info.json's features, as found
+    shared_bytes: int = 0  # bytes of the data/video files that hold several episodes (v3.0), counted once
 
-
-def _names(feature: dict) -> tuple[str, ...]:
-    names = feature.get("names")
-    if isinstance(names, dict):  # LeRobot also writes {"motors": [...]}
-        names = [n for group in names.values() for n in (group if isinstance(group, list) else [group])]
-    return tuple(str(n) for n in names) if isinstance(names, list) else ()
-
-
-def _jsonl(raw: bytes, origin: str) -> list[dict]:
-    rows = []
-    for line_no, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError as exc:
-                raise SourceDataError(f"{origin}:{line_no}: not JSON ({exc})") from exc
-    return rows
+    @property
+    def image_keys(self) -> tuple[str, ...]:
+        return tuple(c.key for c in self.cameras if c.kind == "image")
 
 
 def _read_meta(root: str) -> dict[str, bytes]:
@@ -89,30 +72,8 @@ def _read_meta(root: str) -> dict[str, bytes]:
         except FileNotFoundError:
             pass
     if "info.json" not in found:
-        raise SourceDataError(f"{root}: no meta/info.json; is this a LeRobot v2 dataset root?")
+        raise UnsupportedSourceError(f"{root}: no meta/info.json; is this a LeRobot dataset root?")
     return found
-
-
-def _cameras(info: dict, root: str, listing: set[str], video_tpl: str, warn) -> list[CameraSource]:
-    cams = []
-    for key, feat in sorted(info.get("features", {}).items()):
-        if feat.get("dtype") != "video":
-            continue
-        prefix = video_tpl.split("{video_key}")[0].split("{")[0]  # e.g. "videos/chunk-"
-        if not any(f"/{key}/" in f for f in listing if f.startswith(prefix)):
-            warn(f"camera {key} is listed in info.json but has no video files; dropping it")
-            continue
-        shape = feat.get("shape", [0, 0, 3])
-        names = feat.get("names") or ["height", "width", "channel"]
-        dims = dict(zip(names, shape)) if len(names) == len(shape) else {}
-        vinfo = feat.get("video_info") or feat.get("info") or {}
-        cams.append(CameraSource(key=key, slot=paths.camera_slot(key), height=int(dims.get("height", shape[0])),
-                                 width=int(dims.get("width", shape[1])),
-                                 codec=str(vinfo.get("video.codec", "unknown"))))
-    slots = [c.slot for c in cams]
-    if len(set(slots)) != len(slots):
-        raise SourceDataError(f"{root}: camera keys {[c.key for c in cams]} map to clashing slots {slots}")
-    return cams
 
 
 def _check_counts(info: dict, n_found: int, warn) -> None:
@@ -142,9 +103,34 @@ def fingerprint_inputs(root: str, raw_meta: dict[str, bytes], stats: dict[str, t
     return h.hexdigest()
 
 
+def _has_videos(listing: set[str], video_tpl: str):
+    prefix = video_tpl.split("{video_key}")[0].split("{")[0]  # e.g. "videos/chunk-" or "videos/"
+    return lambda key: any(f"/{key}/" in f for f in listing if f.startswith(prefix))
+
+
+def _episodes(root: str, version: str, info: dict, raw: dict, listing: set[str], cams, warn):
+    """(EpisodeSpecs, tasks, LeRobot statistics, extra files for the fingerprint) of one layout."""
+    if version == "v3.0":
+        tables = lerobot_v3.episode_tables(root)
+        specs = lerobot_v3.list_episodes(root, info, tables, cams)
+        return specs, lerobot_v3.tasks(root), lerobot_v3.stats(raw, tables), \
+            files.stat_files(root, "meta/episodes") | _optional_stat(root, "meta/tasks.parquet")
+    rows = lerobot_v2.episode_rows(raw, listing, warn)
+    specs = lerobot_v2.list_episodes(root, info, rows, cams)
+    return specs, lerobot_v2.tasks(raw), lerobot_v2.stats(raw), {}
+
+
+def _optional_stat(root: str, rel: str) -> dict[str, tuple[int, str]]:
+    try:
+        return {rel: (files.size(files.join(root, rel)), "")}
+    except FileNotFoundError:
+        return {}
+
+
 def discover(root: str, fingerprint: str = "stat") -> tuple[SourceMeta, list[EpisodeSpec]]:
     """Dataset metadata and every episode, sorted by episode index. `fingerprint`:
-    "stat" or "content" (see fingerprint_inputs)."""
+    "stat" or "content" (see fingerprint_inputs). UnsupportedSourceError (exit 2) for a
+    dataset of another version or an unreadable meta/info.json."""
     root = root.rstrip("/")
     warnings: list[str] = []
 
@@ -153,40 +139,30 @@ def discover(root: str, fingerprint: str = "stat") -> tuple[SourceMeta, list[Epi
         warnings.append(msg)
 
     raw = _read_meta(root)
-    info = json.loads(raw["info.json"])
-    data_tpl = info.get("data_path", DEFAULT_DATA_PATH)
-    video_tpl = info.get("video_path", DEFAULT_VIDEO_PATH)
-    chunks_size = int(info.get("chunks_size") or 1000)
+    info = parse_json(raw["info.json"], "meta/info.json")
+    version = check_version(info, "meta/info.json")
     stats = {**files.stat_files(root, "videos"), **files.stat_files(root, "data")}
     listing = set(stats)
-    if "episodes.jsonl" in raw:
-        rows = _jsonl(raw["episodes.jsonl"], "meta/episodes.jsonl")
-    else:
-        warn("no meta/episodes.jsonl; listing episodes from the parquet files")
-        rows = [{"episode_index": int(m.group(1))} for f in sorted(listing)
-                if (m := re.search(r"episode_(\d+)\.parquet$", f))]
-    rows = sorted(rows, key=lambda r: int(r["episode_index"]))
-    _check_counts(info, len(rows), warn)
-    cams = _cameras(info, root, listing, video_tpl, warn)
+    video_tpl = info.get("video_path") or (lerobot_v3.VIDEO_PATH if version == "v3.0" else lerobot_v2.VIDEO_PATH)
+    cams = cameras(info, _has_videos(listing, video_tpl), warn)
     if not cams:
-        raise SourceDataError(f"{root}: no camera has video files; nothing to convert")
-    episodes = []
-    for row in rows:
-        ep = int(row["episode_index"])
-        loc = {"episode_chunk": ep // chunks_size, "episode_index": ep}
-        videos = tuple((c.key, files.join(root, video_tpl.format(video_key=c.key, **loc))) for c in cams)
-        episodes.append(EpisodeSpec(index=ep, length=int(row.get("length", -1)), tasks=tuple(row.get("tasks", ())),
-                                    parquet=files.join(root, data_tpl.format(**loc)), videos=videos))
-    tasks = {int(r["task_index"]): str(r["task"]) for r in _jsonl(raw.get("tasks.jsonl", b""), "meta/tasks.jsonl")}
-    if "modality.json" not in raw:
-        warn("no meta/modality.json; the index's modality will be empty")
-    feats = info.get("features", {})
-    state, action = feats.get("observation.state", {}), feats.get("action", {})
+        raise SourceDataError(f"{root}: no camera feature (video or image) has data; nothing to convert")
+    specs, tasks, lerobot_stats, extra = _episodes(root, version, info, raw, listing, cams, warn)
+    _check_counts(info, len(specs), warn)
+    feats = info.get("features") or {}
+    state, action = feats.get(STATE_KEY) or {}, feats.get(ACTION_KEY) or {}
+    state_dim, action_dim = vector_dim(state), vector_dim(action)
+    if "modality.json" in raw:
+        modality = parse_json(raw["modality.json"], "meta/modality.json")
+    else:
+        modality = derived_modality(info, cams, state_dim, action_dim)
+        warn("no meta/modality.json; state/action groups derived from info.json's feature names: "
+             f"state {sorted(modality['state'])}, action {sorted(modality['action'])}")
     meta = SourceMeta(
-        uri=root, codebase_version=str(info.get("codebase_version", "")), robot_type=str(info.get("robot_type", "")),
-        fps=float(info.get("fps", 0)), cameras=tuple(cams),
-        state_dim=int((state.get("shape") or [0])[0]), action_dim=int((action.get("shape") or [0])[0]),
-        state_names=_names(state), action_names=_names(action), tasks=tasks,
-        modality=json.loads(raw["modality.json"]) if "modality.json" in raw else {},
-        fingerprint=fingerprint_inputs(root, raw, stats, fingerprint), warnings=tuple(warnings))
-    return meta, episodes
+        uri=root, codebase_version=version, robot_type=str(info.get("robot_type") or ""),
+        fps=float(info.get("fps", 0)), cameras=tuple(cams), state_dim=state_dim, action_dim=action_dim,
+        state_names=names(state), action_names=names(action), tasks=tasks, modality=modality,
+        fingerprint=fingerprint_inputs(root, raw, {**stats, **extra}, fingerprint), warnings=tuple(warnings),
+        stats=lerobot_stats, features=feats,
+        shared_bytes=sum(size for size, _ in stats.values()) if version == "v3.0" else 0)
+    return meta, [EpisodeSpec(**s) for s in specs]

@@ -1,13 +1,17 @@
-"""Stage 2: read one episode's parquet (state, action, timestamps, task per row).
+"""Stage 2: read one episode's parquet rows (state, action, timestamps, task, image bytes).
+
+v2.x: the episode's own parquet file. v3.0: the rows of this episode inside a file holding many
+(`EpisodeSpec.shared_parquet`), selected by `episode_index`; row groups whose statistics exclude
+the episode are not read.
 
 Per-row task: GR00T's `annotation.human.action.task_description` column when
 present (that is what GR00T conditions on), else LeRobot's `task_index`, else
-the episode's first task from episodes.jsonl.
+the episode's first task from the episode metadata.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +31,8 @@ class EpisodeTable:
     frame_index: np.ndarray  # int64 (n,)
     task_index: np.ndarray  # int64 (n,); -1 where unknown
     task_text: dict  # task_index -> instruction
+    index: np.ndarray | None = None  # int64 (n,): the source's global frame index (LeRobot's `index`), if any
+    images: dict = field(default_factory=dict)  # image camera key -> per row {"bytes": ..., "path": ...}
 
     @property
     def length(self) -> int:
@@ -53,22 +59,50 @@ def _matrix(table, column: str, dim: int, origin: str) -> np.ndarray:
     return flat.reshape(n, dim)
 
 
-def read_episode(spec: EpisodeSpec, meta: SourceMeta) -> EpisodeTable:
-    """Raises SourceDataError for a missing, unreadable or inconsistent parquet."""
+def _may_hold(row_group, column: int, episode: int) -> bool:
+    stats = row_group.column(column).statistics
+    if stats is None or not stats.has_min_max:
+        return True
+    return stats.min <= episode <= stats.max
+
+
+def _episode_rows(f, episode: int, origin: str):
+    """The rows of `episode` in a parquet file holding many, in stored order."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(f)
+    leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]  # row-group column order
+    if "episode_index" not in leaves:
+        raise SourceDataError(f"{origin}: no 'episode_index' column to select episode {episode}'s rows by")
+    col = leaves.index("episode_index")
+    groups = [i for i in range(pf.num_row_groups) if _may_hold(pf.metadata.row_group(i), col, episode)]
+    table = pf.read_row_groups(groups)
+    return table.filter(pc.equal(table.column("episode_index"), episode))
+
+
+def read_table(spec: EpisodeSpec):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     origin = spec.parquet
     try:
         with files.open_read(spec.parquet) as f:
-            table = pq.read_table(f)
+            table = _episode_rows(f, spec.index, origin) if spec.shared_parquet else pq.read_table(f)
     except FileNotFoundError:
         raise SourceDataError(f"{origin}: parquet file missing") from None
     except (OSError, pa.ArrowException) as exc:
         raise SourceDataError(f"{origin}: unreadable parquet ({exc})") from exc
+    if table.num_rows == 0:
+        raise SourceDataError(f"{origin}: no rows" + (f" of episode {spec.index}" if spec.shared_parquet else ""))
+    return table
+
+
+def read_episode(spec: EpisodeSpec, meta: SourceMeta) -> EpisodeTable:
+    """Raises SourceDataError for a missing, unreadable or inconsistent parquet."""
+    table = read_table(spec)
+    origin = spec.parquet if not spec.shared_parquet else f"{spec.parquet} (episode {spec.index})"
     n = table.num_rows
-    if n == 0:
-        raise SourceDataError(f"{origin}: no rows")
     state = _matrix(table, "observation.state", meta.state_dim, origin)
     action = _matrix(table, "action", meta.action_dim, origin)
 
@@ -87,5 +121,11 @@ def read_episode(spec: EpisodeSpec, meta: SourceMeta) -> EpisodeTable:
     task_text = dict(meta.tasks)
     if spec.tasks:
         task_text[-1] = spec.tasks[0]  # fallback for rows without a task index
+    images = {}
+    for key in meta.image_keys:
+        if key not in table.column_names:
+            raise SourceDataError(f"{origin}: no {key!r} column (an image feature in info.json)")
+        images[key] = table.column(key).to_pylist()
     return EpisodeTable(episode=spec.index, state=state, action=action, timestamps=timestamps,
-                        frame_index=frame_index, task_index=task_index, task_text=task_text)
+                        frame_index=frame_index, task_index=task_index, task_text=task_text,
+                        index=column("index", None, np.int64), images=images)

@@ -1,8 +1,11 @@
-"""Stage 6: write `failed.jsonl`, the tables, then `index.json` (LAST), then clean up.
+"""Stage 6: collect the job's results, write `failed.jsonl`, the tables, then `index.json` (LAST), then clean up.
 
 The index is the commit point of the job: readers treat a root without one as
-unfinished, so it is written only after every shard it names is in place
-(Beam side inputs guarantee all shard writers finished). Everything in it is
+unfinished, so it is written only after every shard it names is in place: the
+one element finalize runs on (`JobResults`) is combined from every shard
+writer's output, so no shard is still being written. It is a main input, not
+side inputs: a runner may compute each side input on its own (Dask's does,
+converting every episode once per side input). Everything in the index is
 sorted and free of timestamps, so identical runs give identical bytes.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 import apache_beam as beam
 
@@ -17,27 +21,82 @@ from loongforge import __version__
 from loongforge.preprocess import files
 from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.convert import ConvertParams
+from loongforge.preprocess.convert import FAILED, STAGED, STATS, ConvertParams
 from loongforge.preprocess.discover import SourceMeta
 from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
 from loongforge.preprocess.stats import norm_stats
 from loongforge.shared import paths, storage
 from loongforge.shared.index import TABLE_DIR, CameraInfo, DatasetInfo
-from loongforge.shared.split import choose_val_episodes
+from loongforge.shared.split import choose_val_episodes, parse_val_spec
 from loongforge.shared.writer import publish
 
 log = logging.getLogger(__name__)
+WRITTEN = "written"  # (shard number, manifest entry, placed layouts): WriteShards' output
 
 
-def _cameras(meta: SourceMeta, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
+@dataclass(frozen=True, slots=True)
+class JobResults:
+    """Everything finalize needs, in a deterministic order whatever order the runner delivered it in."""
+
+    staged: tuple[StagedEpisode, ...]  # by episode
+    failed: tuple[dict, ...]  # by (episode, camera, reason)
+    moments: dict  # episode -> {"state": Moments, "action": Moments}, by episode
+    written: tuple[tuple, ...]  # by shard number
+
+
+class JobResultsFn(beam.CombineFn):
+    """(tag, value) pairs of every stage -> one JobResults. Metadata only (no frame bytes):
+    a layout per episode and a manifest entry per shard."""
+
+    def create_accumulator(self) -> dict:
+        return {STAGED: [], FAILED: [], STATS: {}, WRITTEN: []}
+
+    def add_input(self, acc: dict, element) -> dict:
+        tag, value = element
+        if tag == STATS:
+            episode, moments = value
+            acc[STATS][int(episode)] = moments
+        else:
+            acc[tag].append(value)
+        return acc
+
+    def merge_accumulators(self, accumulators) -> dict:
+        merged = self.create_accumulator()
+        for acc in accumulators:
+            merged[STATS].update(acc[STATS])
+            for tag in (STAGED, FAILED, WRITTEN):
+                merged[tag].extend(acc[tag])
+        return merged
+
+    def extract_output(self, acc: dict) -> JobResults:
+        return JobResults(
+            staged=tuple(sorted(acc[STAGED], key=lambda e: e.episode)),
+            failed=tuple(sorted(acc[FAILED], key=lambda r: (r["episode"], r.get("camera") or "", r["reason"]))),
+            moments=dict(sorted(acc[STATS].items())),
+            written=tuple(sorted(acc[WRITTEN], key=lambda w: w[0])))
+
+
+def _cameras(meta: SourceMeta, params: ConvertParams, staged: list[StagedEpisode]) -> tuple[CameraInfo, ...]:
     """Camera infos from the decoded streams (first converted episode), falling
-    back to info.json when nothing converted."""
+    back to info.json when nothing converted; a stored size of its own where a
+    camera's differs from the dataset's (the first camera's)."""
     seen = {key: (h, w, codec) for key, h, w, codec, *_ in (staged[0].videos if staged else ())}
     cams = []
-    for cam in meta.cameras:
+    for c, cam in enumerate(meta.cameras):
         h, w, codec = seen.get(cam.key, (cam.height, cam.width, cam.codec))
-        cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec))
+        own = params.size(c) if params.size(c) != (params.height, params.width) else (0, 0)
+        cams.append(CameraInfo(key=cam.key, slot=cam.slot, source_height=h, source_width=w, codec=codec,
+                               height=own[0], width=own[1]))
     return tuple(cams)
+
+
+def held_out(cfg: PreprocessConfig, converted: list[int]) -> tuple[int, ...]:
+    """The validation episodes: the ids the launcher resolved against the discovered episodes
+    (prepare.py), less any that failed to convert."""
+    parsed = parse_val_spec(cfg.val_episodes)
+    if isinstance(parsed, tuple) and not cfg.val_count and not cfg.val_fraction:
+        return tuple(e for e in parsed if e in set(converted))
+    return choose_val_episodes(cfg.val_episodes, converted, count=cfg.val_count, fraction=cfg.val_fraction)
 
 
 def _source_colors(staged: list[StagedEpisode]) -> dict:
@@ -54,16 +113,16 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
 
 def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, moments: dict,
                   staged: list[StagedEpisode]) -> tuple[DatasetInfo, tuple[int, ...]]:
-    """(dataset info, validation episodes). `moments`: EpisodeMomentsFn's per-episode partials;
+    """(dataset info, validation episodes). `moments`: the per-episode partials (JobResults);
     the stats use the training episodes only."""
     staged = sorted(staged, key=lambda e: e.episode)
-    val_episodes = choose_val_episodes(cfg.val_episodes, [e.episode for e in staged])
+    val_episodes = held_out(cfg, [e.episode for e in staged])
     stats = norm_stats(moments, exclude=val_episodes)
     if moments and not stats:
         log.warning("val_episodes %s hold every converted episode: normalisation stats fall back to all of "
                     "them, and nothing is left to train on", list(val_episodes))
         stats = norm_stats(moments)
-    cameras = _cameras(meta, staged)
+    cameras = _cameras(meta, params, staged)
     color = params.color or (ColorTarget(*staged[0].videos[0][4:6]) if staged and staged[0].videos else ColorTarget())
     state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
     action_dim = meta.action_dim or len(stats.get("action", {}).get("mean", ()))
@@ -71,7 +130,11 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         "uri": meta.uri, "codebase_version": meta.codebase_version, "robot_type": meta.robot_type,
         "fingerprint": meta.fingerprint, "fingerprint_mode": cfg.fingerprint, "warnings": list(meta.warnings),
         "color": _source_colors(staged),
-        "bytes": sum(e.source_bytes for e in staged), "frames": sum(e.source_frames for e in staged),
+        "bytes": sum(e.source_bytes for e in staged) + (meta.shared_bytes if staged else 0),
+        "frames": sum(e.source_frames for e in staged),
+        # What LeRobot-compatible readers (train/data/lerobot.py) need: LeRobot's own statistics
+        # (over every source episode, as LeRobotDataset loads them) and info.json's features.
+        "lerobot_stats": meta.stats, "features": meta.features,
     }
     # frames_per_sample 1: every frame is stored once; samples are shaped at training time (delta indices).
     dataset = DatasetInfo(
@@ -95,18 +158,18 @@ def remove_stale_shards(output: str, keep: set[str]) -> None:
 
 
 class FinalizeFn(beam.DoFn):
-    """Runs once, after every shard is written: failed.jsonl, tables, index.json last."""
+    """JobResults -> failed.jsonl, tables, index.json last; runs once, after every shard is written."""
 
     def __init__(self, meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams):
         self.meta, self.cfg, self.params = meta, cfg, params
 
-    def process(self, _unused, written, failed, stats, staged):
-        dataset, val_episodes = build_dataset(self.meta, self.cfg, self.params, stats or {}, list(staged))
-        written = sorted(written, key=lambda w: w[0])
+    def process(self, results: JobResults):
+        dataset, val_episodes = build_dataset(self.meta, self.cfg, self.params, results.moments,
+                                              list(results.staged))
+        written, failed = results.written, list(results.failed)
         shards = [entry for _, entry, _ in written]
         layouts = [lay for _, _, placed in written for lay in placed]
         shard_of = [number for number, _, placed in written for _ in placed]
-        failed = sorted(failed, key=lambda r: (r["episode"], r.get("camera") or "", r["reason"]))
         lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in failed)
         storage.write_bytes_atomic(paths.join(self.cfg.output, paths.FAILED_FILE), lines.encode())
         params = {**self.cfg.output_params(), "height": self.params.height, "width": self.params.width,

@@ -3,9 +3,11 @@
 Scale design: frame bytes never travel through a Beam shuffle. The convert
 stage writes an episode's fragment (its arrays and frame blocks, shared/blocks.py)
 to one staging file (`OUTPUT/_staging/episode_NNNNNN.bin`) and emits only its
-layout. One global step plans shards from the layouts alone (greedy, whole
-episodes, episode order), and shard writers copy staging files into place. The
-plan is deterministic, so equal inputs give byte-identical shards.
+layout. One global step plans shards from the episode sizes alone (greedy, whole
+episodes, episode order); each episode is then joined with its place in the plan and
+grouped by shard number, so the shard writers (copying staging files into place) are
+spread over the workers like any keyed step. The plan is deterministic, so equal
+inputs give byte-identical shards.
 """
 
 from __future__ import annotations
@@ -49,14 +51,37 @@ def staging_path(output: str, episode: int, suffix: str = ".bin") -> str:
     return files.join(output, STAGING_DIR, f"episode_{episode:06d}{suffix}")
 
 
-def plan_shards(staged: Iterable[StagedEpisode], shard_size: int) -> list[ShardPlan]:
-    """Greedy, size-bounded, deterministic: a shard takes whole episodes in episode order
+def place_episodes(sizes: Iterable[tuple[int, int]], shard_size: int):
+    """(episode, fragment bytes) of every staged episode -> (episode, (shard number, position)).
+    Greedy, size-bounded, deterministic: a shard takes whole episodes in episode order
     until the next one would push it past `shard_size` (a larger one gets its own shard)."""
-    by_episode = {ep.episode: ep for ep in staged}
-    order = sorted(by_episode)
-    groups = plan_episode_shards(((e, by_episode[e].layout.length) for e in order), shard_size)
-    return [ShardPlan(number=i, items=tuple((by_episode[e].path, by_episode[e].layout) for e in group))
-            for i, group in enumerate(groups)]
+    groups = plan_episode_shards(sorted(sizes), shard_size)
+    for number, group in enumerate(groups):
+        for position, episode in enumerate(group):
+            yield episode, (number, position)
+
+
+def _episode_size(staged: StagedEpisode) -> tuple[int, int]:
+    return staged.episode, staged.layout.length
+
+
+def _key_by_episode(staged: StagedEpisode) -> tuple[int, StagedEpisode]:
+    return staged.episode, staged
+
+
+def _key_by_shard(joined) -> tuple[int, tuple[int, str, EpisodeLayout]]:
+    """(episode, {"staged": [StagedEpisode], "place": [(shard, position)]}) -> (shard, (position, path, layout))."""
+    episode, found = joined
+    staged, place = list(found["staged"]), list(found["place"])
+    if len(staged) != 1 or len(place) != 1:
+        raise RuntimeError(f"episode {episode}: {len(staged)} staged fragments and {len(place)} shard places; "
+                           "expected one of each")
+    (number, position), ep = place[0], staged[0]
+    return number, (position, ep.path, ep.layout)
+
+
+def _shard_plan(number: int, items) -> ShardPlan:
+    return ShardPlan(number=number, items=tuple((path, layout) for _, path, layout in sorted(items)))
 
 
 def _fragment(path: str) -> memoryview:
@@ -78,3 +103,32 @@ class WriteShardFn(beam.DoFn):
         self.bytes.inc(entry["bytes"])
         log.info("wrote %s: %d episodes, %.1f MB", entry["name"], len(placed), entry["bytes"] / 1e6)
         yield plan.number, entry, tuple(placed)
+
+
+class WriteShards(beam.PTransform):
+    """StagedEpisode -> (shard number, manifest entry, layouts placed in the shard), one group per shard.
+
+    The writes are not fanned out from the one-element plan step: a runner may keep that step's
+    output in one partition (Dask's does, and ignores Reshuffle), which would write every shard in
+    one task on one worker. A key (the shard number) is what every runner spreads over workers."""
+
+    def __init__(self, output: str, shard_size: int):
+        super().__init__()
+        self.output, self.shard_size = output, shard_size
+
+    def expand(self, staged):
+        places = (
+            staged
+            | "EpisodeSizes" >> beam.Map(_episode_size)
+            # no default: without a staged episode there is no plan, and no shard to write
+            | "CollectSizes" >> beam.CombineGlobally(beam.combiners.ToListCombineFn()).without_defaults()
+            | "PlanShards" >> beam.FlatMap(place_episodes, self.shard_size)
+        )
+        return (
+            {"staged": staged | "KeyByEpisode" >> beam.Map(_key_by_episode), "place": places}
+            | "JoinPlan" >> beam.CoGroupByKey()
+            | "KeyByShard" >> beam.Map(_key_by_shard)
+            | "GroupShards" >> beam.GroupByKey()
+            | "ShardPlans" >> beam.MapTuple(_shard_plan)
+            | "WriteShard" >> beam.ParDo(WriteShardFn(self.output))
+        )

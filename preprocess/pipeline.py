@@ -1,4 +1,4 @@
-"""The preprocess job: LeRobot v2 dataset (parquet + H.264 mp4) -> NV12 shards + index (FORMAT.md).
+"""The preprocess job: LeRobot dataset (v2.0/v2.1/v3.0: parquet + mp4 or images) -> NV12 shards + index (FORMAT.md).
 
 Local (default runner: Beam's FnApiRunner, one worker process per core):
 
@@ -12,115 +12,69 @@ infra/dataflow/launch.sh for the full command):
         --runner=DataflowRunner --project=P --region=us-central1 --temp_location=gs://bkt/tmp \\
         --setup_file=$PWD/pyproject.toml --requirements_file=infra/dataflow/requirements.txt
 
+A dask.distributed cluster (Beam's Dask runner; infra/dask/; runners.py lists every runner):
+
+    loongforge preprocess --input D --output S --runner dask --dask-scheduler tcp://HOST:8786
+
 Stages, top to bottom (one module each): discover (meta, launcher side) ->
 convert per episode [episode: parquet, decode: mp4 -> NV12, blocks: staging
-file] -> plan shards of whole episodes (metadata only) -> write shards -> stats
-(CombineFn) -> finalize (failed.jsonl, tables, then index.json last).
+file; stats: moments] -> pack: plan shards of whole episodes (metadata only),
+group each shard's episodes, write shards -> finalize (collect the results;
+failed.jsonl, tables, then index.json last).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 import time
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions
-from apache_beam.pvalue import AsList, AsSingleton
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget, probe_colors, resolve_colors
+from loongforge.preprocess.colorspace import ColorTarget
 from loongforge.preprocess.config import EXIT_FAILED_RECORDS, PreprocessConfig, add_job_arguments, config_from_args
-from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
-from loongforge.preprocess.finalize import FinalizeFn
+from loongforge.preprocess.convert import STAGED, ConvertEpisodeFn, select_tag, tagged
+from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
+from loongforge.preprocess.finalize import WRITTEN, FinalizeFn, JobResultsFn
+from loongforge.preprocess.launch import Launch
+from loongforge.preprocess.pack import STAGING_DIR, WriteShards
+from loongforge.preprocess.prepare import prepare_job, resolve_params
 from loongforge.preprocess.report import summarize
-from loongforge.preprocess.pack import METRICS_NS, STAGING_DIR, WriteShardFn, plan_shards
-from loongforge.preprocess.progress import ProgressMonitor
-from loongforge.preprocess.stats import EpisodeMomentsFn
+from loongforge.preprocess.runners import RunnerConfig, add_runner_arguments, runner_from_args
 from loongforge.shared import paths
-from loongforge.shared.errors import ConfigError, StorageError
+from loongforge.shared.errors import StorageError
 
 log = logging.getLogger(__name__)
-STAGED = "staged"
-
-
-def beam_options(cfg: PreprocessConfig, beam_args: list[str]) -> PipelineOptions:
-    """The local defaults unless the caller chose otherwise (any --runner, or
-    its own --direct_* flags, wins: Dataflow/Flink options pass through)."""
-    given = {a.split("=", 1)[0] for a in beam_args}
-    flags = list(beam_args)
-    if "--runner" not in given:
-        # Beam's default DirectRunner would fetch a Prism binary (fails offline).
-        flags.append("--runner=FnApiRunner")
-        if "--direct_num_workers" not in given:
-            flags.append(f"--direct_num_workers={cfg.num_workers}")
-        if "--direct_running_mode" not in given:
-            flags.append("--direct_running_mode=multi_processing")
-    return PipelineOptions(flags=flags)
-
-
-# What local worker processes log: warnings, plus this job's own progress lines
-# (Beam's harness otherwise prints ~15 INFO lines of gRPC set-up per worker).
-WORKER_LOG_LEVELS = {"default_sdk_harness_log_level": "WARNING",
-                     "sdk_harness_log_level_overrides": {"loongforge": "INFO", "__main__": "ERROR"}}
-
-
-def local_runner(options: PipelineOptions):
-    """The FnApiRunner with worker log levels, when the job runs locally; None
-    (Beam picks the runner from --runner) otherwise. FnApiRunner hands its
-    workers only the options in its provision info, so they go there."""
-    if options.get_all_options().get("runner") != "FnApiRunner":
-        return None
-    from apache_beam.portability.api import beam_provision_api_pb2
-    from apache_beam.runners.portability.fn_api_runner import fn_runner
-    from google.protobuf import struct_pb2
-
-    worker_options = struct_pb2.Struct()
-    worker_options.update(WORKER_LOG_LEVELS)
-    info = beam_provision_api_pb2.ProvisionInfo(pipeline_options=worker_options)
-    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
-
-
-def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None) -> ConvertParams:
-    height, width = cfg.height, cfg.width
-    if height is None:  # source resolution: the first camera's, per info.json
-        height, width = meta.cameras[0].height, meta.cameras[0].width
-        if height % 2 or width % 2 or height <= 0 or width <= 0:
-            raise ConfigError(f"source resolution {height}x{width} is not even; pass --height/--width")
-    return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
-                         zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
-                         block_frames=cfg.block_frames, block_codec=cfg.block_codec)
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
-                   color: ColorTarget | None = None):
+                   color: ColorTarget | None = None, progress_topic: str = ""):
+    """The job's graph, for any runner: no tagged outputs (a stage emits (tag, value) pairs that
+    a filter splits), no side inputs (finalize's one input is combined from every stage's output),
+    no default for a global combine (an empty one has nothing to say). On the Dask runner only
+    the last step's inputs run: every step here leads to WriteIndex."""
     params = resolve_params(cfg, meta, color)
-    # The Reshuffles are fusion breaks: without them a runner may fuse the heavy
-    # per-episode (per-shard) work with the one-element Create (plan) and run it
-    # all on one worker.
     converted = (
         p
         | "ListEpisodes" >> beam.Create(episodes)
+        # A fusion break: without it a runner may fuse the per-episode work with the Create
+        # and run it on one worker (the Dask runner ignores it: runners.py sets its partitions).
         | "SpreadEpisodes" >> beam.Reshuffle()
-        | "ConvertEpisodes" >> beam.ParDo(ConvertEpisodeFn(meta, params)).with_outputs(FAILED, STATS, main=STAGED)
+        | "ConvertEpisodes" >> beam.ParDo(ConvertEpisodeFn(meta, params, progress_topic))
     )
-    staged, failed = converted[STAGED], converted[FAILED]
-    stats = converted[STATS] | "EpisodeMoments" >> beam.CombineGlobally(EpisodeMomentsFn())  # merged in finalize
     written = (
-        staged
-        | "CollectStaged" >> beam.combiners.ToList()
-        | "PlanShards" >> beam.FlatMap(plan_shards, cfg.shard_size)
-        | "SpreadShards" >> beam.Reshuffle()
-        | "WriteShards" >> beam.ParDo(WriteShardFn(cfg.output))
+        converted
+        | "Staged" >> beam.FlatMap(select_tag, STAGED)
+        | "WriteShards" >> WriteShards(cfg.output, cfg.shard_size)
+        | "TagWritten" >> beam.Map(tagged, WRITTEN)
     )
     return (
-        p
-        | "Once" >> beam.Create([None])
-        | "WriteIndex" >> beam.ParDo(FinalizeFn(meta, cfg, params), written=AsList(written), failed=AsList(failed),
-                                     stats=AsSingleton(stats), staged=AsList(staged))
+        (converted, written)
+        | "AllResults" >> beam.Flatten()
+        | "CollectResults" >> beam.CombineGlobally(JobResultsFn()).without_defaults()
+        | "WriteIndex" >> beam.ParDo(FinalizeFn(meta, cfg, params))
     )
 
 
@@ -131,52 +85,32 @@ def prepare_output(output: str) -> None:
     files.remove_tree(files.join(output, STAGING_DIR))
 
 
-def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None) -> dict:
+def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None, runner: RunnerConfig | None = None) -> dict:
     """Run the job to completion; returns the summary (index numbers + timing)."""
-    meta, episodes = discover(cfg.input, cfg.fingerprint)
-    # Before any work: cameras in different colours need a decision (--color-range/--color-matrix).
-    color = resolve_colors(probe_colors(episodes), cfg.color_range, cfg.color_matrix)
-    prepare_output(cfg.output)
-    log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
-             [c.key for c in meta.cameras], color.matrix, color.range)
-    t0 = time.perf_counter()
-    options = beam_options(cfg, beam_args or [])
-    runner = local_runner(options)
-    monitor = ProgressMonitor(cfg.output, {e.index: e.length for e in episodes}, len(meta.cameras),
-                              cfg.progress_s) if runner is not None and cfg.progress_s > 0 else None
-    p = beam.Pipeline(runner=runner, options=options)
-    build_pipeline(p, cfg, meta, episodes, color)
-    try:
-        with monitor if monitor is not None else contextlib.nullcontext():
-            result = p.run()
-            result.wait_until_finish()
-    except Exception as exc:
-        err = _output_error(cfg.output, exc)
-        if err is None:
-            raise
-        raise err from exc
-    summary = summarize(cfg.output, time.perf_counter() - t0)
-    summary["input_episodes"] = len(episodes)
-    summary["counters"] = job_counters(result)
-    if monitor is not None:
-        monitor.finish(summary["episodes"], summary["failed"], summary["source_frames"] * len(meta.cameras))
+    # Before any work (prepare.py): the dataset's version and episodes, the split checked against them,
+    # cameras in different colours decided (--color-range/--color-matrix).
+    job = prepare_job(cfg)
+    cfg, meta, episodes, color = job.cfg, job.meta, job.episodes, job.color
+    lengths = {e.index: e.length for e in episodes}
+    # The runner next: a cluster that cannot run the job fails before the output root is touched.
+    with Launch(cfg, runner or RunnerConfig(), beam_args or [], lengths, len(meta.cameras)) as launch:
+        prepare_output(cfg.output)
+        log.info("preprocess %s -> %s: %d episodes, cameras %s, colour %s/%s", cfg.input, cfg.output, len(episodes),
+                 [c.key for c in meta.cameras], color.matrix, color.range)
+        t0 = time.perf_counter()
+        p = beam.Pipeline(runner=launch.beam_runner, options=launch.options)
+        build_pipeline(p, cfg, meta, episodes, color, launch.progress_topic)
+        try:
+            launch.run(p)
+        except Exception as exc:
+            err = _output_error(cfg.output, exc)
+            if err is None:
+                raise
+            raise err from exc
+        summary = summarize(cfg.output, time.perf_counter() - t0)
+        summary["input_episodes"] = len(episodes)
+        summary.update(launch.report(summary))
     return summary
-
-
-def job_counters(result) -> dict[str, int]:
-    """This job's Beam counters (METRICS_NS), summed over steps; {} where the
-    runner does not report them."""
-    from apache_beam.metrics.metric import MetricsFilter
-
-    try:
-        found = result.metrics().query(MetricsFilter().with_namespace(METRICS_NS))["counters"]
-    except (AttributeError, NotImplementedError, KeyError):
-        return {}
-    out: dict[str, int] = {}
-    for r in found:
-        value = r.committed if r.committed is not None else r.attempted
-        out[r.key.metric.name] = out.get(r.key.metric.name, 0) + int(value or 0)
-    return dict(sorted(out.items()))
 
 
 _DISK_FULL = ("[Errno 28]", "No space left on device", "[Errno 122]", "Disk quota exceeded")
@@ -199,9 +133,11 @@ def _output_error(output: str, exc: Exception) -> StorageError | None:
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m loongforge.preprocess.pipeline", description=__doc__.splitlines()[0])
     add_job_arguments(parser)
+    add_runner_arguments(parser)
     args, beam_args = parser.parse_known_args(argv)
     cfg = config_from_args(args)
-    summary = run_job(cfg, beam_args)
+    runner, beam_args = runner_from_args(args, beam_args)
+    summary = run_job(cfg, beam_args, runner)
     summary["failed_allowed"] = cfg.failed_allowed(summary["input_episodes"])
     return summary
 

@@ -1,4 +1,4 @@
-"""Progress of a running job: a line every few seconds on the local runner.
+"""Progress of a running job: a line every few seconds on the local and the Dask runner.
 
     progress: 12/40 episodes (1 failed), 2,310 frames/s, ETA 0:00:31
 
@@ -10,6 +10,11 @@ atomically) or `_staging/episode_NNNNNN.failed` (a marker). A launcher thread
 counts them. Frames come from episodes.jsonl's lengths (unknown lengths: no
 frames/s, episodes only).
 
+Dask runner: each conversion attempt reports itself from the task, as an event on
+the job's own topic (`report_episode`, dask's `Worker.log_event`); the launcher's
+client subscribes to it (`EpisodeEvents`). The same events say which worker
+converted which episode, and how often: the summary's `conversions`.
+
 Dataflow: the same numbers are the job's Beam counters (namespace
 `loongforge.preprocess`: episodes_converted, episodes_failed, frames_decoded,
 samples, shards_written, shard_bytes_written), shown live under "Custom
@@ -18,10 +23,13 @@ counters" in the Dataflow console; `run_job` also returns them in the summary.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,29 +60,86 @@ class Progress:
         return text
 
 
+def staging_files(output: str) -> tuple[set[int], set[int]]:
+    """(converted, failed) episodes, from the staging files under `output`."""
+    try:
+        names = files.list_files(output, STAGING_DIR)
+    except (FileNotFoundError, OSError):  # not created yet, or already cleaned up
+        names = set()
+    ok, failed = set(), set()
+    for name in names:
+        m = _DONE.search(name)
+        if m:
+            (failed if m.group(2) == "failed" else ok).add(int(m.group(1)))
+    return ok, failed
+
+
+def report_episode(topic: str, episode: int, ok: bool) -> None:
+    """Worker side, after each conversion attempt: an event on `topic` when this runs in a
+    dask worker's task; nothing anywhere else (other runners have their own channels)."""
+    if not topic:
+        return
+    distributed = sys.modules.get("distributed")  # loaded in every dask worker; never imported here
+    if distributed is None:
+        return
+    try:
+        worker = distributed.get_worker()
+    except ValueError:  # not inside a dask task
+        return
+    worker.log_event(topic, {"episode": int(episode), "ok": bool(ok), "worker": worker.address,
+                             "attempt": uuid.uuid4().hex})
+
+
+class EpisodeEvents:
+    """Launcher side: the attempts reported on one topic (`handle` is the dask client's
+    subscription handler; it runs on the client's thread). An attempt counts once,
+    however it arrived (live, or from the scheduler's log at the end)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seen: dict[str, dict] = {}
+
+    def handle(self, event) -> None:
+        _, msg = event  # (scheduler timestamp, message)
+        with self._lock:
+            self._seen.setdefault(str(msg["attempt"]), dict(msg))
+
+    def attempts(self) -> list[dict]:
+        with self._lock:
+            return list(self._seen.values())
+
+    def finished(self) -> tuple[set[int], set[int]]:
+        """(converted, failed) episodes; an episode that failed once and converted on a retry is converted."""
+        ok = {a["episode"] for a in self.attempts() if a["ok"]}
+        return ok, {a["episode"] for a in self.attempts() if not a["ok"]} - ok
+
+    def conversions(self) -> dict:
+        """What the summary reports: attempts, by worker, and the episodes converted more than once."""
+        attempts = self.attempts()
+        per_episode = collections.Counter(a["episode"] for a in attempts)
+        return {"attempts": len(attempts),
+                "by_worker": dict(sorted(collections.Counter(a["worker"] for a in attempts).items())),
+                "repeated": sorted(e for e, n in per_episode.items() if n > 1)}
+
+
 class ProgressMonitor:
-    """Counts finished episodes under `output`/_staging every `interval_s` and emits a line.
+    """Counts finished episodes every `interval_s` and emits a line: from the staging files
+    under `output`, or from `finished()` -> (converted, failed) where the runner has a channel.
     `lengths`: episode -> source frames (-1 unknown), one entry per input episode.
     Use as a context manager around the pipeline run; `finish()` emits the last line."""
 
     def __init__(self, output: str, lengths: dict[int, int], cameras: int, interval_s: float,
-                 emit: Callable[[str], None] = log.info, clock: Callable[[], float] = time.monotonic):
+                 emit: Callable[[str], None] = log.info, clock: Callable[[], float] = time.monotonic,
+                 finished: Callable[[], tuple[set[int], set[int]]] | None = None):
         self.output, self.lengths, self.cameras = output, lengths, cameras
         self.interval_s, self.emit, self.clock = interval_s, emit, clock
+        self.finished = finished or (lambda: staging_files(output))
         self.t0 = clock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loongforge-progress", daemon=True)
 
     def snapshot(self) -> Progress:
-        try:
-            names = files.list_files(self.output, STAGING_DIR)
-        except (FileNotFoundError, OSError):  # not created yet, or already cleaned up
-            names = set()
-        ok, failed = set(), set()
-        for name in names:
-            m = _DONE.search(name)
-            if m:
-                (failed if m.group(2) == "failed" else ok).add(int(m.group(1)))
+        ok, failed = self.finished()
         frames = sum(max(0, self.lengths.get(e, 0)) for e in ok) * self.cameras
         return Progress(done=len(ok | failed), failed=len(failed), total=len(self.lengths), frames=frames,
                         elapsed_s=self.clock() - self.t0)

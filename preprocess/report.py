@@ -3,6 +3,8 @@ computed from the index alone (no Beam import: inspect runs anywhere)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from loongforge.shared.dataset import open_root
 
 
@@ -14,10 +16,12 @@ def summarize(root: str, seconds: float | None = None) -> dict:
     total = sum(int(s["bytes"]) for s in m["shards"]) + sum(int(t["bytes"]) for t in m["tables"].values())
     out = {"format_version": m["format_version"], "episodes": root_ds.num_episodes, "samples": frames,
            "frames": frames, "shards": len(m["shards"]), "bytes": total, "cameras": [c.key for c in ds.cameras],
-           "resolution": [ds.height, ds.width], "fps": ds.fps, "failed": len(m["failed"]),
+           "resolution": [ds.height, ds.width], "fps": ds.fps,
+           "camera_sizes": {c.key: list(ds.camera_size(i)) for i, c in enumerate(ds.cameras)},
+           "failed": len(m["failed"]),
            "block_size": root_ds.block_size, "block_codec": root_ds.block_codec}
     bytes_in = int(ds.source.get("bytes", 0))
-    nv12 = frames * ds.frame_bytes * len(ds.cameras)
+    nv12 = frames * ds.timestep_bytes
     out.update({
         "source_frames": int(ds.source.get("frames", 0)),
         "bytes_in": bytes_in,
@@ -26,6 +30,10 @@ def summarize(root: str, seconds: float | None = None) -> dict:
         "nv12_over_out": round(nv12 / total, 3) if total else None,
         "warnings": list(ds.source.get("warnings", [])),
         "failed_records": list(m["failed"]),
+        # The validation split (episode ids held out of training and of the normalisation stats).
+        "val_episodes": sorted(int(e) for e in root_ds.val_episodes),
+        "train_episodes": root_ds.num_episodes - int(np.asarray(root_ds.val_mask).sum()),
+        "source_version": ds.source.get("codebase_version", ""),
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)
@@ -34,16 +42,28 @@ def summarize(root: str, seconds: float | None = None) -> dict:
     return out
 
 
+def _cameras(s: dict) -> str:
+    sizes = s.get("camera_sizes") or {}
+    if len({tuple(v) for v in sizes.values()}) > 1:
+        return ", ".join(f"{key} at {h}x{w}" for key, (h, w) in sizes.items())
+    return f"{', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}"
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"episodes   {s['episodes']} converted, {s['failed']} failed",
         f"samples    {s['samples']} (every timestep; frames stored once, {s['block_codec']} blocks of "
         f"{s['block_size']})",
         f"shards     {s['shards']}, {s['bytes_out'] / 1e6:.2f} MB",
-        f"cameras    {', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}, {s['fps']:g} fps",
+        f"cameras    {_cameras(s)}, {s['fps']:g} fps",
         f"bytes in   {s['bytes_in'] / 1e6:.2f} MB (parquet + mp4), out {s['bytes_out'] / 1e6:.2f} MB",
         f"ratio      out/in {s['out_over_in']}x, raw NV12/out (zstd) {s['nv12_over_out']}x",
     ]
+    val = s.get("val_episodes", [])
+    lines.append(f"split      {len(val)} validation episode(s) held out: {', '.join(map(str, val))}; "
+                 f"{s.get('train_episodes', s['episodes'])} train" if val else
+                 "split      none: every episode trains (--val-count N, --val-fraction F or --val-episodes IDS "
+                 "hold some out)")
     if "frames_per_s" in s:
         lines.append(f"speed      {s['source_frames']} frames x {len(s['cameras'])} cameras in {s['seconds']} s"
                      f" = {s['frames_per_s']} frames/s")
@@ -55,3 +75,13 @@ def format_summary(s: dict) -> str:
         lines.append("verify     all shards match their sha256" if s["verified"] else
                      f"verify     FAILED: {'; '.join(s['bad_shards'])}")
     return "\n".join(lines)
+
+
+def output_counters(root: str, summary: dict) -> dict[str, int]:
+    """The job's counters (its Beam counters' names) from what it wrote, for a runner that reports
+    no metrics; a counter that stayed 0 is left out, as Beam leaves it out."""
+    shards = open_root(root).manifest["shards"]
+    counters = {"episodes_converted": summary["episodes"], "episodes_failed": summary["failed"],
+                "samples": summary["samples"], "frames_decoded": summary["source_frames"] * len(summary["cameras"]),
+                "shards_written": len(shards), "shard_bytes_written": sum(int(s["bytes"]) for s in shards)}
+    return {name: value for name, value in sorted(counters.items()) if value}

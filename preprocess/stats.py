@@ -1,23 +1,22 @@
 """Normalisation statistics (mean/std/min/max of state and action over every
 frame of the TRAINING episodes), computed inside the pipeline.
 
-The pipeline collects one partial per converted episode (`EpisodeMomentsFn`);
-finalize decides the validation split and merges the partials of the other
-episodes only (`norm_stats`): statistics that saw the validation episodes would
-leak them into training through the normalisation.
+The convert stage emits one partial per converted episode (`episode_moments`);
+finalize collects them (finalize.JobResultsFn), decides the validation split and
+merges the partials of the other episodes only (`norm_stats`): statistics that saw
+the validation episodes would leak them into training through the normalisation.
 
 Determinism: Beam combines partial results in whatever order bundles finish,
 and float merges are not associative, so merging in arrival order would make
-`index.json` differ between identical runs. The accumulator therefore keeps one
-partial per episode (a few numbers per dimension) and `extract_output` merges
-them in episode order (Chan et al.'s parallel mean/variance update).
+`index.json` differ between identical runs. The job therefore keeps one partial
+per episode (a few numbers per dimension) and `norm_stats` merges them in
+episode order (Chan et al.'s parallel mean/variance update).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import apache_beam as beam
 import numpy as np
 
 
@@ -69,32 +68,3 @@ def norm_stats(per_episode: dict, exclude=()) -> dict:
         if total is not None:
             out[name] = total.summary()
     return out
-
-
-class EpisodeMomentsFn(beam.CombineFn):
-    """(episode, {"state": Moments, "action": Moments}) -> {episode: {...}}: the partials, kept apart
-    until the split is known."""
-
-    def create_accumulator(self) -> dict:
-        return {}
-
-    def add_input(self, acc: dict, element) -> dict:
-        episode, moments = element
-        acc[int(episode)] = moments
-        return acc
-
-    def merge_accumulators(self, accumulators) -> dict:
-        merged: dict = {}
-        for acc in accumulators:
-            merged.update(acc)
-        return merged
-
-    def extract_output(self, acc: dict) -> dict:
-        return dict(sorted(acc.items()))
-
-
-class NormStatsCombineFn(EpisodeMomentsFn):
-    """(episode, {"state": Moments, "action": Moments}) -> {"state": {...}, "action": {...}} over all."""
-
-    def extract_output(self, acc: dict) -> dict:
-        return norm_stats(acc)

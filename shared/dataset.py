@@ -78,7 +78,7 @@ class Dataset:
         self.episode_lengths = tables["episode_length"]
         self.episode_starts = tables["episode_start"]
         self.tables = tables
-        self._frame_shape = (self.info.height * 3 // 2, self.info.width)
+        self._shapes = [(h * 3 // 2, w) for h, w in map(self.info.camera_size, range(len(self.cameras)))]
         self._ncam = len(self.cameras)
         self._shift = int(manifest["frame_bucket_shift"])
         # Flat memoryviews over the mapped tables: indexing one returns a Python int in
@@ -112,9 +112,9 @@ class Dataset:
     def tasks(self) -> dict:
         return self.info.tasks
 
-    def frame_shape(self, camera: str) -> tuple[int, int]:
-        self._cam(camera)
-        return self._frame_shape
+    def frame_shape(self, camera: str | int) -> tuple[int, int]:
+        """(3h/2, w) of one stored NV12 frame of `camera` (cameras may differ: DatasetInfo.camera_size)."""
+        return self._shapes[self._cam(camera)]
 
     def episode_id(self, e: int) -> int:
         return self._ids[e]
@@ -172,7 +172,7 @@ class Dataset:
         (optional, at least n frames): decode into it and return its first n frames."""
         name, off, length, n, digest = self.block_entry(e, camera, b)
         view = self.source.read_range(name, off, length)
-        return self._decode(view, e, self.cameras[self._cam(camera)], b, (name, off, length, n, digest), out)
+        return self._decode(view, e, self._cam(camera), b, (name, off, length, n, digest), out)
 
     def read_blocks(self, e: int, b: int, cameras: list[str] | None = None) -> dict[str, np.ndarray]:
         """Block b of several cameras (default: all) with ONE range read: the block-major layout
@@ -182,18 +182,19 @@ class Dataset:
         lo = min(x[1] for x in entries)
         hi = max(x[1] + x[2] for x in entries)
         view = self.source.read_range(entries[0][0], lo, hi - lo)
-        return {cam: self._decode(view[x[1] - lo : x[1] - lo + x[2]], e, cam, b, x, None)
+        return {cam: self._decode(view[x[1] - lo : x[1] - lo + x[2]], e, self._cam(cam), b, x, None)
                 for cam, x in zip(cams, entries)}
 
-    def _decode(self, view, e: int, camera: str, b: int, entry: tuple, out: np.ndarray | None) -> np.ndarray:
+    def _decode(self, view, e: int, c: int, b: int, entry: tuple, out: np.ndarray | None) -> np.ndarray:
         name, off, length, n, digest = entry
-        what = f"{name}: episode {self.episode_id(e)} camera {camera} block {b}"
+        what = f"{name}: episode {self.episode_id(e)} camera {self.cameras[c]} block {b}"
         if len(view) != length or xxhash.xxh3_64_intdigest(view) != digest:
             raise IntegrityError(f"{what} (bytes {off}+{length}) does not match its xxh3 in the index: corrupt "
                                  "shard; re-fetch it or re-run `loongforge preprocess`")
-        target = np.empty((n, *self._frame_shape), np.uint8) if out is None else out[:n]
-        if target.shape != (n, *self._frame_shape) or target.dtype != np.uint8 or not target.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous uint8 with >= {n} frames of {self._frame_shape}")
+        shape = self._shapes[c]
+        target = np.empty((n, *shape), np.uint8) if out is None else out[:n]
+        if target.shape != (n, *shape) or target.dtype != np.uint8 or not target.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint8 with >= {n} frames of {shape}")
         return decode_block(view, target, what, self.block_codec)
 
     def read_arrays(self, e: int) -> dict[str, np.ndarray]:

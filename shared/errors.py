@@ -5,11 +5,21 @@ from __future__ import annotations
 
 
 class LoongForgeError(Exception):
-    """Root of every error LoongForge raises on purpose."""
+    """Root of every error LoongForge raises on purpose. `exit_code`: what the
+    `loongforge` command exits with when this error ends it."""
+
+    exit_code = 1
 
 
 class ConfigError(LoongForgeError, ValueError):
     """A config value or file is invalid. The message names the field and the fix."""
+
+
+class UsageError(ConfigError):
+    """The command cannot run as asked, found before any work: a flag that names what the
+    input does not have, or an input this LoongForge does not read. Exit code 2, as for bad flags."""
+
+    exit_code = 2
 
 
 class FormatError(LoongForgeError):
@@ -34,8 +44,21 @@ class StorageError(LoongForgeError, OSError):
     and what to check."""
 
 
+class RunnerError(LoongForgeError):
+    """The job's runner failed under it: a cluster unreachable, without workers or without this
+    project installed, or workers lost past the runner's retries. The message says what to fix;
+    nothing was published."""
+
+
 class SourceDataError(LoongForgeError):
     """Input dataset problem: corrupt video, missing file, length mismatch."""
+
+
+class UnsupportedSourceError(SourceDataError):
+    """The input is not a dataset this LoongForge reads (an unknown LeRobot version, a
+    meta/info.json that is not JSON): refused before any work, exit code 2."""
+
+    exit_code = 2
 
 
 class CacheError(LoongForgeError):

@@ -51,10 +51,18 @@ class CameraInfo:
     source_height: int
     source_width: int
     codec: str = ""
+    # This camera's stored NV12 size when it differs from the dataset's height x width
+    # (cameras kept at their own source sizes); 0 = the dataset's. Written only when set.
+    height: int = 0
+    width: int = 0
 
     def __post_init__(self):
         if paths.camera_slot(self.slot) != self.slot:
             raise FormatError(f"camera slot {self.slot!r} is not a safe member name")
+        if (self.height == 0) != (self.width == 0) or self.height < 0 or self.width < 0 or self.height % 2 \
+                or self.width % 2:
+            raise FormatError(f"camera {self.key}: stored size {self.height}x{self.width} must be both 0 (the "
+                              "dataset's) or both positive and even")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +98,25 @@ class DatasetInfo:
     def slots(self) -> list[str]:
         return [c.slot for c in self.cameras]
 
+    def camera_size(self, camera: int) -> tuple[int, int]:
+        """(height, width) of camera number `camera`'s stored frames."""
+        c = self.cameras[camera]
+        return (c.height, c.width) if c.height else (self.height, self.width)
+
+    @property
+    def uniform_size(self) -> bool:
+        """Every camera stored at the dataset's height x width (what one batch tensor per camera needs)."""
+        return all(self.camera_size(c) == (self.height, self.width) for c in range(len(self.cameras)))
+
     @property
     def frame_bytes(self) -> int:
-        """Bytes of one decoded NV12 frame of one camera."""
+        """Bytes of one decoded NV12 frame at the dataset's height x width."""
         return self.height * self.width * 3 // 2
+
+    @property
+    def timestep_bytes(self) -> int:
+        """Bytes of one decoded NV12 frame of every camera together (one timestep)."""
+        return sum(h * w * 3 // 2 for h, w in map(self.camera_size, range(len(self.cameras))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +169,19 @@ class ShardIndex:
 
     def to_json(self) -> bytes:
         """Canonical bytes of the shard level (the cache daemon's per-dataset key space)."""
-        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dataset": asdict(self.dataset),
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dataset": dataset_doc(self.dataset),
                "params": self.params, "shards": [asdict(s) for s in self.shards], "episodes": self.episodes}
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def dataset_doc(dataset: DatasetInfo) -> dict:
+    """The manifest's `dataset` object: per-camera sizes only where set, so roots whose
+    cameras share the dataset's size keep the bytes they had before per-camera sizes."""
+    doc = asdict(dataset)
+    for cam in doc["cameras"]:
+        if not cam["height"]:
+            del cam["height"], cam["width"]
+    return doc
 
 
 def table_name(table: str) -> str:
@@ -168,7 +201,7 @@ def manifest_json(*, dataset: DatasetInfo, params: dict, shards: list[dict], tab
                   created_by: str = "") -> bytes:
     doc = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "created_by": created_by,
-        "dataset": asdict(dataset), "params": params, "episodes": int(episodes), "frames": int(frames),
+        "dataset": dataset_doc(dataset), "params": params, "episodes": int(episodes), "frames": int(frames),
         "blocks": int(blocks), "frame_bucket_shift": int(bucket_shift), "shards": shards, "tables": tables,
         "failed": list(failed),
     }

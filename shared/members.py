@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import threading
 
 import numpy as np
 import zstandard
@@ -85,7 +86,17 @@ def split_members(buf: memoryview | bytes) -> dict[str, memoryview]:
     return out
 
 
-_DCTX = zstandard.ZstdDecompressor()
+# One decompression context per thread: a context is not thread-safe, and an inline loader
+# decodes in its prefetch thread while the main thread may read the same root (validation,
+# the LeRobot adapter); a shared one corrupts both streams.
+_LOCAL = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return dctx
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"
 _NPY_HEADERS: dict[bytes, tuple[np.dtype, tuple, int]] = {}  # header bytes -> (dtype, shape, data offset)
 
@@ -121,7 +132,7 @@ def decompress_into(blob: memoryview | bytes, out: np.ndarray) -> None:
     """zstd-decompress straight into a preallocated uint8 buffer (no temp copy).
     Raises FormatError unless the payload fills `out` exactly."""
     target = memoryview(out).cast("B")
-    reader = _DCTX.stream_reader(blob, read_across_frames=False)
+    reader = _dctx().stream_reader(blob, read_across_frames=False)
     try:
         got = 0
         while got < len(target):

@@ -51,6 +51,8 @@ OPTIONAL = {
     "apache_beam": "the preprocess extra; Beam workers only",
     "google": "protobuf, through apache_beam (the local runner)",
     "av": "the preprocess extra (PyAV)",
+    "PIL": "the preprocess extra (Pillow): only datasets with image features decode them",
+    "distributed": "the preprocess-dask extra: only --runner dask",
     "pyarrow": "the preprocess extra (LeRobot parquet)",
     "redis": "the cache extra",
     "prometheus_client": "the cache extra",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loongforge.benchmarks.cli import main as bench
 from loongforge.benchmarks.micro import index_scale
 
@@ -84,3 +86,18 @@ def test_storage_measures_an_existing_lerobot_root(tmp_path, capsys):
 def test_storage_refuses_nothing_to_measure(tmp_path, capsys):
     assert bench(["storage", "--footage", "", "--out", str(tmp_path)]) == 2
     assert "nothing to measure" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.full
+def test_preprocess_dask_runs_its_three_rows_on_one_dataset(tmp_path, capsys):
+    """`loongforge bench preprocess-dask --quick`: local-2, dask-1, dask-2 on the same data, every
+    index identical, each dask episode converted once, the efficiency and the load recorded."""
+    assert bench(["preprocess-dask", "--quick", "--out", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "scaling efficiency dask-2 over dask-1" in out
+    doc = json.loads(next(tmp_path.glob("preprocess-dask-*.json")).read_text())
+    assert [r["id"] for r in doc["rows"]] == ["local-2", "dask-1", "dask-2"]
+    assert all(r["index_identical"] and r["frames"] == 4 * 30 * 2 for r in doc["rows"])
+    assert [len(r["conversions"]["by_worker"]) for r in doc["rows"][1:]] == [1, 2]
+    assert all(r["conversions"]["repeated"] == [] for r in doc["rows"][1:])
+    assert doc["scaling_efficiency"] > 0 and len(doc["load_average_end"]) == 3

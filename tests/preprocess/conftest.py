@@ -3,6 +3,8 @@ once per session, and a helper that runs the real Beam job in-process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
@@ -38,3 +40,9 @@ def run_in_memory():
     """The real job on Beam's in-process FnApiRunner (fast to start, one worker):
     run_in_memory(input, output, **PreprocessConfig overrides) -> summary."""
     return _run_in_memory
+
+
+def tree(root: str) -> dict[str, bytes]:
+    """Every file under a shard root, by relative path: two runs' outputs compare byte for byte."""
+    base = Path(root)
+    return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}

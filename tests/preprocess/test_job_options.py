@@ -80,3 +80,25 @@ def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, 
     assert counters["samples"] == summary["samples"] and counters["shards_written"] == summary["shards"]
     assert counters["frames_decoded"] == summary["source_frames"] * 2
     assert open_root(str(tmp_path / "out")).num_frames == summary["samples"]
+
+
+def test_episode_events_count_each_attempt_once_and_drive_the_progress_line():
+    """The Dask runner's progress channel: each conversion attempt's event, counted once however
+    often it arrives (live, then again from the scheduler's log); a failed attempt retried into a
+    conversion is converted; the progress line reads the same as the local runner's."""
+    from loongforge.preprocess.progress import EpisodeEvents, report_episode
+
+    events = EpisodeEvents()
+    sent = [{"episode": 0, "ok": True, "worker": "tcp://a:1", "attempt": "x0"},
+            {"episode": 1, "ok": False, "worker": "tcp://b:1", "attempt": "x1"},
+            {"episode": 2, "ok": False, "worker": "tcp://a:1", "attempt": "x2"},
+            {"episode": 2, "ok": True, "worker": "tcp://b:1", "attempt": "x3"}]
+    for msg in sent + sent[:2]:
+        events.handle((123.0, msg))
+    assert events.finished() == ({0, 2}, {1})
+    assert events.conversions() == {"attempts": 4, "by_worker": {"tcp://a:1": 2, "tcp://b:1": 2}, "repeated": [2]}
+    now = iter([0.0, 6.0])
+    mon = ProgressMonitor("unused", {0: 10, 1: 10, 2: 10, 3: 10}, cameras=1, interval_s=60, emit=lambda _: None,
+                          clock=lambda: next(now), finished=events.finished)
+    assert mon.snapshot().line() == "progress: 3/4 episodes (1 failed), 3 frames/s, ETA 00:00:02"
+    report_episode("a-topic", 0, ok=True)  # outside a dask worker: nowhere to report, and no error

@@ -13,10 +13,11 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from loongforge.preprocess.convert import FAILED, STATS, ConvertEpisodeFn, ConvertParams
+from loongforge.preprocess.convert import FAILED, STAGED, STATS, ConvertEpisodeFn, ConvertParams, select_tag
 from loongforge.preprocess.discover import discover
-from loongforge.preprocess.pack import ShardPlan, StagedEpisode, WriteShardFn, plan_shards
-from loongforge.preprocess.stats import Moments, NormStatsCombineFn, episode_moments
+from loongforge.preprocess.finalize import JobResultsFn
+from loongforge.preprocess.pack import ShardPlan, StagedEpisode, WriteShardFn, WriteShards, place_episodes
+from loongforge.preprocess.stats import Moments, episode_moments, norm_stats
 from loongforge.shared import paths
 from loongforge.shared.blocks import EpisodeLayout
 from loongforge.shared.members import END_OF_ARCHIVE
@@ -34,20 +35,22 @@ def params(output, **kw) -> ConvertParams:
 
 
 def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tmp_path):
+    """One main output of (tag, value) pairs, split by filters: runners that do not split a
+    ParDo's tagged outputs (Dask's) run it unchanged."""
     meta, episodes = discover(quirky_dataset)
     lengths = {e.index: e.length for e in episodes}
     with pipeline() as p:
-        out = (p | beam.Create(episodes)
-               | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path))).with_outputs(FAILED, STATS, main="staged"))
-        layouts = out.staged | "Layouts" >> beam.Map(
+        out = p | beam.Create(episodes) | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path)))
+        layouts = out | "Staged" >> beam.FlatMap(select_tag, STAGED) | "Layouts" >> beam.Map(
             lambda e: (e.episode, e.layout.num_frames, [len(c) for c in e.layout.blocks]))
         want = [(ep, lengths[ep], [-(-lengths[ep] // 4)] * 2) for ep in (0, 2)]  # 1 = corrupt video, 3 = mismatch
         assert_that(layouts, equal_to(want), label="CheckLayouts")
-        reasons = out[FAILED] | "Reasons" >> beam.Map(
+        reasons = out | "Failed" >> beam.FlatMap(select_tag, FAILED) | "Reasons" >> beam.Map(
             lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "length mismatch" in r["reason"]))
         assert_that(reasons, equal_to([(1, "observation.images.ego_view", True),
                                        (3, "observation.images.ego_view", True)]), label="CheckFailed")
-        counts = out[STATS] | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count))
+        counts = (out | "Stats" >> beam.FlatMap(select_tag, STATS)
+                  | "Counts" >> beam.Map(lambda e: (e[0], e[1]["state"].count)))
         assert_that(counts, equal_to([(0, lengths[0]), (2, lengths[2])]), label="CheckStats")
     staged = sorted(f for f in (tmp_path / "_staging").iterdir() if f.suffix == ".bin")
     assert [f.name for f in staged] == ["episode_000000.bin", "episode_000002.bin"]
@@ -58,31 +61,39 @@ def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tm
     with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
         names = tar.getnames()
     blocks = -(-lengths[0] // 4)
-    assert names[:5] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "state", "task_index", "timestamp")]
-    assert names[5:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
+    # `index`: the source's global frame index (LeRobot's column), an optional array (FORMAT.md)
+    assert names[:6] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "index", "state", "task_index",
+                                                      "timestamp")]
+    assert names[6:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
 
 
-def test_norm_stats_combine_fn_equals_numpy_and_is_order_free(sample_dataset):
+def test_job_results_stats_equal_numpy_and_are_order_free(sample_dataset):
     _, episodes = discover(sample_dataset)
     tables = [pq.read_table(e.parquet) for e in episodes]
     states = [np.array(t.column("observation.state").to_pylist(), np.float32) for t in tables]
     actions = [np.array(t.column("action").to_pylist(), np.float32) for t in tables]
-    parts = [episode_moments(i, s, a) for i, (s, a) in enumerate(zip(states, actions))]
+    parts = [(STATS, episode_moments(i, s, a)) for i, (s, a) in enumerate(zip(states, actions))]
+    failed = [(FAILED, {"episode": 9, "camera": None, "reason": "x"})]
     with pipeline() as p:
-        stats = (p | beam.Create(parts[::-1]) | beam.CombineGlobally(NormStatsCombineFn()))
+        results = (p | beam.Create(parts[::-1] + failed) | beam.CombineGlobally(JobResultsFn()).without_defaults())
+        stats = results | beam.Map(lambda r: norm_stats(r.moments))
         assert_that(stats | beam.Map(lambda s: sorted(s)), equal_to([["action", "state"]]), label="Names")
         assert_that(stats | "Count" >> beam.Map(lambda s: s["state"]["count"]),
                     equal_to([sum(len(s) for s in states)]), label="Count")
+        assert_that(results | "Failed" >> beam.Map(lambda r: r.failed), equal_to([(failed[0][1],)]), label="Failed")
     allstate = np.concatenate(states).astype(np.float64)
-    combined = NormStatsCombineFn()
-    acc = combined.merge_accumulators([combined.add_input({}, part) for part in parts])
-    out = combined.extract_output(acc)
+    combined = JobResultsFn()
+
+    def merged(order):
+        accs = [combined.add_input(combined.create_accumulator(), part) for part in order]
+        return norm_stats(combined.extract_output(combined.merge_accumulators(accs)).moments)
+
+    out = merged(parts)
     np.testing.assert_allclose(out["state"]["mean"], allstate.mean(0), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out["state"]["std"], allstate.std(0), rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(out["state"]["min"], allstate.min(0))
     np.testing.assert_array_equal(out["action"]["max"], np.concatenate(actions).astype(np.float64).max(0))
-    shuffled = combined.merge_accumulators([combined.add_input({}, part) for part in parts[::-1]])
-    assert combined.extract_output(shuffled) == out  # bit-identical whatever the arrival order
+    assert merged(parts[::-1]) == out  # bit-identical whatever the arrival order
 
 
 def _staged(ep: int, length: int, path="s") -> StagedEpisode:
@@ -90,19 +101,31 @@ def _staged(ep: int, length: int, path="s") -> StagedEpisode:
     return StagedEpisode(episode=ep, path=f"{path}{ep}", layout=layout, source_frames=4, source_bytes=1, videos=())
 
 
-def test_plan_shards_is_greedy_sorted_and_size_bounded():
+def test_shard_plan_is_greedy_sorted_and_size_bounded():
     staged = [_staged(2, 500), _staged(0, 900), _staged(3, 300), _staged(1, 5000)]
-    plans = plan_shards(staged, shard_size=2200)
-    assert [p.number for p in plans] == [0, 1, 2]
-    assert [[lay.episode for _, lay in p.items] for p in plans] == [
-        [0],  # 1024 (end marker) + 900 fits, + 5000 would not
-        [1],  # an episode over the bound on its own gets its own shard
-        [2, 3],  # whole episodes, in episode order
-    ]
-    assert [p.items[0][0] for p in plans] == ["s0", "s1", "s2"]
+    places = dict(place_episodes([(s.episode, s.layout.length) for s in staged], shard_size=2200))
+    assert places == {
+        0: (0, 0),  # 1024 (end marker) + 900 fits, + 5000 would not
+        1: (1, 0),  # an episode over the bound on its own gets its own shard
+        2: (2, 0), 3: (2, 1),  # whole episodes, in episode order
+    }
+
+
+def test_write_shards_groups_each_shards_episodes_by_key(tmp_path, monkeypatch):
+    """Each shard is one group (keyed by its number), its episodes in plan order: the writes
+    spread over workers on any runner, not one task fanned out from the plan."""
+    import loongforge.preprocess.pack as pack
+
+    def fake_write(output, number, fragments):
+        return {"name": f"shard-{number}", "bytes": 1}, [layout for layout, _ in fragments]
+
+    monkeypatch.setattr(pack, "write_shard", fake_write)
+    monkeypatch.setattr(pack, "_fragment", lambda path: b"")
+    staged = [_staged(2, 500), _staged(0, 900), _staged(3, 300), _staged(1, 5000)]
     with pipeline() as p:
-        numbers = (p | beam.Create([staged]) | beam.FlatMap(plan_shards, 2200) | beam.Map(lambda sp: sp.number))
-        assert_that(numbers, equal_to([0, 1, 2]))
+        written = (p | beam.Create(staged) | WriteShards(str(tmp_path), 2200)
+                   | beam.Map(lambda w: (w[0], [lay.episode for lay in w[2]])))
+        assert_that(written, equal_to([(0, [0]), (1, [1]), (2, [2, 3])]))
 
 
 def test_write_shard_fn_copies_staged_fragments(tmp_path):
@@ -137,9 +160,8 @@ def test_moments_merge_matches_direct():
     np.testing.assert_allclose(merged["std"], both.std(0))
 
 
-@pytest.mark.parametrize("shard_size", [1 << 16])
-def test_plan_shards_empty(shard_size):
-    assert plan_shards([], shard_size) == []
+def test_shard_plan_of_nothing_is_empty():
+    assert list(place_episodes([], 1 << 16)) == []
 
 
 def test_unexpected_decoder_error_is_a_failed_record_but_output_errors_raise(sample_dataset, tmp_path, monkeypatch):
@@ -153,9 +175,9 @@ def test_unexpected_decoder_error_is_a_failed_record_but_output_errors_raise(sam
     with monkeypatch.context() as m:
         m.setattr(convert, "decode_nv12", broken)
         out = list(ConvertEpisodeFn(meta, params(tmp_path)).process(episodes[0]))
-    assert len(out) == 1 and out[0].tag == FAILED
-    assert out[0].value["camera"] == "observation.images.ego_view"
-    assert "RuntimeError: decoder exploded" in out[0].value["reason"]
+    assert len(out) == 1 and out[0][0] == FAILED
+    assert out[0][1]["camera"] == "observation.images.ego_view"
+    assert "RuntimeError: decoder exploded" in out[0][1]["reason"]
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the output root should be")
     with pytest.raises(OSError):  # disk full / unwritable output fails loudly, not as bad input

@@ -4,6 +4,7 @@ test_block_codec.py."""
 
 import io
 import tarfile
+import threading
 
 import numpy as np
 import pytest
@@ -92,3 +93,30 @@ def test_object_npy_is_refused():
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(FormatError, match="not a valid .npy"):
         m.load_npy(memoryview(buf.getvalue()), "x.npy")
+
+
+def test_decompress_into_is_thread_safe():
+    """An inline loader decodes blocks in its prefetch thread while the main thread reads the same
+    kind of blocks (validation, the LeRobot adapter): each thread's frames must come out intact."""
+    rng = np.random.default_rng(0)
+    # Blocks of the size a loader decodes (16 NV12 frames of 128x128): zstd releases the GIL on them.
+    frames = [rng.integers(0, 16, size=(16, 192, 128), dtype=np.uint8) for _ in range(4)]
+    blobs = [zstandard.ZstdCompressor(level=3, write_content_size=True).compress(f.tobytes()) for f in frames]
+    errors = []
+
+    def worker(seed: int) -> None:
+        out = np.empty((16, 192, 128), np.uint8)
+        try:
+            for i in range(60):
+                k = (i + seed) % len(blobs)
+                m.decompress_into(blobs[k], out)
+                assert np.array_equal(out, frames[k])
+        except Exception as exc:  # noqa: BLE001 - collected, asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -79,13 +79,12 @@ class BlockLoader:
         n = self.table.num_samples if self.train_eps is None else \
             int(self.table.counts[np.asarray(self.train_eps, bool)].sum())
         self.plan = order.plan_epoch(n, batch_size)
-        self.layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames,
-                                  info.state_dim, info.action_dim, deltas.action_horizon, max_text_tokens)
         self.device = resolve_device(device)
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
         if block_cache_mb < 0:
             raise ConfigError(f"data.block_cache_mb: {block_cache_mb}, must be >= 0 (0 = no cache)")
-        self.filler_spec = FillerSpec(root, deltas, self.layout, int(block_cache_mb * (1 << 20)), self.source_spec)
+        self.filler_spec = self._filler(root, per_rank, max_text_tokens, int(block_cache_mb * (1 << 20)))
+        self.layout = self.filler_spec.layout
         self._pool_args = dict(num_workers=num_workers, slots=max(2, num_workers * 2 + 1), policy=bad_samples,
                                timeout_s=timeout_s, start_method=start_method)
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
@@ -96,6 +95,20 @@ class BlockLoader:
         self._prefetcher: Prefetcher | None = None
         self._announcer = None
         self._announced_epoch, self._announced_next = -1, -1
+
+    def _filler(self, root: str, per_rank: int, max_text_tokens: int, cache_bytes: int) -> FillerSpec:
+        """The batch layout and what fills it in a decode worker: the trainer's samples (fill.py).
+        A subclass shapes other items over the same order, pool and prefetcher (lerobot_loader.py)."""
+        info, deltas = self.ds.info, self.deltas
+        if not info.uniform_size:
+            sizes = ", ".join(f"{c.slot} {h}x{w}" for c, (h, w) in zip(info.cameras, map(info.camera_size,
+                                                                                         range(len(info.cameras)))))
+            raise ConfigError(f"{root}: cameras are stored at different sizes ({sizes}); a training batch needs one "
+                              "size: re-run `loongforge preprocess` with --height H --width W (the LeRobot adapter, "
+                              "loongforge.train.data.lerobot, reads cameras of different sizes)")
+        layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames, info.state_dim,
+                             info.action_dim, deltas.action_horizon, max_text_tokens)
+        return FillerSpec(root, deltas, layout, cache_bytes, self.source_spec)
 
     @property
     def num_samples(self) -> int:

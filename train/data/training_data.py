@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from loongforge.shared.dataset import Dataset, open_root
+from loongforge.shared.errors import ConfigError
 from loongforge.shared.index import DatasetInfo
 from loongforge.train.data.loader import BlockLoader
 from loongforge.train.data.samples import DeltaSpec
@@ -48,6 +49,11 @@ def deltas_of(d, info: DatasetInfo) -> DeltaSpec:
 
 
 def _training_data(root: str, deltas: DeltaSpec, ds: Dataset) -> TrainingData:
+    if not ds.info.uniform_size:
+        sizes = ", ".join(f"{c.slot} {ds.info.camera_size(i)[0]}x{ds.info.camera_size(i)[1]}"
+                          for i, c in enumerate(ds.info.cameras))
+        raise ConfigError(f"{root}: cameras are stored at different sizes ({sizes}); the model takes one image "
+                          "size: re-run `loongforge preprocess` with --height H --width W")
     info = dataclasses.replace(ds.info, frames_per_sample=deltas.frames, action_horizon=deltas.action_horizon)
     return TrainingData(root, ds, deltas, info)
 

@@ -1,0 +1,174 @@
+"""LeRobot's loading (what users run today) against LoongForge's LeRobot fast path, same items.
+
+    python -m loongforge.benchmarks.loader.lerobot_baseline --workers 2 --json out.json
+    python -m loongforge.benchmarks.loader.lerobot_baseline --episodes 2 --frames 40 60 --seconds 2   # a quick check
+
+Data: GR00T-shaped sample data (one 256x256 camera at 20 fps, 44-D state and action), in two encodings:
+  gop2   re-encoded as LeRobot writes today: v3.0 layout, AV1 (`--codec`) with a keyframe every 2
+         frames, `--episodes-per-file` episodes concatenated per mp4;
+  gopL   the long-GOP H.264 (`--long-gop`, 250 as the GR00T demo data ships) of the generated v2.0 dataset.
+Each is transcoded once by `loongforge preprocess` (not timed). Delta settings: "gr00t" (1 frame per
+camera, state, 16 actions) and "lerobot2" (2 frames per camera and of state, 16 actions from t-1,
+a common LeRobot policy setting, e.g. diffusion policy's n_obs_steps=2).
+
+Rows: samples/s of a `torch.utils.data.DataLoader` over lerobot_style.LeRobotStyleDataset (LeRobot's
+pyav backend rebuilt, its items checked bit-exact against lerobot's own) with N workers, against
+`LeRobotLoader` (train/data/lerobot_loader.py: the same items, float RGB in [0, 1] on CPU) with N
+decode workers; each pass pinned to the same max(1, N) cores (benchmarks/harness/cores.py), both
+timed after one warm-up batch over at least `--seconds` of full batches, the ratio measured in the
+same run. torchcodec (LeRobot's default backend) is reported when it loads; on a CPU-only torch
+it does not (benchmarks/README.md). Goals: >= 20x at GOP 2, >= 100x at long GOP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from loongforge.benchmarks.harness.cores import cores_for, pinned
+from loongforge.benchmarks.loader.baseline import torchcodec_status
+from loongforge.benchmarks.loader.lerobot_style import LeRobotStyleDataset
+from loongforge.preprocess.config import PreprocessConfig
+from loongforge.preprocess.pipeline import run_job
+from loongforge.preprocess.sample_data import generate_preset
+from loongforge.preprocess.sample_layouts import write_v3
+from loongforge.train.data.lerobot_loader import LeRobotLoader
+
+log = logging.getLogger(__name__)
+GOALS = {"gop2": 20.0, "gopL": 100.0}
+
+
+def delta_settings(fps: float, camera: str, horizon: int = 16) -> dict[str, dict]:
+    return {
+        "gr00t": {camera: [0.0], "observation.state": [0.0], "action": [i / fps for i in range(horizon)]},
+        "lerobot2": {camera: [-1 / fps, 0.0], "observation.state": [-1 / fps, 0.0],
+                     "action": [(i - 1) / fps for i in range(horizon)]},
+    }
+
+
+def build_data(work: Path, args) -> dict[str, tuple[str, str]]:
+    """encoding -> (LeRobot root, shard root)."""
+    size = {"height": args.size, "width": args.size}
+    v2 = generate_preset(work / "gopL", "gr00t-like", episodes=args.episodes, frames=tuple(args.frames),
+                         gop=args.long_gop, **size)
+    v3 = write_v3(v2, work / "gop2", codec=args.codec, gop=2, episodes_per_file=args.episodes_per_file)
+    out = {}
+    for name, src in (("gop2", v3), ("gopL", v2)):
+        shards = work / f"{name}-shards"
+        run_job(PreprocessConfig(input=str(src), output=str(shards), workers=args.workers or 1, progress_s=0),
+                ["--direct_running_mode=in_memory", "--direct_num_workers=1"] if args.workers == 0 else [])
+        out[name] = (str(src), str(shards))
+    return out
+
+
+def _time(batches, seconds: float, batch_size: int) -> dict:
+    """Samples/s over full batches after the first (warm-up), for at least `seconds`."""
+    next(batches)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        next(batches)
+        n += 1
+        took = time.perf_counter() - t0
+        if took >= seconds:
+            return {"samples_per_s": n * batch_size / took, "batches": n, "seconds": round(took, 3)}
+
+
+def _endless(loader):
+    while True:
+        yield from loader
+
+
+def time_baseline(src: str, deltas: dict, args) -> dict:
+    ds = LeRobotStyleDataset(src, delta_timestamps=deltas)
+    loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                                         generator=torch.Generator().manual_seed(0), drop_last=True,
+                                         persistent_workers=args.workers > 0)
+    return _time(_endless(loader), args.seconds, args.batch_size)
+
+
+def time_fast(shards: str, deltas: dict, args) -> dict:
+    with LeRobotLoader(shards, delta_timestamps=deltas, batch_size=args.batch_size, num_workers=args.workers,
+                       split="all") as loader:
+        batches = iter(loader)
+        next(batches)
+        loader.wait_ready()  # every worker past start-up before the clock starts
+        return _time(batches, args.seconds, args.batch_size)
+
+
+def run(args) -> list[dict]:
+    torch.set_num_threads(1)  # the same intra-op setting in both passes; the pinned cores are the budget
+    with tempfile.TemporaryDirectory(prefix="lf-lerobot-bench-", dir=args.work) as tmp:
+        data = build_data(Path(tmp), args)
+        rows = []
+        for encoding, (src, shards) in data.items():
+            for setting, deltas in delta_settings(20.0, "observation.images.ego_view").items():
+                if args.settings and setting not in args.settings:
+                    continue
+                with pinned(cores_for(args.workers)) as cores:
+                    base = time_baseline(src, deltas, args)
+                    fast = time_fast(shards, deltas, args)
+                ratio = fast["samples_per_s"] / base["samples_per_s"]
+                rows.append({"encoding": encoding, "gop": 2 if encoding == "gop2" else args.long_gop,
+                             "codec": args.codec if encoding == "gop2" else "h264", "setting": setting,
+                             "workers": args.workers, "cores": cores, "baseline": base, "loongforge": fast,
+                             "ratio": ratio, "goal": GOALS[encoding], "met": ratio >= GOALS[encoding]})
+                log.info("%s %s: %.1f vs %.1f samples/s (%.1fx)", encoding, setting, base["samples_per_s"],
+                         fast["samples_per_s"], ratio)
+    return rows
+
+
+def table(rows: list[dict], torchcodec: str | None) -> str:
+    lines = ["| Encoding | Deltas | Workers | LeRobot pyav (samples/s) | LoongForge (samples/s) | Ratio | Goal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['codec']} GOP {r['gop']} | {r['setting']} | {r['workers']} | "
+                     f"{r['baseline']['samples_per_s']:,.1f} | {r['loongforge']['samples_per_s']:,.1f} | "
+                     f"{r['ratio']:,.1f}x | >= {r['goal']:g}x: {'met' if r['met'] else 'MISSED'} |")
+    lines.append(f"torchcodec: {'available' if torchcodec is None else 'not available: ' + torchcodec}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.loader.lerobot_baseline",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=2, help="DataLoader / decode workers of both loaders (2)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--episodes", type=int, default=8, help="GR00T-shaped episodes (8)")
+    p.add_argument("--frames", type=int, nargs=2, default=(260, 470), metavar=("A", "B"),
+                   help="frames per episode, drawn from [A, B] (260 470, the GR00T demo data's range)")
+    p.add_argument("--size", type=int, default=256, help="frame height and width (256)")
+    p.add_argument("--long-gop", type=int, default=250, help="keyframe interval of the long-GOP encoding (250)")
+    p.add_argument("--codec", choices=("av1", "h264"), default="av1", help="GOP-2 encoding's codec (av1, LeRobot's)")
+    p.add_argument("--episodes-per-file", type=int, default=4, help="v3.0 episodes per mp4 (4)")
+    p.add_argument("--settings", nargs="*", choices=("gr00t", "lerobot2"), default=None, help="delta settings (both)")
+    p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per pass, at least (20)")
+    p.add_argument("--work", default=None, help="directory for the generated data (a temp dir, removed after)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    if args.workers < 0 or args.batch_size < 1 or args.seconds <= 0 or args.episodes < 1:
+        p.error("--workers >= 0, --batch-size >= 1, --seconds > 0, --episodes >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    rows = run(args)
+    torchcodec = torchcodec_status()
+    print(table(rows, torchcodec))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "torchcodec": torchcodec},
+                                              indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

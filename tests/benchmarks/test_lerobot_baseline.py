@@ -1,0 +1,55 @@
+"""The LeRobot baseline of benchmarks/loader/lerobot_baseline.py: its items are lerobot's own (bit for
+bit, against what lerobot 0.6.1 returned for the v3.0 fixture), and the benchmark runs end to end
+on a tiny input (figures are taken by the lead on a quiet machine, not here)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loongforge.benchmarks.loader import lerobot_baseline
+from loongforge.benchmarks.loader.lerobot_style import LeRobotStyleDataset
+from tests.outside import copy_fixture, fixture_dir
+
+
+def test_baseline_items_are_lerobots(tmp_path):
+    src = copy_fixture("lerobot_v3/video", tmp_path / "video")
+    spec = json.loads((fixture_dir("lerobot_v3") / "video_items.json").read_text())
+    z = np.load(fixture_dir("lerobot_v3") / "video_items.npz")
+    ds = LeRobotStyleDataset(str(src), delta_timestamps=spec["delta_timestamps"])
+    assert len(ds) == spec["len"]
+    for i in z["indices"].tolist():
+        item = ds[i]
+        want = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(f"{i}/")}
+        assert set(item) == set(want)
+        for key, ref in want.items():
+            if key == "task":
+                assert item[key] == str(ref)
+            else:
+                got = item[key].numpy()
+                assert got.dtype == ref.dtype and got.shape == ref.shape
+                np.testing.assert_array_equal(got, ref, err_msg=key)
+
+
+def test_benchmark_runs_on_a_tiny_input(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rc = lerobot_baseline.main(["--episodes", "2", "--frames", "12", "16", "--size", "32", "--seconds", "0.2",
+                                "--workers", "0", "--batch-size", "4", "--settings", "gr00t", "--work",
+                                str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| av1 GOP 2 | gr00t | 0 |" in text and "| h264 GOP 250 | gr00t | 0 |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["encoding"], r["setting"]) for r in rows] == [("gop2", "gr00t"), ("gopL", "gr00t")]
+    for r in rows:
+        assert r["baseline"]["samples_per_s"] > 0 and r["loongforge"]["samples_per_s"] > 0
+        assert r["ratio"] == pytest.approx(r["loongforge"]["samples_per_s"] / r["baseline"]["samples_per_s"])
+    assert list(tmp_path.glob("lf-lerobot-bench-*")) == []  # generated data removed
+
+
+def test_help():
+    with pytest.raises(SystemExit) as exit_info:
+        lerobot_baseline.parse_args(["--help"])
+    assert exit_info.value.code == 0
