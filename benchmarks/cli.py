@@ -29,6 +29,8 @@ BENCHMARKS = {
                                                                   "and the block order's diversity"),
     "cache": ("loongforge.benchmarks.loader.cache", "cache hit rate, RAM-tier bandwidth, cold-miss latency"),
     "preprocess": ("loongforge.benchmarks.loader.preprocess", "preprocess throughput against PyAV decoding"),
+    "lerobot-baseline": ("loongforge.benchmarks.loader.lerobot_baseline", "the LeRobotDataset-compatible adapter's "
+                         "fast path against LeRobot-style PyAV loading, GOP 2 and long GOP"),
     "preprocess-dask": ("loongforge.benchmarks.micro.preprocess_dask", "preprocess frames/s on 1 vs 2 dask workers "
                                                                       "vs the local runner (scaling efficiency)"),
 }

@@ -23,9 +23,8 @@ it does not (benchmarks/README.md). Goals: >= 20x at GOP 2, >= 100x at long GOP.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import sys
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +32,14 @@ from pathlib import Path
 import torch
 
 from loongforge.benchmarks.harness.cores import cores_for, pinned
+from loongforge.benchmarks.harness.report import RESULTS_DIR, machine_info, write_timestamped
 from loongforge.benchmarks.loader.baseline import torchcodec_status
 from loongforge.benchmarks.loader.lerobot_style import LeRobotStyleDataset
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
 from loongforge.preprocess.sample_data import generate_preset
 from loongforge.preprocess.sample_layouts import write_v3
+from loongforge.shared.errors import UsageError
 from loongforge.train.data.lerobot_loader import LeRobotLoader
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,15 @@ def time_fast(shards: str, deltas: dict, args) -> dict:
 
 
 def run(args) -> list[dict]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same intra-op setting in both passes; the pinned cores are the budget
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own setting
+
+
+def _run(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="lf-lerobot-bench-", dir=args.work) as tmp:
         data = build_data(Path(tmp), args)
         rows = []
@@ -135,9 +144,7 @@ def table(rows: list[dict], torchcodec: str | None) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loongforge.benchmarks.loader.lerobot_baseline",
-                                description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="DataLoader / decode workers of both loaders (2)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--episodes", type=int, default=8, help="GR00T-shaped episodes (8)")
@@ -150,25 +157,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--settings", nargs="*", choices=("gr00t", "lerobot2"), default=None, help="delta settings (both)")
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per pass, at least (20)")
     p.add_argument("--work", default=None, help="directory for the generated data (a temp dir, removed after)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (lerobot-baseline-<time>-<host>.json)")
+
+
+def handle(args: argparse.Namespace) -> int:
     if args.workers < 0 or args.batch_size < 1 or args.seconds <= 0 or args.episodes < 1:
-        p.error("--workers >= 0, --batch-size >= 1, --seconds > 0, --episodes >= 1")
-    return args
-
-
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        raise UsageError("--workers >= 0, --batch-size >= 1, --seconds > 0, --episodes >= 1")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
-    args = parse_args(argv)
+    machine = machine_info()
     rows = run(args)
     torchcodec = torchcodec_status()
     print(table(rows, torchcodec))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "torchcodec": torchcodec},
-                                              indent=2, default=str) + "\n")
+    machine["load_average_end"] = list(os.getloadavg())
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command", "bench", "raw_argv")}
+    write_timestamped(args.out, "lerobot-baseline", {"args": settings, "machine": machine, "rows": rows,
+                                                     "torchcodec": torchcodec})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

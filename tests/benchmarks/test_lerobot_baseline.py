@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from loongforge.benchmarks.loader import lerobot_baseline
+from loongforge.cli import main
 from loongforge.benchmarks.loader.lerobot_style import LeRobotStyleDataset
 from tests.outside import copy_fixture, fixture_dir
 
@@ -34,14 +34,17 @@ def test_baseline_items_are_lerobots(tmp_path):
 
 
 def test_benchmark_runs_on_a_tiny_input(tmp_path, capsys):
-    out = tmp_path / "rows.json"
-    rc = lerobot_baseline.main(["--episodes", "2", "--frames", "12", "16", "--size", "32", "--seconds", "0.2",
-                                "--workers", "0", "--batch-size", "4", "--settings", "gr00t", "--work",
-                                str(tmp_path), "--json", str(out)])
+    out = tmp_path / "out"
+    rc = main(["bench", "lerobot-baseline", "--episodes", "2", "--frames", "12", "16", "--size", "32", "--seconds",
+               "0.2", "--workers", "0", "--batch-size", "4", "--settings", "gr00t", "--work", str(tmp_path),
+               "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "| av1 GOP 2 | gr00t | 0 |" in text and "| h264 GOP 250 | gr00t | 0 |" in text
-    rows = json.loads(out.read_text())["rows"]
+    (result,) = out.glob("lerobot-baseline-*.json")
+    doc = json.loads(result.read_text())
+    assert len(doc["machine"]["load_average_start"]) == len(doc["machine"]["load_average_end"]) == 3
+    rows = doc["rows"]
     assert [(r["encoding"], r["setting"]) for r in rows] == [("gop2", "gr00t"), ("gopL", "gr00t")]
     for r in rows:
         assert r["baseline"]["samples_per_s"] > 0 and r["loongforge"]["samples_per_s"] > 0
@@ -49,7 +52,8 @@ def test_benchmark_runs_on_a_tiny_input(tmp_path, capsys):
     assert list(tmp_path.glob("lf-lerobot-bench-*")) == []  # generated data removed
 
 
-def test_help():
+def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        lerobot_baseline.parse_args(["--help"])
+        main(["bench", "lerobot-baseline", "--help"])
     assert exit_info.value.code == 0
+    assert "--episodes-per-file" in capsys.readouterr().out
