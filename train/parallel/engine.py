@@ -90,6 +90,20 @@ def fused_adam_prebuilt() -> bool:
     return bool(installed_ops.get("fused_adam"))
 
 
+def skip_cpu_shm_op(deepspeed) -> None:
+    """Keep DeepSpeed's CPU accelerator from compiling its shared-memory all-reduce op.
+
+    On the first `deepspeed.init_distributed` of a machine the CPU accelerator JIT-builds that op
+    (used only by `inference_all_reduce`; training collectives go through torch.distributed) under
+    a file lock in TORCH_EXTENSIONS_DIR. A rank killed while it compiles (a fault test, a launcher
+    timeout, Ctrl-C) leaves the lock behind, and every later launch on that machine then waits on
+    it forever inside init_distributed. Marking the op incompatible skips the build and the lock."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
     import deepspeed  # heavy (seconds, and its accelerator probe): only a training process pays it
 
@@ -104,6 +118,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    skip_cpu_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
                                timeout=timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
