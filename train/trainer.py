@@ -224,6 +224,7 @@ class Trainer:
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
                                     "parallel": plan.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
+                                    "grad_accum": self.cfg.parallel.grad_accum,  # the resume hint of ckpt reshard
                                     # What Policy.load needs to rebuild the model and its input transform.
                                     "model": dataclasses.asdict(self.model_cfg),
                                     "data": {"image_mean": self.cfg.data.image_mean,
