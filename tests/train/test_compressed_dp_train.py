@@ -96,3 +96,13 @@ def test_compression_config_checked():
     with pytest.raises(ConfigError, match="compress_ratio"):
         ParallelConfig(grad_compression="topk", zero_stage=3, compress_ratio=0.5)
     assert ParallelConfig(grad_compression="topk", zero_stage=3).compress_ratio == 3.0
+
+
+@pytest.mark.slow
+def test_plain_zero3_gradient_traffic_is_reported_under_dp(zero3_run):
+    """Plain ZeRO-3 over 2 ranks is data parallel over the world: its gathers and reduce-scatters are
+    the DP traffic and carry the group name the compressed sync's traffic has (`loongforge profile`)."""
+    for r in _metrics(zero3_run):
+        groups = r["comm_groups"]
+        assert "world" not in groups, groups
+        assert groups["dp"]["payload_bytes"] > 0 and groups["dp"]["calls"] >= 2, groups
