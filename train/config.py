@@ -133,7 +133,8 @@ class ParallelConfig:
     overlap_comm: bool = True
     zero3_leaf_blocks: bool = False  # ZeRO-3: trunk/head blocks are DeepSpeed leaf modules (one fetch per block)
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
-    wall_clock_breakdown: bool = True  # DeepSpeed's own fwd/bwd/allreduce timers (printed every micro step)
+    # DeepSpeed's own fwd/bwd/allreduce timers: three console lines per step, and metrics.jsonl has ours
+    wall_clock_breakdown: bool = False
     dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs
     tp: int = 1  # tensor-parallel degree (train/parallel/): DP = world / (tp * sp)
     sp: int = 1  # sequence-parallel degree over the video tokens (train/parallel/video_sp.py)

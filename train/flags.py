@@ -96,8 +96,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero3-leaf-blocks", action="store_true", help="ZeRO-3: fetch each transformer block's "
                    "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and gathers; "
                    "for small models, whose per-layer hooks cost more than their math")
-    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown (its "
-                   "per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--ds-breakdown", action="store_true", help="turn on DeepSpeed's wall_clock_breakdown (its "
+                   "per-step `[Rank 0] time (ms)` lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--no-ds-breakdown", action="store_true", help=argparse.SUPPRESS)  # the default now; accepted
     p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the "
                    "trunk's attention and MLP split over TP ranks (train/parallel/); data-parallel size = ranks / "
                    "(tp * sp)")
@@ -176,7 +177,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,
-                                wall_clock_breakdown=not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
+                                wall_clock_breakdown=a.ds_breakdown and not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
                                 grad_compression=a.grad_compression, compress_ratio=_compress_ratio(a)),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,

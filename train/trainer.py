@@ -77,7 +77,7 @@ class Trainer:
         if cfg.run.resume:
             self._resume()
         self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
-                                  log_every=cfg.run.log_every, keep_below=self.step)
+                                  log_every=cfg.run.log_every, keep_below=self.step, total_steps=cfg.run.steps)
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
             write_ds_config(self.ds_conf, cfg.run.run_dir)
@@ -141,6 +141,7 @@ class Trainer:
                 self.watchdog.progress(self.step, "save")
                 self.save(final=True)
             self.watchdog.stop(done=True)
+            self.metrics.write_summary()
         finally:
             with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
                 late.flush()
