@@ -62,11 +62,12 @@ def _train(args) -> int:
 
 def _profile(args) -> int:
     from loongforge.train.observe import breakdown as report
+    from loongforge.train.observe.chart import write_chart
 
     b = report.breakdown(args.run_dir)
     print(report.to_json(b) if args.json else report.format_table(b))
     if not args.no_chart:
-        png = report.write_chart(b, args.run_dir)
+        png = write_chart(b, args.run_dir)
         html = report.write_html(b, args.run_dir)
         if not args.json:
             print(f"chart: {png}\nhtml:  {html}")
