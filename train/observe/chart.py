@@ -69,7 +69,7 @@ def write_chart(b: dict, run_dir: str) -> str:
     ax2.set_ylim(0, s["ylim"])
     ax2.set_xlabel("step")
     ax2.set_ylabel("ms")
-    clipped = f"; {s['clipped']} step(s) above the axis (warm-up)" if s["clipped"] else ""
+    clipped = f"; {s['clipped']} step(s) above the axis (warm-up, spikes)" if s["clipped"] else ""
     ax2.set_title(f"per-step breakdown (bin means){clipped}", fontsize=9)
     ax3.plot(s["loss_x"], s["loss"], label="train loss", lw=1)
     for k, pts in s["val"].items():
