@@ -112,6 +112,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --grad-compression topk: dense all-reduce bytes / bytes sent per bucket (a bucket where "
                    "sparse would not win goes dense; 1 = dense everywhere; default "
                    f"{_default(ParallelConfig, 'compress_ratio'):g})")
+    p.add_argument("--compress-warmup-steps", type=int, default=_default(ParallelConfig, "compress_warmup_steps"),
+                   help="with --grad-compression topk: the first N optimizer steps sync gradients dense")
     p.add_argument("--dist-timeout", type=float, default=_default(ParallelConfig, "dist_timeout_s"),
                    help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=_default(RunConfig, "log_every"))
@@ -178,7 +180,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,
                                 wall_clock_breakdown=a.ds_breakdown and not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
-                                grad_compression=a.grad_compression, compress_ratio=_compress_ratio(a)),
+                                grad_compression=a.grad_compression, compress_ratio=_compress_ratio(a),
+                                compress_warmup_steps=a.compress_warmup_steps),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
                             fp8_min_features=a.fp8_min_features, fuse=a.fuse, cuda_graphs=a.cuda_graphs),
