@@ -101,3 +101,15 @@ def test_tp2_at_dp2_equals_one_rank(one_rank, train_root, tmp_path):
     assert_ok(torchrun(4, ["--data", root, "--run-dir", run_dir, *COMMON, "--tp", "2"], cwd=str(tmp_path),
                        timeout=600))
     _same_training(one_rank, run_dir, uneven=True)
+
+
+@pytest.mark.slow
+@pytest.mark.full  # make test keeps the ZeRO-2 DP 2 case; ZeRO-3 averages over DP in its reduce-scatter
+@pytest.mark.parametrize("extra", [["--zero", "3"], ["--zero", "3", "--grad-compression", "topk",
+                                                      "--compress-ratio", "1"]], ids=["zero3", "topk-dense"])
+def test_zero3_and_compressed_sync_at_dp2_equal_one_rank(extra, one_rank, train_root, tmp_path):
+    root, _ = train_root
+    run_dir = str(tmp_path / "dp2")
+    assert_ok(torchrun(2, ["--data", root, "--run-dir", run_dir, *COMMON, *extra], cwd=str(tmp_path),
+                       timeout=400))
+    _same_training(one_rank, run_dir, uneven=True)
