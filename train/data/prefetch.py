@@ -8,7 +8,11 @@ each batch onto the device:
         stream -> an event. The consumer makes its current stream wait on the
         event and calls `record_stream`, so the caching allocator never hands
         the memory to another stream early.
-  CPU:  the same thread and hand-off, with no stream: convert, clone, release.
+  CPU:  the same thread and hand-off, with no stream: convert (or copy) into a
+        recycled output buffer, release. A buffer is reused only once nothing
+        outside the pool references its memory (HostPool), so a caller that keeps
+        a batch never sees it overwritten, and steady state allocates nothing
+        (a fresh float batch per step costs its page faults: ~12 B per pixel).
 depth=0 runs everything synchronously in the caller (debugging, num_workers=0).
 """
 
@@ -71,6 +75,7 @@ class Prefetcher:
         # depth+2 pinned sets: `depth` queued, one being consumed, one being filled.
         self._pinned: list[dict[str, torch.Tensor]] = [{} for _ in range(depth + 2)] if self.cuda else []
         self._set_events = [None] * len(self._pinned)
+        self._host = HostPool(per_shape=depth + 3)
         self._next_set = 0
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -121,8 +126,12 @@ class Prefetcher:
         out = {}
         for name, arr in arrays.items():
             t = torch.from_numpy(arr)
-            conv = self._convert(name, t)
-            out[name] = conv if conv is not t else t.clone()
+            if self.rgb and name.startswith("frames."):
+                rows, w = t.shape[-2:]
+                shape = (*t.shape[:-2], 3, rows * 2 // 3, w)
+                out[name] = nv12_to_input(t, **self.conv, out=self._host.take(shape, torch.float32)).view(shape)
+            else:
+                out[name] = self._host.take(t.shape, t.dtype).copy_(t)
         return Staged(_nest(out), meta)
 
     def _stage_cuda(self, meta, arrays) -> Staged:
@@ -197,6 +206,45 @@ class Prefetcher:
             if self._thread.is_alive():  # a pull() that nothing can interrupt (inline decode of a huge batch)
                 log.error("prefetch thread still running %.0f s after close(); abandoning it", JOIN_TIMEOUT_S)
             self._thread = None
+
+
+class HostPool:
+    """Recycled CPU tensors, handed out as fresh views of pooled buffers.
+
+    A buffer is free again when no tensor outside the pool shares its storage: the consumer
+    dropped the batch and autograd released what it saved. The check is the storage's use
+    count (torch._C._storage_Use_Count; without it every take allocates, as before).
+    `per_shape` buffers at most per (shape, dtype): when all are held, a fresh buffer takes the
+    place of the longest-held one, which stays with its consumer (kept batches leave the pool
+    instead of filling it)."""
+
+    def __init__(self, per_shape: int):
+        self.per_shape = per_shape
+        self._bufs: dict[tuple, list[torch.Tensor]] = {}
+        self.allocated = 0  # buffers made (pooled or not): a test and a benchmark read it
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        shape = tuple(shape)
+        bufs = self._bufs.setdefault((shape, dtype), [])
+        for buf in bufs:
+            if _unshared(buf):
+                return buf.view(shape)
+        self.allocated += 1
+        buf = torch.empty(shape, dtype=dtype)
+        if _USE_COUNT is None:
+            return buf
+        if len(bufs) >= self.per_shape:
+            bufs.pop(0)  # the longest-held buffer stays with its consumer, out of the pool
+        bufs.append(buf)
+        return buf.view(shape)
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unshared(buf: torch.Tensor) -> bool:
+    # 2 = the pool's tensor + the temporary storage object made by untyped_storage()
+    return _USE_COUNT(buf.untyped_storage()._cdata) == 2
 
 
 _TORCH_DTYPES = {np.dtype(np.uint8).str: torch.uint8, np.dtype(np.float32).str: torch.float32,
