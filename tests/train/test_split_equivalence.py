@@ -3,7 +3,8 @@ action horizon 4, so the samples near an episode's end carry padded action rows 
 and different ranks / micro-batches hold different numbers of valid rows. DP 2, 1 rank with
 --grad-accum 2 and DP 2 x TP 2 each equal 1 rank over 8 steps, within 1e-5 relative: the logged
 losses (the global mean over valid rows) and the optimizer state (fp32 master weights, both Adam
-moments, read after `ckpt reshard` to one rank; relative to each kind's norm)."""
+moments, read after `ckpt reshard` to one rank; relative to each kind's norm). `full`: DP 2 x TP 2,
+ZeRO-3 and the compressed sync at DP 2, and DP 2 resumed on 1 rank after `ckpt reshard`."""
 
 from __future__ import annotations
 
@@ -112,4 +113,21 @@ def test_zero3_and_compressed_sync_at_dp2_equal_one_rank(extra, one_rank, train_
     run_dir = str(tmp_path / "dp2")
     assert_ok(torchrun(2, ["--data", root, "--run-dir", run_dir, *COMMON, *extra], cwd=str(tmp_path),
                        timeout=400))
+    _same_training(one_rank, run_dir, uneven=True)
+
+
+@pytest.mark.slow
+@pytest.mark.full  # two launches and a conversion (~1.5 min)
+def test_dp2_resumed_on_one_rank_continues_the_one_rank_run(one_rank, train_root, tmp_path):
+    """DP 2 for 4 steps, `ckpt reshard` to 1 rank, resumed with --grad-accum 2 (the hint's) to step 8:
+    every step equals the uninterrupted 1-rank run, the padded rows counted globally on both sides."""
+    from loongforge.train.ckpt.reshard import Layout, reshard
+
+    root, _ = train_root
+    run_dir = str(tmp_path / "dp2")
+    first = [*COMMON, "--steps", "4", "--save-every", "4"]  # the later --steps wins
+    assert_ok(torchrun(2, ["--data", root, "--run-dir", run_dir, *first], cwd=str(tmp_path), timeout=400))
+    reshard(run_dir, Layout(world=1, zero=2))
+    assert_ok(launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, *COMMON,
+                      "--grad-accum", "2", "--resume"], cwd=str(tmp_path), timeout=400))
     _same_training(one_rank, run_dir, uneven=True)
