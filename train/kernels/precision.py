@@ -10,6 +10,10 @@ ZeRO-3 partitions the same tensors). The filter keeps high precision where FP8
 hurts or cannot help: linears outside the transformer block lists (embeddings'
 projections, heads), the first and last block of each list, and GEMMs whose
 dims are not multiples of 16 (torch._scaled_mm's constraint) or are small.
+The filter sees only the features; the third dimension, tokens (batch x
+sequence), is the inner dimension of the weight-gradient GEMM and changes with
+the recipe and micro batch (161 tokens x 8 = 1,288), so torchao pads inner
+dimensions to 16 (`pad_inner_dim`, see fp8_config).
 
 Warm-up: torchao 0.18 has only dynamic scaling and no warm-up of its own, and
 the FP8 loss sits above the BF16 one for a while after the switch. So the
@@ -22,6 +26,7 @@ from there. Once a = 1 the blend is removed and Float8Linear runs alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -88,12 +93,19 @@ def convert_fp8(model: nn.Module, *, recipe: str = "tensorwise", min_features: i
     from torchao.float8.float8_linear import Float8Linear
 
     keep = fp8_filter(model, min_features=min_features)
-    convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(model, module_filter_fn=keep, config=fp8_config(Float8LinearConfig, recipe))
     names = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     if not names:
         log.warning("--fp8: no linear passed the filter (inner blocks, dims multiple of 16, >= %d); nothing "
                     "runs in FP8", min_features)
     return names
+
+
+def fp8_config(config_cls, recipe: str):
+    """torchao's config for `recipe`, with inner dimensions padded to 16 with zeros: cuBLAS's FP8
+    GEMM needs K % 16 == 0, and K is the token count in the weight gradient (grad_out^T @ x). The
+    zero rows add nothing to the product; the cost is a copy of the 1-byte FP8 operands per GEMM."""
+    return dataclasses.replace(config_cls.from_recipe_name(recipe), pad_inner_dim=True)
 
 
 class Fp8Warmup:

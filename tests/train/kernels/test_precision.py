@@ -200,3 +200,31 @@ def test_gpu_fp8_training_tracks_bf16_after_warmup():
     assert all(map(lambda v: v == v, losses["fp8"]))
     assert abs(losses["fp8"][0] - losses["bf16"][0]) < 1e-2  # step 0 of the warm-up: the BF16 path
     assert losses["fp8"][-1] < losses["fp8"][0] and abs(losses["fp8"][-1] - losses["bf16"][-1]) < 0.15 * losses["bf16"][0]
+
+
+def test_fp8_gemms_get_inner_dims_padded_to_16_for_any_token_count(monkeypatch):
+    """The small recipe's N=161 tokens x micro-batch 8 = 1,288 tokens: the weight-gradient GEMM
+    has them as its inner dimension, which cuBLAS needs to be a multiple of 16 (CPU's reference
+    _scaled_mm has no such limit, so the shapes handed to it are what is checked)."""
+    from torchao.float8 import Float8LinearConfig
+
+    assert precision.fp8_config(Float8LinearConfig, "tensorwise").pad_inner_dim
+    assert precision.fp8_config(Float8LinearConfig, "rowwise").pad_inner_dim
+    m = _model(depth=3, dim=256)
+    names = precision.convert_fp8(m, min_features=256)
+    assert names and all(isinstance(m.get_submodule(n), Float8Linear) for n in names)
+    assert all(m.get_submodule(n).config.pad_inner_dim for n in names)
+    shapes, scaled_mm = [], torch._scaled_mm
+
+    def spy(a, b, *args, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    lin = m.get_submodule(names[0])
+    x = torch.randn(8, 161, lin.in_features, requires_grad=True)
+    lin(x).sum().backward()
+    assert len(shapes) == 3  # output, grad input, grad weight
+    assert all(a[1] % 16 == 0 and b[0] % 16 == 0 for a, b in shapes), shapes
+    assert (lin.out_features, 1296) in [a for a, _ in shapes]  # 1,288 tokens padded with 8 zero rows
+    assert lin.weight.grad.shape == lin.weight.shape and x.grad.shape == x.shape
