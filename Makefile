@@ -53,7 +53,7 @@ bench-quick: setup
 # table + JSON under results/ (README "Reliability"). Its tests: tests/train/resilience/test_faults.py.
 faults: setup
 	$(BIN)/loongforge bench faults
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
 
 # GPU box: the same pin, CUDA build. On Linux x86-64 pip's default index (PyPI) serves the CUDA
 # build of torch==2.13.0, so a fresh box needs no override; a venv that holds a CPU build
