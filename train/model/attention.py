@@ -7,7 +7,8 @@ said in one log line:
 
   sdpa   reference: the dense boolean masks of mask.dense (kept for tests; the CPU default).
   flex   FlexAttention with a BlockMask built from the (B, N) key validity in O(B N / 128 +
-         (N / 128)^2) block bookkeeping, mask_mod = mask.rule; torch.compile'd on CUDA. On CPU
+         (N / 128)^2) block bookkeeping, mask_mod = mask.rule; torch.compile'd on CUDA, head_dim
+         zero-padded to 16 below it (the compiled kernel's minimum). On CPU
          (torch 2.13) only the eager forward exists: a call whose inputs need gradients raises
          NotImplementedError there (eager and compiled alike), so such calls use sdpa.
   flash  flash-attn varlen kernels: the valid tokens are gathered per sample (they are a
@@ -92,6 +93,10 @@ def flex_block_mask(mask, nq: int):
 
 
 _compiled_flex = None
+# Inductor's CUDA FlexAttention kernel (tl.dot) needs head_dim >= 16, and raises NotImplementedError
+# below it (torch 2.13, _inductor/kernel/flex/flex_attention.py); `tiny` heads have 12. Smaller
+# heads are zero-padded to 16 (non-powers of 2 above it the kernel rounds up itself).
+FLEX_MIN_HEAD_DIM = 16
 
 
 def _flex_fn(compiled: bool):
@@ -118,7 +123,14 @@ def flex(q, k, v, mask, dropout_p=0.0, *, compiled: bool):
     if dropout_p > 0:
         raise ConfigError("model.dropout: FlexAttention has no attention dropout; use --attention flash or "
                           "sdpa, or model.dropout=0")
-    return _flex_fn(compiled)(q, k, v, block_mask=flex_block_mask(mask, q.shape[2]))
+    fn, block_mask, d = _flex_fn(compiled), flex_block_mask(mask, q.shape[2]), q.shape[-1]
+    if d >= FLEX_MIN_HEAD_DIM:
+        return fn(q, k, v, block_mask=block_mask)
+    # Zero columns leave q.k (and so the softmax, with the scale kept at 1/sqrt(d)) unchanged and
+    # add zero output columns, cut off after; autograd passes through the pad and the slice.
+    pad = (0, FLEX_MIN_HEAD_DIM - d)
+    y = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=block_mask, scale=d ** -0.5)
+    return y[..., :d]
 
 
 # ---- flash ----------------------------------------------------------------------------------------

@@ -295,3 +295,24 @@ def test_cli_flag_reaches_the_model_config():
     cfg = config_from_args(p.parse_args(["--data", "d", "--run-dir", "r", "--attention", "flex"]))
     assert model_overrides(cfg) == {"attention": "flex"}
     assert model_overrides(config_from_args(p.parse_args(["--data", "d", "--run-dir", "r"]))) == {}
+
+
+def test_flex_pads_heads_below_16_and_keeps_their_scale(monkeypatch):
+    """Compiled FlexAttention on CUDA raises NotImplementedError for head_dim < 16 (tiny: 12): the
+    kernel gets 16 columns, zero-padded, with the scale of 12, and the result equals SDPA's."""
+    from torch.nn.attention import flex_attention as fa_mod
+
+    seen, real = [], fa_mod.flex_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], kw.get("scale")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fa_mod, "flex_attention", spy)
+    layout = random_layout(3)
+    for mask, nq, nk in cases(layout)[:2]:  # the two kinds flex runs (vl self, vl cross)
+        q, k, v = qkv(3, 4, 2, nq, nk, 12)
+        got = attn.flex(q, k, v, mask, compiled=False)
+        assert got.shape == q.shape[:-1] + (12,)
+        torch.testing.assert_close(got, attn.sdpa_dense(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert seen == [(16, 16, 16, pytest.approx(12 ** -0.5))] * 2
