@@ -149,6 +149,11 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * n, h, d)
 
 
+# NOTE: kept out of torch.compile (fusion compiles each block's forward): the packed token total
+# and max_seqlen (a host .item()) change with every batch, so a traced flash would recompile the
+# block each batch, shared by all blocks, until dynamo's recompile limit dropped them to eager. As
+# one opaque call the block graphs around it see only the padded (B, h, N, d) shapes.
+@torch.compiler.disable
 def flash(q, k, v, mask, dropout_p=0.0, *, fa):
     b, h, nq, d = q.shape
     if mask is None or isinstance(mask, Causal):

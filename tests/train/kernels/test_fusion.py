@@ -92,3 +92,34 @@ def test_gpu_inductor_equivalence_and_kernel_time():
     print(f"fusion: kernels {n_eager} -> {n_fused}, kernel time {t_eager:.0f} -> {t_fused:.0f} us "
           f"(ratio {t_fused / t_eager:.2f})")
     assert n_fused < n_eager
+
+
+def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batches(monkeypatch):
+    """20 batches whose valid text and frame counts vary (so flash-attn's packed token total and
+    max_seqlen change every batch), blocks fused with aot_eager, flash-attn replaced by the CPU
+    stand-in of test_attention: every block variant compiles in the first batch and nothing after
+    (bound: 16 graphs in all, none new after batch 1). Traced, the varlen bookkeeping recompiled
+    the blocks each batch until dynamo's recompile limit (8) sent them back to eager."""
+    from torch._dynamo.utils import counters
+
+    from loongforge.train.model import attention as attn
+    from tests.train.model.test_attention import FakeFlash
+
+    monkeypatch.setattr(attn, "flash_unusable", lambda *a, **k: (FakeFlash, None))
+    monkeypatch.setattr(attn, "_gpu", lambda device: "CPU stand-in")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = VLAModel(ModelConfig(dim=32, depth=2, heads=2, attention="flash"))
+    _, (batch, noise, t) = _model_and_inputs(b=2)
+    fusion.apply_fusion(m, backend="aot_eager")
+    g, graphs = torch.Generator().manual_seed(1), []
+    text, frames = batch["task_mask"].shape[1], batch["frame_mask"].shape[1]
+    for _ in range(20):
+        b = dict(batch, task_mask=torch.arange(text)[None] < torch.randint(1, text + 1, (2, 1), generator=g),
+                 frame_mask=torch.rand(2, frames, generator=g) < 0.7)
+        b["frame_mask"][:, -1] = True
+        m(b, noise, t)["loss"].backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[-1] == graphs[0] <= 16, graphs
