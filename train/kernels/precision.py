@@ -39,6 +39,7 @@ from loongforge.train.kernels.checkpointing import block_lists
 log = logging.getLogger(__name__)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: torch._scaled_mm
 _MIX = "_loongforge_fp8_mix"
+_MIX_ON = "_loongforge_fp8_mix_on"
 
 
 def train_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
@@ -140,7 +141,7 @@ class Fp8Warmup:
             if a >= 1.0:
                 _unblend(m)
             else:
-                m.__dict__[_MIX] = a
+                set_mix(m, a)
         if a >= 1.0 and self.mix is not None and self.mix < 1.0:
             log.info("fp8 warm-up done at step %d: %d linears now run in FP8 only", step, len(self.modules))
         self.mix = a
@@ -148,19 +149,33 @@ class Fp8Warmup:
 
 
 def _blend_forward(mod: nn.Module) -> None:
+    """The blended forward. The share is a 0-dim tensor updated in place, not a Python float: the
+    blocks are compiled with dynamic=False (fusion.py), where a float read inside the graph is a
+    constant and every warm-up step would recompile every block. Only the on/off flag is Python
+    (it flips once, one more graph)."""
     fp8_forward = mod.forward
-    mod.__dict__[_MIX] = 0.0
+    mod.__dict__[_MIX] = torch.zeros((), device=mod.weight.device)
+    mod.__dict__[_MIX_ON] = False
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        a = mod.__dict__[_MIX]
         hp = F.linear(x, mod.weight, mod.bias)  # autocast, if on, applies to this call as to nn.Linear
-        if a <= 0.0:
+        if not mod.__dict__[_MIX_ON]:
             return hp
-        return hp + a * (fp8_forward(x).to(hp.dtype) - hp)
+        return hp + mod.__dict__[_MIX].to(hp.dtype) * (fp8_forward(x).to(hp.dtype) - hp)
 
     mod.__dict__["forward"] = forward
 
 
+def set_mix(mod: nn.Module, a: float) -> None:
+    """Set a blended linear's FP8 share in place (on the weight's device, where the model now is)."""
+    mix = mod.__dict__[_MIX]
+    if mix.device != mod.weight.device:
+        mix = mod.__dict__[_MIX] = mix.to(mod.weight.device)
+    mix.fill_(a)
+    mod.__dict__[_MIX_ON] = a > 0.0
+
+
 def _unblend(mod: nn.Module) -> None:
     mod.__dict__.pop(_MIX, None)
+    mod.__dict__.pop(_MIX_ON, None)
     mod.__dict__.pop("forward", None)

@@ -228,3 +228,23 @@ def test_fp8_gemms_get_inner_dims_padded_to_16_for_any_token_count(monkeypatch):
     assert all(a[1] % 16 == 0 and b[0] % 16 == 0 for a, b in shapes), shapes
     assert (lin.out_features, 1296) in [a for a, _ in shapes]  # 1,288 tokens padded with 8 zero rows
     assert lin.weight.grad.shape == lin.weight.shape and x.grad.shape == x.shape
+
+
+def test_warmup_blend_adds_no_graph_per_step_under_fusion():
+    """The blend share changes every warm-up step; fused blocks compile with dynamic=False, where a
+    Python float read in the graph is a constant (a recompile per step, until dynamo's limit sent
+    the blocks to eager). The share is a tensor: 2 graphs in all (high precision only, blended)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    lin = nn.Linear(16, 16)
+    fp8_like = lin.forward  # any forward stands for Float8Linear's: the blend is what is compiled
+    precision._blend_forward(lin)
+    f = torch.compile(lambda x: lin(x), backend="aot_eager", dynamic=False)
+    x = torch.randn(4, 16)
+    for step in range(10):
+        precision.set_mix(lin, step / 10)
+        torch.testing.assert_close(f(x), fp8_like(x))
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
