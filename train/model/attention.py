@@ -63,6 +63,11 @@ def _kv_table(blocks: torch.Tensor):
     return num[:, None], idx[:, None]
 
 
+# NOTE: built outside torch.compile, once per batch and kind, then cached on the layout for every
+# block. Traced inside a fused block under --cuda-graphs (reduce-overhead), its tensors would live
+# in the CUDA graph's private pool, which the next replay overwrites while the layout still holds
+# them for the following blocks.
+@torch.compiler.disable
 def flex_block_mask(mask, nq: int):
     """The BlockMask of VLSelf / VLCross without evaluating the predicate on N x N: a block is
     full when all its queries and keys are valid, partial when it holds any allowed pair."""

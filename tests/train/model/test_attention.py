@@ -316,3 +316,28 @@ def test_flex_pads_heads_below_16_and_keeps_their_scale(monkeypatch):
         assert got.shape == q.shape[:-1] + (12,)
         torch.testing.assert_close(got, attn.sdpa_dense(q, k, v, mask), atol=1e-5, rtol=1e-5)
     assert seen == [(16, 16, 16, pytest.approx(12 ** -0.5))] * 2
+
+
+def test_flex_block_mask_is_built_once_outside_compiled_blocks(monkeypatch):
+    """Under fusion the BlockMask is built eagerly (never inside a compiled graph, whose CUDA-graph
+    pool would be overwritten by the next replay) and once per layout for all calls. The pool
+    itself exists only under CUDA graphs; on CPU this checks the build count, the cache and the
+    result through a graph break (aot_eager, forward only: CPU flex has no backward)."""
+    from torch._dynamo.utils import counters
+
+    built, table = [], attn._kv_table
+    monkeypatch.setattr(attn, "_kv_table", lambda blocks: built.append(1) or table(blocks))
+    torch._dynamo.reset()
+    counters.clear()
+    layout = random_layout(4)
+    mask = VLSelf(layout)
+    q, k, v = qkv(4, 4, 2, layout.n, layout.n, 16)
+    f = torch.compile(lambda q, k, v: attn.flex(q, k, v, mask, compiled=False) * 2, backend="aot_eager")
+    with torch.no_grad():
+        outs = [f(q, k, v) for _ in range(3)]
+    want = attn.sdpa_dense(q, k, v, mask) * 2
+    for out in outs:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert len(built) == 2  # partial and full block tables, once
+    assert any("disable" in reason.lower() for reason in counters["graph_break"]), dict(counters["graph_break"])
+    torch._dynamo.reset()
