@@ -346,5 +346,5 @@ def _close_view(view: memoryview) -> None:
         view.release()
         if isinstance(obj, mmap.mmap):
             obj.close()
-    except BufferError:
+    except BufferError:  # a slice of it is still alive (a batch being read): the GC unmaps it with the last one
         pass

@@ -343,7 +343,8 @@ class Coordinator:
                         except Exception as exc:  # noqa: BLE001 - any peer failure: try the next source
                             log.warning("peer %s could not serve %s (%s); trying another source", addr, shard, exc)
                     if not peers:
-                        log.debug("directory lists %s for %s but none is live with a peer address", holders, shard)
+                        log.warning("directory lists %s for %s but none is live with a peer address (stale "
+                                    "entries of dead daemons); reading the origin", holders, shard)
                 if not acquired and holders:
                     # Every listed holder failed us: take the lock despite them. Never force when there
                     # were no holders: the lock owner may publish between the two calls, and a forced

@@ -99,7 +99,8 @@ class ConvertEpisodeFn(beam.DoFn):
             storage.write_bytes_atomic(staging_path(self.params.output, spec.index, ".failed"),
                                        json.dumps(record).encode())
         except OSError as err:
-            log.debug("episode %d: no failure marker (%s)", spec.index, err)
+            log.warning("episode %d: could not write its failure marker (%s); the failure is still counted and "
+                        "in the failed-records output, only the local progress line misses it", spec.index, err)
         report_episode(self.progress_topic, spec.index, ok=False)
         return FAILED, record
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 
 def pytest_configure(config):
     from tests.cpu_times import register

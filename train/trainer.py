@@ -6,7 +6,6 @@ steps -> final checkpoint -> close, with every resource closed on every exit pat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -143,8 +142,11 @@ class Trainer:
             self.watchdog.stop(done=True)
             self.metrics.write_summary()
         finally:
-            with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
+            try:  # after a failure: the steps that did finish are still logged
                 late.flush()
+            except Exception as exc:  # noqa: BLE001 - never hide the failure that brought us here
+                log.warning("could not write the last metrics rows to metrics.jsonl (%s): it may end before the "
+                            "last finished step", exc)
             trace.close()
 
     def _one_step(self, it, timer: StepTimer, sync: bool = False) -> tuple:

@@ -126,7 +126,6 @@ def launch(spec: dict, ranks: int, workdir: Path, threads: int) -> list[dict]:
     for r in range(ranks):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu" if not spec["cuda"] else "cuda"),
                "PYTHONUNBUFFERED": "1"}
         logf = open(out / f"rank{r}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "loongforge.benchmarks.ablation.rank",

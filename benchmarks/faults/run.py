@@ -60,7 +60,8 @@ class Run:
                 "tiny", "--seed", "1", "--no-ds-breakdown",
                 "--heartbeat-s", "0.5", "--hang-timeout-s", "30", *extra,
                 *(["--cache-socket", cache_socket] if cache_socket else [])]
-        self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        # A CPU benchmark: GPUs hidden, so the trainer and DeepSpeed both pick the CPU by themselves.
+        self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.log = open(work / f"{name}.log", "w")
         self.t0 = time.time()

@@ -46,7 +46,7 @@ def _run(mode: str, args, data: tuple[str, list[str]], work: str, idx: int) -> d
     if args.ranks > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(args.ranks),
                "--master_port", str(_port()), "-m", *cmd[2:]]
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -69,7 +69,7 @@ def delta_run(args, data: tuple[str, list[str]], work: str) -> dict:
            "--steps", str(every + max(dists) + 1), "--batch-size", str(args.batch_size), "--zero", "2",
            "--no-ds-breakdown", "--log-every", "1000", "--sync-save", "--save-every", str(every),
            "--full-every", "100000", "--delta-max-ratio", "1.0", "--keep-last", "1"]
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"delta run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")

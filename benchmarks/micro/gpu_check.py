@@ -1,28 +1,40 @@
-"""`make gpu-check`: everything only a GPU can check, in one short run (< 4 min on one H200).
+"""`make gpu-check`: everything only a GPU can check, in one run (its time on one H200 is
+unmeasured: no GPU has run it yet; the Makefile target installs the CUDA torch first).
 
-    loongforge bench gpu-check [--out results/gpu] [--steps 20]
+    loongforge bench gpu-check [--out results/gpu] [--steps 20] [--test-timeout 360] [--jobs 4] [--deadline 540]
 
-1. every CUDA-only test: `pytest -m gpu tests` (the marker, not a list, so new GPU tests join);
+1. every CUDA-only test (`pytest -m gpu --collect-only`: the marker, not a list, so new GPU tests
+   join), each in its own pytest process with its own budget (`--test-timeout`; the tests start
+   training subprocesses with 240-300 s timeouts) and its own junit file, so a test that hangs or
+   is killed costs only its own result. A skipped test is a failure (on a GPU box "needs CUDA"
+   means the check did not check), except the flash-attn tests when flash-attn is not installed
+   (no wheel for this torch): reported in `skipped_parts`, not silently;
 2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
    `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...); and
    `tiny` with --zero 3 --grad-compression topk (hybrid sharding: the compressor's DP sync over a
    1-rank NCCL group, each step, counted as group "dp" in the metrics);
 3. the `tiny` run again with --cuda-graphs (train/kernels/graphs.py): GPU idle inside the step (no kernel
    on any stream, data wait excluded: the trace's launch overhead) before/after, in `launch_overhead`;
-4. writes OUT/gpu-check-<date>.json (tests, every breakdown, the GPU, torch, CUDA) and
-   OUT/gpu-check-<date>.txt (the profile tables). Exit 0 only if every part passed.
+4. writes OUT/gpu-check-<date>.json after every part (so a run cut short still leaves what it
+   did: tests, every breakdown, the GPU, torch, CUDA) and OUT/gpu-check-<date>.txt (the profile
+   tables). A part not started before `--deadline` seconds is "not run", a failure. Exit 0 only
+   if every part that must run ran and passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import xml.etree.ElementTree as ET
 
 from loongforge.benchmarks.harness.dataset import synthetic_train_root
@@ -56,21 +68,72 @@ def environment() -> dict:
     return env
 
 
-def gpu_tests(out_dir: str, timeout: float) -> dict:
-    junit = os.path.join(out_dir, "gpu-tests.xml")
-    code, log, took = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                            f"--junitxml={junit}", "tests"], timeout)
-    res = {"exit_code": code, "seconds": round(took, 1), "log_tail": log[-4000:]}
+FLASH_SKIP = re.compile(r"flash.?attn", re.I)  # the one skip allowed: flash-attn not installed
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def collect_gpu_tests() -> tuple[list[str], str]:
+    code, log, _ = _run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
+                         "no:cacheprovider", "tests"], 300)
+    ids = [line.strip() for line in log.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
+    return ids, ("" if code == 0 else log[-4000:])
+
+
+def run_test(node: str, out_dir: str, timeout: float) -> dict:
+    """One GPU test in its own pytest process: pytest-timeout fails it at `timeout` (the junit is
+    still written); the process is killed 60 s later if even that hangs."""
+    junit = os.path.join(out_dir, "junit-" + re.sub(r"[^\w.-]+", "_", node)[-150:] + ".xml")
+    code, log, took = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout:.0f}",
+                            f"--junitxml={junit}", node], timeout + 60)
+    res = {"name": node, "exit_code": code, "seconds": round(took, 1), "result": "killed" if code == 124 else "error"}
     if os.path.exists(junit):
-        suite = ET.parse(junit).getroot()
-        suite = suite if suite.tag == "testsuite" else suite[0]
-        res.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
-        res["cases"] = [{"name": f"{c.get('classname')}::{c.get('name')}",
-                         "result": next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), "passed")}
-                        for c in suite.iter("testcase")]
+        case = next(ET.parse(junit).getroot().iter("testcase"), None)
+        if case is not None:
+            verdict = next((ch for ch in case if ch.tag in ("failure", "error", "skipped")), None)
+            res["result"] = "passed" if verdict is None else verdict.tag
+            if verdict is not None:
+                res["message"] = (verdict.get("message") or "")[:500]
         os.unlink(junit)
-    res["ok"] = code == 0 and res.get("tests", 0) > 0
+    if res["result"] not in ("passed", "skipped"):
+        res["log_tail"] = log[-4000:]
     return res
+
+
+def judge_tests(cases: list[dict], collect_error: str, flash: bool) -> dict:
+    """The test part's verdict: every collected test passed; the only allowed skip is flash-attn's
+    when it is not installed; nothing collected, or everything skipped, is a failure."""
+    counts = {k: sum(c["result"] == k for c in cases) for k in ("passed", "failure", "error", "skipped", "killed")}
+    allowed = [c["name"] for c in cases if c["result"] == "skipped" and not flash
+               and FLASH_SKIP.search(c.get("message", "") + c["name"])]
+    bad = [c["name"] for c in cases if c["result"] != "passed" and c["name"] not in allowed]
+    ok = not collect_error and counts["passed"] > 0 and not bad
+    return {"ok": ok, "tests": len(cases), **counts, "not_ok": bad, "cases": cases,
+            "skipped_parts": [f"{n}: flash-attn is not installed (no wheel for this torch)" for n in allowed],
+            **({"collect_error": collect_error} if collect_error else {})}
+
+
+def gpu_tests(out_dir: str, test_timeout: float, deadline: float, save, jobs: int = 1) -> dict:
+    """The GPU tests, `jobs` at a time (each is a process that mostly waits on its training
+    subprocess; one H200 holds several), in collection order; the report is saved after each."""
+    ids, collect_error = collect_gpu_tests()
+    flash, cases, lock = flash_attn_installed(), {}, threading.Lock()
+
+    def one(node: str) -> None:
+        left = deadline - time.monotonic()
+        if left < 60:
+            res = {"name": node, "result": "not run", "message": "gpu-check deadline reached"}
+        else:
+            res = run_test(node, out_dir, min(test_timeout, left))
+        with lock:
+            cases[node] = res
+            save(judge_tests([cases[n] for n in ids if n in cases], collect_error, flash))
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(one, ids))
+    return judge_tests([cases[n] for n in ids], collect_error, flash)
 
 
 def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
@@ -137,7 +200,50 @@ def launch_overhead(eager: dict, graphed: dict) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=os.path.join(str(RESULTS_DIR), "gpu"))
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--skip-tests", action="store_true", help="only the two training runs")
+    p.add_argument("--skip-tests", action="store_true",
+                   help="only the training runs (for debugging them: the check then fails, its tests did not run)")
+    p.add_argument("--test-timeout", type=float, default=360, help="seconds per GPU test (default 360)")
+    p.add_argument("--jobs", type=int, default=4, help="GPU tests run at once (default 4; 1 for a small GPU)")
+    p.add_argument("--run-timeout", type=float, default=240, help="seconds per training run (default 240)")
+    p.add_argument("--deadline", type=float, default=540,
+                   help="seconds after which no new part starts; those not started fail (default 540)")
+
+
+class Report:
+    """The JSON report, rewritten after every part so a run cut short still leaves its results."""
+
+    def __init__(self, out: str, env: dict):
+        self.stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+        self.base = os.path.join(out, f"gpu-check-{self.stamp}")
+        self.t0 = time.monotonic()
+        self.data = {"started": self.stamp, "environment": env, "runs": [], "ok": False, "finished": False,
+                     "flash_attn_installed": flash_attn_installed()}
+
+    def save(self) -> None:
+        self.data["seconds"] = round(time.monotonic() - self.t0, 1)
+        tmp = self.base + ".json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=2, sort_keys=True)
+        os.replace(tmp, self.base + ".json")
+
+
+def _runs(report: Report, a: argparse.Namespace, deadline: float) -> None:
+    plan = [(r, a.steps, ()) for r in RECIPES]
+    plan += [("tiny", a.steps, ("--cuda-graphs",)), ("tiny", min(a.steps, 10), TOPK)]
+    with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
+        data = os.path.join(work, "shards")
+        flags = tuple(synthetic_train_root(data, (64,) * 4, height=96, width=96, shard_size=1 << 22))
+        for recipe, steps, extra in plan:
+            if deadline - time.monotonic() < 30:
+                label = recipe + "".join("+" + x[2:] for x in extra if x.startswith("--"))
+                report.data["runs"].append({"recipe": label, "ok": False, "problems": ["not run: deadline reached"]})
+            else:
+                left = deadline - time.monotonic() + a.run_timeout / 2  # a started run may finish past it
+                report.data["runs"].append(train_run(recipe, data, work, steps, min(a.run_timeout, left),
+                                                     extra=extra, data_flags=flags))
+            report.save()
+    runs = report.data["runs"]
+    report.data["launch_overhead"] = launch_overhead(runs[0], runs[2])
 
 
 def handle(a: argparse.Namespace) -> int:
@@ -147,38 +253,44 @@ def handle(a: argparse.Namespace) -> int:
               "box: `make gpu-check` installs the CUDA build (see README, GPU check).", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
-    report = {"started": stamp, "environment": env, "runs": []}
-    t0 = time.monotonic()
-    report["tests"] = {"ok": True, "skipped_by_flag": True} if a.skip_tests else gpu_tests(a.out, 180)
-    with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
-        data = os.path.join(work, "shards")
-        flags = tuple(synthetic_train_root(data, (64,) * 4, height=96, width=96, shard_size=1 << 22))
-        for recipe in RECIPES:
-            report["runs"].append(train_run(recipe, data, work, a.steps, 150, data_flags=flags))
-        graphed = train_run("tiny", data, work, a.steps, 150, extra=("--cuda-graphs",), data_flags=flags)
-        report["runs"].append(graphed)
-        report["runs"].append(train_run("tiny", data, work, min(a.steps, 10), 150, extra=TOPK, data_flags=flags))
-        report["launch_overhead"] = launch_overhead(report["runs"][0], graphed)
-    report["seconds"] = round(time.monotonic() - t0, 1)
-    report["ok"] = report["tests"]["ok"] and all(r["ok"] for r in report["runs"]) and report["launch_overhead"]["ok"]
-    base = os.path.join(a.out, f"gpu-check-{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-    with open(base + ".txt", "w") as f:
-        f.write("\n\n".join(f"== {r['recipe']} ==\n{r.get('table') or r.get('log_tail', '')}" for r in report["runs"]))
-    for r in report["runs"]:
-        print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s {r.get('problems') or ''}")
+    report = Report(a.out, env)
+    deadline = report.t0 + a.deadline
+    try:
+        report.save()
+        if a.skip_tests:
+            report.data["tests"] = {"ok": False, "skipped_by_flag": True}
+        else:
+            report.data["tests"] = gpu_tests(a.out, a.test_timeout, deadline,
+                                             lambda part: (report.data.update(tests=part), report.save()), a.jobs)
+        report.save()
+        _runs(report, a, deadline)
+        d = report.data
+        d["ok"] = d["tests"]["ok"] and all(r["ok"] for r in d["runs"]) and d["launch_overhead"]["ok"]
+        d["finished"] = True
+    finally:
+        report.save()
+    _print_summary(report)
+    return 0 if report.data["ok"] else 1
+
+
+def _print_summary(report: Report) -> None:
+    d = report.data
+    with open(report.base + ".txt", "w") as f:
+        f.write("\n\n".join(f"== {r['recipe']} ==\n{r.get('table') or r.get('log_tail', '')}" for r in d["runs"]))
+    for r in d["runs"]:
+        print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r.get('seconds')} s {r.get('problems') or ''}")
         print(r.get("table") or r.get("log_tail", ""))
-    lo = report["launch_overhead"]
+    lo = d["launch_overhead"]
     if lo["ok"]:
         print("launch overhead (GPU idle in the step, not data wait), tiny, ms/step: eager "
               f"{lo['eager']['launch_overhead_s'] * 1e3:.2f} of {lo['eager']['step_s'] * 1e3:.2f}, --cuda-graphs "
               f"{lo['cuda_graphs']['launch_overhead_s'] * 1e3:.2f} of {lo['cuda_graphs']['step_s'] * 1e3:.2f}")
-    t = report["tests"]
-    counts = {k: t.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    t = d["tests"]
+    counts = {k: t.get(k) for k in ("tests", "passed", "failure", "error", "skipped", "killed")}
     print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps(counts)}")
-    if not t["ok"]:
-        print(t.get("log_tail", ""))
-    print(f"gpu-check {'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s: {base}.json, {base}.txt")
-    return 0 if report["ok"] else 1
+    for c in t.get("cases", []):
+        if c["name"] in t.get("not_ok", []):
+            print(f"  {c['result']}: {c['name']} {c.get('message', '')}\n{c.get('log_tail', '')[-1500:]}")
+    for part in t.get("skipped_parts", []):
+        print(f"  skipped (explicitly): {part}")
+    print(f"gpu-check {'passed' if d['ok'] else 'FAILED'} in {d['seconds']} s: {report.base}.json, {report.base}.txt")

@@ -193,7 +193,8 @@ def test_gpu_run_smoke(train_root, tmp_path):
     root, _ = train_root
     run_dir = str(tmp_path / "gpu")
     proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "4",
-                   "--device", "cuda", "--profile-steps", "1:3", "--workers", "1", *COMMON], cwd=str(tmp_path))
+                   "--device", "cuda", "--profile-steps", "1:3", "--workers", "1", *COMMON], cwd=str(tmp_path),
+                  cuda=True)
     _ok(proc)
     assert len(_metrics(run_dir)) == 4
 

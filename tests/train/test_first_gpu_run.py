@@ -154,7 +154,7 @@ def test_gpu_run_times_with_events_and_profiles_from_kernels(train_root, tmp_pat
     run_dir = tmp_path / "run"
     proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(run_dir), "--steps", "8",
                    "--device", "cuda", "--profile-steps", "3:6", "--workers", "2", "--batch-size", "8",
-                   "--zero", "3"], cwd=str(tmp_path), timeout=300)
+                   "--zero", "3"], cwd=str(tmp_path), timeout=300, cuda=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     conf = json.loads((run_dir / "ds_config.json").read_text())
     assert conf["optimizer"]["params"].get("torch_adam") or engine.fused_adam_prebuilt()

@@ -14,10 +14,19 @@ import pytest
 VENV_BIN = Path(sys.executable).parent
 
 
-def launch_env(env: dict | None = None) -> dict:
-    """The environment of every launch: DeepSpeed on CPU, one OpenMP thread per rank (2 cores
-    shared by all ranks), unbuffered logs, the venv's torchrun/deepspeed first on PATH."""
-    env = dict(env or os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def launch_env(env: dict | None = None, *, cuda: bool = False) -> dict:
+    """The environment of every launch: one OpenMP thread per rank (2 cores shared by all ranks),
+    unbuffered logs, the venv's torchrun/deepspeed first on PATH. A CPU launch hides the GPUs, so
+    on a GPU machine it stays a CPU run: the trainer's `--device auto` and DeepSpeed's own probe
+    both see no CUDA (nothing forces DS_ACCELERATOR, which would split them). `cuda=True` for the
+    GPU tests."""
+    env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("DS_ACCELERATOR", None)
+    if cuda:
+        if env.get("CUDA_VISIBLE_DEVICES") == "":
+            env.pop("CUDA_VISIBLE_DEVICES")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     return env
 
@@ -39,8 +48,9 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = launch_env(env)
+def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None,
+           cuda: bool = False) -> subprocess.CompletedProcess:
+    env = launch_env(env, cuda=cuda)
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -48,16 +58,21 @@ def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None =
     return proc
 
 
-def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None):
-    return launch(torchrun_cmd(nproc, ["-m", "loongforge.train", *args]), cwd=cwd, timeout=timeout, env=env)
+def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None,
+             cuda: bool = False):
+    return launch(torchrun_cmd(nproc, ["-m", "loongforge.train", *args]), cwd=cwd, timeout=timeout, env=env,
+                  cuda=cuda)
 
 
 def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, module: bool = False):
-    """The deepspeed launcher, with the script path (what infra/demo.sh does) or --module."""
+    """The deepspeed launcher, with the script path (what infra/demo.sh does) or --module. Its
+    launcher sets CUDA_VISIBLE_DEVICES per rank itself (to "0,1" even on its CPU accelerator), so
+    a CPU launch also names the device."""
     import loongforge.train.launch as entry
 
     target = ["--module", "loongforge.train"] if module else [entry.__file__]
-    return launch(deepspeed_cmd(nproc, [*target, *args]), cwd=cwd, timeout=timeout)
+    device = [] if "--device" in args else ["--device", "cpu"]
+    return launch(deepspeed_cmd(nproc, [*target, *args, *device]), cwd=cwd, timeout=timeout)
 
 
 def _port() -> int:

@@ -36,13 +36,16 @@ def fusion_wanted(mode: str, device: torch.device, zero_stage: int) -> bool:
     return device.type == "cuda" and zero_stage < 3
 
 
-def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool = False,
+def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = None,
                  mode: str | None = None) -> list[str]:
     """Compile the forward of every block of every block list; returns their paths.
     mode="reduce-overhead": CUDA graphs as well (graphs.py, --cuda-graphs).
 
-    dynamic=False: the loader's length buckets keep the shapes to a small fixed set, so each
-    bucket compiles once (torch._dynamo's recompile limit is far above the bucket count)."""
+    dynamic=None (automatic): the first shapes compile static; a dimension seen to change (the
+    token count of another frame bucket) recompiles once as symbolic and then covers every
+    bucket. Not dynamic=False: dynamo's recompile limit (8) counts per code object, and all blocks
+    of a class share one (TrunkBlock.forward; HeadBlock.forward for self/cross, conditioned or
+    not, in both heads), so variants x buckets passed it and the blocks fell back to eager."""
     done = []
     for path, blocks in block_lists(model):
         for i, blk in enumerate(blocks):

@@ -10,6 +10,10 @@ ZeRO-3 partitions the same tensors). The filter keeps high precision where FP8
 hurts or cannot help: linears outside the transformer block lists (embeddings'
 projections, heads), the first and last block of each list, and GEMMs whose
 dims are not multiples of 16 (torch._scaled_mm's constraint) or are small.
+The filter sees only the features; the third dimension, tokens (batch x
+sequence), is the inner dimension of the weight-gradient GEMM and changes with
+the recipe and micro batch (161 tokens x 8 = 1,288), so torchao pads inner
+dimensions to 16 (`pad_inner_dim`, see fp8_config).
 
 Warm-up: torchao 0.18 has only dynamic scaling and no warm-up of its own, and
 the FP8 loss sits above the BF16 one for a while after the switch. So the
@@ -22,6 +26,7 @@ from there. Once a = 1 the blend is removed and Float8Linear runs alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -34,6 +39,7 @@ from loongforge.train.kernels.checkpointing import block_lists
 log = logging.getLogger(__name__)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: torch._scaled_mm
 _MIX = "_loongforge_fp8_mix"
+_MIX_ON = "_loongforge_fp8_mix_on"
 
 
 def train_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
@@ -88,12 +94,19 @@ def convert_fp8(model: nn.Module, *, recipe: str = "tensorwise", min_features: i
     from torchao.float8.float8_linear import Float8Linear
 
     keep = fp8_filter(model, min_features=min_features)
-    convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(model, module_filter_fn=keep, config=fp8_config(Float8LinearConfig, recipe))
     names = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     if not names:
         log.warning("--fp8: no linear passed the filter (inner blocks, dims multiple of 16, >= %d); nothing "
                     "runs in FP8", min_features)
     return names
+
+
+def fp8_config(config_cls, recipe: str):
+    """torchao's config for `recipe`, with inner dimensions padded to 16 with zeros: cuBLAS's FP8
+    GEMM needs K % 16 == 0, and K is the token count in the weight gradient (grad_out^T @ x). The
+    zero rows add nothing to the product; the cost is a copy of the 1-byte FP8 operands per GEMM."""
+    return dataclasses.replace(config_cls.from_recipe_name(recipe), pad_inner_dim=True)
 
 
 class Fp8Warmup:
@@ -128,7 +141,7 @@ class Fp8Warmup:
             if a >= 1.0:
                 _unblend(m)
             else:
-                m.__dict__[_MIX] = a
+                set_mix(m, a)
         if a >= 1.0 and self.mix is not None and self.mix < 1.0:
             log.info("fp8 warm-up done at step %d: %d linears now run in FP8 only", step, len(self.modules))
         self.mix = a
@@ -136,19 +149,33 @@ class Fp8Warmup:
 
 
 def _blend_forward(mod: nn.Module) -> None:
+    """The blended forward. The share is a 0-dim tensor updated in place, not a Python float: the
+    blocks are compiled with dynamic=False (fusion.py), where a float read inside the graph is a
+    constant and every warm-up step would recompile every block. Only the on/off flag is Python
+    (it flips once, one more graph)."""
     fp8_forward = mod.forward
-    mod.__dict__[_MIX] = 0.0
+    mod.__dict__[_MIX] = torch.zeros((), device=mod.weight.device)
+    mod.__dict__[_MIX_ON] = False
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        a = mod.__dict__[_MIX]
         hp = F.linear(x, mod.weight, mod.bias)  # autocast, if on, applies to this call as to nn.Linear
-        if a <= 0.0:
+        if not mod.__dict__[_MIX_ON]:
             return hp
-        return hp + a * (fp8_forward(x).to(hp.dtype) - hp)
+        return hp + mod.__dict__[_MIX].to(hp.dtype) * (fp8_forward(x).to(hp.dtype) - hp)
 
     mod.__dict__["forward"] = forward
 
 
+def set_mix(mod: nn.Module, a: float) -> None:
+    """Set a blended linear's FP8 share in place (on the weight's device, where the model now is)."""
+    mix = mod.__dict__[_MIX]
+    if mix.device != mod.weight.device:
+        mix = mod.__dict__[_MIX] = mix.to(mod.weight.device)
+    mix.fill_(a)
+    mod.__dict__[_MIX_ON] = a > 0.0
+
+
 def _unblend(mod: nn.Module) -> None:
     mod.__dict__.pop(_MIX, None)
+    mod.__dict__.pop(_MIX_ON, None)
     mod.__dict__.pop("forward", None)

@@ -7,7 +7,8 @@ said in one log line:
 
   sdpa   reference: the dense boolean masks of mask.dense (kept for tests; the CPU default).
   flex   FlexAttention with a BlockMask built from the (B, N) key validity in O(B N / 128 +
-         (N / 128)^2) block bookkeeping, mask_mod = mask.rule; torch.compile'd on CUDA. On CPU
+         (N / 128)^2) block bookkeeping, mask_mod = mask.rule; torch.compile'd on CUDA, head_dim
+         zero-padded to 16 below it (the compiled kernel's minimum). On CPU
          (torch 2.13) only the eager forward exists: a call whose inputs need gradients raises
          NotImplementedError there (eager and compiled alike), so such calls use sdpa.
   flash  flash-attn varlen kernels: the valid tokens are gathered per sample (they are a
@@ -62,6 +63,11 @@ def _kv_table(blocks: torch.Tensor):
     return num[:, None], idx[:, None]
 
 
+# NOTE: built outside torch.compile, once per batch and kind, then cached on the layout for every
+# block. Traced inside a fused block under --cuda-graphs (reduce-overhead), its tensors would live
+# in the CUDA graph's private pool, which the next replay overwrites while the layout still holds
+# them for the following blocks.
+@torch.compiler.disable
 def flex_block_mask(mask, nq: int):
     """The BlockMask of VLSelf / VLCross without evaluating the predicate on N x N: a block is
     full when all its queries and keys are valid, partial when it holds any allowed pair."""
@@ -92,6 +98,10 @@ def flex_block_mask(mask, nq: int):
 
 
 _compiled_flex = None
+# Inductor's CUDA FlexAttention kernel (tl.dot) needs head_dim >= 16, and raises NotImplementedError
+# below it (torch 2.13, _inductor/kernel/flex/flex_attention.py); `tiny` heads have 12. Smaller
+# heads are zero-padded to 16 (non-powers of 2 above it the kernel rounds up itself).
+FLEX_MIN_HEAD_DIM = 16
 
 
 def _flex_fn(compiled: bool):
@@ -118,7 +128,14 @@ def flex(q, k, v, mask, dropout_p=0.0, *, compiled: bool):
     if dropout_p > 0:
         raise ConfigError("model.dropout: FlexAttention has no attention dropout; use --attention flash or "
                           "sdpa, or model.dropout=0")
-    return _flex_fn(compiled)(q, k, v, block_mask=flex_block_mask(mask, q.shape[2]))
+    fn, block_mask, d = _flex_fn(compiled), flex_block_mask(mask, q.shape[2]), q.shape[-1]
+    if d >= FLEX_MIN_HEAD_DIM:
+        return fn(q, k, v, block_mask=block_mask)
+    # Zero columns leave q.k (and so the softmax, with the scale kept at 1/sqrt(d)) unchanged and
+    # add zero output columns, cut off after; autograd passes through the pad and the slice.
+    pad = (0, FLEX_MIN_HEAD_DIM - d)
+    y = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=block_mask, scale=d ** -0.5)
+    return y[..., :d]
 
 
 # ---- flash ----------------------------------------------------------------------------------------
@@ -137,6 +154,11 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * n, h, d)
 
 
+# NOTE: kept out of torch.compile (fusion compiles each block's forward): the packed token total
+# and max_seqlen (a host .item()) change with every batch, so a traced flash would recompile the
+# block each batch, shared by all blocks, until dynamo's recompile limit dropped them to eager. As
+# one opaque call the block graphs around it see only the padded (B, h, N, d) shapes.
+@torch.compiler.disable
 def flash(q, k, v, mask, dropout_p=0.0, *, fa):
     b, h, nq, d = q.shape
     if mask is None or isinstance(mask, Causal):

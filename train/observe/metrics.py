@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
 
 from loongforge.shared.errors import FormatError
 from loongforge.shared.storage import write_bytes_atomic
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 METRICS_VERSION = 1
@@ -126,20 +129,24 @@ def read_metrics(run_dir: str) -> list[dict]:
         raise FormatError(f"{path} not found: not a run directory (run `loongforge train --run-dir DIR` first)")
     rows = []
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                if n > 1:
-                    continue  # a torn last line after a crash
+        lines = f.readlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if n == 1:
                 raise
-            if row.get("v") != METRICS_VERSION:
-                raise FormatError(f"{path}:{n}: metrics version {row.get('v')!r}, this build reads {METRICS_VERSION}")
-            if "event" in row:  # a fault record (watchdog.py, elastic.py): read_events
-                continue
-            rows.append(row)
+            torn = n == len(lines) and not line.endswith("\n")
+            log.warning("%s:%d: %s; skipped", path, n, "torn last line (the run was killed mid-write)" if torn
+                        else f"not a JSON row ({line[:80]!r}): a corrupt file")
+            continue
+        if row.get("v") != METRICS_VERSION:
+            raise FormatError(f"{path}:{n}: metrics version {row.get('v')!r}, this build reads {METRICS_VERSION}")
+        if "event" in row:  # a fault record (watchdog.py, elastic.py): read_events
+            continue
+        rows.append(row)
     return rows
 
 

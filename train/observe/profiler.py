@@ -209,30 +209,61 @@ def _iv(e: dict) -> tuple[float, float]:
     return (e["ts"], e["ts"] + e["dur"])
 
 
-def _parse(path: str) -> dict:
-    """A trace's steps and, per step, its kernel / collective / data-wait intervals (microseconds)."""
-    events = load_trace(path)
+_HOST_CATS = ("cpu_op", "user_annotation", "")
+_KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# What an event is, from its (cat, name): bit flags, computed once per distinct pair.
+_NAME, _MARK, _COMM_C, _OP, _DATA, _KERNEL, _COMM_K, _COMPUTE = (1 << i for i in range(8))
+
+
+def _classify(cat, name: str) -> int:
+    cat, kind = str(cat).lower(), 0
+    if COMM_CPU.search(name):
+        kind |= _NAME
     # Host-side marks only: kineto repeats each record_function on the GPU timeline ("gpu_user_annotation").
-    host = [e for e in events if str(e.get("cat", "")).lower() in ("cpu_op", "user_annotation", "")]
-    marks = sorted((e for e in host if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-    steps = [(int(e["name"].split("#", 1)[1]), *_iv(e)) for e in marks]
-    kernels = [e for e in events if str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
-    comm_k = sorted(_iv(e) for e in kernels if COMM_KERNEL.search(e["name"]))
-    # Compute = SM kernels. Copies run on copy engines (the prefetch's H2D overlaps by design), so a
-    # copy alone does not make the step busy.
-    compute_k = [_iv(e) for e in kernels
-                 if str(e.get("cat", "")).lower() == "kernel" and not COMM_KERNEL.search(e["name"])]
-    comm_c = [_iv(e) for e in host if COMM_CPU.search(e["name"])]
-    # Host time inside some ATen operator (its dispatch included); the rest of a CPU step that is not
-    # data wait is the Python around the ops: module calls, hooks, DeepSpeed's glue, the loop.
-    ops = [_iv(e) for e in host if str(e.get("cat", "")).lower() == "cpu_op"]
-    names = sorted({e["name"] for e in events if COMM_CPU.search(e["name"]) or
-                    (e in kernels and COMM_KERNEL.search(e["name"]))})
+    if cat in _HOST_CATS:
+        kind |= ((_MARK if name.startswith("ProfilerStep#") else 0) | (_COMM_C if COMM_CPU.search(name) else 0)
+                 | (_DATA if name == f"{MARK_PREFIX}data_wait" else 0)
+                 # Host time inside some ATen operator (its dispatch included); the rest of a CPU step that
+                 # is not data wait is the Python around the ops: module calls, hooks, DeepSpeed's glue.
+                 | (_OP if cat == "cpu_op" else 0))
+    elif cat in _KERNEL_CATS:
+        kind |= _KERNEL
+        if COMM_KERNEL.search(name):
+            kind |= _COMM_K | _NAME
+        elif cat == "kernel":  # Compute = SM kernels. Copies run on copy engines (the prefetch's H2D
+            kind |= _COMPUTE   # overlaps by design), so a copy alone does not make the step busy.
+    return kind
+
+
+def _parse(path: str) -> dict:
+    """A trace's steps and, per step, its kernel / collective / data-wait intervals (microseconds).
+    One pass over the events (a GPU trace holds millions), each distinct (cat, name) classified once."""
+    events = load_trace(path)
+    classes: dict[tuple, int] = {}
+    lists = {bit: [] for bit in (_COMM_C, _OP, _DATA, _COMM_K, _COMPUTE)}
+    marks, kernels = [], 0
+    for e in events:
+        key = (e.get("cat", ""), e["name"])
+        kind = classes.get(key)
+        if kind is None:
+            kind = classes[key] = _classify(*key)
+        if kind <= _NAME:
+            continue
+        iv = (e["ts"], e["ts"] + e["dur"])
+        if kind & _KERNEL:
+            kernels += 1
+        if kind & _MARK:
+            marks.append(e)
+        for bit, out in lists.items():
+            if kind & bit:
+                out.append(iv)
+    steps = [(int(e["name"].split("#", 1)[1]), *_iv(e)) for e in sorted(marks, key=lambda e: e["ts"])]
     if not steps and events:
         steps = [(-1, min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events))]
+    comm_k, comm_c = sorted(lists[_COMM_K]), lists[_COMM_C]
     return {"path": path, "kind": "gpu" if kernels else "cpu", "steps": steps, "comm_k": comm_k,
-            "compute_k": compute_k, "comm_c": comm_c, "names": names, "ops": ops,
-            "data": [_iv(e) for e in host if e["name"] == f"{MARK_PREFIX}data_wait"],
+            "compute_k": lists[_COMPUTE], "comm_c": comm_c, "ops": lists[_OP], "data": lists[_DATA],
+            "names": sorted({name for (_, name), kind in classes.items() if kind & _NAME}),
             "count": len(comm_k) + len(comm_c)}
 
 

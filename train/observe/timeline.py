@@ -19,17 +19,26 @@ Interval = tuple[float, float]
 
 def merge(intervals) -> list[Interval]:
     """Sorted, disjoint union of the intervals (empty ones dropped)."""
-    out: list[list[float]] = []
-    for a, b in sorted((a, b) for a, b in intervals if b > a):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
+    out: list[tuple[float, float]] = []
+    end = None
+    for a, b in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if end is not None and a <= end:
+            if b > end:
+                end = b
+                out[-1] = (out[-1][0], b)
         else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+            out.append((a, b))
+            end = b
+    return out
 
 
 def length(intervals) -> float:
-    return sum(b - a for a, b in merge(intervals))
+    return _total(merge(intervals))
+
+
+def _total(merged: list[Interval]) -> float:
+    """Length of a sorted, disjoint union (merge's output; intersect's and subtract's too)."""
+    return sum(b - a for a, b in merged)
 
 
 def clip(intervals, lo: float, hi: float) -> list[Interval]:
@@ -51,18 +60,18 @@ def intersect(x, y) -> list[Interval]:
 
 
 def subtract(x, y) -> list[Interval]:
-    """x minus y."""
-    out = []
-    y = merge(y)
+    """x minus y, in one sweep over both sorted unions (a step holds ~10^5 kernels)."""
+    out, y, j = [], merge(y), 0
     for a, b in merge(x):
-        for c, d in y:
-            if d <= a or c >= b:
-                continue
+        while j < len(y) and y[j][1] <= a:  # ends before this x: before every later x too
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b and a < b:
+            c, d = y[k]
             if c > a:
                 out.append((a, c))
             a = max(a, d)
-            if a >= b:
-                break
+            k += 1
         if b > a:
             out.append((a, b))
     return out
@@ -76,10 +85,10 @@ def partition_step(lo: float, hi: float, *, compute, comm, data_wait=(), peer_wa
     waiting = intersect(exposed, clip(peer_wait, lo, hi)) if peer_wait is not None else []
     idle = subtract([(lo, hi)], k + c_all)
     data = intersect(idle, clip(data_wait, lo, hi))
-    return {"step": hi - lo, "compute": length(k), "comm_exposed": length(exposed) - length(waiting),
-            "peer_wait": length(waiting) if peer_wait is not None else None,
-            "comm_overlapped": length(c_all) - length(exposed), "data_wait": length(data),
-            "launch_overhead": length(idle) - length(data)}
+    return {"step": hi - lo, "compute": _total(k), "comm_exposed": _total(exposed) - _total(waiting),
+            "peer_wait": _total(waiting) if peer_wait is not None else None,
+            "comm_overlapped": _total(c_all) - _total(exposed), "data_wait": _total(data),
+            "launch_overhead": _total(idle) - _total(data)}
 
 
 def peer_wait_intervals(ranks: list[list[Interval]]) -> list[list[Interval]] | None:

@@ -22,11 +22,42 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(requested: str) -> torch.device:
+    """The run's device, the one choice DeepSpeed then follows (align_ds_accelerator). `auto` is
+    CUDA when torch sees a GPU; each rank takes the GPU of its LOCAL_RANK, and a rank without one
+    is refused: two ranks sharing one GPU would each hold a full replica and NCCL rejects it."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("run.device: cuda requested but torch.cuda.is_available() is False; use --device cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            raise ConfigError(f"run.device: local rank {local} needs cuda:{local} but this machine has {count} "
+                              f"CUDA device(s); launch at most {count} rank(s) per node (--nproc_per_node "
+                              f"{count}) or train on CPU with --device cpu")
+        return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def align_ds_accelerator(device: torch.device) -> str:
+    """Make DeepSpeed's accelerator the trainer's device; returns its name.
+
+    DeepSpeed picks its accelerator on import (DS_ACCELERATOR, else CUDA when visible, else CPU)
+    and places the engine on that accelerator's device: a DS_ACCELERATOR=cpu inherited on a GPU
+    machine would put the model on CPU while batches go to CUDA. The trainer's device wins; the
+    variable is set for the processes this one starts (checkpoint writers, ...)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator  # heavy, as in init_distributed
+
+    inherited = os.environ.get("DS_ACCELERATOR")
+    if inherited and inherited != device.type:
+        log.warning("DS_ACCELERATOR=%s overridden: this run trains on %s (run.device); pass --device %s to "
+                    "train there", inherited, device, inherited)
+    os.environ["DS_ACCELERATOR"] = device.type
+    if get_accelerator().device_name() != device.type:
+        if device.type == "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accel  # heavy, as above
+        else:
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accel  # heavy, as above
+        set_accelerator(Accel())
+    return get_accelerator().device_name()
 
 
 LEAF_BLOCKS = ("loongforge.train.model.layers.TrunkBlock", "loongforge.train.model.layers.HeadBlock")
@@ -118,6 +149,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    align_ds_accelerator(device)
     skip_cpu_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
                                timeout=timedelta(seconds=timeout_s))

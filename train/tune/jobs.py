@@ -2,7 +2,7 @@
 
 `loongforge tune buckets` (train/tune/buckets.py) and `loongforge bench scale`
 (benchmarks/scale/run.py) both run the trainer itself, under torchrun, on gloo
-(DS_ACCELERATOR=cpu) or NCCL, and read its metrics.jsonl: per step the wall time,
+(--device cpu) or NCCL, and read its metrics.jsonl: per step the wall time,
 DeepSpeed's own collective time, and the per-group counter (`comm_groups`: calls,
 payload and wire bytes this rank sent, host seconds inside collectives; rank 0's).
 
@@ -59,11 +59,9 @@ def synthetic_data(workdir: str, samples: int = 64) -> str:
     return root
 
 
-def _env(device: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
+def _env() -> dict:
+    # The device is the trainer's --device; DeepSpeed follows it (engine.align_ds_accelerator).
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
 
 
 def run_job(world: int, args: list[str], *, data: str, run_dir: str, device: str = "cpu",
@@ -77,7 +75,7 @@ def run_job(world: int, args: list[str], *, data: str, run_dir: str, device: str
     log_path = os.path.join(run_dir, "launch.log")
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(device),
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
                                 timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"

@@ -15,7 +15,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.train_launch import VENV_BIN, _port, launch, torchrun  # noqa: E402
+from tests.train.train_launch import VENV_BIN, _port, launch, launch_env, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
@@ -36,8 +36,7 @@ def _latest(run_dir):
 
 
 def _popen_torchrun(nproc, args, cwd):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env = launch_env()
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
            "-m", "loongforge.train", *args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -289,10 +288,10 @@ def test_gpu_async_snapshot_resume_is_exact(train_root, tmp_path):
     run_dir = str(tmp_path / "gpu")
     args = ["--data", root, "--device", "cuda", "--precision", "fp32", "--zero", "2", *COMMON]
     _ok(launch([sys.executable, "-m", "loongforge.train", *args, "--run-dir", run_dir, "--steps", "6",
-                "--save-every", "2", "--full-every", "2", "--delta-max-ratio", "1.0"], cwd=str(tmp_path)))
+                "--save-every", "2", "--full-every", "2", "--delta-max-ratio", "1.0"], cwd=str(tmp_path), cuda=True))
     resumed = _resume_copy(run_dir, str(tmp_path / "resumed"), "step00000004")
     _ok(launch([sys.executable, "-m", "loongforge.train", *args, "--run-dir", resumed, "--steps", "6", "--resume"],
-               cwd=str(tmp_path)))
+               cwd=str(tmp_path), cuda=True))
     for a, b in zip(_metrics(run_dir)[4:], _metrics(resumed)[4:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 

@@ -393,8 +393,11 @@ def test_missing_cache_module_falls_back_with_warning(train_root, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_prefetch_matches_cpu(train_root):
-    """Pinned buffers + side-stream copy + device NV12->RGB give the CPU path's tensors."""
+    """Pinned buffers + side-stream copy + device NV12->RGB give the CPU path's tensors: exactly, but
+    for frames, where the two conversions are documented to differ by up to 1 LSB on ~1e-6 of the
+    pixels (train/data/colorspace.py: CPU's numba pass vs CUDA's fused torch ops)."""
     root, _ = train_root
+    lsb = 1 / 255 / 0.25  # BlockLoader's default image_std
     spec = DeltaSpec(video=(-1, 0), action_horizon=4)
     with BlockLoader(root, batch_size=4, max_steps=6, device="cuda", num_workers=1, deltas=spec) as gpu:
         got = [{k: (v["front"] if k == "frames" else v).cpu() for k, v in b.items() if k != "meta"} for b in gpu]
@@ -402,7 +405,12 @@ def test_cuda_prefetch_matches_cpu(train_root):
         want = [{k: (v["front"] if k == "frames" else v) for k, v in b.items() if k != "meta"} for b in cpu]
     for a, b in zip(got, want):
         for key in b:
-            assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+            if key != "frames":
+                assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+                continue
+            diff = (a[key].float() - b[key].float()).abs()
+            assert float(diff.max()) <= lsb + 1e-5, "frames: more than 1 LSB apart"
+            assert float((diff > 1e-5).float().mean()) <= 1e-3, "frames: more than 0.1% of values differ"
 
 
 @pytest.mark.slow

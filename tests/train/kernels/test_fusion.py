@@ -92,3 +92,68 @@ def test_gpu_inductor_equivalence_and_kernel_time():
     print(f"fusion: kernels {n_eager} -> {n_fused}, kernel time {t_eager:.0f} -> {t_fused:.0f} us "
           f"(ratio {t_fused / t_eager:.2f})")
     assert n_fused < n_eager
+
+
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batches(monkeypatch):
+    """20 batches whose valid text and frame counts vary (so flash-attn's packed token total and
+    max_seqlen change every batch), blocks fused with aot_eager, flash-attn replaced by the CPU
+    stand-in of test_attention: every block variant compiles in the first batch and nothing after
+    (bound: 16 graphs in all, none new after batch 1). Traced, the varlen bookkeeping recompiled
+    the blocks each batch until dynamo's recompile limit (8) sent them back to eager."""
+    from torch._dynamo.utils import counters
+
+    from loongforge.train.model import attention as attn
+    from tests.train.model.test_attention import FakeFlash
+
+    monkeypatch.setattr(attn, "flash_unusable", lambda *a, **k: (FakeFlash, None))
+    monkeypatch.setattr(attn, "_gpu", lambda device: "CPU stand-in")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = VLAModel(ModelConfig(dim=32, depth=2, heads=2, attention="flash"))
+    _, (batch, noise, t) = _model_and_inputs(b=2)
+    fusion.apply_fusion(m, backend="aot_eager")
+    g, graphs = torch.Generator().manual_seed(1), []
+    text, frames = batch["task_mask"].shape[1], batch["frame_mask"].shape[1]
+    for _ in range(20):
+        b = dict(batch, task_mask=torch.arange(text)[None] < torch.randint(1, text + 1, (2, 1), generator=g),
+                 frame_mask=torch.rand(2, frames, generator=g) < 0.7)
+        b["frame_mask"][:, -1] = True
+        m(b, noise, t)["loss"].backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[-1] == graphs[0] <= 16, graphs
+
+
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def test_frame_buckets_under_fusion_stop_recompiling():
+    """Batches cycling through 4 frame counts (the loader's buckets: another token count each).
+    With dynamic=False each bucket was a graph per block variant, shared by all blocks of a class
+    against one recompile limit (8): it was hit and blocks ran eager. Automatic dynamic shapes:
+    no new graph once each bucket was seen (a size-1 dimension stays specialized), fewer than 24 in
+    all, and the limit is never hit (made an error here: past it dynamo silently runs eager)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, depth=2, heads=2, max_frames=4)
+    m = VLAModel(cfg)
+    fusion.apply_fusion(m, backend="aot_eager")
+    g, graphs, (h, w), b = torch.Generator().manual_seed(1), [], cfg.image_size, 2
+    for i in range(20):
+        n = 1 + i % 4
+        batch = {"frames": {s: torch.rand(b, n, 3, h, w, generator=g) for s in ("a", "b")},
+                 "state": torch.randn(b, n, cfg.state_dim, generator=g),
+                 "action": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),
+                 "task_tokens": torch.randint(0, 256, (b, cfg.max_text_tokens), generator=g),
+                 "frame_mask": torch.ones(b, n, dtype=torch.bool),
+                 "task_mask": torch.ones(b, cfg.max_text_tokens, dtype=torch.bool),
+                 "action_valid": torch.ones(b, cfg.action_horizon, dtype=torch.bool),
+                 "sample_valid": torch.ones(b, dtype=torch.bool)}
+        noise = torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g)
+        m(batch, noise, torch.rand(b, generator=g))["loss"].backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[-1] == graphs[7] < 24, graphs  # settled: nothing new in the last 12 batches

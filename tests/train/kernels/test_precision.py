@@ -200,3 +200,51 @@ def test_gpu_fp8_training_tracks_bf16_after_warmup():
     assert all(map(lambda v: v == v, losses["fp8"]))
     assert abs(losses["fp8"][0] - losses["bf16"][0]) < 1e-2  # step 0 of the warm-up: the BF16 path
     assert losses["fp8"][-1] < losses["fp8"][0] and abs(losses["fp8"][-1] - losses["bf16"][-1]) < 0.15 * losses["bf16"][0]
+
+
+def test_fp8_gemms_get_inner_dims_padded_to_16_for_any_token_count(monkeypatch):
+    """The small recipe's N=161 tokens x micro-batch 8 = 1,288 tokens: the weight-gradient GEMM
+    has them as its inner dimension, which cuBLAS needs to be a multiple of 16 (CPU's reference
+    _scaled_mm has no such limit, so the shapes handed to it are what is checked)."""
+    from torchao.float8 import Float8LinearConfig
+
+    assert precision.fp8_config(Float8LinearConfig, "tensorwise").pad_inner_dim
+    assert precision.fp8_config(Float8LinearConfig, "rowwise").pad_inner_dim
+    m = _model(depth=3, dim=256)
+    names = precision.convert_fp8(m, min_features=256)
+    assert names and all(isinstance(m.get_submodule(n), Float8Linear) for n in names)
+    assert all(m.get_submodule(n).config.pad_inner_dim for n in names)
+    shapes, scaled_mm = [], torch._scaled_mm
+
+    def spy(a, b, *args, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    lin = m.get_submodule(names[0])
+    x = torch.randn(8, 161, lin.in_features, requires_grad=True)
+    lin(x).sum().backward()
+    assert len(shapes) == 3  # output, grad input, grad weight
+    assert all(a[1] % 16 == 0 and b[0] % 16 == 0 for a, b in shapes), shapes
+    assert (lin.out_features, 1296) in [a for a, _ in shapes]  # 1,288 tokens padded with 8 zero rows
+    assert lin.weight.grad.shape == lin.weight.shape and x.grad.shape == x.shape
+
+
+def test_warmup_blend_adds_no_graph_per_step_under_fusion():
+    """The blend share changes every warm-up step; fused blocks compile with dynamic=False, where a
+    Python float read in the graph is a constant (a recompile per step, until dynamo's limit sent
+    the blocks to eager). The share is a tensor: 2 graphs in all (high precision only, blended)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    lin = nn.Linear(16, 16)
+    fp8_like = lin.forward  # any forward stands for Float8Linear's: the blend is what is compiled
+    precision._blend_forward(lin)
+    f = torch.compile(lambda x: lin(x), backend="aot_eager", dynamic=False)
+    x = torch.randn(4, 16)
+    for step in range(10):
+        precision.set_mix(lin, step / 10)
+        torch.testing.assert_close(f(x), fp8_like(x))
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()

@@ -295,3 +295,49 @@ def test_cli_flag_reaches_the_model_config():
     cfg = config_from_args(p.parse_args(["--data", "d", "--run-dir", "r", "--attention", "flex"]))
     assert model_overrides(cfg) == {"attention": "flex"}
     assert model_overrides(config_from_args(p.parse_args(["--data", "d", "--run-dir", "r"]))) == {}
+
+
+def test_flex_pads_heads_below_16_and_keeps_their_scale(monkeypatch):
+    """Compiled FlexAttention on CUDA raises NotImplementedError for head_dim < 16 (tiny: 12): the
+    kernel gets 16 columns, zero-padded, with the scale of 12, and the result equals SDPA's."""
+    from torch.nn.attention import flex_attention as fa_mod
+
+    seen, real = [], fa_mod.flex_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], kw.get("scale")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fa_mod, "flex_attention", spy)
+    layout = random_layout(3)
+    for mask, nq, nk in cases(layout)[:2]:  # the two kinds flex runs (vl self, vl cross)
+        q, k, v = qkv(3, 4, 2, nq, nk, 12)
+        got = attn.flex(q, k, v, mask, compiled=False)
+        assert got.shape == q.shape[:-1] + (12,)
+        torch.testing.assert_close(got, attn.sdpa_dense(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert seen == [(16, 16, 16, pytest.approx(12 ** -0.5))] * 2
+
+
+def test_flex_block_mask_is_built_once_outside_compiled_blocks(monkeypatch):
+    """Under fusion the BlockMask is built eagerly (never inside a compiled graph, whose CUDA-graph
+    pool would be overwritten by the next replay) and once per layout for all calls. The pool
+    itself exists only under CUDA graphs; on CPU this checks the build count, the cache and the
+    result through a graph break (aot_eager, forward only: CPU flex has no backward)."""
+    from torch._dynamo.utils import counters
+
+    built, table = [], attn._kv_table
+    monkeypatch.setattr(attn, "_kv_table", lambda blocks: built.append(1) or table(blocks))
+    torch._dynamo.reset()
+    counters.clear()
+    layout = random_layout(4)
+    mask = VLSelf(layout)
+    q, k, v = qkv(4, 4, 2, layout.n, layout.n, 16)
+    f = torch.compile(lambda q, k, v: attn.flex(q, k, v, mask, compiled=False) * 2, backend="aot_eager")
+    with torch.no_grad():
+        outs = [f(q, k, v) for _ in range(3)]
+    want = attn.sdpa_dense(q, k, v, mask) * 2
+    for out in outs:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert len(built) == 2  # partial and full block tables, once
+    assert any("disable" in reason.lower() for reason in counters["graph_break"]), dict(counters["graph_break"])
+    torch._dynamo.reset()

@@ -113,3 +113,46 @@ def test_cpu_trace_separates_python_overhead_from_ops_and_data_wait(tmp_path):
     b = report.breakdown(str(tmp_path))
     assert b["python_overhead_share"] == pytest.approx(0.43)
     assert "Python overhead (host between ATen ops, not blocked on data) 43.0%" in report.format_table(b)
+
+
+class _Event(dict):
+    """A trace event that counts comparisons with other events: a parser that looks events up in
+    a list (`e in kernels`) compares each against the whole list, quadratic in the trace size."""
+
+    compared = 0
+    budget = 0
+
+    def __eq__(self, other):
+        _Event.compared += 1
+        if _Event.compared > _Event.budget:
+            raise AssertionError(f"more than {_Event.budget} event comparisons: the parse is not linear")
+        return dict.__eq__(self, other)
+
+    __hash__ = None
+
+
+def test_million_event_trace_parses_in_linear_time(tmp_path, monkeypatch):
+    """A GPU trace of 1 M events (5 profiled steps; kernels, NCCL, copies, host ops, gloo-like
+    names), held in memory so JSON decoding is not what is measured. Linear: no event is compared
+    with another; the wall time is an upper bound with a wide margin (~1 s here)."""
+    import time
+
+    from loongforge.train.observe import profiler
+
+    n, steps = 1_000_000, 5
+    per = n // steps
+    kinds = [("aten::mm", "cpu_op"), ("ampere_sgemm_128x64", "kernel"), ("Memcpy HtoD", "gpu_memcpy"),
+             ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "kernel"), ("c10d::allreduce_", "cpu_op")]
+    events = [_Event(ph="X", name=f"ProfilerStep#{s}", ts=s * per, dur=per, cat="user_annotation")
+              for s in range(steps)]
+    events += [_Event(ph="X", name=kinds[i % 5][0], ts=i, dur=2, cat=kinds[i % 5][1]) for i in range(n - steps)]
+    monkeypatch.setattr(profiler, "load_trace", lambda path: events)
+    _Event.compared, _Event.budget = 0, n
+    t0 = time.perf_counter()
+    t = profiler.analyze_traces(["rank0.json"])[0]
+    elapsed = time.perf_counter() - t0
+    assert _Event.compared == 0
+    assert t["kind"] == "gpu" and [r["step"] for r in t["steps"]] == list(range(steps))
+    assert t["comm_event_count"] == 2 * ((n - steps) // 5)
+    assert t["comm_events"] == ["c10d::allreduce_", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]
+    assert elapsed < 5.0, f"{elapsed:.1f} s for {n} events"

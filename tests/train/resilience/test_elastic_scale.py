@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.ckpt.test_ckpt_resilience import COMMON, _kill_tree, _metrics, _ok  # noqa: E402
 from tests.train.test_deepspeed import _rank_pid  # noqa: E402
 from tests.train.resilience.test_faults import _global_order, _wait_steps  # noqa: E402
-from tests.train.train_launch import VENV_BIN, torchrun  # noqa: E402
+from tests.train.train_launch import VENV_BIN, launch_env, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -46,9 +46,8 @@ def test_elastic_down_and_back_up_matches_the_uninterrupted_run(train_root, tmp_
     ref = str(tmp_path / "ref")
     _ok(torchrun(2, ["--run-dir", ref, *args], cwd=str(tmp_path), timeout=600))
     run_dir, cap = str(tmp_path / "run"), tmp_path / "capacity"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               LOONGFORGE_INJECT_HANG="7@1")  # later launches resume past step 7 or have no rank 1
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    # later launches resume past step 7 or have no rank 1
+    env = launch_env(dict(os.environ, LOONGFORGE_INJECT_HANG="7@1"))
     proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks",
                              "2", "--capacity-file", str(cap), "--run-dir", run_dir, *args], cwd=str(tmp_path),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

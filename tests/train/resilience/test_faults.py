@@ -114,12 +114,11 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
 
     from tests.train.ckpt.test_ckpt_resilience import _kill_tree
     from tests.train.test_deepspeed import _rank_pid
-    from tests.train.train_launch import VENV_BIN, _port
+    from tests.train.train_launch import VENV_BIN, _port, launch_env
 
     root, _ = train_root
     run_dir = str(tmp_path / "run")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env = launch_env()
     proc = subprocess.Popen([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()),
                              "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "100000",
                              "--heartbeat-s", "0.5", "--hang-timeout-s", "60", *COMMON], cwd=str(tmp_path),
@@ -179,13 +178,12 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
 
     from tests.train.ckpt.test_ckpt_resilience import _kill_tree
     from tests.train.test_deepspeed import _rank_pid
-    from tests.train.train_launch import VENV_BIN
+    from tests.train.train_launch import VENV_BIN, launch_env
 
     root, index = train_root
     run_dir = str(tmp_path / "run")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               LOONGFORGE_INJECT_HANG="7@1")  # a 1-rank relaunch has no rank 1: it runs through
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    # a 1-rank relaunch has no rank 1: it runs through
+    env = launch_env(dict(os.environ, LOONGFORGE_INJECT_HANG="7@1"))
     steps = 12
     proc = subprocess.Popen([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1",
                              "--max-ranks", "2", "--capacity-file", str(tmp_path / "capacity"), "--data", root,

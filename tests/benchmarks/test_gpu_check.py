@@ -1,0 +1,94 @@
+"""`loongforge bench gpu-check`'s verdicts and bookkeeping, on CPU: each GPU test in its own
+pytest process with its own budget, "all skipped" is a failure, the JSON is written after each
+part even when a later part dies. (The GPU parts themselves run on a GPU: `make gpu-check`.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loongforge.benchmarks.micro import gpu_check
+
+
+def _case(name, result, message=""):
+    return {"name": name, "result": result, "message": message}
+
+
+def test_all_skipped_or_nothing_collected_fails():
+    skipped = [_case("t.py::a", "skipped", "needs CUDA"), _case("t.py::b", "skipped", "needs CUDA")]
+    assert not gpu_check.judge_tests(skipped, "", flash=False)["ok"]
+    assert not gpu_check.judge_tests([], "", flash=False)["ok"]
+    assert not gpu_check.judge_tests([_case("t.py::a", "passed")], "ImportError ...", flash=False)["ok"]
+
+
+def test_only_flash_attn_may_skip_and_only_when_not_installed():
+    cases = [_case("t.py::a", "passed"), _case("t.py::test_flash", "skipped", "needs CUDA sm >= 8.0 and flash-attn")]
+    res = gpu_check.judge_tests(cases, "", flash=False)
+    assert res["ok"] and res["skipped_parts"] == ["t.py::test_flash: flash-attn is not installed (no wheel for "
+                                                  "this torch)"]
+    assert not gpu_check.judge_tests(cases, "", flash=True)["ok"]  # installed but skipped: a real failure
+    for bad in ("killed", "failure", "error", "not run"):
+        res = gpu_check.judge_tests([cases[0], _case("t.py::c", bad)], "", flash=False)
+        assert not res["ok"] and res["not_ok"] == ["t.py::c"]
+
+
+def test_each_test_gets_its_own_budget_and_junit(tmp_path):
+    tests = tmp_path / "test_budget.py"
+    tests.write_text("import time\n\ndef test_slow():\n    time.sleep(60)\n\n\ndef test_quick():\n    pass\n")
+    slow = gpu_check.run_test(f"{tests}::test_slow", str(tmp_path), timeout=3)
+    assert slow["result"] == "failure" and "Timeout" in slow["message"] and slow["seconds"] < 40
+    quick = gpu_check.run_test(f"{tests}::test_quick", str(tmp_path), timeout=60)
+    assert quick["result"] == "passed"
+    assert not list(tmp_path.glob("junit-*.xml"))
+
+
+def _args(tmp_path, **kw):
+    ns = argparse.Namespace(out=str(tmp_path), steps=2, skip_tests=False, test_timeout=60, run_timeout=60, jobs=2,
+                            deadline=600)
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"torch": "2.13.0", "cuda": "13.0", "cuda_available": True})
+    monkeypatch.setattr(gpu_check, "collect_gpu_tests", lambda: (["t.py::a", "t.py::b"], ""))
+
+
+def test_report_is_written_when_a_later_part_dies(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "passed"))
+
+    def die(*a, **kw):
+        raise RuntimeError("the training runs died")
+
+    monkeypatch.setattr(gpu_check, "_runs", die)
+    with pytest.raises(RuntimeError):
+        gpu_check.handle(_args(tmp_path))
+    (report,) = tmp_path.glob("gpu-check-*.json")
+    data = json.loads(report.read_text())
+    assert data["tests"]["ok"] and data["tests"]["passed"] == 2 and not data["finished"] and not data["ok"]
+
+
+def test_all_skipped_exits_non_zero(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "skipped", "needs CUDA"))
+
+    def runs(report, a, deadline):
+        report.data["runs"] = [{"recipe": "tiny", "ok": True, "seconds": 1}]
+        report.data["launch_overhead"] = {"ok": True, "eager": {"launch_overhead_s": 0, "step_s": 1},
+                                          "cuda_graphs": {"launch_overhead_s": 0, "step_s": 1}}
+
+    monkeypatch.setattr(gpu_check, "_runs", runs)
+    assert gpu_check.handle(_args(tmp_path)) == 1
+    assert gpu_check.handle(_args(tmp_path, skip_tests=True)) == 1  # the tests are a part that must run
+    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "passed"))
+    assert gpu_check.handle(_args(tmp_path)) == 0
+
+
+def test_tests_past_the_deadline_are_not_run_and_fail(fake_gpu, monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: ran.append(node) or _case(node, "passed"))
+    res = gpu_check.gpu_tests(str(tmp_path), 60, deadline=0.0, save=lambda part: None)
+    assert not ran and not res["ok"] and {c["result"] for c in res["cases"]} == {"not run"}
