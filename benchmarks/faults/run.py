@@ -190,6 +190,7 @@ FAULTS.update({  # faults_env.py: staged around the run (prepare before it start
     "redis_sigkill": (fe.f_redis_sigkill, (), {}, True),
     "corrupt_shard_at_origin": (fd.f_corrupt_shard, (), {}, True),
     "checkpoint_disk_full": (fe.f_disk_full, (), {}, False),
+    "cache_ssd_full": (fe.f_ssd_full, (), {}, True),
 })
 FAULTS.update({  # faults/owner.py: around the run (a second launch, the supervisor killed, preemption, start-up)
     # slow saves keep the first run alive for the seconds the second one takes to start and be refused
@@ -202,6 +203,7 @@ STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
           "redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
           "corrupt_shard_at_origin": (fd.prepare_corrupt_shard, fd.annotate_corrupt_shard),
           "checkpoint_disk_full": (fe.prepare_disk_full, fe.annotate_disk_full),
+          "cache_ssd_full": (fe.prepare_ssd_full, fe.annotate_ssd_full),
           "second_launch_live_run_dir": (None, fo.annotate_second_launch),
           "supervisor_sigkill": (None, fo.annotate_supervisor_sigkill),
           "sigterm_preemption": (None, fo.annotate_sigterm_preemption),
