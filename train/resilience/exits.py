@@ -56,7 +56,15 @@ def resume_command(argv: list[str] | None = None, env=None) -> str:
     """The command that resumes this rank's launch: the same arguments with --resume, behind the
     launcher that started it (torchrun, deepspeed, or none)."""
     env = os.environ if env is None else env
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
+    args, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:  # the launcher's own per-rank flag is not the user's
+        if skip or a == "--resume" or a.startswith(("--local_rank=", "--local-rank=")):
+            skip = False
+            continue
+        if a in ("--local_rank", "--local-rank"):
+            skip = True
+            continue
+        args.append(a)
     if args and args[0] == "train" and argv is None and os.path.basename(sys.argv[0]) == "loongforge":
         args = args[1:]  # `loongforge train ARGS`
     if "TORCHELASTIC_RUN_ID" in env:

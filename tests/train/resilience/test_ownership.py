@@ -218,3 +218,15 @@ def test_bad_samples_log_once_per_shard_then_one_summary_with_the_count(caplog):
     assert len(lines) == 4, lines  # first of each shard, then one summary per shard
     assert "skipped 300 bad samples from /d/shard-00002.tar" in lines[3]
     assert "skipped 1 bad sample from /d/shard-00000.tar" in lines[2]
+
+
+def test_the_resume_command_names_the_launcher_and_drops_its_per_rank_flags():
+    from loongforge.train.resilience.exits import resume_command
+
+    argv = ["--local_rank=1", "--data", "D", "--run-dir", "R", "--resume"]
+    ds = {"LOCAL_SIZE": "2", "CROSS_RANK": "0"}
+    assert resume_command(argv, ds) == "deepspeed --num_gpus 2 --module loongforge.train --data D --run-dir R --resume"
+    tr = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}
+    assert resume_command(["--local-rank", "0", "--data", "D"], tr) == \
+        "torchrun --nproc_per_node 2 -m loongforge.train --data D --resume"
+    assert resume_command(["--data", "a b"], {}) == "loongforge train --data 'a b' --resume"
