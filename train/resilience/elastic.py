@@ -225,7 +225,11 @@ class Supervisor:
             raise UsageError(config[-1]["why"])
         if scaling:
             return rc, "scale_up", set()
-        if self._signal is not None or any(e.get("event") == "stop" for e in events):
+        # Stopped on purpose: this supervisor's signal, or the ranks' own preemption (a checkpoint written) or
+        # Ctrl-C. A bare SIGTERM record without either is torchrun stopping the survivors of a fault: relaunch.
+        if self._signal is not None or any(e.get("event") == "stop" and e.get("code") in (EXIT_PREEMPTED,
+                                                                                            EXIT_INTERRUPTED)
+                                           for e in events):
             return rc, "stopped", set()
         if rc == 0:
             return rc, "done", set()

@@ -230,3 +230,20 @@ def test_the_resume_command_names_the_launcher_and_drops_its_per_rank_flags():
     assert resume_command(["--local-rank", "0", "--data", "D"], tr) == \
         "torchrun --nproc_per_node 2 -m loongforge.train --data D --resume"
     assert resume_command(["--data", "a b"], {}) == "loongforge train --data 'a b' --resume"
+
+
+@pytest.mark.slow
+def test_a_config_error_in_a_supervised_launch_ends_the_supervisor_with_2_and_no_retry(train_root, tmp_path):
+    """A config error only a rank finds (here: a batch its data cannot fill) is not a fault: one launch, exit 2."""
+    from tests.train.train_launch import VENV_BIN, launch_env
+
+    root, _ = train_root
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "1",
+                           "--data", root, "--run-dir", str(run_dir), "--steps", "2", "--recipe", "no-such-recipe",
+                           "--batch-size", "8", "--no-ds-breakdown", "--max-restarts", "3"], cwd=str(tmp_path),
+                          env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    events = [json.loads(ln) for ln in open(run_dir / "metrics.jsonl")]
+    assert len([e for e in events if e.get("action") == "launch"]) == 1, events
+    assert "no-such-recipe" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]

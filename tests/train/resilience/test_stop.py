@@ -206,3 +206,35 @@ def test_a_failed_final_checkpoint_exits_1_naming_the_last_good_one(train_root, 
     (line,) = _lines(proc.stderr)
     assert "the final checkpoint, step00000003, was NOT saved" in line, line
     assert "the last good checkpoint is step00000002 (`latest`)" in line and "--resume" in line, line
+
+
+def test_sigterm_skips_a_checkpoint_that_would_not_fit_the_grace_period(train_root, tmp_path):
+    """Saves throttled to take seconds, a 1 s grace period: the SIGTERM checkpoint cannot fit, so the rank says
+    so in one WARNING, leaves `latest` on the last periodic save and exits 143 within the grace period. (The
+    SIGTERM comes between two periodic saves: with one in flight the step waits for it and the grace timer
+    ends the rank, also 143.)"""
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    proc = _popen([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir, "--steps", "100000",
+                   "--save-every", "100", "--save-mbps", "2", "--term-grace-s", "1", *COMMON], str(tmp_path))
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    try:
+        deadline = time.monotonic() + 200
+        while not os.path.exists(latest) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        saved = open(latest).read()
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    warn = [ln for ln in err.splitlines() if "WARNING" in ln and "SIGTERM: no checkpoint at step" in ln]
+    assert len(warn) == 1 and "of the grace period are left" in warn[0], err[-3000:]
+    assert open(latest).read() == saved  # no SIGTERM save
+    assert time.monotonic() - t0 < 30
+    (line,) = _lines(err)
+    assert "terminated (SIGTERM: no checkpoint" in line and line.endswith("--resume"), line
