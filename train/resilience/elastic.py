@@ -226,10 +226,10 @@ class Supervisor:
         if scaling:
             return rc, "scale_up", set()
         # Stopped on purpose: this supervisor's signal, or the ranks' own preemption (a checkpoint written) or
-        # Ctrl-C. A bare SIGTERM record without either is torchrun stopping the survivors of a fault: relaunch.
-        if self._signal is not None or any(e.get("event") == "stop" and e.get("code") in (EXIT_PREEMPTED,
-                                                                                            EXIT_INTERRUPTED)
-                                           for e in events):
+        # Ctrl-C. A bare SIGTERM record is torchrun stopping the survivors of a fault, and a torchrun killed by a
+        # signal (rc < 0) took its ranks with it (they may have saved on the way out): both relaunch.
+        if self._signal is not None or rc >= 0 and any(
+                e.get("event") == "stop" and e.get("code") in (EXIT_PREEMPTED, EXIT_INTERRUPTED) for e in events):
             return rc, "stopped", set()
         if rc == 0:
             return rc, "done", set()

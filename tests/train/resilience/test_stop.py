@@ -238,3 +238,37 @@ def test_sigterm_skips_a_checkpoint_that_would_not_fit_the_grace_period(train_ro
     assert time.monotonic() - t0 < 30
     (line,) = _lines(err)
     assert "terminated (SIGTERM: no checkpoint" in line and line.endswith("--resume"), line
+
+
+@pytest.mark.full  # two supervised launches; the watchdog's attribution has a unit test in test_ownership.py
+def test_killing_only_torchrun_relaunches_on_both_ranks(train_root, tmp_path):
+    """torchrun's agent SIGKILLed under --elastic: its ranks stop with it (they may write a checkpoint on the
+    way out), the supervisor relaunches on the same 2 ranks (no rank is blamed) and the run finishes."""
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    cmd = _supervised(root, run_dir)
+    cmd[cmd.index("100000")] = "30"
+    proc = _popen(cmd, str(tmp_path))
+    try:
+        _wait_steps(proc, run_dir, 4)
+        (agent,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+        os.kill(agent, signal.SIGKILL)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    events = [r for r in _metrics(run_dir) if r.get("event") in ("elastic", "fault")]
+    launches = [e for e in events if e.get("action") == "launch"]
+    assert len(launches) == 2 and all(e["ranks"] == 2 for e in launches), events
+    assert not [e for e in events if e.get("event") == "fault" and e.get("rank") is not None], events
+    assert [r["step"] for r in _metrics(run_dir) if "event" not in r] == list(range(30))
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
