@@ -4,6 +4,10 @@ elastic supervisor, and a table of what happened.
     loongforge bench faults [--faults rank_sigkill,nan_loss] [--steps 12] [--out results]
     make faults
 
+The faults around a run (a second launch on its run dir, the supervisor SIGKILLed,
+SIGTERM preemption, a kill during start-up) are in faults/owner.py; a run they stop
+on purpose is resumed with --resume, and its row reports the resumed run.
+
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
 recipe, global batch 8, checkpoint every 2 steps) on a synthetic shard root (faults/data.py), read
 through a real cache daemon (`loongforge cache serve`) where the fault needs

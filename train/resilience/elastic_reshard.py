@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 
-
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.ckpt import fallback as ckpt_fallback, files as ckpt_files
