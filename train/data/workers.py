@@ -263,18 +263,22 @@ class DecodePool:
 
 class BadSamples:
     """Skipped samples grouped by their shard (or, without one in the reason, by the error): one WARNING at
-    a group's first sample, one summary line per group with its count at `summarize()`. A truncated shard
-    skips every sample it holds: hundreds of identical lines would bury everything else."""
+    a group's first sample, one summary line per group with its count and sample ids at `summarize()`. A
+    truncated shard skips every sample it holds: hundreds of identical lines would bury everything else."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.first: dict[str, str] = {}
+        self.ids: dict[str, set[int]] = {}
 
     def add(self, reasons: list[str]) -> None:
         for reason in reasons:
             key = _group(reason)
             n = self.counts.get(key, 0)
             self.counts[key] = n + 1
+            m = re.match(r"sample (\d+) ", reason)
+            if m:
+                self.ids.setdefault(key, set()).add(int(m.group(1)))
             if n == 0:
                 self.first[key] = reason
                 log.warning("skipped bad sample (data.bad_samples='skip'): %s; further bad samples from %s are "
@@ -282,9 +286,23 @@ class BadSamples:
 
     def summarize(self) -> None:
         for key, n in sorted(self.counts.items()):
-            log.warning("skipped %d bad sample%s from %s (data.bad_samples='skip'); the first: %s", n,
-                        "" if n == 1 else "s", key, self.first[key])
+            log.warning("skipped %d bad sample%s from %s (data.bad_samples='skip'; sample ids %s); the first: %s",
+                        n, "" if n == 1 else "s", key, id_ranges(sorted(self.ids.get(key, ()))) or "unknown",
+                        self.first[key])
         self.counts.clear()
+        self.ids.clear()
+
+
+def id_ranges(ids: list[int]) -> str:
+    """Sorted ids as "3-7, 9": the summary line names every skipped sample in little space."""
+    out, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
 
 
 def _group(reason: str) -> str:

@@ -216,8 +216,12 @@ def test_bad_samples_log_once_per_shard_then_one_summary_with_the_count(caplog):
         bad.summarize()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4, lines  # first of each shard, then one summary per shard
-    assert "skipped 300 bad samples from /d/shard-00002.tar" in lines[3]
-    assert "skipped 1 bad sample from /d/shard-00000.tar" in lines[2]
+    assert "skipped 300 bad samples from /d/shard-00002.tar (data.bad_samples='skip'; sample ids 0-299)" in lines[3]
+    assert "skipped 1 bad sample from /d/shard-00000.tar (data.bad_samples='skip'; sample ids 9)" in lines[2]
+    from loongforge.benchmarks.faults.data import _skipped
+
+    _, ids, events = _skipped([f"x {ln}" for ln in lines])  # what the fault suite reads back
+    assert ids == set(range(300)) and events == 301
 
 
 def test_the_resume_command_names_the_launcher_and_drops_its_per_rank_flags():
