@@ -88,6 +88,7 @@ def _supervised(root, run_dir, extra=()):
             root, "--run-dir", run_dir, "--steps", "100000", "--save-every", "50", *COMMON, *extra]
 
 
+@pytest.mark.full  # the ranks' side: the torchrun SIGTERM test; the supervisor's: bench faults sigterm_preemption
 def test_sigterm_to_the_supervisor_reaches_the_ranks_which_save_and_it_exits_85(train_root, tmp_path):
     """The supervisor forwards its SIGTERM to the ranks (not to torchrun, whose agent would print a traceback
     and SIGKILL them after 30 s): they finish the step, write a checkpoint, and the supervisor alone prints the
