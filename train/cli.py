@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from loongforge.shared.errors import CheckpointError, UsageError
 from loongforge.train.ckpt.cli import register as register_ckpt
 from loongforge.train.flags import add_train_args
 from loongforge.train.tune.cli import register as register_tune
@@ -62,11 +63,12 @@ def _train(args) -> int:
 
 def _profile(args) -> int:
     from loongforge.train.observe import breakdown as report
+    from loongforge.train.observe.chart import write_chart
 
     b = report.breakdown(args.run_dir)
     print(report.to_json(b) if args.json else report.format_table(b))
     if not args.no_chart:
-        png = report.write_chart(b, args.run_dir)
+        png = write_chart(b, args.run_dir)
         html = report.write_html(b, args.run_dir)
         if not args.json:
             print(f"chart: {png}\nhtml:  {html}")
@@ -75,12 +77,21 @@ def _profile(args) -> int:
 
 def _eval(args) -> int:
     import torch
-
-    from loongforge.train.eval.openloop import format_table, run_eval
+    from loongforge.shared.dataset import open_root
+    from loongforge.train.ckpt import files as ckpt_files
+    from loongforge.train.eval.openloop import check_request, format_table, run_eval
     from loongforge.train.eval.policy import Policy
 
+    # Everything asked is checked before the checkpoint loads (seconds, and DeepSpeed's output).
+    check_request(open_root(args.data), args.episodes, args.steps)
+    tag = args.tag or ckpt_files.latest_tag(args.run_dir)
+    if tag is None:
+        raise CheckpointError(f"no checkpoint under {ckpt_files.ckpt_root(args.run_dir)}; did training finish?")
+    if not os.path.isdir(os.path.join(ckpt_files.ckpt_root(args.run_dir), tag)):
+        raise UsageError(f"--tag {tag}: no such checkpoint under {ckpt_files.ckpt_root(args.run_dir)} "
+                         f"(latest: {ckpt_files.latest_tag(args.run_dir)})")
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    policy = Policy.load(args.run_dir, args.data, tag=args.tag, device=device)
+    policy = Policy.load(args.run_dir, args.data, tag=tag, device=device)
     out = args.out or os.path.join(args.run_dir, "eval")
     summary = run_eval(policy, args.data, out, episodes=args.episodes, steps=args.steps)
     if args.json:

@@ -133,7 +133,8 @@ class ParallelConfig:
     overlap_comm: bool = True
     zero3_leaf_blocks: bool = False  # ZeRO-3: trunk/head blocks are DeepSpeed leaf modules (one fetch per block)
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
-    wall_clock_breakdown: bool = True  # DeepSpeed's own fwd/bwd/allreduce timers (printed every micro step)
+    # DeepSpeed's own fwd/bwd/allreduce timers: three console lines per step, and metrics.jsonl has ours
+    wall_clock_breakdown: bool = False
     dist_timeout_s: float = 600.0  # a collective waiting on a dead peer fails after this, never hangs
     tp: int = 1  # tensor-parallel degree (train/parallel/): DP = world / (tp * sp)
     sp: int = 1  # sequence-parallel degree over the video tokens (train/parallel/video_sp.py)
@@ -141,6 +142,7 @@ class ParallelConfig:
     # (train/parallel/README.md); compress_ratio = dense all-reduce bytes / bytes sent (3 = the seed's 3:1).
     grad_compression: str = "none"
     compress_ratio: float = 3.0
+    compress_warmup_steps: int = 0  # topk: the first N optimizer steps sync dense (README: convergence)
 
     def __post_init__(self):
         _need(self.dist_timeout_s > 0, "parallel.dist_timeout_s", "must be > 0")
@@ -148,6 +150,9 @@ class ParallelConfig:
         _need(self.sp >= 1, "parallel.sp", "must be >= 1 (--sp)")
         _need(self.grad_compression in ("none", "topk"), "parallel.grad_compression", "use none or topk")
         _need(self.compress_ratio >= 1.0, "parallel.compress_ratio", "must be >= 1 (dense bytes / bytes sent)")
+        _need(self.compress_warmup_steps >= 0, "parallel.compress_warmup_steps", "must be >= 0")
+        _need(self.compress_warmup_steps == 0 or self.grad_compression == "topk", "parallel.compress_warmup_steps",
+              "dense warm-up steps of top-k compression: add --grad-compression topk")
         _need(self.grad_compression == "none" or self.zero_stage == 3, "parallel.grad_compression",
               "topk runs in hybrid sharding, which is ZeRO-3 inside the shard group: add --zero 3")
         _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "use 0, 1, 2 or 3 (--zero)")

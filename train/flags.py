@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 
+from loongforge.shared.errors import ConfigError
 from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, DataConfig, FaultConfig, MemoryConfig,
                                      ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig)
 from loongforge.train.tune.results import load_plan
@@ -95,8 +96,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero3-leaf-blocks", action="store_true", help="ZeRO-3: fetch each transformer block's "
                    "parameters as one unit (DeepSpeed leaf modules), not per sub-layer: fewer hooks and gathers; "
                    "for small models, whose per-layer hooks cost more than their math")
-    p.add_argument("--no-ds-breakdown", action="store_true", help="turn off DeepSpeed's wall_clock_breakdown (its "
-                   "per-step timer lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--ds-breakdown", action="store_true", help="turn on DeepSpeed's wall_clock_breakdown (its "
+                   "per-step `[Rank 0] time (ms)` lines); our breakdown in metrics.jsonl does not need it")
+    p.add_argument("--no-ds-breakdown", action="store_true", help=argparse.SUPPRESS)  # the default now; accepted
     p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the "
                    "trunk's attention and MLP split over TP ranks (train/parallel/); data-parallel size = ranks / "
                    "(tp * sp)")
@@ -106,9 +108,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-compression", default=_default(ParallelConfig, "grad_compression"),
                    choices=("none", "topk"), help="topk: ZeRO-3 shards inside each SP group, replicas sync "
                    "gradients by top-k + error feedback (needs --zero 3)")
-    p.add_argument("--compress-ratio", type=float, default=_default(ParallelConfig, "compress_ratio"),
-                   help="dense all-reduce bytes / bytes sent per bucket (a bucket where sparse would not win goes "
-                   "dense; 1 = dense everywhere)")
+    p.add_argument("--compress-ratio", type=float, default=None,
+                   help="with --grad-compression topk: dense all-reduce bytes / bytes sent per bucket (a bucket where "
+                   "sparse would not win goes dense; 1 = dense everywhere; default "
+                   f"{_default(ParallelConfig, 'compress_ratio'):g})")
+    p.add_argument("--compress-warmup-steps", type=int, default=_default(ParallelConfig, "compress_warmup_steps"),
+                   help="with --grad-compression topk: the first N optimizer steps sync gradients dense")
     p.add_argument("--dist-timeout", type=float, default=_default(ParallelConfig, "dist_timeout_s"),
                    help="seconds before a stuck collective fails")
     p.add_argument("--log-every", type=int, default=_default(RunConfig, "log_every"))
@@ -159,6 +164,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def _compress_ratio(a: argparse.Namespace) -> float:
+    """--compress-ratio means something only with --grad-compression topk: refused alone, not ignored."""
+    if a.compress_ratio is None:
+        return _default(ParallelConfig, "compress_ratio")
+    if a.grad_compression != "topk":
+        raise ConfigError(f"--compress-ratio {a.compress_ratio:g} needs --grad-compression topk (without it the "
+                          "gradients sync dense and the ratio would be ignored)")
+    return a.compress_ratio
+
+
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         recipe=a.recipe,
@@ -172,8 +187,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,
-                                wall_clock_breakdown=not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
-                                grad_compression=a.grad_compression, compress_ratio=a.compress_ratio),
+                                wall_clock_breakdown=a.ds_breakdown and not a.no_ds_breakdown, tp=a.tp, sp=a.sp,
+                                grad_compression=a.grad_compression, compress_ratio=_compress_ratio(a),
+                                compress_warmup_steps=a.compress_warmup_steps),
         memory=MemoryConfig(ac_every=a.ac_every, fp8=a.fp8, fp8_warmup_steps=a.fp8_warmup_steps,
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
                             fp8_min_features=a.fp8_min_features, fuse=a.fuse, cuda_graphs=a.cuda_graphs),

@@ -22,6 +22,7 @@ from loongforge.train.config import TrainConfig
 from loongforge.train.data import training_data
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
+from loongforge.train.model.model import loss_weight
 from loongforge.train.model.noise import noise_for
 from loongforge.train.observe.metrics import MetricsLog
 from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
@@ -102,7 +103,7 @@ class Trainer:
             self._resume()
         self.startup.enter("first step", "the first batch (decode workers) and the first forward/backward")
         self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
-                                  log_every=cfg.run.log_every, keep_below=self.step)
+                                  log_every=cfg.run.log_every, keep_below=self.step, total_steps=cfg.run.steps)
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
             write_ds_config(self.ds_conf, cfg.run.run_dir)
@@ -175,6 +176,7 @@ class Trainer:
                 if not self._saved_everywhere():
                     raise CheckpointError(self._unsaved("the final checkpoint"))
             self.watchdog.stop(done=True)
+            self.metrics.write_summary()
         finally:
             self.stop.armed = False
             with contextlib.suppress(Exception):  # after a failure: the steps that did finish are still logged
@@ -186,20 +188,21 @@ class Trainer:
         comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         self.policies.on_step(self.step)
         timer.begin(sync=sync)
+        self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
+        with timer.phase("data_wait"):  # the step's micro-batches first: the loss needs all their rows
+            batches = [next(it) for _ in range(accum)]
+        self.watchdog.phase = "step"
+        rows = self._loss_rows(batches)
         self.step_comm.begin()
         losses, ids = [], []
-        for micro in range(accum):
-            self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
-            with timer.phase("data_wait"):
-                batch = next(it)
-            self.watchdog.phase = "step"
+        for micro, batch in enumerate(batches):
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
             shape = batch["action"].shape
             noise, t = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], shape, self.device)
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
-                out = e(batch, noise, t)
+                out = e(batch, noise, t, rows)
                 out["loss"] = self.nan_guard.observe(self.step, out["loss"])
             with timer.phase("backward"):
                 e.backward(out["loss"])
@@ -218,6 +221,19 @@ class Trainer:
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
                "nonfinite_skips": self.nan_guard.skipped}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+
+    def _loss_rows(self, batches: list[dict]) -> torch.Tensor:
+        """What each micro-batch's loss sums are divided by (model.forward's `rows`): the step's valid
+        action rows over every DP replica and micro-batch, / (D replicas x accum micro-batches).
+        DeepSpeed divides each backward by accum and averages gradients over the D replicas (every
+        ZeRO stage; with SP, zero.zero_loss_scale keeps SP out of it; the top-k sync averages over
+        D too), so the gradient, and the logged mean of the micro losses, is the global batch's
+        mean over its valid rows, however it is split. One all-reduce of one number per step, before
+        the step's communication window (comm_groups counts the model's traffic only)."""
+        n = torch.stack([loss_weight(b).sum() for b in batches]).sum().to(torch.float64)
+        if self.data_world > 1:
+            torch.distributed.all_reduce(n, group=self.par.group("dp"))
+        return (n.clamp_min(1.0) / (self.data_world * len(batches))).float()
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
         """One all_gather per step for the log line: every rank's losses and sample ids."""
@@ -250,6 +266,7 @@ class Trainer:
                              extra={"recipe": self.cfg.recipe, "zero_stage": self.cfg.parallel.zero_stage,
                                     "parallel": plan.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
+                                    "grad_accum": self.cfg.parallel.grad_accum,  # the resume hint of ckpt reshard
                                     # What Policy.load needs to rebuild the model and its input transform.
                                     "model": dataclasses.asdict(self.model_cfg),
                                     "data": {"image_mean": self.cfg.data.image_mean,

@@ -15,10 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TRAIN_LENGTHS = (20, 12, 18, 14)  # 64 samples at stride 1: 8 global batches of 8 an epoch, no tail
 # H = 1 (the recorded default; --action-horizon overrides): every sample's action rows are real. With
-# H > 1 the last H-1 samples of an episode carry padded rows (action_valid False), and the loss is a
-# masked mean over each micro batch's own valid rows, so the same global batch split over another
-# number of ranks weighs its samples differently: the cross-layout loss equalities asserted by the
-# launch tests hold only where every row is real. test_train_split_eval.py trains with H = 4.
+# H > 1 the last H-1 samples of an episode carry padded rows (action_valid False); the loss is still
+# the global batch's mean over its valid rows whatever the split (test_split_equivalence.py trains
+# with H = 4 on this root), and test_train_split_eval.py trains with H = 4 too.
 TRAIN_HORIZON = 1
 
 

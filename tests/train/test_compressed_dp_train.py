@@ -96,3 +96,34 @@ def test_compression_config_checked():
     with pytest.raises(ConfigError, match="compress_ratio"):
         ParallelConfig(grad_compression="topk", zero_stage=3, compress_ratio=0.5)
     assert ParallelConfig(grad_compression="topk", zero_stage=3).compress_ratio == 3.0
+
+
+@pytest.mark.slow
+def test_plain_zero3_gradient_traffic_is_reported_under_dp(zero3_run):
+    """Plain ZeRO-3 over 2 ranks is data parallel over the world: its gathers and reduce-scatters are
+    the DP traffic and carry the group name the compressed sync's traffic has (`loongforge profile`)."""
+    for r in _metrics(zero3_run):
+        groups = r["comm_groups"]
+        assert "world" not in groups, groups
+        assert groups["dp"]["payload_bytes"] > 0 and groups["dp"]["calls"] >= 2, groups
+
+
+@pytest.mark.slow
+def test_dense_warmup_steps_then_top_k(train_root, zero3_run, tmp_path):
+    """--compress-warmup-steps 2: steps 0-1 sync dense (the plain run's losses through step 2, whose
+    forward sees their weights), then top-k (a third of the bytes)."""
+    root, _ = train_root
+    run_dir = str(tmp_path / "warm")
+    _run(root, run_dir, "--grad-compression", "topk", "--compress-warmup-steps", "2", cwd=str(tmp_path))
+    plain, got = _metrics(zero3_run), _metrics(run_dir)
+    for a, b in zip(plain[:3], got[:3], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), b["step"]
+    wire = [r["comm_groups"]["dp"]["wire_bytes"] for r in got]
+    assert wire[0] == wire[1] and all(w * 2.5 < wire[0] for w in wire[2:]), wire
+
+
+def test_warmup_steps_need_topk():
+    from loongforge.train.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="compress_warmup_steps"):
+        ParallelConfig(zero_stage=3, compress_warmup_steps=5)

@@ -42,6 +42,7 @@ def no_process_group(monkeypatch):
     (["--recipe", "huge"], "recipe"),
     (["--batch-size", "6"], "data.global_batch_size"),  # 6 does not divide by WORLD_SIZE=4
     (["--data", "/nonexistent/shards"], "data.root"),
+    (["--zero", "3", "--compress-ratio", "3"], "--compress-ratio 3 needs --grad-compression topk"),  # not ignored
 ])
 def test_config_error_before_init_distributed(bad, field, train_root, tmp_path, monkeypatch, no_process_group,
                                               capsys):
@@ -51,7 +52,8 @@ def test_config_error_before_init_distributed(bad, field, train_root, tmp_path, 
     args = _args("--data", root, "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--batch-size", "8", *bad)
     assert entry.run_args(args) == 2
     assert no_process_group == []
-    assert f"config error: {field}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"config error: {field}" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_format_1_root_is_a_config_error_naming_the_converter(train_root, tmp_path, monkeypatch,

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.train.train_launch import assert_ok as _ok, read_metrics as _metrics, torchrun
+from tests.train.train_launch import assert_ok as _ok
+from tests.train.train_launch import read_metrics as _metrics
+from tests.train.train_launch import torchrun
 
 pytestmark = pytest.mark.slow
 LENGTHS = (30, 14, 41, 22, 9, 36)  # 152 samples; episode 4 (9) held out -> 143 training samples
@@ -92,3 +94,63 @@ def test_check_config_reads_the_root_and_refuses_bad_deltas(split_run, tmp_path)
     bad = launch([*base, *[a if a != "--video-deltas=-2,0" else "--video-deltas=0,-2" for a in COMMON]],
                  cwd=str(tmp_path), timeout=120)
     assert bad.returncode == 2 and "data.video_deltas" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps 0: the flow needs at least 1"),
+    (["--steps", "-3"], "--steps -3"),
+    (["--episodes", "99"], "--episodes: [99] not in the shard root"),
+    (["--tag", "step99999999"], "--tag step99999999: no such checkpoint"),
+])
+def test_eval_refuses_a_bad_request_before_loading_anything(split_run, tmp_path, capsys, monkeypatch, argv, says):
+    """Exit 2 with one line, nothing written, the checkpoint never loaded (no DeepSpeed output)."""
+    from loongforge.train.eval import policy
+
+    from loongforge.cli import main
+
+    monkeypatch.setattr(policy.Policy, "load", classmethod(lambda *a, **k: pytest.fail("checkpoint loaded")))
+    root, run_dir = split_run
+    out = tmp_path / "eval"
+    assert main(["eval", run_dir, "--data", root, "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not out.exists()
+
+
+def test_eval_with_a_bad_data_root_fails_before_the_checkpoint(split_run, tmp_path, capsys, monkeypatch):
+    from loongforge.train.eval import policy
+
+    from loongforge.cli import main
+
+    monkeypatch.setattr(policy.Policy, "load", classmethod(lambda *a, **k: pytest.fail("checkpoint loaded")))
+    _, run_dir = split_run
+    assert main(["eval", run_dir, "--data", str(tmp_path / "nothing")]) != 0
+    assert "no index.json under" in capsys.readouterr().err
+
+
+def test_policy_checks_each_observation(split_run):
+    """predict_action (act is the same call) names slot, shape and width of a bad observation."""
+    from loongforge.shared.errors import ConfigError
+    from loongforge.train.eval.policy import Policy
+
+    root, run_dir = split_run
+    pol = Policy.load(run_dir, root)
+    ds, k = pol.index.dataset, len(pol.index.deltas.video)
+    h, w = ds.height, ds.width
+    good = {"frames": {s: np.zeros((k, h, w, 3), np.uint8) for s in ds.slots},
+            "state": np.zeros((k, ds.state_dim), np.float32), "task": "pick"}
+    assert pol.predict_action([good]).shape == (1, pol.cfg.action_horizon, ds.action_dim)
+    assert pol.act == pol.predict_action or pol.act.__func__ is Policy.predict_action
+    slot = ds.slots[0]
+    bad = [
+        ({**good, "frames": {**{s: good["frames"][s] for s in ds.slots[1:]}, "wrist": good["frames"][slot]}},
+         "camera slots"),
+        ({**good, "frames": {**good["frames"], slot: np.zeros((h, w, 3), np.uint8)}}, f"camera {slot!r} frames of shape"),
+        ({**good, "frames": {**good["frames"], slot: np.zeros((k, h * 2, w * 2, 3), np.uint8)}}, "as the data root stores"),
+        ({**good, "frames": {**good["frames"], slot: np.zeros((k, h, w, 3), np.float32)}}, "expected uint8"),
+        ({**good, "state": np.zeros((k, ds.state_dim - 1), np.float32)}, "-D state"),
+    ]
+    for obs, says in bad:
+        with pytest.raises(ConfigError, match=None) as info:
+            pol.predict_action([obs])
+        assert says in str(info.value), str(info.value)

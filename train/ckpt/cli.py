@@ -19,12 +19,12 @@ def register(subparsers) -> None:
 
 def _reshard(args) -> int:
     from loongforge.train.ckpt import files as ckpt_files
-    from loongforge.train.ckpt.reshard import Layout, reshard
+    from loongforge.train.ckpt.reshard import Layout, reshard, resume_hint
 
     tag = args.tag or ckpt_files.latest_tag(args.run_dir)
-    world = ckpt_files.read_sidecar(args.run_dir, tag)["world"] if tag else 1
-    to = Layout.parse(args.to, default_world=world)
+    doc = ckpt_files.read_sidecar(args.run_dir, tag) if tag else {}
+    to = Layout.parse(args.to, default_world=doc.get("world", 1))
     new_tag = reshard(args.run_dir, to, tag=tag)
     print(f"resharded -> {ckpt_files.ckpt_root(args.run_dir)}/{new_tag} (now `latest`); resume it with "
-          f"{to.world} rank(s): --zero {to.zero} --tp {to.tp} --resume")
+          f"{to.world} rank(s): {resume_hint(doc, to)}")
     return 0

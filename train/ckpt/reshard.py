@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.shared.errors import CheckpointError, UsageError
 from loongforge.train.ckpt import reshard_topk, reshard_zero0, universal as ckpt_universal
 from loongforge.train.ckpt.delta import materialize
 from loongforge.train.ckpt.files import ckpt_root, latest_tag, load_trusted, read_sidecar, tag_for, verify_manifest
@@ -70,14 +70,14 @@ class Layout:
 
     def __post_init__(self):
         if self.world < 1:
-            raise ConfigError(f"--to world={self.world}: must be >= 1")
+            raise UsageError(f"--to world={self.world}: must be >= 1")
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--to zero={self.zero}: ZeRO stages are 0, 1, 2 and 3")
+            raise UsageError(f"--to zero={self.zero}: ZeRO stages are 0, 1, 2 and 3")
         if self.zero == 0 and self.tp > 1:
-            raise ConfigError(f"--to zero=0,tp={self.tp}: ZeRO-0 output is written for tp=1 only (torch's "
+            raise UsageError(f"--to zero=0,tp={self.tp}: ZeRO-0 output is written for tp=1 only (torch's "
                               "optimizer indexes the TP-swapped model's parameters); use zero=1")
         if self.tp < 1 or self.sp < 1 or self.world % (self.tp * self.sp):
-            raise ConfigError(f"--to world={self.world},tp={self.tp}: world must be a multiple of tp*sp")
+            raise UsageError(f"--to world={self.world},tp={self.tp}: world must be a multiple of tp*sp")
 
     @property
     def dp(self) -> int:
@@ -93,16 +93,45 @@ class Layout:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, val = part.partition("=")
             if not sep or key not in ("world", "dp", "zero", "tp", "sp") or not val.isdigit():
-                raise ConfigError(f"--to {text!r}: expected comma-separated world=N, dp=N, zero=N, tp=N, sp=N "
+                raise UsageError(f"--to {text!r}: expected comma-separated world=N, dp=N, zero=N, tp=N, sp=N "
                                   "(e.g. world=4,zero=2,tp=1)")
             vals[key] = int(val)
         if "zero" not in vals:
-            raise ConfigError(f"--to {text!r}: name the ZeRO stage, e.g. zero=2")
+            raise UsageError(f"--to {text!r}: name the ZeRO stage, e.g. zero=2")
         tp, sp = vals.get("tp", 1), vals.get("sp", 1)
         world = vals.get("world", vals["dp"] * tp * sp if "dp" in vals else default_world)
         if "dp" in vals and world != vals["dp"] * tp * sp:
-            raise ConfigError(f"--to {text!r}: world != dp*tp*sp")
+            raise UsageError(f"--to {text!r}: world != dp*tp*sp")
         return cls(world=world, zero=vals["zero"], tp=tp, sp=sp)
+
+
+def check_batch(doc: dict, to: Layout) -> None:
+    """The target's DP degree must divide the checkpoint's global batch (the resume keeps it): refused
+    before anything is written."""
+    batch = doc.get("global_batch_size")
+    if batch and batch % to.dp:
+        fits = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise UsageError(f"--to {to.slug()}: {to.dp} data-parallel ranks cannot split this checkpoint's global "
+                          f"batch of {batch}; use a DP degree (world / (tp*sp)) in {fits}")
+
+
+def resume_accum(doc: dict, to: Layout) -> int:
+    """The --grad-accum a resume on `to` needs: the smallest that splits the global batch over the target's
+    DP ranks into micro-batches no larger than the source's (so it fits where the source fitted)."""
+    batch = doc.get("global_batch_size")
+    if not batch:
+        return 1
+    src = source_layout(doc)
+    micro = max(1, batch // (src.dp * doc.get("grad_accum", 1)))
+    return next(a for a in range(1, batch + 1) if batch % (to.dp * a) == 0 and batch // (to.dp * a) <= micro)
+
+
+def resume_hint(doc: dict, to: Layout) -> str:
+    """The flags that resume a checkpoint resharded to `to` with the same global batch and step arithmetic."""
+    flags = f"--zero {to.zero} --tp {to.tp}" + (f" --sp {to.sp}" if to.sp > 1 else "")
+    if doc.get("global_batch_size"):
+        flags += f" --batch-size {doc['global_batch_size']} --grad-accum {resume_accum(doc, to)}"
+    return flags + " --resume"
 
 
 def source_layout(doc: dict) -> Layout:
@@ -268,6 +297,7 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
         raise CheckpointError(f"no checkpoint under {root}; train with --save-every first")
     doc = read_sidecar(run_dir, tag)
     src_layout = source_layout(doc)
+    check_batch(doc, to)
     new_tag = f"{tag_for(int(doc['step']))}_{to.slug()}"
     work = os.path.join(root, f".reshard-{new_tag}")  # no "step" prefix: never taken for save debris
     shutil.rmtree(work, ignore_errors=True)

@@ -5,8 +5,9 @@ frames: the chunk is executed open-loop (no re-planning inside it) and compared 
 ground-truth actions of the same frames. Reported in dataset units, per action group of the
 dataset's modality.json (one group "action" when it has none): MSE and MAE for the policy and
 for two trivial baselines, predict-the-mean (the index's action mean) and repeat-last (the last
-action seen before the chunk; the current state for the first chunk when state and action share
-a space). Writes eval.json and one PNG per episode (predicted vs true trajectories).
+action before the chunk; for an episode's first chunk, which has none, its first action: the
+command in effect at the start; never the state, which for e.g. hand commands vs hand joint
+positions is another quantity of the same width). Writes eval.json and one PNG per episode (predicted vs true trajectories).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import json
 import os
 
 import numpy as np
-
-from loongforge.shared.errors import ConfigError
+from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.data.samples import SampleTable
 from loongforge.train.eval.validation import ValSet
@@ -51,18 +51,17 @@ def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0) -> dict[s
     for batch in valset.batches:
         out = policy.unnormalize(policy.model.predict_action(batch, steps=steps, seed=seed))
         act = batch["action"].cpu().numpy() * norm.action_std + norm.action_mean
-        state = policy.unnormalize_state(policy.model.current_state(batch))
         valid = batch["action_valid"].cpu().numpy()
         for i in range(len(out)):
             rows = valid[i]
             if last is None:
-                last = state[i] if ds.state_dim == ds.action_dim else norm.action_mean
+                last = act[i][0]
             truth.append(act[i][rows])
             pred.append(out[i][rows])
             mean.append(np.broadcast_to(norm.action_mean, act[i][rows].shape))
             last_rep.append(np.broadcast_to(last, act[i][rows].shape))
             last = act[i][rows][-1] if rows.any() else last
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, ds.action_dim), np.float32)  # noqa: E731
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, ds.action_dim), np.float32)
     return {"truth": cat(truth), "policy": cat(pred), "mean": cat(mean), "repeat_last": cat(last_rep)}
 
 
@@ -98,10 +97,24 @@ def plot_episode(traj: dict[str, np.ndarray], path: str, title: str, max_dims: i
     plt.close(fig)
 
 
+def check_request(dataset, episodes: list[int] | None, steps: int) -> None:
+    """What `run_eval` is asked, checked against the shard root before any checkpoint is loaded
+    (dataset: shared.dataset.Dataset)."""
+    if steps < 1:
+        raise UsageError(f"--steps {steps}: the flow needs at least 1 integration step (GR00T uses 4)")
+    if episodes:
+        have = {int(e) for e in np.asarray(dataset.tables["episode_id"])}
+        missing = sorted(set(episodes) - have)
+        if missing:
+            raise UsageError(f"--episodes: {missing} not in the shard root ({len(have)} episodes, ids "
+                             f"{min(have)}..{max(have)})")
+
+
 def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None = None, steps: int = 4,
              seed: int = 0, plots: bool = True) -> dict:
     """Open-loop evaluation of `policy` over `episodes` (default: the index's validation episodes)."""
     index = policy.index
+    check_request(index.ds, episodes, steps)
     eps = list(episodes) if episodes else list(index.val_episodes)
     if not eps:
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "

@@ -1,7 +1,8 @@
 """A trained policy: checkpoint + the index's normalisation stats -> actions in dataset units.
 
     policy = Policy.load("runs/demo", data_root="shards")
-    actions = policy.act([{"frames": {"front": rgb_uint8_KxHxWx3}, "state": state_Kx44, "task": "pick"}])
+    actions = policy.predict_action([{"frames": {"front": rgb_uint8_KxHxWx3}, "state": state_Kx44,
+                                      "task": "pick"}])  # (B, H, Da); `act` is the same call
 
 Observations are raw: frames as uint8 RGB (K, h, w, 3) or NV12 (K, 3h/2, w) per camera slot,
 state (K, Ds) in dataset units, instruction text. The model sees exactly what training fed it:
@@ -18,8 +19,7 @@ import os
 
 import numpy as np
 import torch
-
-from loongforge.shared.errors import CheckpointError
+from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
@@ -39,7 +39,9 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
             state = torch.load(path, map_location="cpu", weights_only=True)["module"]
         else:
             # deepspeed is heavy: only ZeRO-1/2/3 checkpoints need its consolidation
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            from deepspeed.utils.zero_to_fp32 import (
+                get_fp32_state_dict_from_zero_checkpoint,
+            )
 
             state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
     return {k: v.float() for k, v in state.items()}
@@ -57,7 +59,7 @@ class Policy:
 
     @classmethod
     def load(cls, run_dir: str, data_root: str | None = None, *, index: TrainingData | None = None,
-             tag: str | None = None, device: str | torch.device = "cpu") -> "Policy":
+             tag: str | None = None, device: str | torch.device = "cpu") -> Policy:
         tag = tag or ckpt_files.latest_tag(run_dir)
         if tag is None:
             raise CheckpointError(f"no checkpoint under {ckpt_files.ckpt_root(run_dir)}; did training finish?")
@@ -70,8 +72,39 @@ class Policy:
         return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),
                    text_len=data.get("max_text_tokens"), device=device)
 
+    def check(self, observations: list[dict]) -> None:
+        """Each observation as the policy was trained: one entry per camera slot holding K frames
+        of that camera's stored size (RGB (K, h, w, 3) or NV12 (K, 3h/2, w), uint8) and a (K, Ds)
+        state, K = the run's video deltas. A mismatch is one ConfigError naming slot, shape, width."""
+        ds, k = self.index.dataset, len(self.index.deltas.video)
+        if not observations:
+            raise ConfigError("predict_action: no observations")
+        for n, obs in enumerate(observations):
+            where = f"observation {n}"
+            frames = obs.get("frames") if isinstance(obs, dict) else None
+            if not isinstance(frames, dict):
+                raise ConfigError(f"{where}: needs a 'frames' dict of camera slot -> frames, got {type(frames)}")
+            if sorted(frames) != sorted(ds.slots):
+                raise ConfigError(f"{where}: camera slots {sorted(frames)}, the policy was trained on "
+                                  f"{sorted(ds.slots)}")
+            for cam, slot in enumerate(ds.slots):
+                h, w = ds.camera_size(cam)
+                shape, dtype = tuple(np.shape(frames[slot])), np.asarray(frames[slot]).dtype
+                if dtype != np.uint8:
+                    raise ConfigError(f"{where}: camera {slot!r} frames are {dtype}; expected uint8 (0-255 RGB "
+                                      "or NV12 bytes, as decoded from the camera)")
+                if shape not in ((k, h, w, 3), (k, h * 3 // 2, w)):
+                    raise ConfigError(f"{where}: camera {slot!r} frames of shape {shape}; expected RGB "
+                                      f"{(k, h, w, 3)} or NV12 {(k, h * 3 // 2, w)} uint8 ({k} frame(s) per "
+                                      f"sample as the run trained, {h}x{w} as the data root stores them)")
+            state = np.shape(obs.get("state", ()))
+            if state != (k, ds.state_dim):
+                raise ConfigError(f"{where}: state of shape {state}; expected {(k, ds.state_dim)} "
+                                  f"({k} row(s) of the {ds.state_dim}-D state, dataset units)")
+
     def batch(self, observations: list[dict]) -> dict:
         """Raw observations (same frame count each) -> the model's input batch on the device."""
+        self.check(observations)
         ds = self.index.dataset
         frames = {}
         for slot in ds.slots:
@@ -99,8 +132,14 @@ class Policy:
     def unnormalize_state(self, state: torch.Tensor) -> np.ndarray:
         return state.float().cpu().numpy() * self.norm.state_std + self.norm.state_mean
 
-    def act(self, observations: list[dict], *, steps: int = 4, seed: int = 0, discrete: bool = False) -> np.ndarray:
-        """(B, H, Da) actions in dataset units: flow integration (default) or the discrete head."""
+    def predict_action(self, observations: list[dict], *, steps: int = 4, seed: int = 0,
+                       discrete: bool = False) -> np.ndarray:
+        """(B, H, Da) actions in dataset units: flow integration (default) or the discrete head.
+        Observations are checked first (`check`): slot names, frame shapes, state width."""
+        if steps < 1:
+            raise ConfigError(f"steps={steps}: the flow needs at least 1 integration step")
         batch = self.batch(observations)
         out = self.model.predict_discrete(batch) if discrete else self.model.predict_action(batch, steps, seed)
         return self.unnormalize(out)
+
+    act = predict_action  # the earlier name

@@ -154,9 +154,15 @@ class VLAModel(nn.Module):
         return batch["state"][torch.arange(len(last), device=last.device), last]
 
     # ---- training ----------------------------------------------------------------------------
-    def forward(self, batch: dict, noise: torch.Tensor, u: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, batch: dict, noise: torch.Tensor, u: torch.Tensor,
+                rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """noise (B, H, Da) ~ N(0, 1) and u (B,) uniform in [0, 1) come from the caller (seeded per
-        sample), so a resumed run draws exactly what an uninterrupted one would. t = flow_time(u)."""
+        sample), so a resumed run draws exactly what an uninterrupted one would. t = flow_time(u).
+
+        The losses are sums over the valid action rows (`loss_weight`) divided by `rows`: by default
+        this batch's own count, a masked mean. A caller that splits one batch over several backward
+        passes and averages their gradients passes the count each part stands for instead (the
+        trainer: the global count / parts), so the gradient does not depend on the split."""
         vl, layout = self.encode(batch)
         x1 = batch["action"].float()
         t = flow_time(u, self.cfg.time_schedule)
@@ -164,12 +170,12 @@ class VLAModel(nn.Module):
         velocity = self.velocity(vl, layout, self.current_state(batch), xt, t)
         target = self.to_bins(x1)
         logits = self.bin_logits(vl, layout, self.from_bins(target))
-        return self._losses(velocity, logits, x1 - noise, target, batch)
+        return self._losses(velocity, logits, x1 - noise, target, batch, rows)
 
-    def _losses(self, velocity, logits, v_target, target, batch) -> dict[str, torch.Tensor]:
+    def _losses(self, velocity, logits, v_target, target, batch, rows) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        weight = (batch["action_valid"] & batch["sample_valid"][:, None]).float()  # (B, H)
-        denom = weight.sum().clamp_min(1.0)
+        weight = loss_weight(batch)
+        denom = weight.sum().clamp_min(1.0) if rows is None else rows
         flow = (((velocity - v_target) ** 2).mean(-1) * weight).sum() / denom
         ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view(target.shape)
         ce = (ce.mean(-1) * weight).sum() / denom
@@ -202,6 +208,11 @@ class VLAModel(nn.Module):
             # Positions > i of `bins` are still zeros: the causal mask keeps them out of logit i.
             bins[:, i] = self.bin_logits(vl, layout, self.from_bins(bins))[:, i].argmax(-1)
         return self.from_bins(bins)
+
+
+def loss_weight(batch: dict) -> torch.Tensor:
+    """(B, H) float: 1 for the action rows the losses count (real rows of good samples), else 0."""
+    return (batch["action_valid"] & batch["sample_valid"][:, None]).float()
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -191,40 +191,6 @@ def _format_segment(b: dict, several: bool) -> str:
     return "\n".join(lines)
 
 
-def write_chart(b: dict, run_dir: str) -> str:
-    import matplotlib  # heavy, only for the chart
-
-    matplotlib.use("Agg")  # headless: no display on training nodes
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir)
-    steps = [r["step"] for r in rows]
-    series = {"data wait": [r["data_wait_s"] for r in rows], "communication": [r["comm_s"] or 0.0 for r in rows],
-              "launch/dispatch overhead": [r["overhead_s"] for r in rows],
-              "compute": [max(0.0, r["forward_s"] + r["backward_s"] + r["optimizer_s"] - (r["comm_s"] or 0.0))
-                          for r in rows]}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 3]})
-    left = 0.0
-    for k, v in b["table"].items():
-        ax1.barh([0], [v * 1e3], left=left, label=f"{k} {b['percent'][k]:.0f}%")
-        left += v * 1e3
-    ax1.set_yticks([])
-    ax1.set_xlabel("ms per step (mean)")
-    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    bottom = [0.0] * len(rows)
-    for k, v in series.items():
-        ax2.bar(steps, [x * 1e3 for x in v], bottom=bottom, label=k)
-        bottom = [a + x * 1e3 for a, x in zip(bottom, v)]
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("ms")
-    ax2.set_title("per-step breakdown")
-    fig.tight_layout()
-    path = os.path.join(run_dir, "profile.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def write_html(b: dict, run_dir: str) -> str:
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td><td>{b['percent'][k]:.1f}%</td></tr>"
                    for k, v in b["table"].items())

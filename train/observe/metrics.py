@@ -1,6 +1,11 @@
 """Run observability: one JSONL line per step (RUN_DIR/metrics.jsonl, rank 0)
 with every timer, the losses and the global sample ids consumed, plus a live
-console line (step, loss, samples/s, data-wait %)."""
+console line (step N/total, loss, samples/s, data-wait %, ETA, the last
+validation metrics) and an end-of-run summary.
+
+The console's samples/s and ETA come from the records' own step times, never
+from when a record is written: records are written one step late and flushed
+in pairs before a checkpoint (profiler.LateWriter), microseconds apart."""
 
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ METRICS_VERSION = 1
 
 class MetricsLog:
     def __init__(self, run_dir: str, *, enabled: bool, resume: bool, log_every: int = 1, stream=None,
-                 keep_below: int = 0):
-        self.enabled, self.log_every = enabled, log_every
+                 keep_below: int = 0, total_steps: int = 0):
+        self.enabled, self.log_every, self.total = enabled, log_every, total_steps
         self.stream = stream or sys.stderr
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._f = None
-        self._t_last, self._samples_since = time.perf_counter(), 0
+        self._samples_since, self._seconds_since = 0, 0.0  # since the last console line
+        self._val: dict = {}  # the last validation metrics (--eval-every)
+        self._run = {"t0": time.perf_counter(), "steps": 0, "samples": 0, "seconds": 0.0, "first": None, "last": None}
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             if resume and os.path.exists(self.path):
@@ -39,15 +46,51 @@ class MetricsLog:
         if not self._f:
             return
         self._f.write(json.dumps({"v": METRICS_VERSION, **record}, separators=(",", ":")) + "\n")
+        self._count(record)
+        if record["step"] % self.log_every == 0:
+            self.stream.write(self._line(record) + "\n")
+            self.stream.flush()
+
+    def _count(self, record: dict) -> None:
         self._samples_since += record.get("samples", 0)
+        self._seconds_since += record.get("step_s", 0.0)
+        self._val.update({k: v for k, v in record.items() if k.startswith("val_")})
+        run = self._run
+        if not record.get("warmup"):  # the first step of a process (startup, compilation) is not the rate
+            run["steps"] += 1
+            run["samples"] += record.get("samples", 0)
+            run["seconds"] += record.get("step_s", 0.0)
+        run["first"] = run["first"] or (record["step"], record["loss"])
+        run["last"] = (record["step"], record["loss"])
+
+    def _line(self, record: dict) -> str:
         step = record["step"]
-        if step % self.log_every == 0:
-            now = time.perf_counter()
-            rate = self._samples_since / max(now - self._t_last, 1e-9)
-            self._t_last, self._samples_since = now, 0
-            wait = 100.0 * record["data_wait_s"] / max(record["step_s"], 1e-9)
-            self.stream.write(f"step {step:6d}  loss {record['loss']:.4f}  {rate:8.1f} samples/s  "
-                              f"data-wait {wait:4.1f}%  step {record['step_s'] * 1e3:7.1f} ms\n")
+        rate = self._samples_since / max(self._seconds_since, 1e-9)
+        self._samples_since, self._seconds_since = 0, 0.0
+        wait = 100.0 * record["data_wait_s"] / max(record["step_s"], 1e-9)
+        total = f"/{self.total}" if self.total else ""
+        line = (f"step {step + 1:6d}{total}  loss {record['loss']:.4f}  {rate:8.1f} samples/s  "
+                f"data-wait {wait:4.1f}%  step {record['step_s'] * 1e3:7.1f} ms")
+        per_step = self._run["seconds"] / self._run["steps"] if self._run["steps"] else record["step_s"]
+        if self.total > step + 1:
+            line += f"  ETA {_duration(per_step * (self.total - step - 1))}"
+        return line + "".join(f"  {k} {v:.4f}" for k, v in sorted(self._val.items()))
+
+    def summary(self) -> str:
+        """One line at the end of a run: steps, wall time, steady throughput, loss first -> last, last val."""
+        run = self._run
+        if run["last"] is None:
+            return "run summary: no step trained"
+        (s0, l0), (s1, l1) = run["first"], run["last"]
+        rate = run["samples"] / run["seconds"] if run["seconds"] else 0.0
+        line = (f"run summary: steps {s0 + 1}-{s1 + 1}{f'/{self.total}' if self.total else ''} in "
+                f"{_duration(time.perf_counter() - run['t0'])}, {rate:.1f} samples/s (steady), loss {l0:.4f} -> "
+                f"{l1:.4f}")
+        return line + "".join(f", {k} {v:.4f}" for k, v in sorted(self._val.items()))
+
+    def write_summary(self) -> None:
+        if self._f:
+            self.stream.write(self.summary() + "\n")
             self.stream.flush()
 
     def close(self) -> None:
@@ -56,6 +99,12 @@ class MetricsLog:
             os.fsync(self._f.fileno())
             self._f.close()
             self._f = None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _truncate_from(path: str, step: int) -> None:

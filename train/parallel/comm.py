@@ -43,9 +43,9 @@ def clear_groups() -> None:
 
 
 def group_name(pg) -> str:
-    if pg is None or pg is dist.group.WORLD:
-        return "world"
-    return _GROUP_NAMES.get(id(pg), "other")
+    if pg is None:
+        pg = dist.group.WORLD
+    return _GROUP_NAMES.get(id(pg), "world" if pg is dist.group.WORLD else "other")
 
 
 def _nbytes(t: torch.Tensor) -> int:

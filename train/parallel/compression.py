@@ -106,7 +106,8 @@ class TopKCompressor:
         return out + ([cur] if cur else [])
 
     @torch.no_grad()
-    def reduce_(self, grads: list[torch.Tensor]) -> None:
+    def reduce_(self, grads: list[torch.Tensor], *, dense: bool = False) -> None:
+        """dense=True: every bucket takes the dense path this call (warm-up steps), residuals included."""
         buckets = self._buckets(grads)
         first = self.decisions is None
         if first:
@@ -123,7 +124,7 @@ class TopKCompressor:
             k, path = self.choose(n, e)
             if first:
                 self.decisions.append((n, k, path, e))
-            out = self._sparse(flat, k, j) if path == "sparse" else self._dense(flat, j)
+            out = self._sparse(flat, k, j) if path == "sparse" and not dense else self._dense(flat, j)
             self.dense_equivalent += dense_bytes(n, e, self.world)
             off = 0
             for i in b:

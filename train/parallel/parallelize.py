@@ -96,7 +96,7 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
         # replica would write the same zero_pp_rank_* / mp_rank_* files and race on them; replica 0 writes
         # them, the others only their per-rank files (RNG, compression residuals).
         engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
-    name_engine_groups(engine)
+    name_engine_groups(engine, world_is_dp=not hybrid)
     return ParallelModel(engine=engine, ds_config=conf, policies=policies,
                          dp_sync=CompressedDPSync.for_config(cfg, state, engine))
 
@@ -152,9 +152,13 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
     return MemoryPolicies(ckpt, fp8, warmup, fused, graphed=m.cuda_graphs)
 
 
-def name_engine_groups(engine) -> None:
-    """Without an mpu DeepSpeed builds its own data-parallel groups: name them "dp" for the counter
-    (a group that is the world keeps the name "world")."""
+def name_engine_groups(engine, *, world_is_dp: bool = False) -> None:
+    """Without an mpu DeepSpeed builds its own data-parallel groups: name them "dp" for the counter.
+    A plain run (`world_is_dp`: no TP/SP/compression, no mpu) is data parallel over every rank, and
+    ZeRO-3 gathers parameters and reduce-scatters gradients over the world group itself: that is the
+    DP traffic, so the world group is named "dp" too, the name the compressed DP sync's traffic has."""
     for pg in (getattr(engine, "data_parallel_group", None), getattr(engine, "seq_data_parallel_group", None)):
         if pg is not None and comm.group_name(pg) == "other":
             comm.register_group(pg, "dp")
+    if world_is_dp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        comm.register_group(torch.distributed.group.WORLD, "dp")

@@ -47,7 +47,7 @@ def partition_zero3(model, state) -> None:
     deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
 
 
-def compressed_dp_sync(model, compressor) -> None:
+def compressed_dp_sync(model, compressor, *, dense: bool = False) -> None:
     """Hybrid sharding's replica sync, between engine.backward() and engine.step(): ZeRO-3
     (zero_shard="sp") has reduced the gradients inside the shard group; each rank now holds
     its gradient partition, which the compressor averages with the same partition on the
@@ -56,7 +56,7 @@ def compressed_dp_sync(model, compressor) -> None:
 
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [safe_get_local_grad(p) for p in params]
-    compressor.reduce_(grads)
+    compressor.reduce_(grads, dense=dense)
     for p, g in zip(params, grads):
         safe_set_local_grad(p, g)
 
@@ -69,6 +69,7 @@ class CompressedDPSync:
 
     def __init__(self, cfg: TrainConfig, state, engine):
         self.engine, self.rank = engine, torch.distributed.get_rank()
+        self.warmup_steps = cfg.parallel.compress_warmup_steps
         self.compressor = TopKCompressor(CompressionConfig(wire_fraction=1.0 / cfg.parallel.compress_ratio),
                                          state.group("dp"))
 
@@ -78,7 +79,9 @@ class CompressedDPSync:
 
     def __call__(self) -> None:
         if self.engine.is_gradient_accumulation_boundary():
-            compressed_dp_sync(self.engine.module, self.compressor)
+            # engine.global_steps: optimizer steps done, restored on resume, so warm-up survives a restart
+            dense = self.engine.global_steps < self.warmup_steps
+            compressed_dp_sync(self.engine.module, self.compressor, dense=dense)
 
     def _name(self) -> str:
         return f"compressor_rank{self.rank}.pt"

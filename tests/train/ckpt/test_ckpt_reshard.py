@@ -189,3 +189,38 @@ def test_refusals_name_the_converter():
     assert load_tag_dir({}, "step00000010", 0) is None
     with pytest.raises(CheckpointError, match="reshard it again"):
         load_tag_dir({**doc, "resharded": {"version": 99}}, "t", 0)
+
+
+def test_resume_hint_keeps_the_global_batch_and_micro_batch():
+    from loongforge.train.ckpt.reshard import Layout, check_batch, resume_hint
+
+    dp2 = {"world": 2, "zero_stage": 2, "global_batch_size": 8}  # micro 4, no grad_accum recorded = 1
+    assert resume_hint(dp2, Layout(world=1, zero=2)) == "--zero 2 --tp 1 --batch-size 8 --grad-accum 2 --resume"
+    assert "--grad-accum 1 " in resume_hint(dp2, Layout(world=4, zero=2))
+    accum2 = {"world": 1, "zero_stage": 2, "global_batch_size": 8, "grad_accum": 2}  # micro 4
+    assert "--grad-accum 1 " in resume_hint(accum2, Layout(world=2, zero=3))
+    assert "--sp 2 --batch-size 8 --grad-accum 2 " in resume_hint(dp2, Layout(world=2, zero=3, sp=2))
+    with pytest.raises(ConfigError, match=r"3 data-parallel ranks cannot split this checkpoint's global batch of 8"):
+        check_batch(dp2, Layout(world=3, zero=2))
+    check_batch(dp2, Layout(world=6, zero=2, tp=3))  # DP 2: fine
+
+
+def _tree(path: str) -> list[tuple[str, int]]:
+    return sorted((os.path.join(d, f), os.path.getsize(os.path.join(d, f))) for d, _, fs in os.walk(path) for f in fs)
+
+
+@pytest.mark.slow
+def test_reshard_cli_refuses_an_unsplittable_batch_and_hints_grad_accum(zero3_run, tmp_path):
+    """A 2-rank global-batch-8 run: world=3 is refused (exit 2, one line) before anything is written;
+    world=1 prints a resume hint with --grad-accum 2 (the source's micro-batch of 4)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(zero3_run, run)
+    before = _tree(run)
+    cmd = [sys.executable, "-m", "loongforge", "ckpt", "reshard", run, "--to"]
+    bad = launch([*cmd, "world=3,zero=2"], cwd=str(tmp_path), timeout=120)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert len(bad.stderr.strip().splitlines()) == 1 and "global batch of 8" in bad.stderr, bad.stderr
+    assert _tree(run) == before  # nothing written, `latest` unmoved
+    ok = launch([*cmd, "world=1,zero=2"], cwd=str(tmp_path), timeout=400)
+    _ok(ok)
+    assert "1 rank(s): --zero 2 --tp 1 --batch-size 8 --grad-accum 2 --resume" in ok.stdout, ok.stdout

@@ -1,0 +1,26 @@
+"""The open-loop eval's baselines, on a hand-made episode (narrow fakes of the policy and the
+validation batches: the arithmetic of the baselines is what is checked)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from loongforge.train.eval.openloop import evaluate_episode
+
+
+def test_repeat_last_holds_the_last_action_never_the_state():
+    # two chunks of H = 2, state and action of the same width (as GR00T's hand joints vs commands)
+    actions = torch.tensor([[[1.0, 1.0], [2.0, 2.0]], [[3.0, 3.0], [4.0, 4.0]]])
+    batch = {"action": actions, "action_valid": torch.ones(2, 2, dtype=torch.bool),
+             "state": torch.full((2, 1, 2), -50.0), "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
+    model = SimpleNamespace(predict_action=lambda b, steps, seed: torch.zeros_like(b["action"]),
+                            current_state=lambda b: b["state"][:, -1])
+    norm = SimpleNamespace(action_mean=np.zeros(2, np.float32), action_std=np.ones(2, np.float32),
+                           state_mean=np.zeros(2, np.float32), state_std=np.ones(2, np.float32))
+    policy = SimpleNamespace(norm=norm, model=model, unnormalize=lambda a: a.numpy(),
+                             unnormalize_state=lambda s: s.numpy(),
+                             index=SimpleNamespace(dataset=SimpleNamespace(state_dim=2, action_dim=2)))
+    traj = evaluate_episode(policy, SimpleNamespace(batches=[batch]))
+    # first chunk: the command in effect at the start (action 0); second: the last action before it
+    assert traj["repeat_last"][:, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+    assert traj["truth"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
