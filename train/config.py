@@ -231,12 +231,17 @@ class FaultConfig:
     nan_max_consecutive: int = 5  # skip: this many non-finite steps in a row end the run (diverged, not a blip)
     hang_timeout_s: float = 600.0  # a rank whose step does not advance for this long is reported hung; 0 = off
     heartbeat_s: float = 1.0  # heartbeat period; a rank silent for max(10 periods, 5 s) is reported dead
+    save_on_term: bool = True  # SIGTERM: finish the step, write a checkpoint, exit 85 (resilience/stop.py)
+    term_grace_s: float = 60.0  # SIGTERM -> exit within this; the checkpoint is skipped if it would not fit
+    startup_timeout_s: float = 900.0  # no first step within this: exit naming the start-up phase; 0 = off
 
     def __post_init__(self):
         _need(self.nan_policy in ("skip", "fail"), "faults.nan_policy", "use skip or fail (--nan-policy)")
         _need(self.nan_max_consecutive >= 1, "faults.nan_max_consecutive", "must be >= 1")
         _need(self.hang_timeout_s >= 0, "faults.hang_timeout_s", "must be >= 0 (0 = no watchdog)")
         _need(self.heartbeat_s > 0, "faults.heartbeat_s", "must be > 0 seconds")
+        _need(self.term_grace_s > 0, "faults.term_grace_s", "must be > 0 seconds (--term-grace-s)")
+        _need(self.startup_timeout_s >= 0, "faults.startup_timeout_s", "must be >= 0 (0 = off; --startup-timeout-s)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -153,6 +153,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=_default(FaultConfig, "heartbeat_s"),
                    help="heartbeat period to the launch's TCPStore; a rank silent for max(10 periods, 5 s) is "
                    "reported dead")
+    p.add_argument("--no-save-on-term", action="store_true", help="SIGTERM stops at once (exit 143) instead of "
+                   "finishing the step and writing a checkpoint first (exit 85)")
+    p.add_argument("--term-grace-s", type=float, default=_default(FaultConfig, "term_grace_s"), help="SIGTERM: "
+                   "leave within this many seconds; the checkpoint is skipped (WARNING) when it would not fit. Keep "
+                   "it inside the scheduler's grace window")
+    p.add_argument("--startup-timeout-s", type=float, default=_default(FaultConfig, "startup_timeout_s"),
+                   help="a rank whose first step has not finished after this long exits, naming the start-up "
+                   "phase it is stuck in (0 = off)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -191,7 +199,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                       keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,
                       delta_max_ratio=a.delta_max_ratio),
         faults=FaultConfig(nan_policy=a.nan_policy, nan_max_consecutive=a.nan_max_consecutive,
-                           hang_timeout_s=a.hang_timeout_s, heartbeat_s=a.heartbeat_s),
+                           hang_timeout_s=a.hang_timeout_s, heartbeat_s=a.heartbeat_s,
+                           save_on_term=not a.no_save_on_term, term_grace_s=a.term_grace_s,
+                           startup_timeout_s=a.startup_timeout_s),
     )
 
 

@@ -1,20 +1,28 @@
-"""One rank: `python -m loongforge.train ARGS` under torchrun, the deepspeed launcher, or alone.
-Thin: parse -> Trainer -> run -> close -> tear the process group down -> exit code
-(resilience/exits.py says why the process leaves with os._exit).
+"""One rank: `python -m loongforge.train ARGS` under torchrun, the deepspeed launcher, the elastic
+supervisor, or alone. Thin: parse -> die with the launcher -> signals -> Trainer -> run -> close ->
+tear the process group down -> exit code (resilience/exits.py lists the codes and says why the
+process leaves with os._exit; resilience/stop.py how SIGINT and SIGTERM end a run).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import traceback
 
 from loongforge.shared.errors import ConfigError, LoongForgeError
+from loongforge.train.ckpt.files import ckpt_root, read_pointer
 from loongforge.train.flags import add_train_args, config_from_args
 from loongforge.train.parallel.engine import shutdown
 from loongforge.train.preflight import preflight
-from loongforge.train.resilience.exits import EXIT_CONFIG, EXIT_TERMINATED, Terminated, exit_now, terminate_cleanly
+from loongforge.train.resilience import owner
+from loongforge.train.resilience.exits import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TERMINATED,
+                                               Interrupted, Preempted, Terminated, exit_now, resume_command,
+                                               supervised)
+from loongforge.train.resilience.stop import StopSignals, record_stop
 from loongforge.train.trainer import Trainer
 
 log = logging.getLogger("loongforge.train")
@@ -25,34 +33,74 @@ def run_args(args: argparse.Namespace) -> int:
     logging.getLogger("DeepSpeed").setLevel(args.ds_log_level.upper())
     if args.check_config:
         return check_config(args)
-    trainer, code = None, 0
-    terminate_cleanly()
+    _own_by_launcher()
+    stop = StopSignals(save_on_term=not args.no_save_on_term, grace_s=args.term_grace_s).install()
+    trainer, code, stopped = None, 0, None
     try:
-        trainer = Trainer(config_from_args(args))
+        trainer = Trainer(config_from_args(args), stop=stop)
         trainer.run()
-    except Terminated:
-        print("loongforge train: terminated (SIGTERM: the launcher stops this rank because a peer failed, or "
-              "the job was preempted); resume with --resume from the last checkpoint", file=sys.stderr)
-        code = EXIT_TERMINATED
+    except (Preempted, Terminated, Interrupted) as exc:
+        stopped = exc
     except ConfigError as exc:
         print(f"loongforge train: config error: {exc}", file=sys.stderr)
+        _record_config_error(args, exc)
         code = EXIT_CONFIG
     except LoongForgeError as exc:
         print(f"loongforge train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         code = 1
-    except KeyboardInterrupt:
-        code = 130
     except BaseException:  # noqa: BLE001 - print it, still tear the process group down
-        traceback.print_exc()
-        code = 1
+        if stop.requested:  # a SIGTERM, then a collective failed: a peer is gone (the launcher stops us)
+            stopped = Terminated("a peer left before the checkpoint")
+        else:
+            traceback.print_exc()
+            code = 1
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close()  # after it, `latest` is final: no save is in flight
         try:
-            shutdown(barrier=code == 0)
+            shutdown(barrier=code == 0 and stopped is None)
         except Exception as exc:  # noqa: BLE001
             log.warning("process group teardown: %s", exc)
-    return code
+        stop.finish()
+    return _stopped(stopped, args, trainer) if stopped is not None else code
+
+
+def _own_by_launcher() -> None:
+    """Under a launcher, die with it (owner.py); a plain `loongforge train` keeps its own life."""
+    chain = owner.launcher_chain()
+    if not chain:
+        return
+    owner.die_with_parent(signal.SIGTERM)
+    if os.getppid() != chain[0][0]:  # the launcher died before the kernel could be asked
+        os.kill(os.getpid(), signal.SIGTERM)
+    owner.LauncherWatch(chain[1:]).start()
+
+
+def _stopped(exc: BaseException, args: argparse.Namespace, trainer) -> int:
+    """One line (rank 0) for a run ended by a signal, and its exit code; under the elastic supervisor
+    a record for it instead (it reports the stop) and exit 0, so torchrun ends quietly."""
+    rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+    step = trainer.step if trainer is not None else None
+    latest = read_pointer(ckpt_root(args.run_dir))
+    if isinstance(exc, Preempted):
+        code, what = EXIT_PREEMPTED, f"stopped by SIGTERM after step {exc.step - 1}: checkpoint {exc.tag} written"
+    elif isinstance(exc, Interrupted):
+        code, what = EXIT_INTERRUPTED, f"interrupted (SIGINT) at step {step}; last checkpoint {latest or 'none'}"
+    else:
+        code, what = EXIT_TERMINATED, f"terminated (SIGTERM: {exc.why}) at step {step}; last checkpoint " \
+            f"{latest or 'none'}"
+    if rank == 0:
+        if supervised():
+            record_stop(args.run_dir, code=code, step=step, latest=latest, why=what)
+        else:
+            print(f"loongforge train: {what}; resume: {resume_command()}", file=sys.stderr, flush=True)
+    return 0 if supervised() else code
+
+
+def _record_config_error(args: argparse.Namespace, exc: ConfigError) -> None:
+    """Under the supervisor: a config error is not a fault to retry; rank 0 says so in metrics.jsonl."""
+    if supervised() and os.environ.get("RANK", "0") == "0":
+        record_stop(args.run_dir, code=EXIT_CONFIG, why=f"config error: {exc}", config_error=True)
 
 
 def check_config(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
 from loongforge.train.config import TrainConfig
 from loongforge.train.data import training_data
@@ -30,19 +31,35 @@ from loongforge.train.parallel.engine import (comm_seconds, init_distributed, pa
                                               release_cpu_shm_buffers, write_ds_config)
 from loongforge.train.parallel.parallelize import parallelize
 from loongforge.train.preflight import preflight
+from loongforge.train.resilience.exits import Preempted, Terminated
 from loongforge.train.resilience.nan_guard import NanGuard
+from loongforge.train.resilience.runlock import acquire_for_rank
+from loongforge.train.resilience.startup import StartupWatch, clear_stale_build_locks
+from loongforge.train.resilience.stop import StopSignals, stop_decision
 from loongforge.train.resilience.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, stop: StopSignals | None = None):
         self.cfg = cfg
+        self.stop = stop or StopSignals(save_on_term=False)  # launch.py installs the real one
+        # Start-up is bounded: no first step within --startup-timeout-s ends the rank naming the phase.
+        self.startup = StartupWatch(cfg.faults.startup_timeout_s, run_dir=cfg.run.run_dir).start()
         self.device = pick_device(cfg.run.device)
+        self.startup.enter("preflight", f"reading the shard index under {cfg.data.root}")
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
         self.index, self.model_cfg = checked.index, checked.model_cfg
+        # One live run per run dir (exit 2 naming the holder); rank 0 holds it unless a supervisor does.
+        self.run_lock = acquire_for_rank(cfg.run.run_dir, int(os.environ.get("RANK", "0")))
+        clear_stale_build_locks()  # a killed launch's DeepSpeed op build lock would block this one forever
+        self.startup.enter("init_distributed", f"rendezvous of {os.environ.get('WORLD_SIZE', '1')} ranks at "
+                           f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')} "
+                           "and DeepSpeed's communication op (its build lock)")
         self.rank, self.world = init_distributed(self.device, cfg.parallel.dist_timeout_s)
+        self.startup.closers.append(lambda: release_cpu_shm_buffers(self.world))
+        self.startup.enter("parallelize", "building the model and the DeepSpeed engine")
         self.par = plan.initialize(plan.plan_of(cfg))  # every process group of the TP x SP x DP plan, once
         # The loader reads by DP coordinate: the TP ranks of one replica get the same batch.
         self.data_rank, self.data_world = self.par.get_data_parallel_rank(), self.par.get_data_parallel_world_size()
@@ -58,13 +75,18 @@ class Trainer:
         d = cfg.data
         accum = cfg.parallel.grad_accum
         # samples are (episode, t), block-aware order, training episodes only (train/data/loader.py)
+        self.startup.enter("loader", "starting the decode workers")
         self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
                                                 rank=self.data_rank, world=self.data_world, device=self.device)
+        self.startup.closers.insert(0, self.loader.close)
         self.valset = self._valset()
         f = cfg.faults
         self.watchdog = Watchdog(rank=self.rank, world=self.world, run_dir=cfg.run.run_dir, heartbeat_s=f.heartbeat_s,
                                  hang_timeout_s=f.hang_timeout_s,
                                  closers=[self.loader.close, lambda: release_cpu_shm_buffers(self.world)])
+        self.stop.closers = self.watchdog.closers  # the SIGTERM grace period, when it expires
+        self.stop.inject_for(self.rank)
+        self.stop.on_request.append(self.watchdog.mute)  # from a SIGTERM on, the grace timer bounds the stop
         r = cfg.run
         self.ckpt = checkpoint.Checkpointer(self.engine, r.run_dir, rank=self.rank, world=self.world,
                                             device=self.device, background=r.save_async, when_busy=r.save_busy,
@@ -73,8 +95,12 @@ class Trainer:
                                             delta_max_ratio=r.delta_max_ratio)
         self.step = 0
         self.save_stall_s: list[float] = []
+        self.last_stall_s = 0.0
+        self._stop_votes = None  # set by _gather when any rank got SIGTERM during the step
         if cfg.run.resume:
+            self.startup.enter("resume", "agreeing on and loading the checkpoint")
             self._resume()
+        self.startup.enter("first step", "the first batch (decode workers) and the first forward/backward")
         self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
                                   log_every=cfg.run.log_every, keep_below=self.step, total_steps=cfg.run.steps)
         if self.rank == 0:
@@ -93,12 +119,11 @@ class Trainer:
                       image_mean=d.image_mean, image_std=d.image_std)
 
     def _resume(self) -> None:
-        tag = ckpt_files.latest_tag(self.cfg.run.run_dir)
+        # Rank 0 reads `latest` (falling back past a corrupt one) and every rank gets the tag by name.
+        tag = ckpt_fallback.agree_resume_tag(self.cfg.run.run_dir, rank=self.rank, device=self.device)
         if tag is None:
             log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
-        # A corrupt or incomplete `latest` falls back to the previous verified checkpoint (ckpt/fallback.py).
-        tag = ckpt_fallback.pick_resume_tag(self.cfg.run.run_dir, tag, rank=self.rank, device=self.device)
         checkpoint.check_resume_layout(ckpt_files.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
                                        self.world, run_dir=self.cfg.run.run_dir,
                                        zero_stage=self.cfg.parallel.zero_stage)
@@ -106,6 +131,7 @@ class Trainer:
                               zero_stage=self.cfg.parallel.zero_stage, device=self.device)
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
+        ckpt_fallback.check_same_checkpoint(tag, self.step, device=self.device)  # or refuse a mix of two
         if self.dp_sync is not None:
             self.dp_sync.load(os.path.join(ckpt_files.ckpt_root(self.cfg.run.run_dir), tag))
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
@@ -119,9 +145,11 @@ class Trainer:
         late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
         it = iter(self.loader)
         self.watchdog.start()  # heartbeats from here; startup (engine, resume) is not judged
+        self.stop.armed = True  # a SIGTERM from here is handled after the step in flight (resilience/stop.py)
         try:
             while self.step < run.steps:
                 self.watchdog.progress(self.step)
+                self.stop.at_step(self.step)
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
@@ -132,16 +160,24 @@ class Trainer:
                     record.update(val_metrics(self.engine.module, self.valset, seed=self.cfg.data.seed))
                 late.push(timing, record)
                 self.step += 1
+                self.startup.done()
+                if self._stop_votes is not None and self.step < run.steps:
+                    late.flush()
+                    self._stop_on_term()  # every rank saw the same votes: all stop after this step
                 if run.save_every and self.step % run.save_every == 0 and self.step < run.steps:
                     late.flush()
                     self.save()
+            self.stop.armed = False
             late.flush()
             if self.step > start:
                 self.watchdog.progress(self.step, "save")
                 self.save(final=True)
+                if not self._saved_everywhere():
+                    raise CheckpointError(self._unsaved("the final checkpoint"))
             self.watchdog.stop(done=True)
             self.metrics.write_summary()
         finally:
+            self.stop.armed = False
             try:  # after a failure: the steps that did finish are still logged
                 late.flush()
             except Exception as exc:  # noqa: BLE001 - never hide the failure that brought us here
@@ -204,20 +240,25 @@ class Trainer:
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
         """One all_gather per step for the log line: every rank's losses and sample ids."""
         t0 = time.perf_counter()
+        # The tail: bad samples, then this rank's SIGTERM vote (flag, grace left) and its save estimate.
+        tail = [self.loader.bad_samples, *self.stop.vote(), self._save_estimate_s()]
         mine = torch.cat([losses.cpu().double(), torch.from_numpy(ids.astype(np.float64)),
-                          torch.tensor([self.loader.bad_samples], dtype=torch.float64)])
+                          torch.tensor(tail, dtype=torch.float64)])
         if self.world > 1:
             dev_t = mine.to(self.device)
             out = [torch.empty_like(dev_t) for _ in range(self.world)]
             torch.distributed.all_gather(out, dev_t)
-            allr = torch.stack(out).cpu()[plan.replica_ranks(self.par, self.world)]  # no TP copies
+            every = torch.stack(out).cpu()
+            allr = every[plan.replica_ranks(self.par, self.world)]  # no TP copies
         else:
-            allr = mine[None]
+            every = allr = mine[None]
         n = len(ids)
+        votes = every[:, 4 + n:].tolist()  # every rank's, TP copies included: all must stop together
+        self._stop_votes = votes if any(flag for flag, _, _ in votes) else None
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
                    ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **plan.layout(self.par),
                    sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
-                   bad_samples=int(allr[:, -1].sum()), log_s=time.perf_counter() - t0, world=self.world)
+                   bad_samples=int(allr[:, 3 + n].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
 
     def save(self, final: bool = False) -> str | None:
@@ -237,16 +278,53 @@ class Trainer:
                                     "video_deltas": list(self.cfg.data.video_deltas),
                                     "state_deltas": list(self.cfg.data.state_deltas),
                                     "action_pad": self.cfg.data.action_pad}})
-        self.save_stall_s = [time.perf_counter() - t0]  # what the step loop waited for; logged with the next step
+        self.last_stall_s = time.perf_counter() - t0
+        self.save_stall_s = [self.last_stall_s]  # what the step loop waited for; logged with the next step
         return tag
+
+    def _stop_on_term(self) -> None:
+        """A rank got SIGTERM: write a checkpoint if it fits in the grace period left, then leave (stop.py)."""
+        save, left, est = stop_decision([(f, lft) for f, lft, _ in self._stop_votes],
+                                        est_save_s=[e for _, _, e in self._stop_votes])
+        latest = ckpt_files.read_pointer(ckpt_files.ckpt_root(self.cfg.run.run_dir))
+        if not save:
+            log.warning("SIGTERM: no checkpoint at step %d: the last save took ~%.0f s, %.0f s of the grace period "
+                        "are left; `latest` stays %s", self.step, est, left, latest)
+            raise Terminated(f"no checkpoint: ~{est:.0f} s needed, {left:.0f} s of the grace period left")
+        self.watchdog.progress(self.step, "save")
+        tag = self.save(final=True)
+        if not self._saved_everywhere():
+            raise Terminated(self._unsaved("the checkpoint on SIGTERM"))
+        raise Preempted(tag, self.step)
+
+    def _saved_everywhere(self) -> bool:
+        """Did the synchronous save just made land on every rank (and was it published by rank 0)?"""
+        ok = torch.tensor([1.0 if self.ckpt.writer.last_ok else 0.0], device=self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _unsaved(self, what: str) -> str:
+        root = ckpt_files.ckpt_root(self.cfg.run.run_dir)
+        latest = ckpt_files.read_pointer(root)
+        good = f"the last good checkpoint is {latest} (`latest`)" if latest else "there is no earlier checkpoint"
+        return (f"{what}, {ckpt_files.tag_for(self.step)}, was NOT saved (the WARNING above names the file and "
+                f"the free space); {good} under {root}: free the space, then resume with --resume"
+                + (f" (steps {int(latest[4:])}..{self.step - 1} are redone)" if latest else ""))
+
+    def _save_estimate_s(self) -> float:
+        """How long a synchronous save would take here: the last one's blocking part + write, with margin
+        (0 before the first: try it, the grace timer still bounds it)."""
+        w = self.ckpt.writer.last_s
+        return 0.0 if w is None else 1.25 * (w + self.last_stall_s)
 
     def close(self) -> None:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
-        for closer in (lambda: self.watchdog.stop(done=False), lambda: self.ckpt.close(timeout_s=3.0),
-                       self.loader.close, self.metrics.close,
-                       self.step_comm.close):
+        for closer in (self.startup.done, lambda: self.watchdog.stop(done=False),
+                       lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+                       self.step_comm.close, lambda: self.run_lock and self.run_lock.release()):
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - close the rest, then report

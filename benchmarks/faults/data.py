@@ -114,12 +114,26 @@ def f_corrupt_shard(run):
 
 
 SKIP_RE = re.compile(r"skipped bad sample \(data\.bad_samples='skip'\): sample (\d+) ")
+# a rank's summary when its loader closes (train/data/workers.py BadSamples): count and every skipped id
+SUMMARY_RE = re.compile(r"skipped (\d+) bad samples? from \S+ \(data\.bad_samples='skip'; sample ids ([\d, -]+)\)")
+
+
+def _skipped(log: list[str]) -> tuple[list, set[int], int]:
+    """(first-skip lines with their id, every skipped id, skip events) from the ranks' WARNINGs."""
+    hits = [(ln, int(m.group(1))) for ln in log for m in [SKIP_RE.search(ln)] if m]
+    ids, events = {gid for _, gid in hits}, 0
+    for m in filter(None, map(SUMMARY_RE.search, log)):
+        events += int(m.group(1))
+        for part in m.group(2).split(", "):
+            lo, _, hi = part.partition("-")
+            ids.update(range(int(lo), int(hi or lo) + 1))
+    return hits, ids, events or len(hits)
 
 
 def annotate_corrupt_shard(row: dict, run, setup) -> None:
     log = Path(run.log.name).read_text(errors="replace").splitlines()
-    hits = [(ln, int(m.group(1))) for ln in log for m in [SKIP_RE.search(ln)] if m]
-    skipped = sorted({gid for _, gid in hits})
+    hits, ids, events = _skipped(log)
+    skipped = sorted(ids)
     if hits and (t := log_time(hits[0][0])) is not None:
         row["detected_after_s"] = round(t - row["t_inject"], 1)
     why = hits[0][0].split("): ", 1)[-1].split("; re-fetch")[0][:200] if hits else "no skip logged"
@@ -130,7 +144,7 @@ def annotate_corrupt_shard(row: dict, run, setup) -> None:
     shard = set(setup.info["shard_ids"]) & trained
     row["samples_skipped_by_policy"] = len(skipped)
     row["skipped_ids"], row["expected_skipped_ids"] = skipped, want
-    row["skip_events"] = len(hits)  # a sample trained in two epochs is skipped twice
+    row["skip_events"] = events  # a sample trained in two epochs is skipped twice
     per_member = any("one by one from origin" in ln for ln in log)  # the cache client's WARNING (cache/client.py)
     row["action"] = (f"1 byte flipped in {setup.info['corrupt_where']}, before launch; detected (s after launch) by "
                      f"{why}; "

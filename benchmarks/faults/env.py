@@ -243,3 +243,48 @@ def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
         row["action"] = f"CHECK FAILED: {row['check_failed']}"
         print(f"corrupt_checkpoint: CHECK FAILED: {row['check_failed']} (log: {run.log.name})", file=sys.stderr)
     row["recovered"] = row["recovered"] and not problems
+
+
+# -- cache SSD tier full: the daemon's SSD tier on a real tmpfs, filled by a ballast as the run starts ----------
+SSD_KB = 256
+
+
+def prepare_ssd_full(work: Path, root: str, name: str) -> Setup:
+    mnt = work / f"{name}-ssd"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SSD_KB}k", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return Setup(root, skip_why=f"cannot mount a tmpfs here: {out.stderr.strip()} (needs root)")
+    setup = Setup(root, daemon_args=("--ssd-dir", str(mnt)))  # the last --ssd-dir wins over the harness's own
+    setup.info["mnt"] = mnt
+    setup.cleanup.append(lambda: subprocess.run(["umount", "-l", str(mnt)], check=False))
+    return setup
+
+
+def f_ssd_full(run):
+    """Fill the SSD tier's disk as the run starts (the daemon is up: it cannot start on a full disk, it writes
+    its tier files there first): every shard it then writes through to the SSD hits ENOSPC."""
+    t = run.mark_fault()
+    try:
+        with open(run.setup.info["mnt"] / "ballast", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    return t
+
+
+def annotate_ssd_full(row: dict, run, setup: Setup) -> None:
+    full = [ln for ln in run.daemon.log if "disk full" in ln and "ssd tier" in ln]
+    errors = [ln for ln in run.daemon.log if " ERROR " in ln]
+    t = next((log_time(ln) for ln in full), None)
+    if t is not None:
+        row["detected_after_s"] = round(max(0.0, t - row["t_inject"]), 1)
+    row.update(ssd_full_warnings=len(full), daemon_errors=len(errors))
+    row["action"] = (f"cache daemon: SSD tier full -> RAM-only for new shards, {len(full)} WARNING, {len(errors)} "
+                     "ERROR lines, re-checks with back-off; trainer untouched" if full else
+                     "no disk-full WARNING from the daemon") + ("; no restart" if row["relaunches"] == 0 else "")
+    row["recovered"] = bool(row["recovered"] and len(full) == 1)

@@ -4,6 +4,10 @@ elastic supervisor, and a table of what happened.
     loongforge bench faults [--faults rank_sigkill,nan_loss] [--steps 12] [--out results]
     make faults
 
+The faults around a run (a second launch on its run dir, the supervisor SIGKILLed,
+SIGTERM preemption, a kill during start-up) are in faults/owner.py; a run they stop
+on purpose is resumed with --resume, and its row reports the resumed run.
+
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
 recipe, global batch 8, checkpoint every 2 steps) on a synthetic shard root (faults/data.py), read
 through a real cache daemon (`loongforge cache serve`) where the fault needs
@@ -42,6 +46,7 @@ from pathlib import Path
 from loongforge.benchmarks.faults import data as fd
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.faults import env as fe
+from loongforge.benchmarks.faults import owner as fo
 from loongforge.benchmarks.harness.daemon import CacheDaemon
 
 VENV_BIN = Path(sys.executable).parent
@@ -54,7 +59,7 @@ class Run:
     def __init__(self, work: Path, name: str, root: str, steps: int, extra=(), env=None, cache_socket=None):
         self.run_dir, self.steps = str(work / name), steps
         self.capacity = work / f"{name}.capacity"
-        args = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
+        self.args = args = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
                 "--capacity-file", str(self.capacity), "--data", root, "--run-dir", self.run_dir,
                 "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--batch-size", str(BATCH), "--recipe",
                 "tiny", "--seed", "1", "--no-ds-breakdown",
@@ -62,12 +67,17 @@ class Run:
                 *(["--cache-socket", cache_socket] if cache_socket else [])]
         # A CPU benchmark: GPUs hidden, so the trainer and DeepSpeed both pick the CPU by themselves.
         self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", **(env or {})}
+                    "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", fo.RUN_MARK_ENV: self.run_dir, **(env or {})}
         self.log = open(work / f"{name}.log", "w")
         self.t0 = time.time()
         self.proc = subprocess.Popen(args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.steps_before_fault = None
+
+    def relaunch(self) -> None:
+        """The same run again with --resume (after a fault that stops it on purpose); finish() waits for it."""
+        self.proc = subprocess.Popen([*self.args, "--resume"], env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def rows(self) -> list[dict]:
         try:
@@ -185,11 +195,24 @@ FAULTS.update({  # faults_env.py: staged around the run (prepare before it start
     "redis_sigkill": (fe.f_redis_sigkill, (), {}, True),
     "corrupt_shard_at_origin": (fd.f_corrupt_shard, (), {}, True),
     "checkpoint_disk_full": (fe.f_disk_full, (), {}, False),
+    "cache_ssd_full": (fe.f_ssd_full, (), {}, True),
+})
+FAULTS.update({  # faults/owner.py: around the run (a second launch, the supervisor killed, preemption, start-up)
+    # slow saves keep the first run alive for the seconds the second one takes to start and be refused
+    "second_launch_live_run_dir": (fo.f_second_launch, ("--save-mbps", "0.2"), {}, False),
+    "supervisor_sigkill": (fo.f_supervisor_sigkill, ("--workers", "2"), {}, False),
+    "sigterm_preemption": (fo.f_sigterm_preemption, (), {}, False),
+    "kill_during_startup": (fo.f_kill_during_startup, (), {}, False),
 })
 STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
           "redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
           "corrupt_shard_at_origin": (fd.prepare_corrupt_shard, fd.annotate_corrupt_shard),
-          "checkpoint_disk_full": (fe.prepare_disk_full, fe.annotate_disk_full)}
+          "checkpoint_disk_full": (fe.prepare_disk_full, fe.annotate_disk_full),
+          "cache_ssd_full": (fe.prepare_ssd_full, fe.annotate_ssd_full),
+          "second_launch_live_run_dir": (None, fo.annotate_second_launch),
+          "supervisor_sigkill": (None, fo.annotate_supervisor_sigkill),
+          "sigterm_preemption": (None, fo.annotate_sigterm_preemption),
+          "kill_during_startup": (None, fo.annotate_kill_during_startup)}
 
 
 def _ppid(pid: int) -> int:

@@ -306,8 +306,9 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
 
 
 def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
-    """SIGTERM (a launcher stopping the survivors, a preempting scheduler) closes the loader and exits
-    143 with a resume hint; the decode workers do not outlive the rank."""
+    """SIGTERM with --no-save-on-term (a launcher stopping the survivors) closes the loader and exits
+    143 with a resume hint; the decode workers do not outlive the rank. (The default, a checkpoint first
+    and exit 85: tests/train/resilience/test_stop.py.)"""
     import signal
     import subprocess
     import time
@@ -318,7 +319,8 @@ def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
     run_dir = str(tmp_path / "run")
     env = launch_env()
     proc = subprocess.Popen([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", run_dir,
-                             "--steps", "100000", "--workers", "2", *COMMON], cwd=str(tmp_path), env=env,
+                             "--steps", "100000", "--workers", "2", "--no-save-on-term", *COMMON], cwd=str(tmp_path),
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -335,7 +337,9 @@ def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 143, err[-3000:]
-    assert "terminated (SIGTERM" in err and "--resume" in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("loongforge train:")]
+    assert "terminated (SIGTERM: stopped at once, --no-save-on-term) at step" in line and "--resume" in line, line
+    assert "Traceback" not in err
     assert "leaked shared_memory" not in err  # the rank unlinked its slots itself
     assert len(workers) >= 2  # the two decode workers (and multiprocessing's resource tracker)
     deadline = time.monotonic() + 10

@@ -115,6 +115,7 @@ class SaveJob:
     write_mbps: float = 0.0
     peer_timeout_s: float = 600.0
     delta: DeltaPolicy | None = None  # None: every file full
+    final: bool = False  # the run's last save (or the one on SIGTERM): no later save retries it
 
 
 @dataclass
@@ -302,9 +303,11 @@ def _abandon(job: SaveJob, tag_dir: str, path: str, exc: Exception) -> None:
     free = free_bytes(path)
     free_s = "unknown" if free is None else f"{free} bytes ({free / 2**20:.2f} MiB)"
     prev = read_pointer(job.root)
+    then = "and no later save retries it (the run's last)" if job.final else \
+        "training continues and the next save retries"
     log.warning("checkpoint %s NOT saved (rank %d): %s: %s while writing %s (%s free there); "
-                "partial files removed, `latest` stays %s, training continues and the next save retries",
-                job.tag, job.rank, type(exc).__name__, exc, path, free_s, prev or "<none>")
+                "partial files removed, `latest` stays %s, %s",
+                job.tag, job.rank, type(exc).__name__, exc, path, free_s, prev or "<none>", then)
 
 
 def _unlink(path: str) -> None:
@@ -377,6 +380,7 @@ class Writer:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self.last_ok: bool | None = None
+        self.last_s: float | None = None  # how long the last completed save took to write (SIGTERM: will it fit?)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -384,13 +388,16 @@ class Writer:
     def submit(self, job: SaveJob, *, background: bool) -> None:
         self.wait()
         if not background:
-            self.last_ok = run_job(job)
+            self._run(job)
             return
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-writer-{job.tag}", daemon=True)
         self._thread.start()
 
     def _run(self, job: SaveJob) -> None:
+        t0 = time.monotonic()
         self.last_ok = run_job(job)
+        if self.last_ok:
+            self.last_s = time.monotonic() - t0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the in-flight save is written; False if it is still running after timeout."""

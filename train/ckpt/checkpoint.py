@@ -79,7 +79,7 @@ class Checkpointer:
             blobs.append((os.path.join(tag_dir, SIDECAR), json.dumps(doc, indent=2, sort_keys=True).encode()))
         job = SaveJob(root=self.root, tag=tag, rank=self.rank, world=self.world, snapshots=self.snap.take(),
                       blobs=blobs, keep_last=self.keep_last, write_mbps=self.write_mbps,
-                      peer_timeout_s=self.peer_timeout_s, delta=self._next_delta(final))
+                      peer_timeout_s=self.peer_timeout_s, delta=self._next_delta(final), final=final)
         self.writer.submit(job, background=self.background and not final)
         return tag
 

@@ -10,6 +10,13 @@ same layout inline.
 A dead worker is noticed within one poll interval (`is_alive()` on every
 wait) and reported as DataWorkerError naming the worker and its exit code;
 a worker that stops answering hits `timeout_s`. Nothing blocks forever.
+
+Workers ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's TERM reaches the
+whole process group, and the rank must still finish its step (and write its
+checkpoint) with them; they leave when the rank closes the pool, or within a
+second of the rank's death. A corrupt shard logs one WARNING at its first bad
+sample and one summary line with its count when the pool closes (`BadSamples`),
+not one line per sample.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import re
+import signal
 import threading
 import time
 import traceback
@@ -41,6 +50,8 @@ class PoolClosedError(DataWorkerError):
 def _worker_main(worker_id: int, filler_spec: FillerSpec, shm_names: list[str], policy: str, tasks, results,
                  ready=None) -> None:
     # Runs in a fresh (spawned) process: no torch import, own source, own mmaps.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank decides when its workers stop (close())
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         filler = filler_spec.open()
         shms = [SharedMemory(name=n) for n in shm_names]
@@ -74,7 +85,13 @@ def _worker_main(worker_id: int, filler_spec: FillerSpec, shm_names: list[str], 
     finally:
         filler.close()
         for shm in shms:
-            shm.close()
+            try:
+                shm.close()
+            except BufferError:
+                # A view of the slot outlives the loop: a retained exception's traceback (the cache client keeps
+                # a corrupt shard's first error) holds the frames that filled it. The mapping goes with the
+                # process, which is exiting; the main process unlinks the segment.
+                pass
 
 
 class DecodePool:
@@ -88,7 +105,7 @@ class DecodePool:
         self.worker_counters: dict[int, dict] = {}  # worker id -> its block-cache counters
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.bad_samples = 0
-        self.bad_reasons: list[str] = []
+        self.bad = BadSamples()
         self._free = list(range(slots))
         self._done: dict[int, tuple] = {}
         self._pending: dict[int, tuple] = {}  # inline mode: seq -> task
@@ -188,9 +205,7 @@ class DecodePool:
             self.worker_counters[wid] = counters
         if bad:
             self.bad_samples += bad
-            self.bad_reasons.extend(reasons[-16:])
-            for r in reasons:
-                log.warning("skipped bad sample (data.bad_samples='skip'): %s", r)
+            self.bad.add(reasons)
         return slot, self.layout.views(self._bufs[slot])
 
     def _check_alive(self) -> None:
@@ -213,6 +228,7 @@ class DecodePool:
 
     def close(self) -> None:
         self._closing.set()
+        self.bad.summarize()
         if self._filler is not None:
             self._filler.close()
             self._filler = None
@@ -243,3 +259,55 @@ class DecodePool:
             for q in (self._tasks, self._results):
                 q.cancel_join_thread()
                 q.close()
+
+
+class BadSamples:
+    """Skipped samples grouped by their shard (or, without one in the reason, by the error): one WARNING at
+    a group's first sample, one summary line per group with its count and sample ids at `summarize()`. A
+    truncated shard skips every sample it holds: hundreds of identical lines would bury everything else."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+        self.ids: dict[str, set[int]] = {}
+
+    def add(self, reasons: list[str]) -> None:
+        for reason in reasons:
+            key = _group(reason)
+            n = self.counts.get(key, 0)
+            self.counts[key] = n + 1
+            m = re.match(r"sample (\d+) ", reason)
+            if m:
+                self.ids.setdefault(key, set()).add(int(m.group(1)))
+            if n == 0:
+                self.first[key] = reason
+                log.warning("skipped bad sample (data.bad_samples='skip'): %s; further bad samples from %s are "
+                            "counted, with one summary line when the loader closes", reason, key)
+
+    def summarize(self) -> None:
+        for key, n in sorted(self.counts.items()):
+            log.warning("skipped %d bad sample%s from %s (data.bad_samples='skip'; sample ids %s); the first: %s",
+                        n, "" if n == 1 else "s", key, id_ranges(sorted(self.ids.get(key, ()))) or "unknown",
+                        self.first[key])
+        self.counts.clear()
+        self.ids.clear()
+
+
+def id_ranges(ids: list[int]) -> str:
+    """Sorted ids as "3-7, 9": the summary line names every skipped sample in little space."""
+    out, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
+
+
+def _group(reason: str) -> str:
+    """The shard a bad sample's reason names, else its error without the sample's own id and position."""
+    m = re.search(r"(\S+\.tar)\b", reason)
+    if m:
+        return m.group(1)
+    return re.sub(r"^sample \d+ \([^)]*\): ", "", reason)

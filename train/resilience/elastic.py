@@ -19,9 +19,20 @@ and new gloo connections) of `python -m loongforge.train ... --resume`:
   the universal checkpoint;
 * capacity: a rank slot "returns" when the capacity file (--capacity-file, one
   integer: ranks available on this machine; absent = --max-ranks) allows more
-  than the current count. The supervisor then waits for the next published
-  checkpoint (`latest` moves), stops the launch (SIGTERM: a clean 143 on every
-  rank) and relaunches with more ranks from that checkpoint.
+  than the current count. Once the launch has published a checkpoint (`latest`
+  moves) the supervisor stops it (SIGTERM to the ranks: they finish the step in
+  flight and write a checkpoint, stop.py) and relaunches with more ranks from it;
+* the supervisor owns its launch: it holds the run dir's lock (runlock.py: a
+  second launch on the run dir exits 2 naming it); torchrun dies with it
+  (PR_SET_PDEATHSIG, whatever kills the supervisor) and the ranks with torchrun
+  (owner.py); its SIGINT/SIGTERM go to the ranks themselves (torchrun's agent
+  would print its own traceback and SIGKILL them after 30 s), which stop as
+  stop.py says, record how in metrics.jsonl and exit 0, and the supervisor
+  prints the one line and exits 130 / 85 / 143 (infra/train/README.md);
+* a config error in a launch (a rank's exit 2 with its {"event": "stop",
+  "config_error": true} record) ends the supervisor with exit 2: it is not a
+  fault, and a relaunch would fail the same way. --min-ranks/--max-ranks are
+  checked against --tp x --sp and the global batch before any launch.
 
 Why not torchrun's own elastic agent: it restarts the whole local worker group
 with the same --nproc-per-node (elastic only in the NUMBER OF NODES), so on one
@@ -47,14 +58,18 @@ import subprocess
 import sys
 import time
 
-from loongforge.shared.errors import ConfigError, TrainError
+from loongforge.shared.errors import ConfigError, TrainError, UsageError
 from loongforge.train.observe.metrics import read_events
+from loongforge.train.resilience import owner
 from loongforge.train.resilience.elastic_reshard import convert_for_launch
+from loongforge.train.resilience.exits import (EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TERMINATED, SUPERVISOR_ENV)
+from loongforge.train.resilience.runlock import LOCK_OWNER_ENV, RunLock
 
 log = logging.getLogger(__name__)
 ELASTIC_FLAGS = {"--elastic": 0, "--min-ranks": 1, "--max-ranks": 1, "--capacity-file": 1, "--max-restarts": 1,
                  "--grad-accum": 1, "--resume": 0}  # flag -> values it takes; the supervisor sets the last two
 POLL_S = 0.5
+KILL_AFTER_S = 30.0  # after a forwarded signal: the ranks' grace period plus this, then SIGKILL
 
 
 def accum_for(global_batch: int, ranks: int, max_micro: int) -> int:
@@ -83,22 +98,16 @@ def strip_flags(argv: list[str]) -> list[str]:
 
 class Supervisor:
     def __init__(self, args, train_argv: list[str]):
-        if getattr(args, "batch_plan", None):
-            raise ConfigError("--elastic with --batch-plan: the plan's global batch depends on the rank count; "
-                              "give --batch-size")
-        self.min_ranks = args.min_ranks
-        self.max_ranks = args.max_ranks or args.min_ranks
-        if not 1 <= self.min_ranks <= self.max_ranks:
-            raise ConfigError(f"--min-ranks {self.min_ranks} / --max-ranks {self.max_ranks}: need "
-                              "1 <= min <= max")
+        self._check_usage(args)  # exit 2 before any launch
         self.capacity_file, self.max_restarts = args.capacity_file, args.max_restarts
         self.run_dir, self.batch, self.steps = args.run_dir, args.batch_size, args.steps
-        self.layout = {"zero": getattr(args, "zero", 2), "tp": getattr(args, "tp", 1), "sp": getattr(args, "sp", 1),
-                       "topk": getattr(args, "grad_compression", "none") == "topk"}
-        self.max_micro = max(1, args.batch_size // (self.max_ranks * args.grad_accum))
-        accum_for(self.batch, self.min_ranks, self.max_micro)  # every count in range must split the batch
+        self.grace_s = getattr(args, "term_grace_s", 60.0)
         self.argv = strip_flags(train_argv)
+        self.resume_cmd = shlex.join(["loongforge", "train", *[a for a in train_argv if a != "--resume"], "--resume"])
         self.restarts = 0
+        self._signal: int | None = None  # SIGINT/SIGTERM received: stop, do not relaunch
+        self._proc: subprocess.Popen | None = None
+        self.lock = RunLock(self.run_dir).acquire()  # one live run per run dir, for all launches
         if not args.resume:
             if _latest(self.run_dir):
                 raise ConfigError(f"--run-dir {self.run_dir} already holds checkpoints: add --resume to continue "
@@ -107,6 +116,34 @@ class Supervisor:
             # and appends, so the supervisor's own records are never truncated away.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.run_dir, "metrics.jsonl"))
+
+    def _check_usage(self, args) -> None:
+        """Every rank count this supervisor may launch must fit tp x sp and split the global batch."""
+        if getattr(args, "batch_plan", None):
+            raise UsageError("--elastic with --batch-plan: the plan's global batch depends on the rank count; "
+                             "give --batch-size")
+        self.min_ranks = args.min_ranks
+        self.max_ranks = args.max_ranks or args.min_ranks
+        if not 1 <= self.min_ranks <= self.max_ranks:
+            raise UsageError(f"--min-ranks {self.min_ranks} / --max-ranks {self.max_ranks}: need 1 <= min <= max")
+        self.layout = {"zero": getattr(args, "zero", 2), "tp": getattr(args, "tp", 1), "sp": getattr(args, "sp", 1),
+                       "topk": getattr(args, "grad_compression", "none") == "topk"}
+        self.group = self.layout["tp"] * self.layout["sp"]
+        if self.min_ranks % self.group or self.max_ranks % self.group:
+            raise UsageError(f"--min-ranks {self.min_ranks} / --max-ranks {self.max_ranks} with --tp "
+                             f"{self.layout['tp']} --sp {self.layout['sp']}: every launch needs a multiple of tp x sp "
+                             f"= {self.group} ranks; give --min-ranks and --max-ranks that are multiples of "
+                             f"{self.group}")
+        self.max_micro = max(1, args.batch_size // (self.max_ranks // self.group * args.grad_accum))
+        try:  # every count in range must split the batch
+            for ranks in range(self.min_ranks, self.max_ranks + 1, self.group):
+                accum_for(args.batch_size, ranks // self.group, self.max_micro)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _fit(self, ranks: int) -> int:
+        """The largest launchable count <= ranks: a multiple of tp x sp."""
+        return ranks - ranks % self.group
 
     def capacity(self) -> int:
         if not self.capacity_file or not os.path.exists(self.capacity_file):
@@ -118,18 +155,25 @@ class Supervisor:
             return self.max_ranks
 
     def run(self) -> int:
-        ranks, reason = min(self.capacity(), self.max_ranks), "start"
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        ranks, reason = self._fit(min(self.capacity(), self.max_ranks)), "start"
         while True:
+            if self._signal is not None:
+                return self._report_stop(time.time())
             if ranks < self.min_ranks:
                 self._event("give_up", ranks=ranks, reason=reason)
                 raise TrainError(f"elastic: {ranks} ranks available after {reason}, below --min-ranks "
                                  f"{self.min_ranks}; resume later with --resume")
+            t0 = time.time()
             rc, outcome, failed = self._attempt(ranks, reason)
             if outcome == "done":
                 self._event("finished", ranks=ranks)
                 return rc
+            if outcome == "stopped":
+                return self._report_stop(t0)
             if outcome == "scale_up":
-                ranks, reason = self.capacity(), f"capacity returned ({self.capacity()} ranks)"
+                ranks, reason = self._fit(self.capacity()), f"capacity returned ({self.capacity()} ranks)"
                 continue
             self.restarts += 1
             if self.restarts > self.max_restarts:
@@ -137,11 +181,11 @@ class Supervisor:
                                  "log above")
             # Ranks the watchdog named are gone; a failure it did not name (a rank killed outright, a decode
             # worker, an OOM) frees its slot on this machine: the capacity file says whether it is usable.
-            ranks = min(ranks - len(failed), self.capacity())
+            ranks = self._fit(min(ranks - len(failed), self.capacity()))
             reason = f"fault: ranks {sorted(failed) or 'not named'} lost (launch exit {rc})"
 
     def _attempt(self, ranks: int, reason: str):
-        accum = accum_for(self.batch, ranks, self.max_micro)
+        accum = accum_for(self.batch, ranks // self.group, self.max_micro)
         converted = convert_for_launch(self.run_dir, world=ranks, **self.layout)
         if converted:
             self._event(**converted, ranks=ranks)
@@ -152,30 +196,96 @@ class Supervisor:
                "--master_port", str(_free_port()), *shlex.split(os.environ.get("LOONGFORGE_TORCHRUN_ARGS", "")),
                "-m", "loongforge.train", *self.argv, "--grad-accum", str(accum), "--resume"]
         t0, start_latest = time.time(), _latest(self.run_dir)
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid()), LOCK_OWNER_ENV: str(os.getpid())}
+        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
+        # PDEATHSIG: torchrun (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
+        self._proc = proc = subprocess.Popen(cmd, start_new_session=True, env=env,
+                                             preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
         scaling = False
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
+                self._kill_if_overdue()
                 latest = _latest(self.run_dir)
-                if not scaling and ranks < self.capacity() and latest not in (None, start_latest) \
-                        and _tag_step(latest) < self.steps:  # never stop a launch at its final checkpoint
+                if not scaling and self._signal is None and ranks < self._fit(self.capacity()) \
+                        and latest not in (None, start_latest) and _tag_step(latest) < self.steps:
                     log.info("elastic: capacity for %d ranks and checkpoint %s published: stopping the launch to "
-                             "scale up", self.capacity(), _latest(self.run_dir))
+                             "scale up (the ranks write a checkpoint at the step in flight)", self.capacity(), latest)
                     scaling = True
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    self._forward(signal.SIGTERM)
         except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)
+            self._kill_launch()
             proc.wait()
             raise
-        rc = proc.returncode
-        if rc == 0:
-            return rc, "done", set()
+        finally:
+            self._proc = None
+        rc, events = proc.returncode, _events_since(self.run_dir, t0)
+        config = [e for e in events if e.get("event") == "stop" and e.get("config_error")]
+        if config:
+            raise UsageError(config[-1]["why"])
         if scaling:
             return rc, "scale_up", set()
-        failed = {e["rank"] for e in _events_since(self.run_dir, t0) if e.get("event") == "fault"}
+        # Stopped on purpose: this supervisor's signal, or the ranks' own preemption (a checkpoint written) or
+        # Ctrl-C. A bare SIGTERM record is torchrun stopping the survivors of a fault, and a torchrun killed by a
+        # signal (rc < 0) took its ranks with it (they may have saved on the way out): both relaunch.
+        if self._signal is not None or rc >= 0 and any(
+                e.get("event") == "stop" and e.get("code") in (EXIT_PREEMPTED, EXIT_INTERRUPTED) for e in events):
+            return rc, "stopped", set()
+        if rc == 0:
+            return rc, "done", set()
+        # A fault record without a rank (torchrun's agent died, a start-up hang) drops no rank.
+        failed = {e["rank"] for e in events if e.get("event") == "fault" and e.get("rank") is not None}
         self._event("fault", ranks=ranks, exit=rc, failed_ranks=sorted(failed))
         return rc, "fault", failed
+
+    # -- signals: the supervisor's SIGINT/SIGTERM stop the run; the ranks get them, not torchrun ------------
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal is not None:  # a second one: stop waiting for the ranks' checkpoint
+            log.warning("elastic: second signal: killing the launch")
+            self._kill_launch()
+            return
+        self._signal, self._signal_at = signum, time.monotonic()
+        log.warning("elastic: %s: stopping the launch (%s)", signal.Signals(signum).name,
+                    "the ranks finish their step and write a checkpoint" if signum == signal.SIGTERM else
+                    "no checkpoint")
+        self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        ranks = owner.rank_pids(proc.pid)
+        if ranks:
+            owner.signal_all(ranks, signum)
+        else:  # still starting: torchrun stops its workers itself
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+
+    def _kill_if_overdue(self) -> None:
+        if self._signal is not None and time.monotonic() - self._signal_at > self.grace_s + KILL_AFTER_S:
+            log.warning("elastic: the launch did not stop within %.0f s of the signal: killing it",
+                        self.grace_s + KILL_AFTER_S)
+            self._kill_launch()
+
+    def _kill_launch(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        owner.signal_all([*owner.descendants(proc.pid), proc.pid], signal.SIGKILL)
+
+    def _report_stop(self, t0: float) -> int:
+        """One line for a run stopped by a signal (the rank 0 stop record says whether it saved) and its code."""
+        recs = [e for e in _events_since(self.run_dir, t0) if e.get("event") == "stop"]
+        rec = recs[-1] if recs else {}
+        if self._signal == signal.SIGINT:
+            code = EXIT_INTERRUPTED
+        else:
+            code = EXIT_PREEMPTED if rec.get("code") == EXIT_PREEMPTED else EXIT_TERMINATED
+        why = rec.get("why") or f"stopped by {signal.Signals(self._signal or signal.SIGTERM).name} before the " \
+            f"ranks started; last checkpoint {_latest(self.run_dir) or 'none'}"
+        self._event("stopped", exit=code, why=why)
+        print(f"loongforge train: {why}; resume: {self.resume_cmd}", file=sys.stderr, flush=True)
+        return code
 
     def _event(self, action: str, **kw) -> None:
         os.makedirs(self.run_dir, exist_ok=True)

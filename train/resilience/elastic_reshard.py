@@ -29,8 +29,6 @@ import subprocess
 import sys
 import time
 
-import torch
-
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.ckpt import fallback as ckpt_fallback, files as ckpt_files
@@ -61,7 +59,7 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
         if latest is None:
             return None
         # rank 0 alone: no process group is up in the supervisor
-        tag = ckpt_fallback.pick_resume_tag(run_dir, latest, rank=0, device=torch.device("cpu"))
+        tag = ckpt_fallback.pick_resume_tag(run_dir, latest)
         doc = ckpt_files.read_sidecar(run_dir, tag)
     except CheckpointError as exc:  # the trainer meets the same error and reports it
         log.warning("elastic: not converting the checkpoint before the relaunch: %s", exc)

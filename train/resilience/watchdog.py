@@ -24,6 +24,12 @@ SIGTERM, so the launch would wait for its kill timeout), the loader is closed,
 the process group aborted where the backend can (NCCL), and the rank leaves with
 os._exit(EXIT_PEER_FAULT): the main thread may be blocked in a collective
 (DeepSpeed's CPU shm all-reduce spins without a timeout), so nothing waits for it.
+
+A store that stops answering is blamed on whoever serves it: rank 0 under the
+deepspeed launcher and plain runs, torchrun's agent under torchrun. The agent's
+death is recorded as kind "launcher" with no rank, so `--elastic` does not drop
+a healthy rank for it (normally the ranks stop sooner: they die with their
+launcher, owner.py).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from datetime import timedelta
 
 import torch
 
-from loongforge.train.resilience.exits import EXIT_PEER_FAULT, exit_now
+from loongforge.train.resilience.exits import EXIT_PEER_FAULT, bounded, exit_now
 from loongforge.train.resilience.nan_guard import parse_injection
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,8 @@ class Watchdog:
         self._key = lambda r: f"{PREFIX}/{self._restart}/{r}"
         self._peers: dict[int, dict] = {}  # rank -> {"seq", "step", "seen", "moved", "doc"}
         self._store_failed_since: float | None = None
+        self.muted = False  # a SIGTERM stop is under way: its grace timer bounds it (stop.py), not the watchdog
+        self._launcher_pid = os.getppid()  # torchrun's agent serves the store when it is the launcher
         self._inject_hang = parse_injection(os.environ.get(INJECT_HANG_ENV), rank)
 
     @property
@@ -93,6 +101,11 @@ class Watchdog:
             while True:
                 time.sleep(3600)
 
+    def mute(self) -> None:
+        """Keep beating, stop judging: during a SIGTERM stop the launcher (and the store it serves) may
+        be going away on purpose."""
+        self.muted = True
+
     def stop(self, done: bool = True) -> None:
         if done and self.enabled and self._thread is not None:
             self.done = True
@@ -111,7 +124,7 @@ class Watchdog:
                 self._store_failed_since = None
             except Exception as exc:  # noqa: BLE001 - the store host (rank 0, or the agent) may be frozen
                 fault = self._store_trouble(exc)
-            if fault is not None and not self._stop.is_set():
+            if fault is not None and not self._stop.is_set() and not self.muted:
                 self._fire(*fault)
 
     def _beat(self) -> None:
@@ -166,17 +179,25 @@ class Watchdog:
         self._store_failed_since = self._store_failed_since or now
         if now - self._store_failed_since <= dead_after_s(self.heartbeat_s):
             return None
-        host = os.environ.get("MASTER_ADDR", "?")
-        return ("dead", 0, {"host": host, "step": self.step}, now - self._store_failed_since,
-                f"the launch's TCPStore at {host}:{os.environ.get('MASTER_PORT')} has not answered for "
-                f"{now - self._store_failed_since:.1f}s ({type(exc).__name__}); its host process (rank 0 "
-                "unless an agent serves it) is dead or stopped")
+        host, after = os.environ.get("MASTER_ADDR", "?"), now - self._store_failed_since
+        where = f"the launch's TCPStore at {host}:{os.environ.get('MASTER_PORT')} has not answered for {after:.1f}s " \
+            f"({type(exc).__name__})"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent serves the store, not rank 0: its death is the launcher's, and no rank is to be
+            # dropped for it (the elastic supervisor drops the ranks a fault record names).
+            state = {None: "is gone", "T": "is stopped", "Z": "exited"}.get(_proc_state(self._launcher_pid), "")
+            local = f"; this host's torchrun agent (pid {self._launcher_pid}) {state}" if state else ""
+            return ("launcher", None, {"host": host, "step": self.step}, after,
+                    f"{where}: the torchrun agent serving it is dead or stopped{local}")
+        return ("dead", 0, {"host": host, "step": self.step}, after,
+                f"{where}; its host process, rank 0, is dead or stopped")
 
     def _fire(self, kind: str, rank: int, doc: dict, after_s: float, why: str) -> None:
         host = doc.get("host", "?")
-        log.error("watchdog: rank %d on %s %s: %s (at step %s); rank %d ends with exit %d so the launch "
-                  "can restart without it", rank, host, "is dead or stopped" if kind == "dead" else "is hung",
-                  why, doc.get("step"), self.rank, EXIT_PEER_FAULT)
+        who = f"the launcher of {host}" if rank is None else f"rank {rank} on {host}"
+        state = {"dead": "is dead or stopped", "launcher": "is dead or stopped"}.get(kind, "is hung")
+        log.error("watchdog: %s %s: %s (at step %s); rank %d ends with exit %d so the launch can restart%s", who,
+                  state, why, doc.get("step"), self.rank, EXIT_PEER_FAULT, "" if rank is None else " without it")
         if self._first_to_report():  # one record per fault, from whichever rank's watchdog fired first
             record = {"v": 1, "event": "fault", "kind": kind, "rank": rank, "host": host, "why": why,
                       "at_step": doc.get("step"), "detected_by": self.rank, "detected_after_s": round(after_s, 2),
@@ -188,7 +209,7 @@ class Watchdog:
         if host == self.host and doc.get("pid") and _proc_state(doc["pid"]) == "T":
             with contextlib.suppress(OSError):
                 os.kill(doc["pid"], signal.SIGKILL)  # fence: a stopped rank never handles the launcher's TERM
-        _bounded(self.closers + [_abort_process_group], 5.0)
+        bounded(self.closers + [_abort_process_group], 5.0, log)
         exit_now(EXIT_PEER_FAULT)
 
 
@@ -220,17 +241,3 @@ def _abort_process_group() -> None:
     no abort: its blocked calls end with the process."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         torch.distributed.distributed_c10d._abort_process_group()
-
-
-def _bounded(closers, timeout_s: float) -> None:
-    """Run closers in a helper thread; whatever is still blocked after timeout_s is left behind."""
-    def run():
-        for c in closers:
-            try:
-                c()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("watchdog teardown: %s", exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)

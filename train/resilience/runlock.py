@@ -1,0 +1,102 @@
+"""One live run per run directory: an advisory lock on RUN_DIR/run.lock for the run's lifetime.
+
+Who holds it: the elastic supervisor (for all its launches), else rank 0 of a launch (before its
+process group; the other ranks then fail with the launch when rank 0 exits 2). A second launch on
+a locked run dir exits 2 naming the holder (host, pid, start time, command): two runs writing one
+`latest` would mix their checkpoints. The supervisor's ranks see its pid in LOCK_OWNER_ENV and do
+not lock again.
+
+The lock is flock(2) on an fd kept open by the holder, so the kernel releases it whenever the holder
+dies, SIGKILL and OOM included; the file stays (it records the last holder) and is not a lock by
+itself. Where it holds: local filesystems (ext4, xfs, btrfs, tmpfs, overlayfs); NFSv3 (with lockd)
+and NFSv4, where Linux implements flock() with byte-range locks seen by every client; CephFS; GPFS;
+Lustre only when mounted with `-o flock` (`localflock` makes it node-local). Not across nodes on
+FUSE object-store mounts (s3fs, gcsfuse) or Lustre without `flock`: there it only stops a second
+launch on the same node. An NFSv4 lease may keep a crashed client's lock for ~90 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+
+from loongforge.shared.errors import UsageError
+
+LOCK_FILE = "run.lock"
+LOCK_OWNER_ENV = "LOONGFORGE_RUN_LOCK_OWNER"  # pid of the process that holds the lock for this launch
+
+
+class RunLock:
+    def __init__(self, run_dir: str):
+        self.run_dir, self.path = run_dir, os.path.join(run_dir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        """Take the lock or raise UsageError naming its holder (exit 2)."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children (O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise UsageError(f"--run-dir {self.run_dir} is in use by a live run ({describe(holder(self.run_dir))}); "
+                             "stop that run first, or give another --run-dir") from None
+        doc = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+               "command": shlex.join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(doc) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # closing the last fd drops the flock
+            self._fd = None
+
+
+def holder(run_dir: str) -> dict:
+    """The last holder recorded in the lock file (the live one while it is locked)."""
+    try:
+        with open(os.path.join(run_dir, LOCK_FILE)) as f:
+            return json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def describe(doc: dict) -> str:
+    if not doc:
+        return "holder unknown"
+    started = datetime.fromtimestamp(doc.get("started", 0), timezone.utc).isoformat(timespec="seconds")
+    return f"pid {doc.get('pid')} on {doc.get('host')}, started {started}: {doc.get('command', '?')}"
+
+
+def acquire_for_rank(run_dir: str, rank: int) -> RunLock | None:
+    """Rank 0 locks the run dir unless the supervisor that started it holds the lock already."""
+    if rank != 0:
+        return None
+    owner = os.environ.get(LOCK_OWNER_ENV)
+    if owner and str(holder(run_dir).get("pid")) == owner and _pid_alive(int(owner)):
+        return None
+    return RunLock(run_dir).acquire()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
