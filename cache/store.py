@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,8 +51,8 @@ class Store:
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
-        for tier in (self.ram, self.ssd):
-            tier.open_dir()
+        self.ram.open_dir()
+        ssd_ok = self._open_ssd()
         self.ram.wipe()  # RAM files of a previous run: not ours to trust, cheap to refill
         self.ram.open_dir()
         huge = self.ram_huge
@@ -63,7 +64,7 @@ class Store:
                      "memcpy; a tmpfs mounted with huge=within_size reaches ~0.9 (infra/cache/README.md)",
                      self.ram.root)
         t0 = time.monotonic()
-        kept, dropped = self.ssd.rebuild(self.index, full=self.cfg.ssd_verify == "full")
+        kept, dropped = self.ssd.rebuild(self.index, full=self.cfg.ssd_verify == "full") if ssd_ok else ([], [])
         for _ in dropped:
             self.metrics.inc("corrupt", "ssd")
         for s in kept:
@@ -380,6 +381,24 @@ class Store:
                 errno.errorcode.get(exc.errno, exc.errno), name, size, format_bytes(tier.used),
                 format_bytes(tier.budget), victim, tier.name)
         return True
+
+    def _open_ssd(self) -> bool:
+        """Open the SSD tier; a disk already full at start (no room for its directory, lock or format
+        marker) leaves this node RAM-only until the daemon restarts, with one WARNING, instead of a
+        daemon that cannot start: a tier without its lock and marker must not take writes."""
+        try:
+            self.ssd.open_dir()
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            kind = errno.errorcode.get(exc.errno, str(exc.errno))
+        self.ssd.turn_writes_off(time.monotonic(), math.inf, math.inf,
+                                 f"disk full ({kind}) at start: restart the daemon once there is room")
+        log.warning("ssd tier %s: disk full (%s) at start, no room for the tier's directory, lock or format "
+                    "marker: this node runs RAM-only until the daemon restarts. Free space on that disk or point "
+                    "--ssd-dir elsewhere", self.ssd.root, kind)
+        return False
 
     def _disk_full(self, tier: Tier, name: str, exc: OSError, recheck: bool) -> None:
         """No room on the tier's disk and nothing of ours left to evict: the tier takes no writes until a

@@ -184,3 +184,34 @@ def test_rebuild_drops_files_others_may_write_and_restores_dir_modes(synthetic_r
     kept, dropped = tier.rebuild(index, full=False)
     assert kept == [s[0]] and sorted(dropped) == s[1:]
     assert stat.S_IMODE(os.stat(shards_dir).st_mode) == 0o750
+
+
+def test_ssd_disk_full_at_start_runs_ram_only_with_one_warning(synthetic_root, tmp_path, tiny_disk, caplog):
+    """No room on the SSD's disk for the tier's directory, lock or marker: the daemon still starts,
+    RAM-only, the tier reported disabled with the reason, and the SSD is never written."""
+    root, index = synthetic_root
+    with open(tiny_disk / "ballast", "wb", buffering=0) as f:  # fill the filesystem to the last block
+        try:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    size = index.shards[0].bytes
+    cfg = CacheConfig(origin=root, ram_dir=str(tmp_path / "ram"), ssd_dir=str(tiny_disk / "ssd"),
+                      ram_budget=8 * size, ssd_budget=8 * size)
+    store = Store(cfg, index, Metrics("n"), _Recorder)
+    with caplog.at_level(logging.WARNING, logger="loongforge.cache.store"):
+        store.open()
+        try:
+            name = index.shards[0].name
+            assert store.get(name, "reader")["tier"] == "ram"
+            store.release(name, "reader")
+            _drain(store)
+            tiers = store.snapshot()["tiers"]["ssd"]
+            assert tiers["disabled"] and "at start" in tiers["disabled_reason"]
+            assert not store.ssd.entries
+        finally:
+            store.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "tmpfs" not in r.getMessage()]
+    assert len(warnings) == 1 and "disk full (ENOSPC) at start" in warnings[0], warnings
