@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from loongforge.shared.errors import UsageError
+from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.train.data.samples import DeltaSpec
-from loongforge.train.eval.baselines import MAX_LEVELS, fit_reference
+from loongforge.train.eval.baselines import MAX_LEVELS, fit_reference, group_modes
 from loongforge.train.eval.openloop import check_request, errors, evaluate_episode, format_table
 from loongforge.train.eval.plots import plot_episode, worst_dims
+from loongforge.train.eval.policy import Policy
 
 GROUPS = {"arm": (0, 2), "hand": (2, 3)}
 
@@ -115,3 +116,24 @@ def test_plot_shows_the_worst_dims_labelled_by_group(tmp_path):
 def test_samples_below_one_is_a_usage_error(samples):
     with pytest.raises(UsageError, match="--samples"):
         check_request(SimpleNamespace(tables={"episode_id": np.arange(3)}), None, 4, samples)
+
+
+def test_policy_takes_each_discrete_group_as_its_mode_asks():
+    rng = np.random.default_rng(3)
+    ref = fit_reference(_data([_episode(rng)]), GROUPS)
+    assert group_modes(ref, None) == {"hand": "flow"} and group_modes(ref, "head") == {"hand": "head"}
+    with pytest.raises(ConfigError, match="not a discrete-valued group"):
+        group_modes(ref, {"arm": "snap"})
+    with pytest.raises(ConfigError, match="use one of"):
+        group_modes(ref, {"hand": "vote"})
+    index = SimpleNamespace(dataset=SimpleNamespace(modality={"action": {"arm": {"start": 0, "end": 2},
+                                                                         "hand": {"start": 2, "end": 3}}},
+                                                    action_dim=3))
+    me = SimpleNamespace(reference=ref, index=index, model=_Model(), unnormalize=lambda a: a.float().numpy())
+    batch = {"action": torch.zeros(1, 2, 3)}
+    flow = np.full((1, 2, 3), 0.4, np.float32)
+    assert Policy.apply_modes(me, flow, batch, "flow").tolist() == flow.tolist()
+    snapped = Policy.apply_modes(me, flow, batch, "snap")
+    assert np.all(snapped[..., :2] == np.float32(0.4)) and np.all(snapped[..., 2] == 1.5)
+    head = Policy.apply_modes(me, flow, batch, {"hand": "head"})
+    assert np.all(head[..., :2] == np.float32(0.4)) and np.all(head[..., 2] == 7.0)

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loongforge.shared.errors import ConfigError
 from loongforge.train.data.batch import Norm
 from loongforge.train.data.samples import gather_actions, state_indices
 
+DISCRETE_MODES = ("flow", "snap", "head")  # a discrete-valued group at inference: as the flow gives it,
+# snapped to its nearest training level, or from the discrete head (Policy.predict_action, openloop's columns)
+DEFAULT_DISCRETE_MODE = "flow"
 MAX_LEVELS = 8  # distinct training values of a dimension still called discrete-valued
 RIDGE_L2 = 1e-3  # per-sample ridge penalty, normalised units (a well-posed solve, no visible shrinkage)
 MAX_EPISODES = 500  # training episodes read for the fit (evenly spaced); bounds eval's start-up
@@ -52,6 +56,29 @@ class TrainingReference:
 
     def discrete_dims(self, groups: dict[str, tuple[int, int]]) -> list[int]:
         return [d for g in self.discrete_groups for d in range(*groups[g])]
+
+
+def action_groups(index) -> dict[str, tuple[int, int]]:
+    """name -> [start, end) of the action groups of the root's modality.json (one "action" without one)."""
+    groups = index.dataset.modality.get("action", {}) if isinstance(index.dataset.modality, dict) else {}
+    out = {name: (int(g["start"]), int(g["end"])) for name, g in groups.items()
+           if isinstance(g, dict) and "start" in g and "end" in g}
+    return out or {"action": (0, index.dataset.action_dim)}
+
+
+def group_modes(ref: TrainingReference, modes: str | dict | None) -> dict[str, str]:
+    """The inference mode of each discrete-valued group: `modes` names one for all of them, or maps
+    group -> mode (the others get DEFAULT_DISCRETE_MODE). A group that is not discrete-valued is refused."""
+    if modes is None or isinstance(modes, str):
+        modes = dict.fromkeys(ref.discrete_groups, modes or DEFAULT_DISCRETE_MODE)
+    for g, m in modes.items():
+        if g not in ref.discrete_groups:
+            raise ConfigError(f"discrete mode for {g!r}: not a discrete-valued group (those are "
+                              f"{list(ref.discrete_groups) or 'none'}; declare one with \"discrete\": true in "
+                              "modality.json)")
+        if m not in DISCRETE_MODES:
+            raise ConfigError(f"discrete mode {m!r} for {g!r}: use one of {DISCRETE_MODES}")
+    return {g: modes.get(g, DEFAULT_DISCRETE_MODE) for g in ref.discrete_groups}
 
 
 def training_rows(data) -> list[int]:

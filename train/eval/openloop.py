@@ -24,7 +24,7 @@ import torch
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.data.samples import SampleTable
-from loongforge.train.eval.baselines import fit_reference
+from loongforge.train.eval.baselines import action_groups, fit_reference
 from loongforge.train.eval.plots import plot_episode
 from loongforge.train.eval.validation import ValSet
 
@@ -40,13 +40,6 @@ from loongforge.train.eval.validation import ValSet
 METHODS = ("policy", "policy_k", "discrete", "snap", "hybrid", "ridge", "mean", "repeat_last")
 HEADERS = {"policy": "1 sample", "policy_k": "K-mean", "discrete": "discrete", "snap": "snap",
            "hybrid": "hybrid", "ridge": "ridge", "mean": "mean", "repeat_last": "repeat-last"}
-
-
-def action_groups(index) -> dict[str, tuple[int, int]]:
-    groups = index.dataset.modality.get("action", {}) if isinstance(index.dataset.modality, dict) else {}
-    out = {name: (int(g["start"]), int(g["end"])) for name, g in groups.items()
-           if isinstance(g, dict) and "start" in g and "end" in g}
-    return out or {"action": (0, index.dataset.action_dim)}
 
 
 def chunk_ids(data, episode_id: int) -> np.ndarray:
