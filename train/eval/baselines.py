@@ -23,7 +23,6 @@ import numpy as np
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.data.batch import Norm
-from loongforge.train.data.samples import gather_actions, state_indices
 
 DISCRETE_MODES = ("flow", "snap", "head")  # a discrete-valued group at inference: as the flow gives it,
 # snapped to its nearest training level, or from the discrete head (Policy.predict_action, openloop's columns)
@@ -97,11 +96,17 @@ def fit_reference(data, groups: dict[str, tuple[int, int]]) -> TrainingReference
         ep = data.ds.read_arrays(row)
         state, action = np.asarray(ep["state"], np.float32), np.asarray(ep["action"], np.float32)
         actions.append(action)
-        for t in range(len(state)):
-            xs.append(state[state_indices(t, len(state), spec)[-1]])
-            ys.append(gather_actions(action, t, spec)[0])
-    x = (np.stack(xs) - norm.state_mean) / norm.state_std
-    y = ((np.stack(ys) - norm.action_mean) / norm.action_std).reshape(len(ys), -1)
+        n = len(state)
+        t = np.arange(n)
+        xs.append(state[np.clip(t + spec.state_deltas[-1], 0, n - 1)])  # the current state, as the model's token
+        rows = t[:, None] + np.arange(spec.action_horizon)  # (n, H) as gather_actions, for every t at once
+        chunk = action[np.minimum(rows, n - 1)]
+        if spec.action_pad == "zero":
+            chunk[rows >= n] = 0.0
+        ys.append(chunk)
+    x = (np.concatenate(xs) - norm.state_mean) / norm.state_std
+    y = np.concatenate(ys)
+    y = ((y - norm.action_mean) / norm.action_std).reshape(len(y), -1)
     x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
     reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
     reg[-1, -1] = 0.0  # the bias is not shrunk
