@@ -5,11 +5,13 @@ import io
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from loongforge.shared.errors import CheckpointError, ConfigError
+from loongforge.train.ckpt.reshard_io import target_meta
 from loongforge.train.config import RECIPE_LR, OptimConfig
 from loongforge.train.flags import add_train_args, config_from_args
 from loongforge.train.parallel.lr_schedule import LRSchedule, lr_factor
@@ -104,3 +106,14 @@ def test_one_rank_resume_continues_the_schedule_exactly(train_root, tmp_path):
     for a, b in zip(want[4:], got[4:]):
         assert b["lr"] == a["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_reshard_carries_the_schedule_state():
+    """`ckpt reshard` writes the target's model-states metadata from the source's: the schedule goes along."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    s = LRSchedule(opt, OptimConfig(lr=1e-3), total_steps=100)
+    for _ in range(9):
+        s.step()
+    out = target_meta({"lr_scheduler": s.state_dict(), "ds_version": "0", "param_shapes": []},
+                      SimpleNamespace(dp=3, tp=1))
+    assert out["lr_scheduler"] == s.state_dict() and out["lr_scheduler"]["updates"] == 9
