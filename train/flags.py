@@ -60,6 +60,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                       help="linear warm-up over N optimizer steps (default: --warmup-ratio of --steps)")
     warm.add_argument("--warmup-ratio", type=float, default=_default(OptimConfig, "warmup_ratio"),
                       help="warm-up as a fraction of --steps")
+    p.add_argument("--min-lr-ratio", type=float, default=_default(OptimConfig, "min_lr_ratio"),
+                   help="lr at the end of the decay, as a fraction of the peak")
     p.add_argument("--weight-decay", type=float, default=_default(OptimConfig, "weight_decay"),
                    help="AdamW's decoupled weight decay")
     p.add_argument("--grad-clip", type=float, default=_default(OptimConfig, "grad_clip"),
@@ -175,7 +177,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         model=ModelConfig(attention=a.attention),
         optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(a.recipe, _default(OptimConfig, "lr")),
                           lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps, warmup_ratio=a.warmup_ratio,
-                          weight_decay=a.weight_decay, grad_clip=a.grad_clip),
+                          min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,

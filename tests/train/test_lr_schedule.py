@@ -78,6 +78,11 @@ def test_state_round_trips_weights_only_and_rejects_another_version():
     assert s2.loaded and s2.updates == 5 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     with pytest.raises(CheckpointError, match="not version"):
         s2.load_state_dict({"last_batch_iteration": 3})
+    s3 = LRSchedule(opt2, OptimConfig(lr=2e-3, warmup_steps=2), total_steps=10)
+    s3.load_state_dict(None)  # a checkpoint from before: left to the trainer's fast-forward
+    assert not s3.loaded and s3.updates == 0
+    s3.fast_forward(5)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
 ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",

@@ -85,6 +85,9 @@ class LRSchedule:
     def load_state_dict(self, state: dict) -> None:
         """The position comes from the checkpoint; the shape from this launch's flags. A changed shape
         (another --steps, --lr, --lr-schedule) is followed from the saved position, and said."""
+        if state is None:  # saved before the schedule was a client scheduler: the trainer fast-forwards it
+            log.warning("checkpoint holds no LR schedule state: the schedule continues at the resumed step")
+            return
         if not isinstance(state, dict) or state.get("version") != SCHEDULE_VERSION:
             raise CheckpointError(f"LR schedule state {state!r:.120} is not version {SCHEDULE_VERSION}: this "
                                   "checkpoint was written by another scheduler; resume it with the release that "
