@@ -88,7 +88,7 @@ def test_every_variant_per_chunk():
                             discrete_dims=[2])
     assert np.all(traj["policy"] == 3.0) and np.all(traj["policy_k"] == 4.5)  # mean of seeds 3..6
     assert np.all(traj["discrete"] == 7.0)
-    assert np.all(traj["hybrid"][:, :2] == 3.0) and np.all(traj["hybrid"][:, 2] == 7.0)
+    assert np.all(traj["hybrid"][:, :2] == 3.0) and np.all(traj["hybrid"][:, 2] == 1.5)  # head's 7 -> level 1.5
     assert np.all(traj["snap"][:, :2] == 3.0) and np.all(traj["snap"][:, 2] == 1.5)
     want = ref.ridge(batch["state"][:, -1].numpy()).reshape(-1, 3)
     np.testing.assert_allclose(traj["ridge"], want, rtol=1e-6)
@@ -136,4 +136,4 @@ def test_policy_takes_each_discrete_group_as_its_mode_asks():
     snapped = Policy.apply_modes(me, flow, batch, "snap")
     assert np.all(snapped[..., :2] == np.float32(0.4)) and np.all(snapped[..., 2] == 1.5)
     head = Policy.apply_modes(me, flow, batch, {"hand": "head"})
-    assert np.all(head[..., :2] == np.float32(0.4)) and np.all(head[..., 2] == 7.0)
+    assert np.all(head[..., :2] == np.float32(0.4)) and np.all(head[..., 2] == 1.5)  # the head's 7, snapped

@@ -33,7 +33,7 @@ from loongforge.train.eval.validation import ValSet
 #   policy_k   the mean of `samples` flow samples (seeds seed..seed+K-1): the policy without sampling noise
 #   discrete   the discrete head's greedy decoding (bin centres)
 #   snap       `policy` with the discrete-valued groups snapped to their training levels
-#   hybrid     `policy` with the discrete-valued groups taken from the discrete head
+#   hybrid     `policy` with the discrete-valued groups taken from the discrete head (snapped to the levels)
 #   ridge      ridge regression from the current state, fitted on the training episodes (baselines.py)
 #   mean       the index's action mean
 #   repeat_last  the last action before the chunk (the episode's first action for its first chunk)
@@ -71,7 +71,8 @@ def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, di
             out["snap"] = ref.snap(out["policy"], list(discrete_dims))
             if discrete:
                 out["hybrid"] = out["policy"].copy()
-                out["hybrid"][..., discrete_dims] = out["discrete"][..., discrete_dims]
+                # bin centres are up to half a bin off a level: snapped, a right choice costs nothing
+                out["hybrid"][..., discrete_dims] = ref.snap(out["discrete"], list(discrete_dims))[..., discrete_dims]
     return out
 
 
@@ -176,5 +177,5 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<18}" + "".join(f"{ov[m]['mse'][g]:>12.5f}" for m in methods))
     if disc:
         lines.append("* discrete-valued on the training episodes: snap = 1 sample snapped to its levels, "
-                     "hybrid = those dims from the discrete head")
+                     "hybrid = those dims from the discrete head, snapped")
     return "\n".join(lines)

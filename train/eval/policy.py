@@ -144,7 +144,7 @@ class Policy:
         """(B, H, Da) actions in dataset units: flow integration (the mean of `samples` noise seeds
         from `seed`), or the discrete head for every dim (`discrete`). `modes` picks, per
         discrete-valued group, "flow", "snap" (nearest training level) or "head" (the discrete
-        head's dims): one name for all such groups or a dict group -> mode (baselines.group_modes).
+        head's dims, snapped to the levels): one name for all such groups or a dict group -> mode (baselines.group_modes).
         Observations are checked first (`check`): slot names, frame shapes, state width."""
         if steps < 1 or samples < 1:
             raise ConfigError(f"steps={steps}, samples={samples}: the flow needs at least 1 integration step "
@@ -166,7 +166,8 @@ class Policy:
             out = ref.snap(out, dims["snap"])
         if dims["head"]:
             out = np.array(out, copy=True)
-            out[..., dims["head"]] = self.unnormalize(self.model.predict_discrete(batch))[..., dims["head"]]
+            head = ref.snap(self.unnormalize(self.model.predict_discrete(batch)), dims["head"])  # bin centre -> level
+            out[..., dims["head"]] = head[..., dims["head"]]
         return out
 
     act = predict_action  # the earlier name
