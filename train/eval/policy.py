@@ -143,8 +143,9 @@ class Policy:
                        samples: int = 1, modes: str | dict | None = None) -> np.ndarray:
         """(B, H, Da) actions in dataset units: flow integration (the mean of `samples` noise seeds
         from `seed`), or the discrete head for every dim (`discrete`). `modes` picks, per
-        discrete-valued group, "flow", "snap" (nearest training level) or "head" (the discrete
-        head's dims, snapped to the levels): one name for all such groups or a dict group -> mode (baselines.group_modes).
+        discrete-valued group, "flow", "snap" (nearest training level) or "head" (the discrete head's
+        dims, snapped to the levels): one name for all such groups or a dict group -> mode
+        (baselines.group_modes).
         Observations are checked first (`check`): slot names, frame shapes, state width."""
         if steps < 1 or samples < 1:
             raise ConfigError(f"steps={steps}, samples={samples}: the flow needs at least 1 integration step "
