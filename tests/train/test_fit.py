@@ -29,7 +29,7 @@ from loongforge.train.eval.policy import Policy
 from tests.train.train_launch import assert_ok, launch
 
 pytestmark = [pytest.mark.full, pytest.mark.slow]
-FIT_STEPS = int(os.environ.get("LOONGFORGE_FIT_STEPS", "600"))
+FIT_STEPS = int(os.environ.get("LOONGFORGE_FIT_STEPS", "400"))
 BATCH = 16
 
 
@@ -64,7 +64,9 @@ def test_default_recipe_fits_its_training_episodes(fit_root, fitted, tmp_path):
     val = run_eval(policy, fit_root, str(tmp_path / "val"), episodes=held_out, samples=8)
     print(f"\nfit after {FIT_STEPS} steps (batch {BATCH}), training episodes {train}:\n{format_table(fit)}")
     print(f"held-out episode {held_out}:\n{format_table(val)}")
-    print("FIT-JSON " + json.dumps({"steps": FIT_STEPS, "train": fit["overall"], "val": val["overall"]}))
+    brief = {split: {m: round(r["mse"]["all"], 4) for m, r in s["overall"].items()} for split, s in
+             (("train", fit), ("val", val))}
+    print("FIT-JSON " + json.dumps({"steps": FIT_STEPS, **brief}))
     mse = {m: r["mse"]["all"] for m, r in fit["overall"].items()}
     assert fit["discrete_groups"] == ["left_hand", "right_hand"]
     default = {"flow": "policy", "snap": "snap", "head": "hybrid"}[DEFAULT_DISCRETE_MODE]  # what predict_action gives
