@@ -111,6 +111,17 @@ def test_one_rank_resume_continues_the_schedule_exactly(train_root, tmp_path):
     for a, b in zip(want[4:], got[4:]):
         assert b["lr"] == a["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+    # across `ckpt reshard` (ZeRO-2 -> ZeRO-3): the schedule goes on at update 4, not from a new warm-up
+    moved = str(tmp_path / "resharded")
+    shutil.copytree(run_dir, moved)
+    assert_ok(launch([sys.executable, "-m", "loongforge", "ckpt", "reshard", moved, "--tag", "step00000004",
+                      "--to", "world=1,zero=3"], cwd=str(tmp_path)))
+    args = [a if a != "2" or ARGS[i - 1] != "--zero" else "3" for i, a in enumerate(ARGS)]
+    assert_ok(launch([sys.executable, "-m", "loongforge.train", "--data", root, *args, "--run-dir", moved,
+                      "--resume"], cwd=str(tmp_path)))
+    again = read_metrics(moved)
+    assert [r["step"] for r in again] == list(range(8)) and again[4]["warmup"]  # steps 4.. ran again, here
+    assert [r["lr"] for r in again[4:]] == [r["lr"] for r in want[4:]]
 
 
 def test_reshard_carries_the_schedule_state():
