@@ -122,7 +122,7 @@ class OptimConfig:
     Defaults follow GR00T's fine-tuning (warm-up ratio 0.05, cosine to 0, weight decay 1e-5, clip 1.0);
     the peak lr is the recipe's (RECIPE_LR) unless --lr is given."""
 
-    lr: float = 1e-3  # peak learning rate
+    lr: float = RECIPE_LR["tiny"]  # peak learning rate (the default recipe's)
     weight_decay: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.95)
     lr_schedule: str = "cosine"  # cosine | linear (decay to min_lr_ratio at the last step) | constant

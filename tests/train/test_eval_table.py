@@ -12,7 +12,7 @@ import torch
 
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.train.data.samples import DeltaSpec
-from loongforge.train.eval.baselines import MAX_LEVELS, fit_reference, group_modes
+from loongforge.train.eval.baselines import DEFAULT_DISCRETE_MODE, MAX_LEVELS, fit_reference, group_modes
 from loongforge.train.eval.openloop import check_request, errors, evaluate_episode, format_table
 from loongforge.train.eval.plots import plot_episode, worst_dims
 from loongforge.train.eval.policy import Policy
@@ -121,7 +121,7 @@ def test_samples_below_one_is_a_usage_error(samples):
 def test_policy_takes_each_discrete_group_as_its_mode_asks():
     rng = np.random.default_rng(3)
     ref = fit_reference(_data([_episode(rng)]), GROUPS)
-    assert group_modes(ref, None) == {"hand": "flow"} and group_modes(ref, "head") == {"hand": "head"}
+    assert group_modes(ref, None) == {"hand": DEFAULT_DISCRETE_MODE} and group_modes(ref, "snap") == {"hand": "snap"}
     with pytest.raises(ConfigError, match="not a discrete-valued group"):
         group_modes(ref, {"arm": "snap"})
     with pytest.raises(ConfigError, match="use one of"):
