@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test test-full bench bench-quick parallel-full clean gpu-check faults
+.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check faults
 
 setup: $(STAMP) redis
 
@@ -37,6 +37,11 @@ test: setup
 
 test-full: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fit test (tests/train/test_fit.py): tiny recipe, default schedule, GR00T-shaped data with binary
+# hand commands; beats 0.5 x repeat-last and ridge-from-state on its training episodes. Minutes of CPU.
+fit: setup
+	$(BIN)/python -m pytest -q -s tests/train/test_fit.py $(PYTEST_ARGS)
 
 # The 8-process TP x SP x DP correctness layouts (too heavy for `make test` on 2 cores).
 parallel-full: setup

@@ -76,8 +76,9 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--quirks", nargs="*", choices=QUIRK_CHOICES, default=None,
                    help="inject real-world defects into the dataset")
-    s.add_argument("--task", choices=("default", "learnable"), default=None,
-                   help="learnable: actions are an exact function of state and frame content (for eval checks)")
+    s.add_argument("--task", choices=("default", "learnable", "hands"), default=None,
+                   help="learnable: actions are an exact function of state and frame content (for eval checks); "
+                   "hands: learnable plus binary hand/gripper commands (+-1.5/+-3) the frames announce")
     s.add_argument("--footage", choices=("grain", "camera"), default=None,
                    help="grain (default): scrolling noise texture, worst case for storing frames; "
                         "camera: a fixed robot camera model (static scene, moving arm, sensor noise)")

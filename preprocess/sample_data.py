@@ -3,6 +3,7 @@
     generate_dataset("data/sample")                           # 3 episodes, 2 cameras, 64x64
     generate_dataset("data/gr1", **PRESETS["gr00t-like"])     # 256x256, 44-D, metadata quirks
     generate_dataset("data/learn", task="learnable")          # actions = f(state, frame content)
+    generate_dataset("data/fit", **PRESETS["gr00t-like"], task="hands")  # + binary hand commands
 
 Videos are real H.264 (libx264, yuv420p) encoded through PyAV, with moving
 content (drifting gradient, a moving square, a scrolling noise texture), so
@@ -16,7 +17,10 @@ function of the arguments.
 `task="learnable"` makes a dataset a policy can be scored on (sample_learnable.py):
 the action chunk is an exact function of the current state and of what the
 frames show, with per-episode variety, so predict-the-mean and repeat-last
-baselines do poorly and a model that learned something beats them.
+baselines do poorly and a model that learned something beats them. `task="hands"` is that
+task with the hand (GR1 44-D: left_hand, right_hand) or gripper dims as binary commands of
++-1.5 / +-3 whose switch the frames show, the hand state lagging behind them: GR00T's
+arm-plus-hand-commands shape, for the fit test (tests/train/test_fit.py).
 
 `quirks` inject what real datasets get wrong:
   missing_camera     info.json lists a camera that has no video files at all
@@ -35,11 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from loongforge.preprocess.sample_camera import camera_frames
-from loongforge.preprocess.sample_learnable import learnable_episode, learnable_frames
+from loongforge.preprocess.sample_learnable import hands_episode, learnable_episode, learnable_frames
 from loongforge.shared import color
 from loongforge.shared.errors import ConfigError
 
-TASK_MODES = ("default", "learnable")
+TASK_MODES = ("default", "learnable", "hands")
 # grain: the original drifting gradient + scrolling noise texture (every pixel changes every frame:
 # the worst case for storing decoded frames); camera: sample_camera's fixed robot camera model.
 FOOTAGE_KINDS = ("grain", "camera")
@@ -67,6 +71,16 @@ def _parts(dim: int) -> list[tuple[str, int]]:
     if dim == sum(n for _, n in GR1_PARTS):
         return list(GR1_PARTS)
     return [("arm", dim - 1), ("gripper", 1)] if dim > 1 else [("joint", dim)]
+
+
+def hand_dims(dim: int) -> list[int]:
+    """Action dims of the hands (GR1: left_hand, right_hand) or the gripper: the `hands` task's binary ones."""
+    out, start = [], 0
+    for part, n in _parts(dim):
+        if part.endswith("hand") or part == "gripper":
+            out += range(start, start + n)
+        start += n
+    return out
 
 
 def _names(dim: int) -> list[str]:
@@ -258,6 +272,8 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
         task_index = ep % n_tasks
         if task == "learnable":
             state, action, cue = learnable_episode(n, state_dim, action_dim, rng)
+        elif task == "hands":
+            state, action, cue = hands_episode(n, state_dim, action_dim, hand_dims(action_dim), rng)
         else:
             state, action = _trajectory(n, state_dim, action_dim, rng)
         table = _episode_table(ep, first, task_index, fps, state, action)
@@ -267,7 +283,7 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
         first += n
         for c, cam in enumerate(cameras):
             n_video = max(1, n - 5) if ep == short_ep else n
-            if task == "learnable":
+            if task in ("learnable", "hands"):
                 rgb = learnable_frames(cue[:n_video], height, width, camera=c)
             elif footage == "camera":
                 # its own seed per (episode, camera), drawn from the dataset's stream

@@ -85,3 +85,26 @@ def learnable_frames(targets: np.ndarray, height: int, width: int, camera: int =
         x0 = int(round((width - side) * (0.5 + 0.45 * targets[i, 0])))
         rgb[i, y0 : y0 + side, x0 : x0 + side] = 240
     return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+HAND_LEVELS = (1.5, 3.0)  # GR00T's Fourier hands: binary commands of +-1.5 or +-3 per joint
+HAND_GAIN = 0.5  # the hand joint state moves this fraction of the way to the command per frame
+
+
+def hands_episode(n: int, state_dim: int, action_dim: int, hand_dims: list[int], rng: np.random.Generator):
+    """The learnable episode with `hand_dims` as binary commands (the `hands` task): command j is
+    +-L_j by the side of the visible target on direction u_j (so it flips every half turn, at a
+    moment the frames tell), L_j alternating 1.5 / 3; the hand state lags behind its command
+    (joint positions vs commands, as GR00T's hands), the other dims are the learnable ones."""
+    state, action, targets = learnable_episode(n, state_dim, action_dim, rng)
+    dirs = _directions(max(state_dim, action_dim))
+    for k, j in enumerate(hand_dims):
+        level = HAND_LEVELS[k % len(HAND_LEVELS)]
+        cmd = np.where(targets @ dirs[j] >= 0, level, -level).astype(np.float32)
+        action[:, j] = cmd
+        if j < state_dim:
+            s = np.zeros(n, np.float32)
+            for t in range(1, n):  # per-frame recurrence of one scalar, n ~ 100
+                s[t] = s[t - 1] + HAND_GAIN * (cmd[t - 1] - s[t - 1])
+            state[:, j] = s
+    return state, action, targets

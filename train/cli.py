@@ -39,6 +39,10 @@ def register(subparsers) -> None:
     e.add_argument("--episodes", type=int, nargs="+", default=None, help="episode ids (default: validation split)")
     e.add_argument("--out", default=None, help="output directory (default: RUN/eval)")
     e.add_argument("--steps", type=int, default=4, help="Euler steps of the flow (4, as GR00T)")
+    e.add_argument("--samples", type=int, default=8, help="noise seeds averaged in the K-sample column (the "
+                   "1-sample column is what a robot gets; their gap is sampling noise)")
+    e.add_argument("--plot-dims", type=int, default=8, help="action dims per episode plot: those with the "
+                   "largest policy error, labelled by modality.json group")
     e.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -83,7 +87,7 @@ def _eval(args) -> int:
     from loongforge.train.eval.policy import Policy
 
     # Everything asked is checked before the checkpoint loads (seconds, and DeepSpeed's output).
-    check_request(open_root(args.data), args.episodes, args.steps)
+    check_request(open_root(args.data), args.episodes, args.steps, args.samples)
     tag = args.tag or ckpt_files.latest_tag(args.run_dir)
     if tag is None:
         raise CheckpointError(f"no checkpoint under {ckpt_files.ckpt_root(args.run_dir)}; did training finish?")
@@ -93,11 +97,12 @@ def _eval(args) -> int:
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     policy = Policy.load(args.run_dir, args.data, tag=tag, device=device)
     out = args.out or os.path.join(args.run_dir, "eval")
-    summary = run_eval(policy, args.data, out, episodes=args.episodes, steps=args.steps)
+    summary = run_eval(policy, args.data, out, episodes=args.episodes, steps=args.steps, samples=args.samples,
+                       plot_dims=args.plot_dims)
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
-        print(f"open-loop eval, {len(summary['episodes'])} episodes (dataset units):")
+        print(f"open-loop eval, {len(summary['episodes'])} episodes, {args.steps} flow steps (dataset units):")
         print(format_table(summary))
         print(f"summary: {os.path.join(out, 'eval.json')}  plots: {out}/episode_*.png")
     return 0

@@ -12,8 +12,9 @@ import dataclasses
 import os
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, DataConfig, FaultConfig, MemoryConfig,
-                                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig)
+from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, LR_SCHEDULES, RECIPE_LR, DataConfig,
+                                     FaultConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig,
+                                     TrainConfig)
 from loongforge.train.tune.results import load_plan
 
 
@@ -51,7 +52,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=_default(DataConfig, "num_workers"), help="decode worker "
                    "processes per rank (0 = inline)")
     p.add_argument("--seed", type=int, default=_default(DataConfig, "seed"))
-    p.add_argument("--lr", type=float, default=_default(OptimConfig, "lr"))
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's, "
+                   f"{', '.join(f'{k} {v:g}' for k, v in RECIPE_LR.items())})")
+    p.add_argument("--lr-schedule", default=_default(OptimConfig, "lr_schedule"), choices=LR_SCHEDULES,
+                   help="linear warm-up, then cosine or linear decay to 0 at --steps (or constant)")
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--warmup-steps", type=int, default=_default(OptimConfig, "warmup_steps"),
+                      help="linear warm-up over N optimizer steps (default: --warmup-ratio of --steps)")
+    warm.add_argument("--warmup-ratio", type=float, default=_default(OptimConfig, "warmup_ratio"),
+                      help="warm-up as a fraction of --steps")
+    p.add_argument("--min-lr-ratio", type=float, default=_default(OptimConfig, "min_lr_ratio"),
+                   help="lr at the end of the decay, as a fraction of the peak")
+    p.add_argument("--weight-decay", type=float, default=_default(OptimConfig, "weight_decay"),
+                   help="AdamW's decoupled weight decay")
+    p.add_argument("--grad-clip", type=float, default=_default(OptimConfig, "grad_clip"),
+                   help="clip the global gradient norm to this (0 = off)")
     p.add_argument("--bad-samples", default=_default(DataConfig, "bad_samples"), choices=BAD_SAMPLE_POLICIES)
     p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"),
                    help="frame offsets around each sample's t, comma-separated (GR00T: 0; history: "
@@ -183,7 +198,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
                         block_cache_mb=a.block_cache_mb),
         model=ModelConfig(attention=a.attention),
-        optim=OptimConfig(lr=a.lr),
+        optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(a.recipe, _default(OptimConfig, "lr")),
+                          lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps, warmup_ratio=a.warmup_ratio,
+                          min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,
                                 overlap_comm=not a.no_overlap_comm, precision=a.precision,
                                 zero3_leaf_blocks=a.zero3_leaf_blocks, dist_timeout_s=a.dist_timeout,

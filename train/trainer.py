@@ -132,6 +132,9 @@ class Trainer:
         self.loader.load_state_dict(doc["loader"])
         self.step = int(doc["step"])
         ckpt_fallback.check_same_checkpoint(tag, self.step, device=self.device)  # or refuse a mix of two
+        sched = self.engine.lr_scheduler
+        if not sched.loaded:  # a weights-only resume (another layout, no reshard): the schedule goes on from here
+            sched.fast_forward(self.step)
         if self.dp_sync is not None:
             self.dp_sync.load(os.path.join(ckpt_files.ckpt_root(self.cfg.run.run_dir), tag))
         log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
@@ -189,6 +192,7 @@ class Trainer:
         e, accum = self.engine, self.cfg.parallel.grad_accum
         comm_seconds()  # drop collectives from outside the step (checkpoint saves, logging)
         self.policies.on_step(self.step)
+        lr = self.engine.lr_scheduler.get_last_lr()[0]  # this step's; the boundary step advances the schedule
         timer.begin(sync=sync)
         self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
         with timer.phase("data_wait"):  # the step's micro-batches first: the loss needs all their rows
@@ -220,6 +224,7 @@ class Trainer:
         comm = comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
+               "lr": lr,
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
                "nonfinite_skips": self.nan_guard.skipped}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from loongforge.preprocess.sample_data import PRESETS, QUIRKS, generate_dataset, generate_preset
+from loongforge.preprocess.sample_data import PRESETS, QUIRKS, generate_dataset, generate_preset, hand_dims
+from loongforge.preprocess.sample_learnable import HAND_LEVELS, hands_episode
 from loongforge.shared.errors import ConfigError
 
 
@@ -212,3 +213,15 @@ def test_camera_model_noise_is_the_only_difference_at_noise_zero():
     noisy = camera_frames(6, 64, 64, seed=1, noise=1.5).astype(np.float64)
     err = noisy - clean
     assert 1.0 < err.std() < 2.0 and abs(err.mean()) < 0.3
+
+
+def test_hands_task_has_binary_commands_and_a_lagging_hand_state():
+    hands = hand_dims(44)
+    assert hands == [*range(7, 13), *range(29, 35)]  # GR1's left_hand and right_hand
+    state, action, target = hands_episode(96, 44, 44, hands, np.random.default_rng(0))
+    for k, j in enumerate(hands):
+        level = HAND_LEVELS[k % 2]
+        assert set(np.unique(action[:, j])) == {-level, level}
+        assert len(np.unique(state[:, j])) > 2  # joint positions move towards the command, never jump
+    arm = [j for j in range(44) if j not in hands]
+    assert all(len(np.unique(action[:, j])) > 50 for j in arm)  # smooth, continuous

@@ -1,13 +1,16 @@
-"""Open-loop evaluation over whole validation episodes (`loongforge eval`), as GR00T's eval.
+"""Open-loop evaluation over whole episodes (`loongforge eval`), as GR00T's eval.
 
 For each episode the samples are taken in time order and a horizon chunk is predicted every H
 frames: the chunk is executed open-loop (no re-planning inside it) and compared with the
 ground-truth actions of the same frames. Reported in dataset units, per action group of the
-dataset's modality.json (one group "action" when it has none): MSE and MAE for the policy and
-for two trivial baselines, predict-the-mean (the index's action mean) and repeat-last (the last
-action before the chunk; for an episode's first chunk, which has none, its first action: the
-command in effect at the start; never the state, which for e.g. hand commands vs hand joint
-positions is another quantity of the same width). Writes eval.json and one PNG per episode (predicted vs true trajectories).
+dataset's modality.json (one group "action" when it has none), so that skill is told apart from
+sampling noise and from what the state alone gives: one flow sample (what a robot executes), the
+mean of K samples, the discrete head, the discrete-valued groups snapped or taken from the
+discrete head, and three baselines: ridge-from-state fitted on the training episodes
+(baselines.py), predict-the-mean and repeat-last (the last action before the chunk; for an
+episode's first chunk, its first action: never the state, which for e.g. hand commands vs hand
+joint positions is another quantity of the same width). Writes eval.json and one PNG per
+episode (plots.py: the dimensions where the error is).
 """
 
 from __future__ import annotations
@@ -16,19 +19,27 @@ import json
 import os
 
 import numpy as np
+import torch
+
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.data.samples import SampleTable
+from loongforge.train.eval.baselines import action_groups, fit_reference
+from loongforge.train.eval.plots import plot_episode
 from loongforge.train.eval.validation import ValSet
 
-METHODS = ("policy", "mean", "repeat_last")
-
-
-def action_groups(index) -> dict[str, tuple[int, int]]:
-    groups = index.dataset.modality.get("action", {}) if isinstance(index.dataset.modality, dict) else {}
-    out = {name: (int(g["start"]), int(g["end"])) for name, g in groups.items()
-           if isinstance(g, dict) and "start" in g and "end" in g}
-    return out or {"action": (0, index.dataset.action_dim)}
+# What the table compares, in its column order (only those computed appear):
+#   policy     one flow sample (seed `seed`): what a robot executes
+#   policy_k   the mean of `samples` flow samples (seeds seed..seed+K-1): the policy without sampling noise
+#   discrete   the discrete head's greedy decoding (bin centres)
+#   snap       `policy` with the discrete-valued groups snapped to their training levels
+#   hybrid     `policy` with the discrete-valued groups taken from the discrete head (snapped to the levels)
+#   ridge      ridge regression from the current state, fitted on the training episodes (baselines.py)
+#   mean       the index's action mean
+#   repeat_last  the last action before the chunk (the episode's first action for its first chunk)
+METHODS = ("policy", "policy_k", "discrete", "snap", "hybrid", "ridge", "mean", "repeat_last")
+HEADERS = {"policy": "1 sample", "policy_k": "K-mean", "discrete": "discrete", "snap": "snap",
+           "hybrid": "hybrid", "ridge": "ridge", "mean": "mean", "repeat_last": "repeat-last"}
 
 
 def chunk_ids(data, episode_id: int) -> np.ndarray:
@@ -43,31 +54,56 @@ def chunk_ids(data, episode_id: int) -> np.ndarray:
     return table.starts[row] + ts
 
 
-def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
-    """Concatenated (T, Da) trajectories of one episode: truth, policy and the baselines."""
+def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, discrete: bool = False,
+                   ref=None, discrete_dims=()) -> dict[str, np.ndarray]:
+    """(B, H, Da) dataset-unit predictions of every method that needs the model or the reference."""
+    model, un = policy.model, policy.unnormalize
+    flow = [un(model.predict_action(batch, steps=steps, seed=seed + j)) for j in range(max(1, samples))]
+    out = {"policy": flow[0]}
+    if samples > 1:
+        out["policy_k"] = np.mean(flow, axis=0)
+    if discrete:
+        out["discrete"] = un(model.predict_discrete(batch))
+    if ref is not None:
+        state = model.current_state(batch).float().cpu().numpy()
+        out["ridge"] = un(torch.from_numpy(ref.ridge(state)))
+        if discrete_dims:
+            out["snap"] = ref.snap(out["policy"], list(discrete_dims))
+            if discrete:
+                out["hybrid"] = out["policy"].copy()
+                # bin centres are up to half a bin off a level: snapped, a right choice costs nothing
+                out["hybrid"][..., discrete_dims] = ref.snap(out["discrete"], list(discrete_dims))[..., discrete_dims]
+    return out
+
+
+def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: int = 1, discrete: bool = False,
+                     ref=None, discrete_dims=()) -> dict[str, np.ndarray]:
+    """Concatenated (T, Da) trajectories of one episode: truth, the policy's variants, the baselines."""
     norm, ds = policy.norm, policy.index.dataset
-    truth, pred, mean, last_rep = [], [], [], []
+    got: dict[str, list] = {"truth": [], "mean": [], "repeat_last": []}
     last = None
     for batch in valset.batches:
-        out = policy.unnormalize(policy.model.predict_action(batch, steps=steps, seed=seed))
+        preds = predict_chunks(policy, batch, steps=steps, seed=seed, samples=samples, discrete=discrete, ref=ref,
+                               discrete_dims=discrete_dims)
         act = batch["action"].cpu().numpy() * norm.action_std + norm.action_mean
         valid = batch["action_valid"].cpu().numpy()
-        for i in range(len(out)):
+        for i in range(len(act)):
             rows = valid[i]
             if last is None:
                 last = act[i][0]
-            truth.append(act[i][rows])
-            pred.append(out[i][rows])
-            mean.append(np.broadcast_to(norm.action_mean, act[i][rows].shape))
-            last_rep.append(np.broadcast_to(last, act[i][rows].shape))
+            got["truth"].append(act[i][rows])
+            for name, pred in preds.items():
+                got.setdefault(name, []).append(pred[i][rows])
+            got["mean"].append(np.broadcast_to(norm.action_mean, act[i][rows].shape))
+            got["repeat_last"].append(np.broadcast_to(last, act[i][rows].shape))
             last = act[i][rows][-1] if rows.any() else last
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, ds.action_dim), np.float32)
-    return {"truth": cat(truth), "policy": cat(pred), "mean": cat(mean), "repeat_last": cat(last_rep)}
+    return {k: cat(v) for k, v in got.items()}
 
 
 def errors(traj: dict[str, np.ndarray], groups: dict[str, tuple[int, int]]) -> dict:
     out = {}
-    for m in METHODS:
+    for m in (m for m in METHODS if m in traj):
         d = traj[m] - traj["truth"]
         out[m] = {"mse": {g: float(np.mean(d[:, a:b] ** 2)) for g, (a, b) in groups.items()},
                   "mae": {g: float(np.mean(np.abs(d[:, a:b]))) for g, (a, b) in groups.items()}}
@@ -76,32 +112,13 @@ def errors(traj: dict[str, np.ndarray], groups: dict[str, tuple[int, int]]) -> d
     return out
 
 
-def plot_episode(traj: dict[str, np.ndarray], path: str, title: str, max_dims: int = 8) -> None:
-    import matplotlib  # heavy, only for the plots
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dims = min(max_dims, traj["truth"].shape[1])
-    fig, axes = plt.subplots(dims, 1, figsize=(8, 1.6 * dims + 0.6), sharex=True, squeeze=False)
-    for d in range(dims):
-        ax = axes[d, 0]
-        ax.plot(traj["truth"][:, d], label="true", color="black", lw=1.2)
-        ax.plot(traj["policy"][:, d], label="predicted", color="tab:orange", lw=1.0)
-        ax.set_ylabel(f"a[{d}]", fontsize=8)
-    axes[0, 0].legend(loc="upper right", fontsize=7)
-    axes[0, 0].set_title(title, fontsize=9)
-    axes[-1, 0].set_xlabel("step (open-loop chunks)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def check_request(dataset, episodes: list[int] | None, steps: int) -> None:
+def check_request(dataset, episodes: list[int] | None, steps: int, samples: int = 1) -> None:
     """What `run_eval` is asked, checked against the shard root before any checkpoint is loaded
     (dataset: shared.dataset.Dataset)."""
     if steps < 1:
         raise UsageError(f"--steps {steps}: the flow needs at least 1 integration step (GR00T uses 4)")
+    if samples < 1:
+        raise UsageError(f"--samples {samples}: the K-sample mean needs at least 1 noise seed (default 8)")
     if episodes:
         have = {int(e) for e in np.asarray(dataset.tables["episode_id"])}
         missing = sorted(set(episodes) - have)
@@ -111,28 +128,35 @@ def check_request(dataset, episodes: list[int] | None, steps: int) -> None:
 
 
 def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None = None, steps: int = 4,
-             seed: int = 0, plots: bool = True) -> dict:
+             seed: int = 0, samples: int = 8, plots: bool = True, plot_dims: int = 8) -> dict:
     """Open-loop evaluation of `policy` over `episodes` (default: the index's validation episodes)."""
     index = policy.index
-    check_request(index.ds, episodes, steps)
+    check_request(index.ds, episodes, steps, samples)
     eps = list(episodes) if episodes else list(index.val_episodes)
     if not eps:
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "
                           "--val-episodes 10%) and --episodes was not given")
     groups = action_groups(index)
+    ref = fit_reference(index, groups)
+    dims = ref.discrete_dims(groups)
     os.makedirs(out_dir, exist_ok=True)
-    summary, trajs = {"episodes": {}, "groups": {g: list(r) for g, r in groups.items()}}, []
+    summary = {"episodes": {}, "groups": {g: list(r) for g, r in groups.items()}, "steps": steps, "seed": seed,
+               "samples": samples, "discrete_groups": list(ref.discrete_groups), "ridge_samples": ref.samples}
+    trajs = []
     for ep in eps:
         chosen = chunk_ids(index, ep)
         if not len(chosen):
             continue
         vs = ValSet(index, chosen, batch_size=16, text_len=policy.text_len, device=policy.device,
                     image_mean=policy.image_mean, image_std=policy.image_std)
-        traj = evaluate_episode(policy, vs, steps=steps, seed=seed)
+        traj = evaluate_episode(policy, vs, steps=steps, seed=seed, samples=samples, discrete=True, ref=ref,
+                                discrete_dims=dims)
         trajs.append(traj)
-        summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errors(traj, groups)}
+        errs = errors(traj, groups)
+        summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errs}
         if plots:
-            plot_episode(traj, os.path.join(out_dir, f"episode_{ep:06d}.png"), f"episode {ep} (open loop)")
+            plot_episode(traj, groups, errs, os.path.join(out_dir, f"episode_{ep:06d}.png"),
+                         f"episode {ep} (open loop, {steps} flow steps)", max_dims=plot_dims)
     if not trajs:
         raise ValueError(f"episodes {eps}: no samples in the index")
     summary["overall"] = errors({k: np.concatenate([t[k] for t in trajs]) for k in trajs[0]}, groups)
@@ -141,11 +165,17 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
 
 
 def format_table(summary: dict) -> str:
+    """MSE per group (dataset units), one column per method; * marks a discrete-valued group."""
     ov = summary["overall"]
-    groups = list(ov["policy"]["mse"])
-    lines = [f"{'group':<16}" + "".join(f"{m + ' MSE':>18}" for m in METHODS) + f"{'policy MAE':>14}"]
-    for g in groups:
-        lines.append(f"{g:<16}" + "".join(f"{ov[m]['mse'][g]:>18.5f}" for m in METHODS)
-                     + f"{ov['policy']['mae'][g]:>14.5f}")
+    methods = [m for m in METHODS if m in ov]
+    disc = set(summary.get("discrete_groups", ()))
+    k = summary.get("samples", 1)
+    head = [HEADERS[m].replace("K", str(k)) for m in methods]
+    lines = [f"{'MSE':<18}" + "".join(f"{h:>12}" for h in head)]
+    for g in ov["policy"]["mse"]:
+        name = g + (" *" if g in disc else "")
+        lines.append(f"{name:<18}" + "".join(f"{ov[m]['mse'][g]:>12.5f}" for m in methods))
+    if disc:
+        lines.append("* discrete-valued on the training episodes: snap = 1 sample snapped to its levels, "
+                     "hybrid = those dims from the discrete head, snapped")
     return "\n".join(lines)
-

@@ -15,6 +15,7 @@ ones read from the module state file; every torch.load inside is forced weights-
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -24,6 +25,7 @@ from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.data.batch import Norm, encode_text
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.training_data import TrainingData, load_for_policy
+from loongforge.train.eval.baselines import TrainingReference, action_groups, fit_reference, group_modes
 from loongforge.train.model.build import build_model, model_config_from
 from loongforge.train.model.model import VLAModel
 
@@ -132,14 +134,41 @@ class Policy:
     def unnormalize_state(self, state: torch.Tensor) -> np.ndarray:
         return state.float().cpu().numpy() * self.norm.state_std + self.norm.state_mean
 
-    def predict_action(self, observations: list[dict], *, steps: int = 4, seed: int = 0,
-                       discrete: bool = False) -> np.ndarray:
-        """(B, H, Da) actions in dataset units: flow integration (default) or the discrete head.
+    @functools.cached_property
+    def reference(self) -> TrainingReference:
+        """Discrete-valued groups and their levels (and the ridge baseline), from the training episodes."""
+        return fit_reference(self.index, action_groups(self.index))
+
+    def predict_action(self, observations: list[dict], *, steps: int = 4, seed: int = 0, discrete: bool = False,
+                       samples: int = 1, modes: str | dict | None = None) -> np.ndarray:
+        """(B, H, Da) actions in dataset units: flow integration (the mean of `samples` noise seeds
+        from `seed`), or the discrete head for every dim (`discrete`). `modes` picks, per
+        discrete-valued group, "flow", "snap" (nearest training level) or "head" (the discrete head's
+        dims, snapped to the levels): one name for all such groups or a dict group -> mode
+        (baselines.group_modes).
         Observations are checked first (`check`): slot names, frame shapes, state width."""
-        if steps < 1:
-            raise ConfigError(f"steps={steps}: the flow needs at least 1 integration step")
+        if steps < 1 or samples < 1:
+            raise ConfigError(f"steps={steps}, samples={samples}: the flow needs at least 1 integration step "
+                              "and 1 sample")
         batch = self.batch(observations)
-        out = self.model.predict_discrete(batch) if discrete else self.model.predict_action(batch, steps, seed)
-        return self.unnormalize(out)
+        if discrete:
+            return self.unnormalize(self.model.predict_discrete(batch))
+        out = np.mean([self.unnormalize(self.model.predict_action(batch, steps, seed + j))
+                       for j in range(samples)], axis=0)
+        return self.apply_modes(out, batch, modes)
+
+    def apply_modes(self, out: np.ndarray, batch: dict, modes: str | dict | None) -> np.ndarray:
+        """`out` (dataset units) with each discrete-valued group as its mode asks."""
+        ref = self.reference
+        chosen = group_modes(ref, modes)
+        groups = action_groups(self.index)
+        dims = {m: [d for g, mode in chosen.items() if mode == m for d in range(*groups[g])] for m in ("snap", "head")}
+        if dims["snap"]:
+            out = ref.snap(out, dims["snap"])
+        if dims["head"]:
+            out = np.array(out, copy=True)
+            head = ref.snap(self.unnormalize(self.model.predict_discrete(batch)), dims["head"])  # bin centre -> level
+            out[..., dims["head"]] = head[..., dims["head"]]
+        return out
 
     act = predict_action  # the earlier name

@@ -96,9 +96,7 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
         "comms_logger": {"enabled": not cuda, "prof_all": True, "verbose": False},
         "steps_per_print": 1 << 30,
     }
-    if o.warmup_steps:
-        conf["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
-                                                            "warmup_num_steps": o.warmup_steps}}
+    # No "scheduler" entry: the schedule is our client scheduler (lr_schedule.py, given in parallelize).
     return conf
 
 

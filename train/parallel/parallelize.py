@@ -7,7 +7,8 @@
       3. FP8      linears swapped for torchao Float8Linear (kernels/precision.py)
       4. fusion   block forwards compiled; --cuda-graphs: reduce-overhead graphs (kernels/fusion.py, graphs.py)
       5. AC       activation checkpointing of every Nth block (kernels/checkpointing.py)
-      6. ZeRO     hybrid ZeRO-3 partitioned over the shard group, deepspeed.initialize (mpu = the plan),
+      6. ZeRO     hybrid ZeRO-3 partitioned over the shard group, deepspeed.initialize (mpu = the plan,
+                  the LR schedule of lr_schedule.py),
                   then the checkpoint writers of hybrid sharding and its compressed replica sync
     -> ParallelModel(engine, ds_config, policies, dp_sync)
 
@@ -41,6 +42,7 @@ from loongforge.train.kernels.fusion import apply_fusion, fusion_wanted
 from loongforge.train.kernels.precision import Fp8Warmup, convert_fp8
 from loongforge.train.parallel import comm
 from loongforge.train.parallel.engine import ds_config
+from loongforge.train.parallel.lr_schedule import LRSchedule
 from loongforge.train.parallel.plan import ParallelState, is_hybrid
 from loongforge.train.parallel.sequence_parallel import SequenceParallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
@@ -90,7 +92,8 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
     if hybrid and conf["zero_optimization"]["stage"] == 3:  # 6
         partition_zero3(model, state)  # over the shard group, never the pure DP group
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
-                                           mpu=state if hybrid else None)
+                                           mpu=state if hybrid else None,
+                                           lr_scheduler=LRSchedule.factory(cfg.optim, cfg.run.steps))
     if state.plan.zero_shard == "sp" and state.get_data_parallel_rank() != 0:
         # Hybrid sharding: DeepSpeed picks its checkpoint writers by rank in the shard group, so every DP
         # replica would write the same zero_pp_rank_* / mp_rank_* files and race on them; replica 0 writes

@@ -1,0 +1,129 @@
+"""What the training episodes say without any video: a ridge regression from state to action
+chunk, and which action groups are discrete-valued (with their levels).
+
+Both are read from the training episodes' per-frame arrays (no frame is decoded), the same
+episodes and normalisation the trainer saw, so the eval's baselines are fitted on exactly the
+data the policy was:
+
+* ridge-from-state: closed form on normalised units, x = [current state, 1] -> the (H, Da)
+  chunk from t (rows past the episode end padded as the loader pads them), lambda = RIDGE_L2 per
+  sample; a policy that does not beat it has learnt nothing from the frames or the instruction.
+* discrete-valued groups: a group of modality.json whose every dimension takes at most
+  MAX_LEVELS distinct values on the training episodes (binary hand commands, gripper open/close),
+  or that modality.json declares with "discrete": true (false forces continuous). For those
+  the flow's continuous output can be snapped to the nearest learned level, or the dims taken
+  from the discrete head (openloop.py reports both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loongforge.shared.errors import ConfigError
+from loongforge.train.data.batch import Norm
+
+DISCRETE_MODES = ("flow", "snap", "head")  # a discrete-valued group at inference: as the flow gives it,
+# snapped to its nearest training level, or from the discrete head (Policy.predict_action, openloop's columns)
+DEFAULT_DISCRETE_MODE = "head"  # measured: hands MSE 0.17 (head) vs 3.4 (snap) vs 3.96 (flow), README
+MAX_LEVELS = 8  # distinct training values of a dimension still called discrete-valued
+RIDGE_L2 = 1e-3  # per-sample ridge penalty, normalised units (a well-posed solve, no visible shrinkage)
+MAX_EPISODES = 500  # training episodes read for the fit (evenly spaced); bounds eval's start-up
+
+
+@dataclass(frozen=True)
+class TrainingReference:
+    weights: np.ndarray  # (S + 1, H * Da): ridge from [normalised current state, 1] to the normalised chunk
+    horizon: int
+    levels: dict[int, np.ndarray]  # action dim -> its sorted distinct training values (discrete dims only)
+    discrete_groups: tuple[str, ...]
+    samples: int  # training samples the ridge was fitted on
+
+    def ridge(self, state_n: np.ndarray) -> np.ndarray:
+        """(B, S) normalised current states -> (B, H, Da) normalised chunks."""
+        x = np.concatenate([state_n, np.ones((len(state_n), 1), state_n.dtype)], axis=1)
+        return (x @ self.weights).reshape(len(state_n), self.horizon, -1)
+
+    def snap(self, actions: np.ndarray, dims: list[int]) -> np.ndarray:
+        """Dataset-unit actions (..., Da) with `dims` moved to the nearest training level."""
+        out = np.array(actions, copy=True)
+        for d in dims:
+            lv = self.levels[d]
+            out[..., d] = lv[np.abs(out[..., d, None] - lv).argmin(-1)]
+        return out
+
+    def discrete_dims(self, groups: dict[str, tuple[int, int]]) -> list[int]:
+        return [d for g in self.discrete_groups for d in range(*groups[g])]
+
+
+def action_groups(index) -> dict[str, tuple[int, int]]:
+    """name -> [start, end) of the action groups of the root's modality.json (one "action" without one)."""
+    groups = index.dataset.modality.get("action", {}) if isinstance(index.dataset.modality, dict) else {}
+    out = {name: (int(g["start"]), int(g["end"])) for name, g in groups.items()
+           if isinstance(g, dict) and "start" in g and "end" in g}
+    return out or {"action": (0, index.dataset.action_dim)}
+
+
+def group_modes(ref: TrainingReference, modes: str | dict | None) -> dict[str, str]:
+    """The inference mode of each discrete-valued group: `modes` names one for all of them, or maps
+    group -> mode (the others get DEFAULT_DISCRETE_MODE). A group that is not discrete-valued is refused."""
+    if modes is None or isinstance(modes, str):
+        modes = dict.fromkeys(ref.discrete_groups, modes or DEFAULT_DISCRETE_MODE)
+    for g, m in modes.items():
+        if g not in ref.discrete_groups:
+            raise ConfigError(f"discrete mode for {g!r}: not a discrete-valued group (those are "
+                              f"{list(ref.discrete_groups) or 'none'}; declare one with \"discrete\": true in "
+                              "modality.json)")
+        if m not in DISCRETE_MODES:
+            raise ConfigError(f"discrete mode {m!r} for {g!r}: use one of {DISCRETE_MODES}")
+    return {g: modes.get(g, DEFAULT_DISCRETE_MODE) for g in ref.discrete_groups}
+
+
+def training_rows(data) -> list[int]:
+    """Episode rows of the training split, at most MAX_EPISODES of them, evenly spaced."""
+    rows = np.flatnonzero(~np.asarray(data.ds.val_mask))
+    if len(rows) > MAX_EPISODES:
+        rows = rows[np.linspace(0, len(rows) - 1, MAX_EPISODES).round().astype(np.int64)]
+    return rows.tolist()
+
+
+def fit_reference(data, groups: dict[str, tuple[int, int]]) -> TrainingReference:
+    """The ridge baseline and the discrete-valued groups of a TrainingData's training episodes."""
+    norm, spec = Norm.from_dataset(data.dataset), data.deltas
+    xs, ys, actions = [], [], []
+    for row in training_rows(data):
+        ep = data.ds.read_arrays(row)
+        state, action = np.asarray(ep["state"], np.float32), np.asarray(ep["action"], np.float32)
+        actions.append(action)
+        n = len(state)
+        t = np.arange(n)
+        xs.append(state[np.clip(t + spec.state_deltas[-1], 0, n - 1)])  # the current state, as the model's token
+        rows = t[:, None] + np.arange(spec.action_horizon)  # (n, H) as gather_actions, for every t at once
+        chunk = action[np.minimum(rows, n - 1)]
+        if spec.action_pad == "zero":
+            chunk[rows >= n] = 0.0
+        ys.append(chunk)
+    x = (np.concatenate(xs) - norm.state_mean) / norm.state_std
+    y = np.concatenate(ys)
+    y = ((y - norm.action_mean) / norm.action_std).reshape(len(y), -1)
+    x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
+    reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
+    reg[-1, -1] = 0.0  # the bias is not shrunk
+    weights = np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
+    levels, discrete = _levels(np.concatenate(actions), groups, data.dataset.modality)
+    return TrainingReference(weights, spec.action_horizon, levels, discrete, len(x))
+
+
+def _levels(actions: np.ndarray, groups: dict, modality) -> tuple[dict[int, np.ndarray], tuple[str, ...]]:
+    declared = modality.get("action", {}) if isinstance(modality, dict) else {}
+    levels, discrete = {}, []
+    for name, (a, b) in groups.items():
+        values = [np.unique(actions[:, d]) for d in range(a, b)]
+        flag = declared.get(name, {}).get("discrete") if isinstance(declared.get(name), dict) else None
+        if flag is None:
+            flag = all(len(v) <= MAX_LEVELS for v in values)
+        if flag:
+            discrete.append(name)
+            levels.update({d: v.astype(np.float32) for d, v in zip(range(a, b), values)})
+    return levels, tuple(discrete)
