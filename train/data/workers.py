@@ -110,6 +110,9 @@ class DecodePool:
         self._done: dict[int, tuple] = {}
         self._pending: dict[int, tuple] = {}  # inline mode: seq -> task
         self._shms: list[SharedMemory] = []
+        self._unlinked = False  # the slots' names left /dev/shm once every worker had mapped them
+        self._unlink_lock = threading.Lock()
+        self._unlinker: threading.Thread | None = None
         self._procs = []
         self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
         if num_workers == 0:
@@ -129,6 +132,9 @@ class DecodePool:
                                 args=(wid, filler_spec, names, policy, self._tasks, self._results, self._ready))
                 p.start()
                 self._procs.append(p)
+            self._unlinker = threading.Thread(target=self._unlink_when_attached, name="loongforge-shm-unlink",
+                                              daemon=True)
+            self._unlinker.start()
         except BaseException:
             self.close()  # the shared-memory slots would outlive this process in /dev/shm otherwise
             raise
@@ -154,6 +160,26 @@ class DecodePool:
                 raise DataWorkerError(f"only {self.workers_ready} of {self.num_workers} data workers started "
                                       f"within {timeout_s:.0f} s")
             time.sleep(POLL_S / 5)
+
+    def _unlink_when_attached(self) -> None:
+        """Once every worker has mapped the slots, their names leave /dev/shm: the memory lives on
+        while mapped and goes with the last process, so no kill of any process (a SIGKILL of the
+        whole group included, which takes the resource tracker with it) can leave a segment behind.
+        Runs in its own thread from the start (the consumer may be blocked elsewhere by then)."""
+        while not self._closing.is_set():
+            if self.workers_ready >= self.num_workers:
+                self._unlink_names()
+                return
+            if any(not p.is_alive() for p in self._procs):
+                return  # a worker died in start-up: close() unlinks
+            time.sleep(POLL_S)
+
+    def _unlink_names(self) -> None:
+        with self._unlink_lock:
+            if not self._unlinked:
+                for shm in self._shms:
+                    shm.unlink()
+                self._unlinked = True
 
     def submit(self, seq: int, items: list[tuple[int, int, int]]) -> None:
         """Queue batch `seq`: items = [(sample id, episode row, t)], one per row."""
@@ -253,7 +279,9 @@ class DecodePool:
                 shm.close()
             except BufferError:
                 pass  # a caller still holds a view; the mapping dies with the process
-            shm.unlink()
+        if self._unlinker is not None:
+            self._unlinker.join(timeout=1.0)  # _closing is set: it leaves within POLL_S
+        self._unlink_names()
         self._shms = []
         if self.num_workers:
             for q in (self._tasks, self._results):

@@ -455,3 +455,38 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_whole_group_leaves_no_shared_memory(train_root, tmp_path):
+    """A launcher that SIGKILLs a rank's process group (torchrun 30 s after its SIGTERM) takes the
+    rank, its workers and its resource tracker at once: nothing is left to unlink the slots, so
+    their names must already be gone from /dev/shm once every worker has mapped them."""
+    import signal
+    import subprocess
+    import sys
+
+    root, _ = train_root
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import sys, time\n"
+        "from loongforge.train.data.loader import BlockLoader\n"
+        "if __name__ == '__main__':\n"
+        "    loader = BlockLoader(sys.argv[1], batch_size=4, num_workers=2)\n"
+        "    it = iter(loader); next(it)\n"
+        "    loader._pool.wait_ready(60)\n"
+        "    deadline = time.monotonic() + 10\n"
+        "    while not getattr(loader._pool, '_unlinked', False) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    print(' '.join(s.name for s in loader._pool._shms), flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        names = proc.stdout.readline().split()
+        assert names, proc.stderr.read()[-3000:] if proc.poll() is not None else "no slot names"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    time.sleep(0.5)
+    assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
