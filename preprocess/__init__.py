@@ -1,12 +1,15 @@
 """The preprocess service: LeRobot datasets (v2.0, v2.1, v3.0; video or image features) -> NV12
-shards + global index, as an Apache Beam job (pipeline.py; one module per stage:
-discover (lerobot_meta, lerobot_v2, lerobot_v3), episode, decode / images, convert, pack,
-stats, finalize; the runner it runs on: runners.py, launch.py, dask_job.py). sample_data.py
-generates LeRobot v2.0 datasets with real H.264 for demos, tests and benchmarks;
-sample_layouts.py rewrites them as v2.1 or v3.0 (H.264, HEVC or AV1).
+shards + global index, as an Apache Beam job. One folder per concern:
+
+    cli.py, pipeline.py, config.py, prepare.py, report.py, files.py   the job, its config, its summary
+    stages/    one module per stage: discover, episode, decode / images, convert, pack, stats, finalize
+    lerobot/   a LeRobot dataset's layout: meta, per_episode (v2.0 / v2.1), chunked (v3.0)
+    runner/    where it runs: choice (local, Dask, Dataflow, ...), launch, dask_job, progress
+    samples/   built-in sample data: dataset (LeRobot v2.0 with real H.264), camera, layouts (v2.1 /
+               v3.0 rewrites: H.264, HEVC or AV1), learnable
 
 Entry points other services use:
     loongforge.preprocess.pipeline.run_job(PreprocessConfig, beam_args, RunnerConfig) -> summary dict
-    loongforge.preprocess.sample_data.generate_dataset(root, ...) -> Path
+    loongforge.preprocess.samples.dataset.generate_dataset(root, ...) -> Path
     loongforge.preprocess.report.summarize(shard_root) -> summary dict
 """

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
                               "in_memory` or `--runner dataflow -- --project=P --region=R` (every runner: README "
                               "'Preprocess at scale').")
     from loongforge.preprocess.config import add_job_arguments
-    from loongforge.preprocess.runners import add_runner_arguments
+    from loongforge.preprocess.runner.choice import add_runner_arguments
 
     add_job_arguments(p)
     add_runner_arguments(p)
@@ -106,7 +106,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     from loongforge.preprocess.config import config_from_args
     from loongforge.preprocess.pipeline import run_job
     from loongforge.preprocess.report import format_summary
-    from loongforge.preprocess.runners import runner_from_args
+    from loongforge.preprocess.runner.choice import runner_from_args
 
     _quiet_beam()
     cfg = config_from_args(args)
@@ -154,7 +154,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _sample_data(args: argparse.Namespace) -> int:
-    from loongforge.preprocess.sample_data import generate_preset
+    from loongforge.preprocess.samples.dataset import generate_preset
 
     given = {"episodes": args.episodes, "frames": tuple(args.frames) if args.frames else None,
              "height": args.size[0] if args.size else None, "width": args.size[1] if args.size else None,
@@ -166,7 +166,7 @@ def _sample_data(args: argparse.Namespace) -> int:
     if version == "v3.0":
         import tempfile
 
-        from loongforge.preprocess.sample_layouts import write_v3
+        from loongforge.preprocess.samples.layouts import write_v3
 
         given["gop"] = given["gop"] or 2  # LeRobot's encoder default
         with tempfile.TemporaryDirectory(prefix="lf-sample-v2-") as tmp:
@@ -175,7 +175,7 @@ def _sample_data(args: argparse.Namespace) -> int:
     else:
         root = generate_preset(args.out, args.preset, **{k: v for k, v in given.items() if v is not None})
         if version == "v2.1":
-            from loongforge.preprocess.sample_layouts import write_v21
+            from loongforge.preprocess.samples.layouts import write_v21
 
             write_v21(root)
     print(f"wrote LeRobot {version} dataset ({args.preset}) to {root}", file=sys.stderr)

@@ -12,7 +12,7 @@ infra/dataflow/launch.sh for the full command):
         --runner=DataflowRunner --project=P --region=us-central1 --temp_location=gs://bkt/tmp \\
         --setup_file=$PWD/pyproject.toml --requirements_file=infra/dataflow/requirements.txt
 
-A dask.distributed cluster (Beam's Dask runner; infra/dask/; runners.py lists every runner):
+A dask.distributed cluster (Beam's Dask runner; infra/dask/; runner/choice.py lists every runner):
 
     loongforge preprocess --input D --output S --runner dask --dask-scheduler tcp://HOST:8786
 
@@ -33,16 +33,16 @@ import time
 import apache_beam as beam
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget
+from loongforge.preprocess.stages.colorspace import ColorTarget
 from loongforge.preprocess.config import EXIT_FAILED_RECORDS, PreprocessConfig, add_job_arguments, config_from_args
-from loongforge.preprocess.convert import STAGED, ConvertEpisodeFn, select_tag, tagged
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
-from loongforge.preprocess.finalize import WRITTEN, FinalizeFn, JobResultsFn
-from loongforge.preprocess.launch import Launch
-from loongforge.preprocess.pack import STAGING_DIR, WriteShards
+from loongforge.preprocess.stages.convert import STAGED, ConvertEpisodeFn, select_tag, tagged
+from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta
+from loongforge.preprocess.stages.finalize import WRITTEN, FinalizeFn, JobResultsFn
+from loongforge.preprocess.runner.launch import Launch
+from loongforge.preprocess.stages.pack import STAGING_DIR, WriteShards
 from loongforge.preprocess.prepare import prepare_job, resolve_params
 from loongforge.preprocess.report import summarize
-from loongforge.preprocess.runners import RunnerConfig, add_runner_arguments, runner_from_args
+from loongforge.preprocess.runner.choice import RunnerConfig, add_runner_arguments, runner_from_args
 from loongforge.shared import paths
 from loongforge.shared.errors import StorageError
 
@@ -60,7 +60,7 @@ def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, ep
         p
         | "ListEpisodes" >> beam.Create(episodes)
         # A fusion break: without it a runner may fuse the per-episode work with the Create
-        # and run it on one worker (the Dask runner ignores it: runners.py sets its partitions).
+        # and run it on one worker (the Dask runner ignores it: runner/choice.py sets its partitions).
         | "SpreadEpisodes" >> beam.Reshuffle()
         | "ConvertEpisodes" >> beam.ParDo(ConvertEpisodeFn(meta, params, progress_topic))
     )

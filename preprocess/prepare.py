@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from loongforge.preprocess.colorspace import ColorTarget, dataset_colors
+from loongforge.preprocess.stages.colorspace import ColorTarget, dataset_colors
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.convert import ConvertParams
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.stages.convert import ConvertParams
+from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta, discover
 from loongforge.shared.errors import ConfigError, SourceDataError
 from loongforge.shared.split import choose_val_episodes
 

@@ -1,6 +1,6 @@
 """Writing a shard root: episode fragments -> shards -> tables -> manifest.
 
-The same functions serve the Beam job (preprocess/pack.py stages fragments per
+The same functions serve the Beam job (preprocess/stages/pack.py stages fragments per
 episode and writes shards in parallel, then finalize publishes) and the
 in-process `RootWriter` used by `loongforge convert`, tests and benchmarks.
 Publishing order: shards, then tables, then `index.json` last (atomic temp +

@@ -197,8 +197,11 @@ class Trainer:
         self.watchdog.phase = "data"  # a hang here is this rank's own, not a peer's collective
         with timer.phase("data_wait"):  # the step's micro-batches first: the loss needs all their rows
             batches = [next(it) for _ in range(accum)]
-        self.watchdog.phase = "step"
-        rows = self._loss_rows(batches)
+            self.watchdog.phase = "step"  # from here a hang is a peer's (the rows' all-reduce)
+            # Every DP rank's rows: the step cannot start before the slowest rank has its batch, so the
+            # wait for a peer's data in this all-reduce is data wait (it goes through no deepspeed.comm
+            # timer and no per-group counter: outside this phase it read as launch/dispatch overhead).
+            rows = self._loss_rows(batches)
         self.step_comm.begin()
         losses, ids = [], []
         for micro, batch in enumerate(batches):

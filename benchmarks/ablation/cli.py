@@ -15,7 +15,7 @@ from loongforge.benchmarks.harness.report import RESULTS_DIR
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", choices=("tiny", "small"), default="tiny")
     p.add_argument("--ranks", type=int, help="ranks of every row (default 4; 1 with --quick)")
-    p.add_argument("--quick", action="store_true", help="two rows, one rank, tiny data (CI; < 90 s idle)")
+    p.add_argument("--quick", action="store_true", help="two rows, one rank, tiny data (< 90 s idle; make test-full runs it)")
     p.add_argument("--repeats", type=int, help="runs per row (median [min-max]); default 3, 1 with --quick")
     p.add_argument("--steps", type=int, help="timed steps per run (default 8)")
     p.add_argument("--rows", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),

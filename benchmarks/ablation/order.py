@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from loongforge.benchmarks.harness.config import BenchConfig
 from loongforge.benchmarks.harness.data import transcode
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.samples.dataset import generate_dataset
 from loongforge.benchmarks.ablation.run import launch
 from loongforge.benchmarks.ablation.rows import Setting, train_argv
 from loongforge.benchmarks.harness.dataset import SampleTable, open_root

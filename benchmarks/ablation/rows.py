@@ -129,7 +129,7 @@ def _note(opt: Optimization, plan: Plan) -> str:
 def ladder(plan: Plan, quick: bool = False) -> list[RowSpec]:
     base = Setting()
     rows = [RowSpec("0", "baseline", "baseline: PyAV on-the-fly decode, DP ZeRO-2, dense SDPA", base)]
-    if quick:  # CI: the baseline against the first data-path row
+    if quick:  # the smoke run: the baseline against the first data-path row
         return rows + [RowSpec("C1", "cumulative", OPTIMIZATIONS[0].label, OPTIMIZATIONS[0].apply(base, plan))]
     s = base
     for i, opt in enumerate(OPTIMIZATIONS, 1):

@@ -10,7 +10,7 @@ backward (saved-tensor hooks on CPU, max_memory_allocated on CUDA); samples/s; s
 of samples/s over row 0.
 
     loongforge bench ablation                       # tiny recipe, 4 ranks, 3 repeats
-    loongforge bench ablation --quick               # CI: 2 rows, 1 rank, < 90 s idle
+    loongforge bench ablation --quick               # 2 rows, 1 rank, < 90 s idle (make test-full)
 """
 
 from __future__ import annotations

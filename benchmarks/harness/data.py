@@ -30,7 +30,7 @@ from loongforge.benchmarks.harness.dataset import DeltaSpec, SampleTable, open_r
 from loongforge.benchmarks.loader.baseline import Window
 from loongforge.shared.errors import ConfigError, LoongForgeError
 from loongforge.shared.index import DatasetInfo
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.samples.dataset import generate_dataset
 
 log = logging.getLogger(__name__)
 PREPROCESS_TIMEOUT_S = 900

@@ -31,8 +31,8 @@ from loongforge.benchmarks.harness.dataset import (BlockFiller, DeltaSpec, RootW
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.shared.index import CameraInfo, DatasetInfo
 from loongforge.train.data.batch import BatchLayout
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.sample_data import DATA_PATH, VIDEO_PATH, generate_dataset
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.samples.dataset import DATA_PATH, VIDEO_PATH, generate_dataset
 
 CAM = "ego_view"
 HORIZON = 16

@@ -37,8 +37,8 @@ from loongforge.benchmarks.loader.baseline import torchcodec_status
 from loongforge.benchmarks.loader.lerobot_style import LeRobotStyleDataset
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
-from loongforge.preprocess.sample_data import generate_preset
-from loongforge.preprocess.sample_layouts import write_v3
+from loongforge.preprocess.samples.dataset import generate_preset
+from loongforge.preprocess.samples.layouts import write_v3
 from loongforge.shared.errors import UsageError
 from loongforge.train.data.lerobot_loader import LeRobotLoader
 

@@ -27,8 +27,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.episode import read_table
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.stages.episode import read_table
 from loongforge.shared.errors import SourceDataError
 from loongforge.train.data.lerobot_items import ACTION_KEY, STATE_KEY, delta_indices, query
 

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from loongforge.preprocess.decode import NV12Converter
+from loongforge.preprocess.stages.decode import NV12Converter
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
 from loongforge.preprocess.config import default_workers
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.samples.dataset import generate_dataset
 
 QUICK = {"episodes": 4, "frames": (150, 150), "height": 128, "width": 128, "gop": 100}
 FULL = {"episodes": 8, "frames": (300, 300), "height": 256, "width": 256, "gop": 120}

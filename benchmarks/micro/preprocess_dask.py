@@ -27,8 +27,8 @@ from pathlib import Path
 from loongforge.benchmarks.harness.report import RESULTS_DIR, machine_info, write_timestamped
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
-from loongforge.preprocess.runners import RunnerConfig
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.runner.choice import RunnerConfig
+from loongforge.preprocess.samples.dataset import generate_dataset
 
 QUICK = {"episodes": 4, "frames": (30, 30), "height": 64, "width": 64, "gop": 30}
 

@@ -7,7 +7,7 @@
 On GR00T-shaped data (`sample_data` preset gr00t-like: one 256x256 H.264 camera, 20 fps,
 GOP 20, 44-D state/action; every timestep a sample), for each `--footage` kind: `grain` (the
 default sample footage: a scrolling noise texture, every pixel changes every frame: the worst
-case for storing decoded frames) and `camera` (sample_camera.py's fixed robot camera model:
+case for storing decoded frames) and `camera` (preprocess/samples/camera.py's fixed robot camera model:
 static scene, moving arm and cube, sensor noise before x264). The baseline is the source mp4
 itself, what an on-the-fly loader reads today: its bytes, and the CPU its sequential decode to
 NV12 costs per frame (PyAV, one thread, as preprocess decodes; a random sample read costs more:
@@ -39,13 +39,13 @@ import numpy as np
 from loongforge.benchmarks.harness.dataset import RootWriter, open_root, synthetic_dataset_info
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.shared import paths
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.episode import read_episode
-from loongforge.preprocess.convert import episode_arrays
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.stages.episode import read_episode
+from loongforge.preprocess.stages.convert import episode_arrays
 from loongforge.benchmarks.loader.block_loader import worker_row
-from loongforge.preprocess.sample_data import generate_preset
-from loongforge.preprocess.discover import discover as _discover
+from loongforge.preprocess.samples.dataset import generate_preset
+from loongforge.preprocess.stages.discover import discover as _discover
 
 
 def load_source(root: str) -> tuple[list, dict, int, float]:

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def lerobot_root(tmp_path_factory):
     """2 episodes x 150-160 frames, 2 cameras, 32x32, GOP 100 (keyframes at 0 and 100)."""
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     root = tmp_path_factory.mktemp("lerobot")
     return generate_dataset(root, episodes=2, frames=(150, 160), height=32, width=32, gop=100, seed=3)

@@ -128,7 +128,10 @@ def test_epoch_coverage_counts_duplicates_and_never_seen():
     assert (e["duplicated"], e["never_seen"]) == (3, 3)
 
 
+# ~32 s of the real trainer on 1 rank; make test keeps the baseline row's sample identity tests above,
+# `make test-full` runs this (the `--quick` ladder end to end).
 @pytest.mark.slow
+@pytest.mark.full
 def test_quick_ablation_produces_a_consistent_table(tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "loongforge", "bench", "ablation", "--quick", "--out",

@@ -67,7 +67,7 @@ def test_storage_measures_an_existing_lerobot_root(tmp_path, capsys):
     import os
     import re
 
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     root = generate_dataset(tmp_path / "lerobot", episodes=2, frames=(12, 16), height=32, width=32,
                             cameras=("image",), state_dim=8, action_dim=7, gop=5)

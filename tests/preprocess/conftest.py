@@ -15,14 +15,14 @@ SMALL = {"episodes": 3, "frames": (14, 22), "height": 64, "width": 64, "gop": 6}
 
 @pytest.fixture(scope="session")
 def sample_dataset(tmp_path_factory) -> str:
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     return str(generate_dataset(tmp_path_factory.mktemp("lerobot") / "sample", **SMALL))
 
 
 @pytest.fixture(scope="session")
 def quirky_dataset(tmp_path_factory) -> str:
-    from loongforge.preprocess.sample_data import QUIRKS, generate_dataset
+    from loongforge.preprocess.samples.dataset import QUIRKS, generate_dataset
 
     return str(generate_dataset(tmp_path_factory.mktemp("lerobot") / "quirky", **{**SMALL, "episodes": 4},
                                 quirks=QUIRKS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loongforge.cli import main
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.samples.dataset import generate_dataset
 
 
 @pytest.fixture

@@ -74,7 +74,7 @@ def test_local_workers_log_progress_not_harness_chatter(cli_job):
     Beam harness's per-worker gRPC set-up at INFO."""
     run, _ = cli_job
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "loongforge.preprocess.convert:episode 0" in run.stderr and "episode 1" in run.stderr
+    assert "loongforge.preprocess.stages.convert:episode 0" in run.stderr and "episode 1" in run.stderr
     assert "sdk_worker" not in run.stderr and "Pipeline_options" not in run.stderr, run.stderr[-3000:]
 
 
@@ -112,7 +112,7 @@ def test_allow_failed_is_validated(tmp_path, capsys):
 
 def test_sample_data_footage_flag(tmp_path):
     """--footage camera reaches the generator: the same mp4 bytes as generate_dataset(footage="camera")."""
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     args = ["--episodes", "1", "--frames", "6", "6", "--cameras", "front"]
     assert main(["sample-data", str(tmp_path / "cam"), *args, "--footage", "camera"]) == 0

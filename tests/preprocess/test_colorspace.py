@@ -8,9 +8,9 @@ import av
 import numpy as np
 import pytest
 
-from loongforge.preprocess.colorspace import StreamColor, resolve_colors
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.stages.colorspace import StreamColor, resolve_colors
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.samples.dataset import generate_dataset
 from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import ConfigError
 

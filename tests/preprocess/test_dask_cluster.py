@@ -14,8 +14,8 @@ import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
-from loongforge.preprocess.runners import RunnerConfig
-from loongforge.preprocess.sample_data import QUIRKS, generate_dataset
+from loongforge.preprocess.runner.choice import RunnerConfig
+from loongforge.preprocess.samples.dataset import generate_dataset
 from loongforge.shared import paths
 from loongforge.shared.errors import RunnerError
 from tests.preprocess.conftest import tree
@@ -58,7 +58,7 @@ def test_dask_output_is_the_local_runners_byte_for_byte(cluster, six, tmp_path, 
     the tasks' events; the summary's counters (from the outputs: the runner has no metrics) are
     the local runner's Beam counters."""
     want = local_job(six, str(tmp_path / "local"), run_in_memory)
-    with caplog.at_level(logging.INFO, logger="loongforge.preprocess.progress"):
+    with caplog.at_level(logging.INFO, logger="loongforge.preprocess.runner.progress"):
         got = dask_job(six, str(tmp_path / "dask"), cluster.address, progress_s=0.2)
     assert_same_tree(str(tmp_path / "dask"), str(tmp_path / "local"))
     assert len(open_shards(tmp_path / "dask")) > 1  # 64 KB shards: several shard writes
@@ -67,7 +67,7 @@ def test_dask_output_is_the_local_runners_byte_for_byte(cluster, six, tmp_path, 
     assert sorted(conversions["by_worker"]) == sorted(cluster.worker_addresses().values())
     assert all(n >= 1 for n in conversions["by_worker"].values())
     assert got["counters"] == want["counters"] and got["counters"]["episodes_converted"] == SIX["episodes"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "loongforge.preprocess.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "loongforge.preprocess.runner.progress"]
     assert lines and all(f"/{SIX['episodes']} episodes" in line for line in lines)
     assert lines[-1].startswith(f"progress: {SIX['episodes']}/{SIX['episodes']} episodes (0 failed)")
 
@@ -101,7 +101,7 @@ def test_validation_split_is_identical(cluster, six, tmp_path, run_in_memory):
 def test_lerobot_v3_shared_files_are_identical(cluster, six, tmp_path, run_in_memory):
     """LeRobot v3.0: episodes are spans of shared parquet and mp4 files, each worker seeking into
     the same files."""
-    from loongforge.preprocess.sample_layouts import write_v3
+    from loongforge.preprocess.samples.layouts import write_v3
 
     v3 = str(write_v3(six, tmp_path / "v3", codec="h264", gop=2, episodes_per_file=4))
     local_job(v3, str(tmp_path / "local"), run_in_memory)
@@ -111,7 +111,7 @@ def test_lerobot_v3_shared_files_are_identical(cluster, six, tmp_path, run_in_me
 
 
 def test_a_scheduler_without_workers_is_one_clear_error(tmp_path, sample_dataset, monkeypatch):
-    import loongforge.preprocess.dask_job as dask_module
+    import loongforge.preprocess.runner.dask_job as dask_module
 
     monkeypatch.setattr(dask_module, "WORKERS_TIMEOUT_S", 1)
     procs = DaskProcs(tmp_path / "lonely", workers=0)

@@ -7,8 +7,8 @@ import av
 import numpy as np
 import pytest
 
-from loongforge.preprocess.decode import crop_box, decode_nv12
-from loongforge.preprocess.sample_data import generate_dataset
+from loongforge.preprocess.stages.decode import crop_box, decode_nv12
+from loongforge.preprocess.samples.dataset import generate_dataset
 from loongforge.shared import color
 from loongforge.shared.errors import SourceDataError
 

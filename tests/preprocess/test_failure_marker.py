@@ -4,7 +4,7 @@ and the lost marker is a WARNING naming the episode (it was a DEBUG line)."""
 import logging
 from types import SimpleNamespace
 
-from loongforge.preprocess.convert import FAILED, ConvertEpisodeFn
+from loongforge.preprocess.stages.convert import FAILED, ConvertEpisodeFn
 
 
 def test_unwritable_failure_marker_is_warned(tmp_path, caplog):
@@ -13,7 +13,7 @@ def test_unwritable_failure_marker_is_warned(tmp_path, caplog):
     fn = ConvertEpisodeFn.__new__(ConvertEpisodeFn)  # narrow: only what _fail reads
     fn.failed = SimpleNamespace(inc=lambda: None)
     fn.meta, fn.params, fn.progress_topic = SimpleNamespace(uri="src://x"), SimpleNamespace(output=str(blocker)), ""
-    with caplog.at_level(logging.WARNING, logger="loongforge.preprocess.convert"):
+    with caplog.at_level(logging.WARNING, logger="loongforge.preprocess.stages.convert"):
         tag, record = fn._fail(SimpleNamespace(index=7), "front", ValueError("bad frame"))
     assert tag == FAILED and record["reason"]
     lost = [r.getMessage() for r in caplog.records if "failure marker" in r.getMessage()]

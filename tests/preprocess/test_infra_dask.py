@@ -38,7 +38,7 @@ def test_compose_runs_the_scheduler_workers_and_launcher_from_one_image():
 
 def test_compose_launcher_is_a_valid_preprocess_command():
     from loongforge.cli import build_parser
-    from loongforge.preprocess.runners import RunnerConfig, runner_from_args
+    from loongforge.preprocess.runner.choice import RunnerConfig, runner_from_args
 
     command = _compose()["services"]["launcher"]["command"]
     args = build_parser().parse_args(command[1:])

@@ -6,8 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.progress import ProgressMonitor
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.runner.progress import ProgressMonitor
 from loongforge.shared.dataset import open_root
 
 
@@ -70,9 +70,9 @@ def test_progress_line_counts_staging_files(tmp_path):
 
 
 def test_local_run_logs_progress_and_returns_counters(sample_dataset, tmp_path, caplog, run_in_memory):
-    with caplog.at_level(logging.INFO, logger="loongforge.preprocess.progress"):
+    with caplog.at_level(logging.INFO, logger="loongforge.preprocess.runner.progress"):
         summary = run_in_memory(sample_dataset, str(tmp_path / "out"), progress_s=0.05)
-    lines = [r.getMessage() for r in caplog.records if r.name == "loongforge.preprocess.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "loongforge.preprocess.runner.progress"]
     assert len(lines) >= 2 and all("/3 episodes" in line for line in lines)
     assert lines[-1].startswith("progress: 3/3 episodes (0 failed)") and "done in" in lines[-1]
     counters = summary["counters"]
@@ -86,7 +86,7 @@ def test_episode_events_count_each_attempt_once_and_drive_the_progress_line():
     """The Dask runner's progress channel: each conversion attempt's event, counted once however
     often it arrives (live, then again from the scheduler's log); a failed attempt retried into a
     conversion is converted; the progress line reads the same as the local runner's."""
-    from loongforge.preprocess.progress import EpisodeEvents, report_episode
+    from loongforge.preprocess.runner.progress import EpisodeEvents, report_episode
 
     events = EpisodeEvents()
     sent = [{"episode": 0, "ok": True, "worker": "tcp://a:1", "attempt": "x0"},

@@ -4,7 +4,7 @@ The v3.0 fixtures (../shared/fixtures/lerobot_v3) were written by LeRobot 0.6.1 
 a keyframe every 2 frames, 4 episodes concatenated per camera, cameras of two sizes, and the
 same episodes as PNG image features. Every frame of every episode read back from the shards must
 equal PyAV's own decode of that frame (NV12, bit-exact) or, for image features, the PNG's pixels
-converted by the documented rule (preprocess/images.py); every state/action row, length and task
+converted by the documented rule (preprocess/stages/images.py); every state/action row, length and task
 string exactly what the parquet holds."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from loongforge.cli import main
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.sample_data import generate_dataset
-from loongforge.preprocess.sample_layouts import write_v3, write_v21
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.samples.dataset import generate_dataset
+from loongforge.preprocess.samples.layouts import write_v3, write_v21
 from loongforge.shared import color
 from loongforge.shared.dataset import open_root
 from tests.outside import copy_fixture
@@ -148,7 +148,7 @@ def _count_frames(path: str) -> int:
 def test_a_span_is_reached_by_seeking_not_by_decoding_the_file_from_its_start(v3_fixture, monkeypatch):
     import av
 
-    from loongforge.preprocess import decode
+    from loongforge.preprocess.stages import decode
 
     src, _ = v3_fixture["video"]
     path = str(src / "videos/observation.images.front/chunk-000/file-000.mp4")

@@ -10,10 +10,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.discover import discover
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.stages.discover import discover
 from loongforge.preprocess.report import summarize
-from loongforge.preprocess.sample_data import generate_preset
+from loongforge.preprocess.samples.dataset import generate_preset
 from loongforge.shared import paths
 from loongforge.shared.dataset import open_root
 
@@ -146,7 +146,7 @@ def test_gr00t_like_preset_with_resize(tmp_path, run_in_memory):
 
 
 def test_missing_parquet_and_missing_video_are_failed_records(tmp_path, run_in_memory):
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     root = generate_dataset(tmp_path / "ds", episodes=3, frames=(8, 10), gop=4)
     (root / "data/chunk-000/episode_000001.parquet").unlink()

@@ -11,10 +11,10 @@ import apache_beam as beam
 import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.launch import beam_options
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.runner.launch import beam_options
 from loongforge.preprocess.pipeline import build_pipeline
-from loongforge.preprocess.runners import RUNNERS, RunnerConfig, add_runner_arguments, runner_from_args
+from loongforge.preprocess.runner.choice import RUNNERS, RunnerConfig, add_runner_arguments, runner_from_args
 from loongforge.shared.errors import ConfigError, RunnerError, SourceDataError
 
 DASK = "apache_beam.runners.dask.dask_runner.DaskRunner"
@@ -147,7 +147,7 @@ def test_dask_runner_spreads_episodes_and_shards_over_tasks(sample_dataset, tmp_
 
 
 def test_unreachable_scheduler_fails_before_the_output_is_touched(sample_dataset, tmp_path, monkeypatch):
-    import loongforge.preprocess.dask_job as dask_job
+    import loongforge.preprocess.runner.dask_job as dask_job
     from loongforge.preprocess.pipeline import run_job
     from tests.conftest import free_port
 
@@ -163,7 +163,7 @@ def test_unreachable_scheduler_fails_before_the_output_is_touched(sample_dataset
 
 
 def test_a_dataset_without_episodes_is_refused_not_published_empty(tmp_path, run_in_memory):
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
 
     root = generate_dataset(tmp_path / "ds", episodes=1, frames=(4, 4), gop=2)
     (root / "meta" / "episodes.jsonl").write_text("")

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from loongforge.preprocess.sample_data import PRESETS, QUIRKS, generate_dataset, generate_preset, hand_dims
-from loongforge.preprocess.sample_learnable import HAND_LEVELS, hands_episode
+from loongforge.preprocess.samples.dataset import PRESETS, QUIRKS, generate_dataset, generate_preset, hand_dims
+from loongforge.preprocess.samples.learnable import HAND_LEVELS, hands_episode
 from loongforge.shared.errors import ConfigError
 
 
@@ -127,7 +127,7 @@ def test_bad_arguments(tmp_path, kw):
 def test_learnable_task_actions_follow_from_state_and_frame(tmp_path):
     """--task learnable: every action chunk is the known function of the current state and the target
     the frame shows (read back from the decoded H.264 colour cue), and the trivial baselines are poor."""
-    from loongforge.preprocess.sample_learnable import CUE_GAIN, chunk_from
+    from loongforge.preprocess.samples.learnable import CUE_GAIN, chunk_from
 
     root = generate_dataset(tmp_path / "l", episodes=3, frames=(40, 48), task="learnable", gop=6)
     info = json.loads((root / "meta/info.json").read_text())
@@ -206,7 +206,7 @@ def test_camera_footage_static_scene_moving_arm(tmp_path):
 def test_camera_model_noise_is_the_only_difference_at_noise_zero():
     """The sensor noise is added on top of the render: noise=0 is the clean render, and the noisy frames
     differ from it by about `noise` DN (std), not by a changed scene."""
-    from loongforge.preprocess.sample_camera import camera_frames
+    from loongforge.preprocess.samples.camera import camera_frames
 
     clean = camera_frames(6, 64, 64, seed=1, noise=0.0)
     assert np.array_equal(clean, camera_frames(6, 64, 64, seed=1, noise=0.0))

@@ -13,11 +13,11 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from loongforge.preprocess.convert import FAILED, STAGED, STATS, ConvertEpisodeFn, ConvertParams, select_tag
-from loongforge.preprocess.discover import discover
-from loongforge.preprocess.finalize import JobResultsFn
-from loongforge.preprocess.pack import ShardPlan, StagedEpisode, WriteShardFn, WriteShards, place_episodes
-from loongforge.preprocess.stats import Moments, episode_moments, norm_stats
+from loongforge.preprocess.stages.convert import FAILED, STAGED, STATS, ConvertEpisodeFn, ConvertParams, select_tag
+from loongforge.preprocess.stages.discover import discover
+from loongforge.preprocess.stages.finalize import JobResultsFn
+from loongforge.preprocess.stages.pack import ShardPlan, StagedEpisode, WriteShardFn, WriteShards, place_episodes
+from loongforge.preprocess.stages.stats import Moments, episode_moments, norm_stats
 from loongforge.shared import paths
 from loongforge.shared.blocks import EpisodeLayout
 from loongforge.shared.members import END_OF_ARCHIVE
@@ -114,7 +114,7 @@ def test_shard_plan_is_greedy_sorted_and_size_bounded():
 def test_write_shards_groups_each_shards_episodes_by_key(tmp_path, monkeypatch):
     """Each shard is one group (keyed by its number), its episodes in plan order: the writes
     spread over workers on any runner, not one task fanned out from the plan."""
-    import loongforge.preprocess.pack as pack
+    import loongforge.preprocess.stages.pack as pack
 
     def fake_write(output, number, fragments):
         return {"name": f"shard-{number}", "bytes": 1}, [layout for layout, _ in fragments]
@@ -165,7 +165,7 @@ def test_shard_plan_of_nothing_is_empty():
 
 
 def test_unexpected_decoder_error_is_a_failed_record_but_output_errors_raise(sample_dataset, tmp_path, monkeypatch):
-    import loongforge.preprocess.convert as convert
+    import loongforge.preprocess.stages.convert as convert
 
     meta, episodes = discover(sample_dataset)
 

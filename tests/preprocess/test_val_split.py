@@ -27,7 +27,7 @@ def test_norm_stats_come_from_training_episodes_only(sample_dataset, tmp_path, r
     """The validation episodes must not leak into training through the normalisation."""
     import pyarrow.parquet as pq
 
-    from loongforge.preprocess.discover import discover
+    from loongforge.preprocess.stages.discover import discover
 
     out = str(tmp_path / "out")
     run_in_memory(sample_dataset, out, action_horizon=4, val_episodes="1")

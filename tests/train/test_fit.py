@@ -22,7 +22,7 @@ import pytest
 
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.pipeline import run_job
-from loongforge.preprocess.sample_data import PRESETS, generate_dataset
+from loongforge.preprocess.samples.dataset import PRESETS, generate_dataset
 from loongforge.train.eval.baselines import DEFAULT_DISCRETE_MODE
 from loongforge.train.eval.openloop import format_table, run_eval
 from loongforge.train.eval.policy import Policy

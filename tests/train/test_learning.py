@@ -1,5 +1,5 @@
 """The learning check, end to end: `sample-data --task learnable` (actions are a known function of
-the state and of the target the frames show, preprocess/sample_learnable.py) goes through the real
+the state and of the target the frames show, preprocess/samples/learnable.py) goes through the real
 preprocess Beam job with a validation split (every timestep a sample, one frame per camera with the
 default delta indices), the tiny recipe trains on the training episodes on 2
 real gloo ranks and logs validation metrics, and the checkpoint, loaded as a Policy through
@@ -31,7 +31,7 @@ def learn_root(tmp_path_factory):
     """A learnable LeRobot dataset -> NV12 shards by the real Beam job, 2 of 10 episodes held out."""
     from loongforge.preprocess.config import PreprocessConfig
     from loongforge.preprocess.pipeline import run_job
-    from loongforge.preprocess.sample_data import generate_dataset
+    from loongforge.preprocess.samples.dataset import generate_dataset
     from loongforge.train.config import DataConfig
     from loongforge.train.data.training_data import load_training_data
 

@@ -89,29 +89,48 @@ ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window"
         "--warmup-steps", "3", "--no-ds-breakdown", "--zero", "2", "--steps", "8"]
 
 
-@pytest.mark.slow
-def test_one_rank_resume_continues_the_schedule_exactly(train_root, tmp_path):
-    """8 steps straight == 4 steps + resume + 4: the same lr and loss at every step, on the curve."""
+@pytest.fixture(scope="module")
+def schedule_run(train_root, tmp_path_factory):
+    """8 steps straight on one rank, a checkpoint at step 4: the lr on the warm-up + cosine curve."""
     root, _ = train_root
-    run_dir = str(tmp_path / "run")
+    work = tmp_path_factory.mktemp("schedule")
+    run_dir = str(work / "run")
     cmd = [sys.executable, "-m", "loongforge.train", "--data", root, *ARGS]
-    assert_ok(launch([*cmd, "--run-dir", run_dir, "--save-every", "4"], cwd=str(tmp_path)))
+    assert_ok(launch([*cmd, "--run-dir", run_dir, "--save-every", "4"], cwd=str(work)))
     want = read_metrics(run_dir)
     expect = [3e-3 * lr_factor(k, kind="cosine", warmup=3, total=8, min_ratio=0.0) for k in range(8)]
     assert [r["lr"] for r in want] == pytest.approx(expect, rel=1e-6)
     saved = glob.glob(os.path.join(run_dir, "checkpoints", "step00000004", "mp_rank_00_model_states.pt"))
     assert torch.load(saved[0], weights_only=True)["lr_scheduler"]["updates"] == 4
+    return run_dir, want
+
+
+@pytest.mark.slow
+def test_one_rank_resume_continues_the_schedule_exactly(schedule_run, train_root, tmp_path):
+    """8 steps straight == 4 steps + resume + 4: the same lr and loss at every step, on the curve."""
+    run_dir, want = schedule_run
+    root, _ = train_root
     resumed = str(tmp_path / "resumed")
     shutil.copytree(run_dir, resumed)
     with open(os.path.join(resumed, "checkpoints", "latest"), "w") as f:
         f.write("step00000004")
+    cmd = [sys.executable, "-m", "loongforge.train", "--data", root, *ARGS]
     assert_ok(launch([*cmd, "--run-dir", resumed, "--resume"], cwd=str(tmp_path)))
     got = read_metrics(resumed)
     assert [r["step"] for r in got] == list(range(8))
     for a, b in zip(want[4:], got[4:]):
         assert b["lr"] == a["lr"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-    # across `ckpt reshard` (ZeRO-2 -> ZeRO-3): the schedule goes on at update 4, not from a new warm-up
+
+
+# Two more launches (~13 s); make test keeps the schedule state's reshard rule as a unit test
+# (test_reshard_carries_the_schedule_state) and the resume above.
+@pytest.mark.slow
+@pytest.mark.full
+def test_the_schedule_goes_on_across_a_reshard(schedule_run, train_root, tmp_path):
+    """`ckpt reshard` (ZeRO-2 -> ZeRO-3), then resume: the schedule goes on at update 4, not from a new warm-up."""
+    run_dir, want = schedule_run
+    root, _ = train_root
     moved = str(tmp_path / "resharded")
     shutil.copytree(run_dir, moved)
     assert_ok(launch([sys.executable, "-m", "loongforge", "ckpt", "reshard", moved, "--tag", "step00000004",

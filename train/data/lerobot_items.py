@@ -18,7 +18,7 @@ Colour: "loongforge" converts the stored NV12 with the index's matrix and range
 the source's yuv420p planes and converts them with PyAV's own swscale call, bit-identical to
 the RGB LeRobot's pyav backend returns for video (train/README.md has the measured difference
 and cost). Image features always use "loongforge": their NV12 was made from the PNG's RGB by
-the inverse rule (preprocess/images.py).
+the inverse rule (preprocess/stages/images.py).
 """
 
 from __future__ import annotations

@@ -221,6 +221,9 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     assert conv[0]["tag"] == "step00000004_w1z2t1" and "Adam moments and step kept" in err
 
 
+# The bench harness on one row (~12 s); make test keeps the product behaviour it measures
+# (test_nan_loss_on_one_rank_skips_the_step_on_both_and_never_reaches_the_weights); `make faults` runs it.
+@pytest.mark.full
 def test_fault_suite_fast_subset_nan_loss(tmp_path):
     """`loongforge bench faults`' harness on its fastest fault (the full list runs in `make faults`), on its
     default format-2 root: the row says detected, recovered, nothing redone, no sample lost or seen twice

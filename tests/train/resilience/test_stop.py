@@ -12,7 +12,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.ckpt.test_ckpt_resilience import COMMON, _kill_tree, _metrics, _resume_copy  # noqa: E402
+from tests.train.ckpt.test_ckpt_resilience import COMMON, _kill_tree, _metrics  # noqa: E402
 from tests.train.conftest import ZERO3_RUN_ARGS  # noqa: E402
 from tests.train.resilience.test_faults import _wait_steps  # noqa: E402
 from tests.train.train_launch import VENV_BIN, launch_env, torchrun  # noqa: E402

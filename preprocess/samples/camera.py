@@ -1,6 +1,6 @@
 """Camera model for synthetic robot footage (`loongforge sample-data OUT --footage camera`).
 
-The default sample footage (`footage="grain"`, sample_data.py) scrolls a noise
+The default sample footage (`footage="grain"`, samples/dataset.py) scrolls a noise
 texture across the whole frame: every pixel changes every frame, which H.264
 encodes by motion compensation at ~1.5 KB a frame but which no lossless coder
 can model. That is a worst case for storing decoded frames, not what a robot

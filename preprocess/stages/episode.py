@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loongforge.preprocess import files
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
+from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta
 from loongforge.shared.errors import SourceDataError
 
 TASK_COLUMNS = ("annotation.human.action.task_description", "task_index")

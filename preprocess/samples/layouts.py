@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.preprocess.discover import discover
+from loongforge.preprocess.stages.discover import discover
 from loongforge.shared.errors import ConfigError
 
 ENCODERS = {"h264": "libx264", "hevc": "libx265", "av1": "libsvtav1"}

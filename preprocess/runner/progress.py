@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loongforge.preprocess import files
-from loongforge.preprocess.pack import STAGING_DIR
+from loongforge.preprocess.stages.pack import STAGING_DIR
 
 log = logging.getLogger(__name__)
 _DONE = re.compile(r"(?:^|/)episode_(\d{6})\.(bin|failed)$")  # not the .tmp-* files of atomic writes

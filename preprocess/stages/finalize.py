@@ -19,12 +19,12 @@ import apache_beam as beam
 
 from loongforge import __version__
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget
+from loongforge.preprocess.stages.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.convert import FAILED, STAGED, STATS, ConvertParams
-from loongforge.preprocess.discover import SourceMeta
-from loongforge.preprocess.pack import STAGING_DIR, StagedEpisode
-from loongforge.preprocess.stats import norm_stats
+from loongforge.preprocess.stages.convert import FAILED, STAGED, STATS, ConvertParams
+from loongforge.preprocess.stages.discover import SourceMeta
+from loongforge.preprocess.stages.pack import STAGING_DIR, StagedEpisode
+from loongforge.preprocess.stages.stats import norm_stats
 from loongforge.shared import paths, storage
 from loongforge.shared.index import TABLE_DIR, CameraInfo, DatasetInfo
 from loongforge.shared.split import choose_val_episodes, parse_val_spec

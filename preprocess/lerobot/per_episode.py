@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from loongforge.preprocess import files
-from loongforge.preprocess.lerobot_meta import CameraSource, aggregate_stats, parse_json, parse_jsonl
+from loongforge.preprocess.lerobot.meta import CameraSource, aggregate_stats, parse_json, parse_jsonl
 
 DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
 VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"

@@ -1,4 +1,4 @@
-"""One preprocess job on its runner (runners.py says which), from start to summary:
+"""One preprocess job on its runner (runner/choice.py says which), from start to summary:
 the runner's options, the runner object, progress lines, and what the summary says about
 the run (counters; on Dask, the conversion attempts per worker)."""
 
@@ -15,11 +15,11 @@ from apache_beam.runners.portability.fn_api_runner import fn_runner
 from google.protobuf import struct_pb2
 
 from loongforge.preprocess.config import PreprocessConfig
-from loongforge.preprocess.dask_job import DaskSession
-from loongforge.preprocess.pack import METRICS_NS
-from loongforge.preprocess.progress import EpisodeEvents, ProgressMonitor
+from loongforge.preprocess.runner.dask_job import DaskSession
+from loongforge.preprocess.stages.pack import METRICS_NS
+from loongforge.preprocess.runner.progress import EpisodeEvents, ProgressMonitor
 from loongforge.preprocess.report import output_counters
-from loongforge.preprocess.runners import RunnerConfig, dask_partition_size
+from loongforge.preprocess.runner.choice import RunnerConfig, dask_partition_size
 from loongforge.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)

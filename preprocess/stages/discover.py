@@ -1,8 +1,8 @@
 """Stage 1: read a LeRobot dataset's `meta/` and list its episodes (v2.0, v2.1, v3.0).
 
 Runs once on the launcher (metadata only, no video). `codebase_version` picks the layout reader
-(lerobot_v2.py, lerobot_v3.py); any other version is refused here, before any work, with the
-versions LoongForge reads (lerobot_meta.py). Inconsistent metadata that real datasets ship with
+(lerobot/per_episode.py, lerobot/chunked.py); any other version is refused here, before any work, with the
+versions LoongForge reads (lerobot/meta.py). Inconsistent metadata that real datasets ship with
 (GR00T's own sample data among them: `total_chunks: 0`, `splits` naming episodes that do not
 exist, cameras in `info.json` that have no video files) is tolerated with a warning (logged and
 recorded in the index under `source.warnings`), because the files themselves are the truth.
@@ -17,13 +17,15 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from loongforge.preprocess import files, lerobot_v2, lerobot_v3
-from loongforge.preprocess.lerobot_meta import ACTION_KEY, STATE_KEY, CameraSource, cameras, check_version, \
+from loongforge.preprocess import files
+
+from loongforge.preprocess.lerobot import chunked, per_episode
+from loongforge.preprocess.lerobot.meta import ACTION_KEY, STATE_KEY, CameraSource, cameras, check_version, \
     derived_modality, names, parse_json, vector_dim
 from loongforge.shared.errors import SourceDataError, UnsupportedSourceError
 
 log = logging.getLogger(__name__)
-META_FILES = ("info.json", "modality.json", *lerobot_v2.META_FILES, *lerobot_v3.META_FILES)
+META_FILES = ("info.json", "modality.json", *per_episode.META_FILES, *chunked.META_FILES)
 __all__ = ["CameraSource", "EpisodeSpec", "SourceMeta", "discover"]
 
 
@@ -111,13 +113,13 @@ def _has_videos(listing: set[str], video_tpl: str):
 def _episodes(root: str, version: str, info: dict, raw: dict, listing: set[str], cams, warn):
     """(EpisodeSpecs, tasks, LeRobot statistics, extra files for the fingerprint) of one layout."""
     if version == "v3.0":
-        tables = lerobot_v3.episode_tables(root)
-        specs = lerobot_v3.list_episodes(root, info, tables, cams)
-        return specs, lerobot_v3.tasks(root), lerobot_v3.stats(raw, tables), \
+        tables = chunked.episode_tables(root)
+        specs = chunked.list_episodes(root, info, tables, cams)
+        return specs, chunked.tasks(root), chunked.stats(raw, tables), \
             files.stat_files(root, "meta/episodes") | _optional_stat(root, "meta/tasks.parquet")
-    rows = lerobot_v2.episode_rows(raw, listing, warn)
-    specs = lerobot_v2.list_episodes(root, info, rows, cams)
-    return specs, lerobot_v2.tasks(raw), lerobot_v2.stats(raw), {}
+    rows = per_episode.episode_rows(raw, listing, warn)
+    specs = per_episode.list_episodes(root, info, rows, cams)
+    return specs, per_episode.tasks(raw), per_episode.stats(raw), {}
 
 
 def _optional_stat(root: str, rel: str) -> dict[str, tuple[int, str]]:
@@ -143,7 +145,7 @@ def discover(root: str, fingerprint: str = "stat") -> tuple[SourceMeta, list[Epi
     version = check_version(info, "meta/info.json")
     stats = {**files.stat_files(root, "videos"), **files.stat_files(root, "data")}
     listing = set(stats)
-    video_tpl = info.get("video_path") or (lerobot_v3.VIDEO_PATH if version == "v3.0" else lerobot_v2.VIDEO_PATH)
+    video_tpl = info.get("video_path") or (chunked.VIDEO_PATH if version == "v3.0" else per_episode.VIDEO_PATH)
     cams = cameras(info, _has_videos(listing, video_tpl), warn)
     if not cams:
         raise SourceDataError(f"{root}: no camera feature (video or image) has data; nothing to convert")

@@ -15,12 +15,12 @@ What the launcher adds per runner:
   direct  Beam's DirectRunner as Beam sets it up; progress from the staging files.
   dask    Beam's DaskRunner on --dask-scheduler (default: a local cluster of --workers
           single-threaded processes, for the job's duration); one episode per task; progress
-          and conversion counts from the tasks' own events (progress.py); summary counters
-          from the outputs (the runner reports no metrics). dask_job.py checks the cluster.
+          and conversion counts from the tasks' own events (runner/progress.py); summary counters
+          from the outputs (the runner reports no metrics). runner/dask_job.py checks the cluster.
   other   Beam's defaults; the summary has Beam's counters where the runner reports them.
 
 This module holds the choice (no Beam import: `loongforge --help` stays light);
-launch.py sets the runner up and runs the job on it.
+runner/launch.py sets the runner up and runs the job on it.
 """
 
 from __future__ import annotations

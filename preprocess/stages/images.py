@@ -16,8 +16,8 @@ import io
 
 import numpy as np
 
-from loongforge.preprocess.colorspace import ColorTarget
-from loongforge.preprocess.decode import crop_box
+from loongforge.preprocess.stages.colorspace import ColorTarget
+from loongforge.preprocess.stages.decode import crop_box
 from loongforge.shared import color
 from loongforge.shared.errors import SourceDataError
 

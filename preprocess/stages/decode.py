@@ -14,7 +14,7 @@ the episode and no frame of a neighbour, what LeRobotDataset shows at episode ti
 
 Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
 (no matrix or range conversion), so the NV12 carries the source's colour
-matrix and range (detected per stream, colorspace.py). Only when the job asks
+matrix and range (detected per stream, stages/colorspace.py). Only when the job asks
 for another colour (--color-range/--color-matrix) is a stream converted.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import SWS_MATRIX, SWS_RANGE, UNTAGGED, ColorTarget, StreamColor, \
+from loongforge.preprocess.stages.colorspace import SWS_MATRIX, SWS_RANGE, UNTAGGED, ColorTarget, StreamColor, \
     check_stream, stream_color
 from loongforge.shared.errors import SourceDataError
 

@@ -24,15 +24,15 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from loongforge.preprocess import files
-from loongforge.preprocess.colorspace import ColorTarget
-from loongforge.preprocess.decode import decode_nv12
-from loongforge.preprocess.discover import EpisodeSpec, SourceMeta
-from loongforge.preprocess.episode import EpisodeTable, read_episode
-from loongforge.preprocess.images import images_to_nv12
-from loongforge.preprocess.pack import METRICS_NS, StagedEpisode, staging_path
-from loongforge.preprocess.progress import report_episode
-from loongforge.preprocess.stats import episode_moments
-from loongforge.shared import paths, storage
+from loongforge.preprocess.stages.colorspace import ColorTarget
+from loongforge.preprocess.stages.decode import decode_nv12
+from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta
+from loongforge.preprocess.stages.episode import EpisodeTable, read_episode
+from loongforge.preprocess.stages.images import images_to_nv12
+from loongforge.preprocess.stages.pack import METRICS_NS, StagedEpisode, staging_path
+from loongforge.preprocess.runner.progress import report_episode
+from loongforge.preprocess.stages.stats import episode_moments
+from loongforge.shared import storage
 from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 
 from loongforge.preprocess import files
-from loongforge.preprocess.lerobot_meta import CameraSource, aggregate_stats, parse_json
+from loongforge.preprocess.lerobot.meta import CameraSource, aggregate_stats, parse_json
 from loongforge.shared.errors import SourceDataError
 
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"

@@ -8,13 +8,13 @@
 Videos are real H.264 (libx264, yuv420p) encoded through PyAV, with moving
 content (drifting gradient, a moving square, a scrolling noise texture), so
 decoders, resizers and zstd see non-trivial frames. `footage="camera"`
-renders a fixed robot camera instead (sample_camera.py: static scene, a moving
+renders a fixed robot camera instead (samples/camera.py: static scene, a moving
 arm and cube, slow lighting change, sensor noise): what storage of decoded
 frames should be measured on, since the grain makes every pixel change. Encoding is
 single-threaded, which makes x264 output (and so the whole tree) a pure
 function of the arguments.
 
-`task="learnable"` makes a dataset a policy can be scored on (sample_learnable.py):
+`task="learnable"` makes a dataset a policy can be scored on (samples/learnable.py):
 the action chunk is an exact function of the current state and of what the
 frames show, with per-episode variety, so predict-the-mean and repeat-last
 baselines do poorly and a model that learned something beats them. `task="hands"` is that
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.preprocess.sample_camera import camera_frames
-from loongforge.preprocess.sample_learnable import hands_episode, learnable_episode, learnable_frames
+from loongforge.preprocess.samples.camera import camera_frames
+from loongforge.preprocess.samples.learnable import hands_episode, learnable_episode, learnable_frames
 from loongforge.shared import color
 from loongforge.shared.errors import ConfigError
 

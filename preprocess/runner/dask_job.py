@@ -27,7 +27,7 @@ import logging
 import time
 
 from loongforge import __version__
-from loongforge.preprocess.progress import EpisodeEvents
+from loongforge.preprocess.runner.progress import EpisodeEvents
 from loongforge.shared.errors import ConfigError, RunnerError
 
 log = logging.getLogger(__name__)
