@@ -109,7 +109,7 @@ JSON_INDEX = "index-tables.json"
 _PROBE = r"""
 import bisect, json, os, sys, time, random
 import psutil
-from loongforge.benchmarks.harness.dataset import open_root
+from loongforge.shared.dataset import open_root  # what a decode worker imports (no torch)
 class JsonIndex:
     # the same tables, parsed: locate by bisect over the episode starts, block entries by list index
     def __init__(self, path):
