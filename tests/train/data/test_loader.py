@@ -413,13 +413,9 @@ def test_cuda_prefetch_matches_cpu(train_root):
             assert float((diff > 1e-5).float().mean()) <= 1e-3, "frames: more than 0.1% of values differ"
 
 
-@pytest.mark.slow
-def test_workers_exit_when_the_trainer_is_killed(train_root, tmp_path):
-    """SIGKILL of the main process (OOM killer, scheduler) must not leave decode workers behind."""
-    import subprocess
-    import sys
-
-    root, _ = train_root
+def _victim(tmp_path, body: str):
+    """A script that starts a 2-worker BlockLoader on argv[1], takes one batch, runs `body` (which
+    prints what the test needs on one line), then sleeps until it is killed."""
     script = tmp_path / "victim.py"
     script.write_text(
         "import sys, time\n"
@@ -427,8 +423,19 @@ def test_workers_exit_when_the_trainer_is_killed(train_root, tmp_path):
         "if __name__ == '__main__':\n"
         "    loader = BlockLoader(sys.argv[1], batch_size=4, num_workers=2)\n"
         "    it = iter(loader); next(it)\n"
-        "    print(' '.join(str(p.pid) for p in loader._pool._procs), flush=True)\n"
+        + body +
         "    time.sleep(120)\n")
+    return script
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_trainer_is_killed(train_root, tmp_path):
+    """SIGKILL of the main process (OOM killer, scheduler) must not leave decode workers behind."""
+    import subprocess
+    import sys
+
+    root, _ = train_root
+    script = _victim(tmp_path, "    print(' '.join(str(p.pid) for p in loader._pool._procs), flush=True)\n")
     proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -467,19 +474,12 @@ def test_a_sigkill_of_the_whole_group_leaves_no_shared_memory(train_root, tmp_pa
     import sys
 
     root, _ = train_root
-    script = tmp_path / "victim.py"
-    script.write_text(
-        "import sys, time\n"
-        "from loongforge.train.data.loader import BlockLoader\n"
-        "if __name__ == '__main__':\n"
-        "    loader = BlockLoader(sys.argv[1], batch_size=4, num_workers=2)\n"
-        "    it = iter(loader); next(it)\n"
-        "    loader._pool.wait_ready(60)\n"
-        "    deadline = time.monotonic() + 10\n"
-        "    while not getattr(loader._pool, '_unlinked', False) and time.monotonic() < deadline:\n"
-        "        time.sleep(0.05)\n"
-        "    print(' '.join(s.name for s in loader._pool._shms), flush=True)\n"
-        "    time.sleep(120)\n")
+    script = _victim(tmp_path,
+                     "    loader._pool.wait_ready(60)\n"
+                     "    deadline = time.monotonic() + 10\n"
+                     "    while not getattr(loader._pool, '_unlinked', False) and time.monotonic() < deadline:\n"
+                     "        time.sleep(0.05)\n"
+                     "    print(' '.join(s.name for s in loader._pool._shms), flush=True)\n")
     proc = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
