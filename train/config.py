@@ -16,13 +16,10 @@ from loongforge.shared.errors import ConfigError
 BAD_SAMPLE_POLICIES = ("skip", "raise")
 TAIL_POLICIES = ("drop",)  # see order.py: padding would duplicate samples within an epoch
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")  # train/model/attention.py
-TIME_SCHEDULES = ("beta", "uniform")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 # Peak learning rate per recipe (OptimConfig.lr unless --lr), for the default warm-up + cosine schedule.
-# tiny: 3e-3 (learnable sample task, 240 steps: val MSE 0.046 at 3e-3, 0.052 at 5e-3, 0.122 at 1e-3;
-# constant 1e-3 gave 0.036); small: 3e-4 halved the open-loop error of constant 1e-3 on a GR00T demo
-# set; 1.6b: GR00T's fine-tuning lr. train/README.md has the figures.
-RECIPE_LR = {"tiny": 3e-3, "small": 3e-4, "1.6b": 1e-4}
+# gr00t-n1.6: Isaac-GR00T's fine-tuning lr. tiny / small: train/README.md has the figures.
+RECIPE_LR = {"tiny": 3e-3, "small": 3e-4, "gr00t-n1.6": 1e-4}
 
 
 def _need(cond: bool, field_name: str, msg: str) -> None:
@@ -36,15 +33,12 @@ class DataConfig:
     global_batch_size: int = 8  # samples per optimizer step over all ranks (micro batch x world x accum)
     num_workers: int = 0
     seed: int = 0
-    max_text_tokens: int = 32
     bad_samples: str = "skip"
     prefetch_batches: int = 2  # batches in flight per worker
     worker_timeout_s: float = 120.0  # no result for this long = a stuck worker, raise
     start_method: str = "spawn"  # workers never inherit the trainer's threads or CUDA context
     cache_socket: str | None = None
     cache_tcp: str | None = None
-    image_mean: float = 0.5
-    image_std: float = 0.25
     # Samples are (episode, t) (train/data/samples.py), in a block-aware order (train/data/order.py).
     video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
     state_deltas: tuple[int, ...] = ()  # () = the video offsets
@@ -63,57 +57,36 @@ class DataConfig:
         _need(self.action_horizon >= 0, "data.action_horizon", "must be >= 0 (0 = the index's)")
         _need(self.global_batch_size >= 1, "data.global_batch_size", "must be >= 1")
         _need(self.num_workers >= 0, "data.num_workers", "must be >= 0 (0 decodes in the main process)")
-        _need(self.max_text_tokens >= 1, "data.max_text_tokens", "must be >= 1")
         _need(self.bad_samples in BAD_SAMPLE_POLICIES, "data.bad_samples", f"use one of {BAD_SAMPLE_POLICIES}")
         _need(self.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1")
         _need(self.worker_timeout_s > 0, "data.worker_timeout_s", "must be > 0")
         _need(self.start_method in ("spawn", "forkserver", "fork"), "data.start_method",
               "use spawn, forkserver or fork")
-        _need(self.image_std > 0, "data.image_std", "must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    dim: int = 64
-    depth: int = 2  # vision-language trunk blocks
-    head_depth: int = 2  # action head (DiT) blocks, cross- and self-attention interleaved
-    bin_depth: int = 2  # discrete head blocks
-    heads: int = 4
-    mlp_ratio: float = 4.0
-    patch: int = 8
-    vision_tokens: int = 16  # per frame and camera (a square); frames are resized to 2*sqrt(this)*patch
-    time_schedule: str = "beta"  # flow time: "beta" (GR00T: Beta(1.5, 1), noisy t favoured) or "uniform"
-    vocab: int = 259  # 256 bytes + pad/bos/eos: a byte-level tokenizer needs no download
-    action_bins: int = 64
-    action_clip: float = 3.0  # normalized actions are clipped to +-clip before binning
-    flow_weight: float = 1.0
-    ce_weight: float = 0.1
-    dropout: float = 0.0
+    """What the user chooses about the model. The architecture itself (GR00T N1.6 at a recipe's size,
+    or the --init-from checkpoint's) is decided in train/recipes.py; a tune_* left None keeps the
+    recipe's or the checkpoint's switch."""
+
     attention: str = "auto"  # auto | sdpa | flex | flash: train/model/attention.py (auto = sdpa on CPU)
-    # Filled from the shard index by recipes.resolve(): the model never reads the index itself.
-    image_size: tuple[int, int] = (16, 16)
-    cameras: int = 2
-    max_frames: int = 2
-    state_dim: int = 6
-    action_dim: int = 4
-    action_horizon: int = 4
-    max_text_tokens: int = 32
+    init_from: str | None = None  # an Isaac-GR00T N1.6 checkpoint directory (config.json + model*.safetensors)
+    tokenizer: str | None = None  # directory of the tokenizer files; default: init_from's, else bytes
+    embodiment_tag: str = "new_embodiment"  # GR00T's embodiment tag (or projector index) of the data
+    tune_llm: bool | None = None
+    tune_visual: bool | None = None
+    tune_top_llm_layers: int | None = None
+    tune_projector: bool | None = None
+    tune_diffusion_model: bool | None = None
+    tune_vlln: bool | None = None
+    dit_dropout: float | None = None  # None = the architecture's (N1.6: 0.2)
 
     def __post_init__(self):
-        _need(self.dim > 0 and self.heads > 0 and self.dim % self.heads == 0, "model.dim",
-              f"must be a positive multiple of model.heads ({self.heads})")
-        _need(self.depth >= 1, "model.depth", "must be >= 1")
-        _need(self.patch >= 1, "model.patch", "must be >= 1")
-        _need(self.vision_tokens >= 1 and math.isqrt(self.vision_tokens) ** 2 == self.vision_tokens,
-              "model.vision_tokens", "must be a perfect square (16, 64, ...): tokens form a square grid")
-        _need(self.head_depth >= 1 and self.bin_depth >= 1, "model.head_depth",
-              "head_depth and bin_depth must be >= 1")
-        _need(self.time_schedule in TIME_SCHEDULES, "model.time_schedule", f"use one of {TIME_SCHEDULES}")
-        _need(self.action_bins >= 2, "model.action_bins", "must be >= 2")
         _need(self.attention in ATTENTION_BACKENDS, "model.attention", f"use one of {ATTENTION_BACKENDS}")
-        _need(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        _need(self.flow_weight >= 0 and self.ce_weight >= 0 and self.flow_weight + self.ce_weight > 0,
-              "model.flow_weight", "loss weights must be >= 0 and not both 0")
+        _need(self.tune_top_llm_layers is None or self.tune_top_llm_layers >= 0, "model.tune_top_llm_layers",
+              "must be >= 0")
+        _need(self.dit_dropout is None or 0.0 <= self.dit_dropout < 1.0, "model.dit_dropout", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,7 +41,24 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
     p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
-    p.add_argument("--recipe", default=_default(TrainConfig, "recipe"), help="tiny | small | 1.6b")
+    p.add_argument("--recipe", default=_default(TrainConfig, "recipe"), help="GR00T N1.6 at a size: tiny | small | "
+                   "gr00t-n1.6 (the released architecture, 2.96 B parameters); ignored with --init-from")
+    p.add_argument("--init-from", default=None, metavar="DIR", help="fine-tune an Isaac-GR00T N1.6 checkpoint "
+                   "directory (config.json + model*.safetensors; its tokenizer files, or --tokenizer); never a "
+                   "download")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="directory of the tokenizer files (default: "
+                   "--init-from's; without one, bytes)")
+    p.add_argument("--embodiment-tag", default=_default(ModelConfig, "embodiment_tag"), help="GR00T's embodiment "
+                   "tag of the data (selects the per-embodiment encoders; a new robot: new_embodiment)")
+    for name, what in (("llm", "the LLM (all its kept layers)"), ("visual", "the vision tower and mlp1"),
+                       ("projector", "the state/action encoders and decoder"),
+                       ("diffusion-model", "the DiT"), ("vlln", "the LayerNorm on the backbone features")):
+        p.add_argument(f"--tune-{name}", default=None, action=argparse.BooleanOptionalAction,
+                       help=f"train {what} (default: the recipe's: all of it from scratch; N1.6's with --init-from)")
+    p.add_argument("--tune-top-llm-layers", type=int, default=None, help="train the top N LLM layers even when "
+                   "--no-tune-llm (N1.6: 4)")
+    p.add_argument("--dit-dropout", type=float, default=None, help="the DiT's dropout (default: the model's, N1.6 "
+                   "0.2)")
     p.add_argument("--steps", type=int, default=_default(RunConfig, "steps"), help="optimizer steps to reach "
                    "(total, counting resumed)")
     p.add_argument("--batch-size", type=int, default=_default(DataConfig, "global_batch_size"),
@@ -115,11 +132,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "per-step `[Rank 0] time (ms)` lines); our breakdown in metrics.jsonl does not need it")
     p.add_argument("--no-ds-breakdown", action="store_true", help=argparse.SUPPRESS)  # the default now; accepted
     p.add_argument("--tp", type=int, default=_default(ParallelConfig, "tp"), help="tensor-parallel degree: the "
-                   "trunk's attention and MLP split over TP ranks (train/parallel/); data-parallel size = ranks / "
-                   "(tp * sp)")
+                   "attention and MLP of the vision tower, LLM and DiT split over TP ranks (train/parallel/); "
+                   "data-parallel size = ranks / (tp * sp)")
     p.add_argument("--sp", type=int, default=_default(ParallelConfig, "sp"), help="sequence-parallel degree: the "
-                   "video tokens split over SP ranks, Ulysses attention (train/parallel/video_sp.py); heads %% "
-                   "(tp*sp) == 0")
+                   "images and the LLM's image tokens split over SP ranks, Ulysses attention "
+                   "(train/parallel/video_sp.py); LLM KV heads %% (tp*sp) == 0")
     p.add_argument("--grad-compression", default=_default(ParallelConfig, "grad_compression"),
                    choices=("none", "topk"), help="topk: ZeRO-3 shards inside each SP group, replicas sync "
                    "gradients by top-k + error feedback (needs --zero 3)")
@@ -197,7 +214,11 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                         cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
                         sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
                         block_cache_mb=a.block_cache_mb),
-        model=ModelConfig(attention=a.attention),
+        model=ModelConfig(attention=a.attention, init_from=a.init_from, tokenizer=a.tokenizer,
+                          embodiment_tag=a.embodiment_tag, tune_llm=a.tune_llm, tune_visual=a.tune_visual,
+                          tune_top_llm_layers=a.tune_top_llm_layers, tune_projector=a.tune_projector,
+                          tune_diffusion_model=a.tune_diffusion_model, tune_vlln=a.tune_vlln,
+                          dit_dropout=a.dit_dropout),
         optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(a.recipe, _default(OptimConfig, "lr")),
                           lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps, warmup_ratio=a.warmup_ratio,
                           min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip),

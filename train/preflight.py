@@ -14,21 +14,24 @@ from dataclasses import dataclass
 import torch
 
 from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
-from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.config import TrainConfig
 from loongforge.train.data.training_data import TrainingData, load_training_data
 from loongforge.train.kernels import graphs
-from loongforge.train.model import recipes
-from loongforge.train.model.build import model_config
 from loongforge.train.parallel.engine import ds_config, pick_device
 from loongforge.train.parallel.plan import check_layout, plan_of
+from loongforge.train.recipes import RECIPES, ModelPlan, plan_model
 
 
 @dataclass(frozen=True)
 class Checked:
     index: TrainingData
-    model_cfg: ModelConfig
+    model: ModelPlan  # architecture, image processing, prompts, embodiment (train/recipes.py)
     world: int
     ds_config: dict
+
+    @property
+    def model_cfg(self):
+        return self.model.model
 
 
 def launch_world() -> int:
@@ -45,8 +48,8 @@ def launch_world() -> int:
 def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     """Everything about the config that can be wrong, checked without a process group."""
     world = launch_world() if world is None else world
-    if cfg.recipe not in recipes.RECIPES:
-        raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {sorted(recipes.RECIPES)}")
+    if cfg.recipe not in RECIPES:
+        raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {', '.join(RECIPES)}")
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
     # Divisibility only depends on the world and the config; the device does not matter here.
     conf = ds_config(cfg, world=dp, device=torch.device("cpu"))
@@ -57,9 +60,9 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     except (LoongForgeError, OSError) as exc:
         raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
                           f"({type(exc).__name__}: {exc}); check --data") from None
-    model_cfg = model_config(cfg, index)
-    check_layout(cfg, world, model_cfg)  # heads and MLP width split by tp
+    model = plan_model(cfg, index)  # recipe or --init-from checkpoint, the data, the tokenizer
+    check_layout(cfg, world, model.model)  # heads and MLP widths split by tp x sp
     if cfg.memory.cuda_graphs:
         graphs.check(device=pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,
                      ac_every=cfg.memory.ac_every, tp=cfg.parallel.tp)
-    return Checked(index=index, model_cfg=model_cfg, world=world, ds_config=conf)
+    return Checked(index=index, model=model, world=world, ds_config=conf)

@@ -6,7 +6,6 @@ steps -> final checkpoint -> close, with every resource closed on every exit pat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -18,10 +17,11 @@ import torch
 from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files as ckpt_files
 from loongforge.train.config import TrainConfig
+from loongforge.train.ckpt.gr00t import load_gr00t_weights
 from loongforge.train.data import training_data
+from loongforge.train.data.processor import Processor
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
-from loongforge.train.model.model import loss_weight
 from loongforge.train.model.noise import noise_for
 from loongforge.train.observe.metrics import MetricsLog
 from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
@@ -50,7 +50,9 @@ class Trainer:
         self.device = pick_device(cfg.run.device)
         self.startup.enter("preflight", f"reading the shard index under {cfg.data.root}")
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)
-        self.index, self.model_cfg = checked.index, checked.model_cfg
+        self.index, self.plan = checked.index, checked.model
+        self.model_cfg = self.plan.model
+        self.init_dtypes: dict[str, str] = {}  # what --init-from's files stored: export writes them back so
         # One live run per run dir (exit 2 naming the holder); rank 0 holds it unless a supervisor does.
         self.run_lock = acquire_for_rank(cfg.run.run_dir, int(os.environ.get("RANK", "0")))
         clear_stale_build_locks()  # a killed launch's DeepSpeed op build lock would block this one forever
@@ -64,8 +66,10 @@ class Trainer:
         # The loader reads by DP coordinate: the TP ranks of one replica get the same batch.
         self.data_rank, self.data_world = self.par.get_data_parallel_rank(), self.par.get_data_parallel_world_size()
         torch.manual_seed(cfg.data.seed)  # identical initial weights on every rank
-        # The model is handed over as a factory: ZeRO-3 constructs it already partitioned (parallelize.py).
-        built = parallelize(functools.partial(build_model, self.model_cfg), cfg, self.par, device=self.device)
+        # The model is handed over as a factory: ZeRO-3 constructs it already partitioned (parallelize.py),
+        # except when it starts from a checkpoint's weights, which load into the whole model first.
+        built = parallelize(functools.partial(self._build, cfg.model.attention, self.plan.init_from), cfg, self.par,
+                            device=self.device, build_full=self.plan.init_from is not None)
         self.engine, self.ds_conf, self.policies = built.engine, built.ds_config, built.policies
         self.dp_sync = built.dp_sync  # --grad-compression topk, else None
         self.params, _ = param_counts(self.engine.module)  # the full count, also when ZeRO-3 partitioned it
@@ -76,8 +80,13 @@ class Trainer:
         accum = cfg.parallel.grad_accum
         # samples are (episode, t), block-aware order, training episodes only (train/data/loader.py)
         self.startup.enter("loader", "starting the decode workers")
+        proc = self.plan.processor
+        self.processor = Processor(proc, max_state_dim=self.model_cfg.max_state_dim,
+                                   max_action_dim=self.model_cfg.max_action_dim, embodiment_id=self.plan.embodiment_id)
         self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
-                                                rank=self.data_rank, world=self.data_world, device=self.device)
+                                                rank=self.data_rank, world=self.data_world, device=self.device,
+                                                prompts=self.plan.prompts, image_mean=proc.image_mean,
+                                                image_std=proc.image_std)
         self.startup.closers.insert(0, self.loader.close)
         self.valset = self._valset()
         f = cfg.faults
@@ -109,14 +118,20 @@ class Trainer:
             log.info("model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
                      self.world, self.device, cfg.parallel.zero_stage)
 
+    def _build(self, attention: str, init_from: str | None):
+        model = build_model(self.model_cfg, attention=attention)
+        if init_from is not None:  # one-line CheckpointError on a missing/mismatched tensor
+            self.init_dtypes = load_gr00t_weights(model, init_from)
+            log.info("initialised from %s (%d tensors)", init_from, len(self.init_dtypes))
+        return model
+
     def _valset(self):
         """The fixed validation subset --eval-every scores (None when off)."""
         run, d = self.cfg.run, self.cfg.data
         if not run.eval_every:
             return None
         ids = val_sample_ids(self.index, run.eval_samples, d.sample_stride)  # raises ConfigError without a split
-        return ValSet(self.index, ids, batch_size=8, text_len=d.max_text_tokens, device=self.device,
-                      image_mean=d.image_mean, image_std=d.image_std)
+        return ValSet(self.index, ids, self.plan.prompts, self.processor, batch_size=8, device=self.device)
 
     def _resume(self) -> None:
         # Rank 0 reads `latest` (falling back past a corrupt one) and every rank gets the tag by name.
@@ -201,17 +216,18 @@ class Trainer:
             # Every DP rank's rows: the step cannot start before the slowest rank has its batch, so the
             # wait for a peer's data in this all-reduce is data wait (it goes through no deepspeed.comm
             # timer and no per-group counter: outside this phase it read as launch/dispatch overhead).
-            rows = self._loss_rows(batches)
+            denom = self._loss_denominator(batches)
         self.step_comm.begin()
         losses, ids = [], []
         for micro, batch in enumerate(batches):
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
-            shape = batch["action"].shape
-            noise, t = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], shape, self.device)
+            b, h, _ = batch["action"].shape
+            noise, u, crop = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"],
+                                       (b, h, self.model_cfg.max_action_dim), self.device)
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
-                out = e(batch, noise, t, rows)
+                out = e(self.processor(batch, crop), noise, u, denom)
                 out["loss"] = self.nan_guard.observe(self.step, out["loss"])
             with timer.phase("backward"):
                 e.backward(out["loss"])
@@ -222,8 +238,7 @@ class Trainer:
                     e.step()  # inside the accumulation window: DeepSpeed only counts it
                 else:  # the boundary: skipped on every rank when any rank's loss was non-finite
                     skipped = self.nan_guard.step(self.step)
-            losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float(),
-                                       out["ce_loss"].float()]))
+            losses.append(torch.stack([out["loss"].detach().float(), out["flow_loss"].float()]))
         comm = comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
@@ -232,15 +247,17 @@ class Trainer:
                "nonfinite_skips": self.nan_guard.skipped}
         return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
 
-    def _loss_rows(self, batches: list[dict]) -> torch.Tensor:
-        """What each micro-batch's loss sums are divided by (model.forward's `rows`): the step's valid
-        action rows over every DP replica and micro-batch, / (D replicas x accum micro-batches).
+    def _loss_denominator(self, batches: list[dict]) -> torch.Tensor:
+        """What each micro-batch's loss sum is divided by (model.forward's `denom`): the step's action-mask
+        elements (valid rows x action dims) over every DP replica and micro-batch, / (D replicas x accum
+        micro-batches): N1.6's masked mean over the global batch, however it is split.
         DeepSpeed divides each backward by accum and averages gradients over the D replicas (every
         ZeRO stage; with SP, zero.zero_loss_scale keeps SP out of it; the top-k sync averages over
         D too), so the gradient, and the logged mean of the micro losses, is the global batch's
         mean over its valid rows, however it is split. One all-reduce of one number per step, before
         the step's communication window (comm_groups counts the model's traffic only)."""
-        n = torch.stack([loss_weight(b).sum() for b in batches]).sum().to(torch.float64)
+        n = torch.stack([(b["action_valid"] & b["sample_valid"][:, None]).sum() * b["action"].shape[-1]
+                         for b in batches]).sum().to(torch.float64)
         if self.data_world > 1:
             torch.distributed.all_reduce(n, group=self.par.group("dp"))
         return (n.clamp_min(1.0) / (self.data_world * len(batches))).float()
@@ -261,12 +278,12 @@ class Trainer:
         else:
             every = allr = mine[None]
         n = len(ids)
-        votes = every[:, 4 + n:].tolist()  # every rank's, TP copies included: all must stop together
+        votes = every[:, 3 + n:].tolist()  # every rank's, TP copies included: all must stop together
         self._stop_votes = votes if any(flag for flag, _, _ in votes) else None
         rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
-                   ce_loss=float(allr[:, 2].mean()), samples=n * len(allr), **plan.layout(self.par),
-                   sample_ids=[[int(v) for v in row[3:3 + n]] for row in allr],
-                   bad_samples=int(allr[:, 3 + n].sum()), log_s=time.perf_counter() - t0, world=self.world)
+                   samples=n * len(allr), **plan.layout(self.par),
+                   sample_ids=[[int(v) for v in row[2:2 + n]] for row in allr],
+                   bad_samples=int(allr[:, 2 + n].sum()), log_s=time.perf_counter() - t0, world=self.world)
         return rec
 
     def save(self, final: bool = False) -> str | None:
@@ -277,11 +294,9 @@ class Trainer:
                                     "parallel": plan.layout(self.par),
                                     "global_batch_size": self.cfg.data.global_batch_size,
                                     "grad_accum": self.cfg.parallel.grad_accum,  # the resume hint of ckpt reshard
-                                    # What Policy.load needs to rebuild the model and its input transform.
-                                    "model": dataclasses.asdict(self.model_cfg),
-                                    "data": {"image_mean": self.cfg.data.image_mean,
-                                             "image_std": self.cfg.data.image_std,
-                                             "max_text_tokens": self.cfg.data.max_text_tokens,
+                                    # What Policy.load and export need to rebuild the model and its inputs.
+                                    **self.plan.sidecar(), "init_dtypes": self.init_dtypes,
+                                    "data": {
                                     # the sample shape Policy.load rebuilds (data/training_data.py)
                                     "video_deltas": list(self.cfg.data.video_deltas),
                                     "state_deltas": list(self.cfg.data.state_deltas),

@@ -6,7 +6,7 @@
          (fp32 ZeRO-0: the same folders from its torch optimizer state, reshard_zero0.py)
          (one folder per parameter: fp32 master weight, exp_avg, exp_avg_sq)      [layout-free in DP/ZeRO]
       -> our TP merge: the full tensor of every parameter, by the index rules of
-         parallel/tensor_parallel.py (qkv per head, column rows, row columns)     [layout-free]
+         parallel/tensor_parallel.py (column rows by head, row columns)     [layout-free]
       -> our TP split for the target degree, written per target TP rank as a
          universal folder `universal_tpXX/` holding exactly that rank's shards     [target layout]
          (ZeRO-0 target: turned back into ordinary ZeRO-0 files, reshard_zero0.py)
@@ -53,8 +53,9 @@ from loongforge.train.ckpt.delta import materialize
 from loongforge.train.ckpt.files import ckpt_root, latest_tag, load_trusted, read_sidecar, tag_for, verify_manifest
 from loongforge.train.ckpt.reshard_io import (META_NAMES, RESHARD_VERSION, load_tag_dir, publish, read_step,
                                               save_tensor_file, source_meta, target_meta, target_optimizer_state)
-from loongforge.train.model.build import build_model, model_config_from
-from loongforge.train.parallel.tensor_parallel import chunk_index, is_tp_block, qkv_index
+from loongforge.train.model.build import build_model
+from loongforge.train.model.config import model_config_from
+from loongforge.train.parallel.tensor_parallel import TP_PLAN, chunk_index, tp_modules
 
 log = logging.getLogger(__name__)
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -156,21 +157,25 @@ def _meta_model(doc: dict):
 
 
 def tp_kinds(doc: dict) -> dict[str, str]:
-    """Parameter name -> "qkv" | "col" | "row" for the TP-split parameters (the rest are replicated),
-    from the model the sidecar describes, built on the meta device (no memory)."""
-    model = _meta_model(doc)
+    """Parameter name -> "col" | "row" for the TP-split parameters (the rest, row biases included, are
+    replicated), from the model the sidecar describes, built on the meta device (no memory)."""
     kinds = {}
-    for prefix, mod in model.named_modules():
-        if is_tp_block(mod):
-            p = f"{prefix}." if prefix else ""
-            kinds.update({p + "qkv.weight": "qkv", p + "qkv.bias": "qkv", p + "fc1.weight": "col",
-                          p + "fc1.bias": "col", p + "proj.weight": "row", p + "fc2.weight": "row"})
+    for prefix, mod in tp_modules(_meta_model(doc)):
+        for path, kind in TP_PLAN[type(mod).__name__]:
+            p = f"{prefix}.{path}." if prefix else f"{path}."
+            kinds[p + "weight"] = kind
+            if kind == "col" and getattr(_get(mod, path), "bias", None) is not None:
+                kinds[p + "bias"] = "col"
     return kinds
 
 
+def _get(mod, path: str):
+    for part in path.split("."):
+        mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+    return mod
+
+
 def _index(kind: str, full_shape: torch.Size, t: int, tp: int) -> tuple[int, torch.Tensor]:
-    if kind == "qkv":
-        return 0, qkv_index(full_shape[0], t, tp)
     dim = 0 if kind == "col" else 1
     return dim, chunk_index(full_shape[dim], t, tp)
 
@@ -191,7 +196,7 @@ def merge_tp(parts: list[torch.Tensor], kind: str | None, name: str) -> torch.Te
                 log.warning("reshard: replicated parameter %s differs between TP ranks 0 and %d (max |diff| %.3g); "
                             "keeping TP rank 0's copy", name, t, (p - parts[0]).abs().max().item())
         return parts[0]
-    dim = 0 if kind in ("qkv", "col") else 1
+    dim = 0 if kind == "col" else 1
     shape = list(parts[0].shape)
     shape[dim] *= len(parts)
     full = torch.empty(shape, dtype=parts[0].dtype)

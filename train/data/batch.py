@@ -74,23 +74,49 @@ class BatchLayout:
 
 @dataclass(frozen=True, slots=True)
 class Norm:
-    state_mean: np.ndarray
-    state_std: np.ndarray
-    action_mean: np.ndarray
-    action_std: np.ndarray
+    """N1.6's normalisation of state and action (Isaac-GR00T's StateActionProcessor with its defaults:
+    min/max, clip_outliers): x -> 2 (x - min) / (max - min) - 1, clipped to [-1, 1]; a dimension whose
+    min and max agree maps to 0. `un*` map back, clipping first, as the reference's decode_action."""
+
+    state_min: np.ndarray
+    state_max: np.ndarray
+    action_min: np.ndarray
+    action_max: np.ndarray
 
     @classmethod
     def from_dataset(cls, ds) -> "Norm":
-        """From a DatasetInfo (shared/index.py): the normalisation stats preprocess recorded."""
+        """From a DatasetInfo (shared/index.py): the training episodes' min/max preprocess recorded."""
         st = ds.stats
 
         def pick(kind, key, dim, default):
             vals = st.get(kind, {}).get(key)
-            arr = np.asarray(vals if vals is not None and len(vals) == dim else [default] * dim, np.float32)
-            return np.maximum(arr, 1e-6) if key == "std" else arr
+            return np.asarray(vals if vals is not None and len(vals) == dim else [default] * dim, np.float32)
 
-        return cls(pick("state", "mean", ds.state_dim, 0.0), pick("state", "std", ds.state_dim, 1.0),
-                   pick("action", "mean", ds.action_dim, 0.0), pick("action", "std", ds.action_dim, 1.0))
+        return cls(pick("state", "min", ds.state_dim, -1.0), pick("state", "max", ds.state_dim, 1.0),
+                   pick("action", "min", ds.action_dim, -1.0), pick("action", "max", ds.action_dim, 1.0))
+
+    @staticmethod
+    def _to(x, lo, hi):
+        span = hi - lo
+        live = ~np.isclose(hi, lo)
+        out = np.where(live, 2.0 * (np.asarray(x, np.float32) - lo) / np.where(live, span, 1.0) - 1.0, 0.0)
+        return np.clip(out, -1.0, 1.0).astype(np.float32)
+
+    @staticmethod
+    def _from(x, lo, hi):
+        return ((np.clip(np.asarray(x, np.float32), -1.0, 1.0) + 1.0) / 2.0 * (hi - lo) + lo).astype(np.float32)
+
+    def state(self, x):
+        return self._to(x, self.state_min, self.state_max)
+
+    def action(self, x):
+        return self._to(x, self.action_min, self.action_max)
+
+    def unstate(self, x):
+        return self._from(x, self.state_min, self.state_max)
+
+    def unaction(self, x):
+        return self._from(x, self.action_min, self.action_max)
 
 
 def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where) -> tuple[int, list[str]]:

@@ -20,6 +20,7 @@ from loongforge.shared.dataset import Dataset, open_root
 from loongforge.shared.errors import FormatError
 from loongforge.train.data.batch import BatchLayout, Norm, encode_text, fill_rows
 from loongforge.train.data.block_cache import BlockCache
+from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import DeltaSpec, action_rows, gather_actions, state_indices, video_indices
 from loongforge.train.data.sources import SourceSpec, make_source
 
@@ -35,20 +36,25 @@ class FillerSpec:
     layout: BatchLayout
     cache_bytes: int
     source: SourceSpec | None = None  # the cache daemon's client when set (shard-level reads)
+    prompts: PromptTable | None = None  # the model's prompt per task (prompt.py); None = the task's bytes
 
     def open(self) -> "BlockFiller":
         factory = None
         if self.source is not None and self.source.wants_cache:
             spec = self.source
             factory = lambda shard_index: make_source(spec, shard_index)  # noqa: E731 - needs the shard list
-        return BlockFiller(open_root(self.root, source=factory), self.deltas, self.layout, self.cache_bytes)
+        return BlockFiller(open_root(self.root, source=factory), self.deltas, self.layout, self.cache_bytes,
+                           self.prompts)
 
 
 class BlockFiller:
     """Decodes samples (episode, t) into a batch's arrays: blocks through an LRU, arrays per episode."""
 
-    def __init__(self, ds: Dataset, deltas: DeltaSpec, layout: BatchLayout, cache_bytes: int):
-        self.ds, self.deltas, self.layout = ds, deltas, layout
+    def __init__(self, ds: Dataset, deltas: DeltaSpec, layout: BatchLayout, cache_bytes: int,
+                 prompts: PromptTable | None = None):
+        self.ds, self.deltas, self.layout, self.prompts = ds, deltas, layout, prompts
+        if prompts is not None and prompts.length != layout.text_len:
+            raise ValueError(f"prompt table of {prompts.length} tokens, batch layout of {layout.text_len}")
         info = ds.info
         self.norm = Norm.from_dataset(info)
         self.tasks = {str(k): v for k, v in (info.tasks or {}).items()}
@@ -113,12 +119,17 @@ class BlockFiller:
         if state.shape[1] != lay.state_dim or action.shape[1] != lay.action_dim:
             raise FormatError(f"episode {episode}: state {state.shape} / action {action.shape} do not match the "
                               f"index dims ({lay.state_dim}, {lay.action_dim})")
-        arrays["state"][row] = (state - self.norm.state_mean) / self.norm.state_std
-        arrays["action"][row] = (action - self.norm.action_mean) / self.norm.action_std
+        arrays["state"][row] = self.norm.state(state)
+        arrays["action"][row] = self.norm.action(action)
         arrays["action_valid"][row] = valid
         arrays["frame_mask"][row] = True
         task_index = ep.get("task_index")
-        text = self.tasks.get(str(int(task_index[min(t, length - 1)])), "") if task_index is not None else ""
-        ids, mask = encode_text(text, lay.text_len)
-        arrays["task_tokens"][row] = ids
-        arrays["task_mask"][row] = mask
+        task = int(task_index[min(t, length - 1)]) if task_index is not None else None
+        if self.prompts is not None:
+            r = self.prompts.row(task)
+            arrays["task_tokens"][row] = self.prompts.ids[r]
+            arrays["task_mask"][row] = self.prompts.mask[r]
+        else:
+            ids, mask = encode_text(self.tasks.get(str(task), "") if task is not None else "", lay.text_len)
+            arrays["task_tokens"][row] = ids
+            arrays["task_mask"][row] = mask

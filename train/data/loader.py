@@ -13,9 +13,10 @@ order is block-aware (order.py: runs of a block on one rank, a bounded window), 
 decode worker opens the dataset itself and keeps decoded blocks in a byte-bounded LRU
 (fill.py). A batch dict holds: frames {camera slot: (B, K, 3, h, w) float RGB normalized,
 or (B, K, 3h/2, w) uint8 NV12 with rgb=False} with K = len(video deltas), state (B, K, Ds)
-and action (B, H, Da) float32 normalized with the index stats, action_valid (B, H) (False
-past the episode end: the loss ignores those rows), frame_mask (B, K) (False only for a
-bad sample), task_tokens / task_mask (B, L) (byte-level), sample_valid (B,) (False = bad
+and action (B, H, Da) float32 normalized with the index's min/max (N1.6's: [-1, 1], batch.Norm),
+action_valid (B, H) (False past the episode end: the loss ignores those rows), frame_mask (B, K)
+(False only for a bad sample), task_tokens / task_mask (B, L): the model's prompt ids, left-padded,
+and their mask (`prompts`, the trainer's; without one, the task text's bytes), sample_valid (B,) (False = bad
 sample masked out), sample_ids (B,) global sample numbers. Tensors are fresh (never views
 of the shared-memory ring); on CUDA they are ordered on the current stream.
 """
@@ -34,6 +35,7 @@ from loongforge.train.data import order
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.fill import FillerSpec
 from loongforge.train.data.prefetch import Prefetcher, resolve_device
+from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import DeltaSpec, SampleTable
 from loongforge.train.data.sources import SourceSpec, close_source, make_source
 from loongforge.train.data.workers import DecodePool
@@ -59,9 +61,10 @@ class BlockLoader:
                  block_window: int = DEFAULT_WINDOW, block_cache_mb: float = DEFAULT_CACHE_MB,
                  max_text_tokens: int = 32, bad_samples: str = "skip", prefetch: int = 2,
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
-                 image_mean: float = 0.5, image_std: float = 0.25, train_only: bool = True,
-                 source: SourceSpec | None = None):
+                 image_mean: float = 0.5, image_std: float = 0.5, train_only: bool = True,
+                 source: SourceSpec | None = None, prompts: PromptTable | None = None):
         self.ds = dataset if dataset is not None else open_root(root)
+        self.prompts = prompts  # the model's prompt per task (the trainer's); None = the task text's bytes
         info = self.ds.info
         self.deltas, self.stride, self.run, self.window = deltas, stride, block_run, block_window
         self.table = SampleTable(np.asarray(self.ds.episode_lengths), stride=stride)
@@ -106,9 +109,10 @@ class BlockLoader:
             raise ConfigError(f"{root}: cameras are stored at different sizes ({sizes}); a training batch needs one "
                               "size: re-run `loongforge preprocess` with --height H --width W (the LeRobot adapter, "
                               "loongforge.train.data.lerobot, reads cameras of different sizes)")
+        text_len = max_text_tokens if self.prompts is None else self.prompts.length
         layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames, info.state_dim,
-                             info.action_dim, deltas.action_horizon, max_text_tokens)
-        return FillerSpec(root, deltas, layout, cache_bytes, self.source_spec)
+                             info.action_dim, deltas.action_horizon, text_len)
+        return FillerSpec(root, deltas, layout, cache_bytes, self.source_spec, self.prompts)
 
     @property
     def num_samples(self) -> int:

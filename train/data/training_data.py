@@ -5,7 +5,7 @@ validation set need, in one object built once in preflight.
 format 1 is refused there with the `loongforge convert` hint) and returns a `TrainingData`
 carrying the dataset's DatasetInfo with the training-time sample shape filled in (frames
 per sample = len(video deltas), action horizon = --action-horizon or the one preprocess
-recorded), so recipes.resolve builds the model from it.
+recorded), so train/recipes.py plans the model from it.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ def load_for_policy(root: str, sidecar: dict, action_horizon: int) -> TrainingDa
     return _training_data(root, deltas, open_root(root))
 
 
-def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device) -> BlockLoader:
+def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device, prompts,
+                image_mean: float, image_std: float) -> BlockLoader:
     return BlockLoader(d.root, dataset=data.ds, batch_size=batch_size, num_workers=d.num_workers, seed=d.seed,
                        rank=rank, world=world, device=device, deltas=data.deltas, stride=d.sample_stride,
                        block_run=d.block_run, block_window=d.block_window, block_cache_mb=d.block_cache_mb,
-                       max_text_tokens=d.max_text_tokens, bad_samples=d.bad_samples, prefetch=d.prefetch_batches,
-                       timeout_s=d.worker_timeout_s, start_method=d.start_method, image_mean=d.image_mean,
-                       image_std=d.image_std,
+                       bad_samples=d.bad_samples, prefetch=d.prefetch_batches, timeout_s=d.worker_timeout_s,
+                       start_method=d.start_method, image_mean=image_mean, image_std=image_std, prompts=prompts,
                        source=SourceSpec(root=d.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp))

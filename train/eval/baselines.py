@@ -11,8 +11,8 @@ data the policy was:
 * discrete-valued groups: a group of modality.json whose every dimension takes at most
   MAX_LEVELS distinct values on the training episodes (binary hand commands, gripper open/close),
   or that modality.json declares with "discrete": true (false forces continuous). For those
-  the flow's continuous output can be snapped to the nearest learned level, or the dims taken
-  from the discrete head (openloop.py reports both).
+  the flow's continuous output can be snapped to the nearest learned level (openloop.py reports
+  it beside the flow's own output).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 from loongforge.shared.errors import ConfigError
 from loongforge.train.data.batch import Norm
 
-DISCRETE_MODES = ("flow", "snap", "head")  # a discrete-valued group at inference: as the flow gives it,
-# snapped to its nearest training level, or from the discrete head (Policy.predict_action, openloop's columns)
-DEFAULT_DISCRETE_MODE = "head"  # measured: hands MSE 0.17 (head) vs 3.4 (snap) vs 3.96 (flow), README
+DISCRETE_MODES = ("flow", "snap")  # a discrete-valued group at inference: as the flow gives it, or
+# snapped to its nearest training level (Policy.predict_action, openloop's columns)
+DEFAULT_DISCRETE_MODE = "flow"  # N1.6's own output unless a run's validation says otherwise (train/README.md)
 MAX_LEVELS = 8  # distinct training values of a dimension still called discrete-valued
 RIDGE_L2 = 1e-3  # per-sample ridge penalty, normalised units (a well-posed solve, no visible shrinkage)
 MAX_EPISODES = 500  # training episodes read for the fit (evenly spaced); bounds eval's start-up
@@ -104,9 +104,9 @@ def fit_reference(data, groups: dict[str, tuple[int, int]]) -> TrainingReference
         if spec.action_pad == "zero":
             chunk[rows >= n] = 0.0
         ys.append(chunk)
-    x = (np.concatenate(xs) - norm.state_mean) / norm.state_std
+    x = norm.state(np.concatenate(xs))
     y = np.concatenate(ys)
-    y = ((y - norm.action_mean) / norm.action_std).reshape(len(y), -1)
+    y = norm.action(y).reshape(len(y), -1)
     x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
     reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
     reg[-1, -1] = 0.0  # the bias is not shrunk

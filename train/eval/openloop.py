@@ -4,9 +4,9 @@ For each episode the samples are taken in time order and a horizon chunk is pred
 frames: the chunk is executed open-loop (no re-planning inside it) and compared with the
 ground-truth actions of the same frames. Reported in dataset units, per action group of the
 dataset's modality.json (one group "action" when it has none), so that skill is told apart from
-sampling noise and from what the state alone gives: one flow sample (what a robot executes), the
-mean of K samples, the discrete head, the discrete-valued groups snapped or taken from the
-discrete head, and three baselines: ridge-from-state fitted on the training episodes
+sampling noise and from what the state alone gives: one flow sample, the mean of K samples (the
+policy's default), the discrete-valued groups snapped to their training levels, and three
+baselines: ridge-from-state fitted on the training episodes
 (baselines.py), predict-the-mean and repeat-last (the last action before the chunk; for an
 episode's first chunk, its first action: never the state, which for e.g. hand commands vs hand
 joint positions is another quantity of the same width). Writes eval.json and one PNG per
@@ -19,7 +19,6 @@ import json
 import os
 
 import numpy as np
-import torch
 
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.shared.storage import write_bytes_atomic
@@ -29,17 +28,15 @@ from loongforge.train.eval.plots import plot_episode
 from loongforge.train.eval.validation import ValSet
 
 # What the table compares, in its column order (only those computed appear):
-#   policy     one flow sample (seed `seed`): what a robot executes
-#   policy_k   the mean of `samples` flow samples (seeds seed..seed+K-1): the policy without sampling noise
-#   discrete   the discrete head's greedy decoding (bin centres)
-#   snap       `policy` with the discrete-valued groups snapped to their training levels
-#   hybrid     `policy` with the discrete-valued groups taken from the discrete head (snapped to the levels)
+#   policy     one flow sample (seed `seed`)
+#   policy_k   the mean of `samples` flow samples (seeds seed..seed+K-1): Policy.predict_action's default
+#   snap       `policy_k` with the discrete-valued groups snapped to their training levels
 #   ridge      ridge regression from the current state, fitted on the training episodes (baselines.py)
-#   mean       the index's action mean
+#   mean       the middle of the index's action range (what a normalized 0 means)
 #   repeat_last  the last action before the chunk (the episode's first action for its first chunk)
-METHODS = ("policy", "policy_k", "discrete", "snap", "hybrid", "ridge", "mean", "repeat_last")
-HEADERS = {"policy": "1 sample", "policy_k": "K-mean", "discrete": "discrete", "snap": "snap",
-           "hybrid": "hybrid", "ridge": "ridge", "mean": "mean", "repeat_last": "repeat-last"}
+METHODS = ("policy", "policy_k", "snap", "ridge", "mean", "repeat_last")
+HEADERS = {"policy": "1 sample", "policy_k": "K-mean", "snap": "snap", "ridge": "ridge", "mean": "mean",
+           "repeat_last": "repeat-last"}
 
 
 def chunk_ids(data, episode_id: int) -> np.ndarray:
@@ -54,38 +51,32 @@ def chunk_ids(data, episode_id: int) -> np.ndarray:
     return table.starts[row] + ts
 
 
-def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, discrete: bool = False,
-                   ref=None, discrete_dims=()) -> dict[str, np.ndarray]:
+def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, ref=None,
+                   discrete_dims=()) -> dict[str, np.ndarray]:
     """(B, H, Da) dataset-unit predictions of every method that needs the model or the reference."""
-    model, un = policy.model, policy.unnormalize
-    flow = [un(model.predict_action(batch, steps=steps, seed=seed + j)) for j in range(max(1, samples))]
+    flow = [policy.sample(batch, steps=steps, seed=seed + j) for j in range(max(1, samples))]
     out = {"policy": flow[0]}
     if samples > 1:
         out["policy_k"] = np.mean(flow, axis=0)
-    if discrete:
-        out["discrete"] = un(model.predict_discrete(batch))
     if ref is not None:
-        state = model.current_state(batch).float().cpu().numpy()
-        out["ridge"] = un(torch.from_numpy(ref.ridge(state)))
+        state = batch["state"][:, -1].float().cpu().numpy()  # the current state (the last of the K rows)
+        out["ridge"] = policy.unnormalize(ref.ridge(state))
         if discrete_dims:
-            out["snap"] = ref.snap(out["policy"], list(discrete_dims))
-            if discrete:
-                out["hybrid"] = out["policy"].copy()
-                # bin centres are up to half a bin off a level: snapped, a right choice costs nothing
-                out["hybrid"][..., discrete_dims] = ref.snap(out["discrete"], list(discrete_dims))[..., discrete_dims]
+            out["snap"] = ref.snap(out.get("policy_k", out["policy"]), list(discrete_dims))
     return out
 
 
-def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: int = 1, discrete: bool = False,
+def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: int = 1,
                      ref=None, discrete_dims=()) -> dict[str, np.ndarray]:
     """Concatenated (T, Da) trajectories of one episode: truth, the policy's variants, the baselines."""
     norm, ds = policy.norm, policy.index.dataset
+    middle = norm.unaction(np.zeros(ds.action_dim, np.float32))
     got: dict[str, list] = {"truth": [], "mean": [], "repeat_last": []}
     last = None
     for batch in valset.batches:
-        preds = predict_chunks(policy, batch, steps=steps, seed=seed, samples=samples, discrete=discrete, ref=ref,
+        preds = predict_chunks(policy, batch, steps=steps, seed=seed, samples=samples, ref=ref,
                                discrete_dims=discrete_dims)
-        act = batch["action"].cpu().numpy() * norm.action_std + norm.action_mean
+        act = norm.unaction(batch["action"].cpu().numpy())
         valid = batch["action_valid"].cpu().numpy()
         for i in range(len(act)):
             rows = valid[i]
@@ -94,7 +85,7 @@ def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: 
             got["truth"].append(act[i][rows])
             for name, pred in preds.items():
                 got.setdefault(name, []).append(pred[i][rows])
-            got["mean"].append(np.broadcast_to(norm.action_mean, act[i][rows].shape))
+            got["mean"].append(np.broadcast_to(middle, act[i][rows].shape))
             got["repeat_last"].append(np.broadcast_to(last, act[i][rows].shape))
             last = act[i][rows][-1] if rows.any() else last
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, ds.action_dim), np.float32)
@@ -147,10 +138,9 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
         chosen = chunk_ids(index, ep)
         if not len(chosen):
             continue
-        vs = ValSet(index, chosen, batch_size=16, text_len=policy.text_len, device=policy.device,
-                    image_mean=policy.image_mean, image_std=policy.image_std)
-        traj = evaluate_episode(policy, vs, steps=steps, seed=seed, samples=samples, discrete=True, ref=ref,
-                                discrete_dims=dims)
+        vs = ValSet(index, chosen, policy.prompts(index.dataset.tasks or {}), policy.processor, batch_size=16,
+                    device=policy.device)
+        traj = evaluate_episode(policy, vs, steps=steps, seed=seed, samples=samples, ref=ref, discrete_dims=dims)
         trajs.append(traj)
         errs = errors(traj, groups)
         summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errs}
@@ -176,6 +166,8 @@ def format_table(summary: dict) -> str:
         name = g + (" *" if g in disc else "")
         lines.append(f"{name:<18}" + "".join(f"{ov[m]['mse'][g]:>12.5f}" for m in methods))
     if disc:
-        lines.append("* discrete-valued on the training episodes: snap = 1 sample snapped to its levels, "
-                     "hybrid = those dims from the discrete head, snapped")
+        lines.append(f"* discrete-valued on the training episodes: snap = the {k}-sample mean snapped to its levels")
+    lines.append(f"Policy.predict_action's default: the {k}-sample mean (K-mean)"
+                 + (", discrete-valued groups as the flow gives them" if disc else ""))
     return "\n".join(lines)
+

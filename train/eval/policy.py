@@ -6,8 +6,9 @@
 
 Observations are raw: frames as uint8 RGB (K, h, w, 3) or NV12 (K, 3h/2, w) per camera slot,
 state (K, Ds) in dataset units, instruction text. The model sees exactly what training fed it:
-the same colour conversion (the index's matrix and range), image normalisation, state
-normalisation and byte tokenizer; the output is un-normalised with the index's action stats.
+the same colour conversion (the index's matrix and range), N1.6's image transform (centred crop,
+as its evaluation), its min/max state normalisation, the run's tokenizer and chat template, the
+run's embodiment; the output is un-normalised with the index's action min/max.
 
 Weights: DeepSpeed ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32, ZeRO-0
 ones read from the module state file; every torch.load inside is forced weights-only.
@@ -22,12 +23,18 @@ import numpy as np
 import torch
 from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.train.ckpt import files as ckpt_files
-from loongforge.train.data.batch import Norm, encode_text
+from loongforge.train.data.batch import Norm
 from loongforge.train.data.colorspace import nv12_to_input
+from loongforge.train.data.processor import Processor, ProcessorConfig
+from loongforge.train.data.prompt import build_prompts, load_tokenizer
 from loongforge.train.data.training_data import TrainingData, load_for_policy
 from loongforge.train.eval.baselines import TrainingReference, action_groups, fit_reference, group_modes
-from loongforge.train.model.build import build_model, model_config_from
-from loongforge.train.model.model import VLAModel
+from loongforge.train.eval.validation import predict
+from loongforge.train.model.build import build_model
+from loongforge.train.model.config import model_config_from
+from loongforge.train.model.model import Gr00tN1d6
+
+DEFAULT_SAMPLES = 8  # flow samples averaged per prediction (train/README.md: the K-sample mean won on validation)
 
 
 def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -50,14 +57,15 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
 
 
 class Policy:
-    def __init__(self, model: VLAModel, index: TrainingData, *, image_mean: float = 0.5, image_std: float = 0.25,
-                 text_len: int | None = None, device: str | torch.device = "cpu"):
+    def __init__(self, model: Gr00tN1d6, index: TrainingData, processor: ProcessorConfig, *, embodiment_id: int,
+                 tokenizer: str | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.cfg = model.cfg
         self.index, self.norm = index, Norm.from_dataset(index.dataset)
-        self.image_mean, self.image_std = image_mean, image_std
-        self.text_len = text_len or self.cfg.max_text_tokens
+        self.processor = Processor(processor, max_state_dim=self.cfg.max_state_dim,
+                                   max_action_dim=self.cfg.max_action_dim, embodiment_id=embodiment_id)
+        self.tokenizer = load_tokenizer(tokenizer)
 
     @classmethod
     def load(cls, run_dir: str, data_root: str | None = None, *, index: TrainingData | None = None,
@@ -70,9 +78,23 @@ class Policy:
         model.load_state_dict(load_weights(run_dir, tag, int(doc.get("zero_stage", 2))))
         if index is None:
             index = load_for_policy(data_root, doc, model.cfg.action_horizon)
-        data = doc.get("data", {})
-        return cls(model, index, image_mean=data.get("image_mean", 0.5), image_std=data.get("image_std", 0.25),
-                   text_len=data.get("max_text_tokens"), device=device)
+        return cls(model, index, ProcessorConfig(**doc.get("processor", {})), embodiment_id=int(doc["embodiment_id"]),
+                   tokenizer=doc.get("tokenizer"), device=device)
+
+    @property
+    def image_mean(self) -> float:
+        return self.processor.cfg.image_mean
+
+    @property
+    def image_std(self) -> float:
+        return self.processor.cfg.image_std
+
+    def prompts(self, tasks: dict):
+        """{task index: text} -> the PromptTable the run's tokenizer and template make of them."""
+        ds, k = self.index.dataset, len(self.index.deltas.video)
+        tokens = self.cfg.tokens_per_image(*self.processor.cfg.image_size)
+        return build_prompts(self.tokenizer, tasks, images=len(ds.slots) * k,
+                             tokens_per_image=tokens, vocab_size=self.cfg.text.vocab_size)
 
     def check(self, observations: list[dict]) -> None:
         """Each observation as the policy was trained: one entry per camera slot holding K frames
@@ -105,21 +127,18 @@ class Policy:
                                   f"({k} row(s) of the {ds.state_dim}-D state, dataset units)")
 
     def batch(self, observations: list[dict]) -> dict:
-        """Raw observations (same frame count each) -> the model's input batch on the device."""
+        """Raw observations (same frame count each) -> a loader-format batch on the device (no actions)."""
         self.check(observations)
         ds = self.index.dataset
         frames = {}
         for slot in ds.slots:
             raw = torch.from_numpy(np.stack([np.asarray(o["frames"][slot], np.uint8) for o in observations]))
             frames[slot] = self._frames(raw.to(self.device))
-        state = np.stack([np.asarray(o["state"], np.float32) for o in observations])
-        state = (state - self.norm.state_mean) / self.norm.state_std
-        text = [encode_text(o.get("task", ""), self.text_len) for o in observations]
-        b, k = state.shape[:2]
+        state = self.norm.state(np.stack([np.asarray(o["state"], np.float32) for o in observations]))
+        table = self.prompts({i: str(o.get("task", "")) for i, o in enumerate(observations)})
         return {"frames": frames, "state": torch.from_numpy(state).to(self.device),
-                "task_tokens": torch.from_numpy(np.stack([t[0] for t in text])).to(self.device),
-                "task_mask": torch.from_numpy(np.stack([t[1] for t in text])).to(self.device),
-                "frame_mask": torch.ones(b, k, dtype=torch.bool, device=self.device)}
+                "task_tokens": torch.from_numpy(table.ids[:-1]).to(self.device),
+                "task_mask": torch.from_numpy(table.mask[:-1]).to(self.device)}
 
     def _frames(self, raw: torch.Tensor) -> torch.Tensor:
         ds = self.index.dataset
@@ -128,47 +147,45 @@ class Policy:
             return x.sub_(self.image_mean * 255.0).mul_(1.0 / (255.0 * self.image_std))
         return nv12_to_input(raw, ds.color_matrix, ds.color_range, mean=self.image_mean, std=self.image_std)
 
-    def unnormalize(self, action: torch.Tensor) -> np.ndarray:
-        return action.float().cpu().numpy() * self.norm.action_std + self.norm.action_mean
+    def unnormalize(self, action: torch.Tensor | np.ndarray) -> np.ndarray:
+        a = action.float().cpu().numpy() if isinstance(action, torch.Tensor) else action
+        return self.norm.unaction(a)
 
     def unnormalize_state(self, state: torch.Tensor) -> np.ndarray:
-        return state.float().cpu().numpy() * self.norm.state_std + self.norm.state_mean
+        return self.norm.unstate(state.float().cpu().numpy())
+
+    def sample(self, batch: dict, *, steps: int, seed: int) -> np.ndarray:
+        """One flow sample of a loader-format batch -> (B, H, Da) actions in dataset units."""
+        inputs = self.processor(batch, None)
+        ds = self.index.dataset
+        return self.unnormalize(predict(self.model, inputs, horizon=self.index.deltas.action_horizon,
+                                        action_dim=ds.action_dim, steps=steps, seed=seed))
 
     @functools.cached_property
     def reference(self) -> TrainingReference:
         """Discrete-valued groups and their levels (and the ridge baseline), from the training episodes."""
         return fit_reference(self.index, action_groups(self.index))
 
-    def predict_action(self, observations: list[dict], *, steps: int = 4, seed: int = 0, discrete: bool = False,
-                       samples: int = 1, modes: str | dict | None = None) -> np.ndarray:
-        """(B, H, Da) actions in dataset units: flow integration (the mean of `samples` noise seeds
-        from `seed`), or the discrete head for every dim (`discrete`). `modes` picks, per
-        discrete-valued group, "flow", "snap" (nearest training level) or "head" (the discrete head's
-        dims, snapped to the levels): one name for all such groups or a dict group -> mode
-        (baselines.group_modes).
+    def predict_action(self, observations: list[dict], *, steps: int | None = None, seed: int = 0,
+                       samples: int = DEFAULT_SAMPLES, modes: str | dict | None = None) -> np.ndarray:
+        """(B, H, Da) actions in dataset units: the mean of `samples` flow integrations (noise seeds
+        seed..seed+samples-1; N1.6's 4 Euler steps unless `steps`). `modes` picks, per discrete-valued
+        group, "flow" (as the flow gives it) or "snap" (nearest training level): one name for all such
+        groups or a dict group -> mode (baselines.group_modes).
         Observations are checked first (`check`): slot names, frame shapes, state width."""
+        steps = steps or self.cfg.num_inference_timesteps
         if steps < 1 or samples < 1:
             raise ConfigError(f"steps={steps}, samples={samples}: the flow needs at least 1 integration step "
                               "and 1 sample")
         batch = self.batch(observations)
-        if discrete:
-            return self.unnormalize(self.model.predict_discrete(batch))
-        out = np.mean([self.unnormalize(self.model.predict_action(batch, steps, seed + j))
-                       for j in range(samples)], axis=0)
-        return self.apply_modes(out, batch, modes)
+        out = np.mean([self.sample(batch, steps=steps, seed=seed + j) for j in range(samples)], axis=0)
+        return self.apply_modes(out, modes)
 
-    def apply_modes(self, out: np.ndarray, batch: dict, modes: str | dict | None) -> np.ndarray:
+    def apply_modes(self, out: np.ndarray, modes: str | dict | None) -> np.ndarray:
         """`out` (dataset units) with each discrete-valued group as its mode asks."""
         ref = self.reference
-        chosen = group_modes(ref, modes)
         groups = action_groups(self.index)
-        dims = {m: [d for g, mode in chosen.items() if mode == m for d in range(*groups[g])] for m in ("snap", "head")}
-        if dims["snap"]:
-            out = ref.snap(out, dims["snap"])
-        if dims["head"]:
-            out = np.array(out, copy=True)
-            head = ref.snap(self.unnormalize(self.model.predict_discrete(batch)), dims["head"])  # bin centre -> level
-            out[..., dims["head"]] = head[..., dims["head"]]
-        return out
+        snap = [d for g, mode in group_modes(ref, modes).items() if mode == "snap" for d in range(*groups[g])]
+        return ref.snap(out, snap) if snap else out
 
     act = predict_action  # the earlier name

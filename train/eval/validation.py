@@ -1,9 +1,10 @@
 """Validation: decode chosen samples exactly as training does, score the model on them.
 
 `ValSet` holds a fixed set of validation samples (the index's held-out episodes) decoded once
-into model batches on the device. `val_metrics` is what `--eval-every N` logs: the flow loss
-(noise and time drawn from a fixed seed, so values are comparable across steps) and the MSE of
-`predict_action` (4 Euler steps) against the ground truth, in normalised units, over valid rows.
+into loader batches on the device, with the run's prompts and processor (centred crops, as N1.6
+evaluates). `val_metrics` is what `--eval-every N` logs: the flow loss (noise and time drawn from a
+fixed seed, so values are comparable across steps) and the MSE of `get_action` (4 Euler steps)
+against the ground truth, in normalised units, over valid rows and the data's action dims.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from loongforge.shared.errors import ConfigError
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.fill import BlockFiller
+from loongforge.train.data.processor import Processor
+from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import SampleTable
 from loongforge.train.data.training_data import TrainingData
 from loongforge.train.model.build import build_model
@@ -35,29 +38,42 @@ def val_sample_ids(data: TrainingData, limit: int, stride: int = 1) -> np.ndarra
 
 
 class ValSet:
-    """Decoded batches of chosen samples (stride-1 ids), on `device`, frames as model input."""
+    """Decoded batches of chosen samples (stride-1 ids), on `device`, frames normalized as the model's
+    processor wants them; `inputs(batch)` turns one into the model's inputs."""
 
-    def __init__(self, data: TrainingData, ids: np.ndarray, *, batch_size: int = 8, text_len: int = 32,
-                 device="cpu", image_mean: float = 0.5, image_std: float = 0.25):
+    def __init__(self, data: TrainingData, ids: np.ndarray, prompts: PromptTable, processor: Processor, *,
+                 batch_size: int = 8, device="cpu"):
         ds, info = data.ds, data.dataset
         table = SampleTable(np.asarray(ds.episode_lengths))
         ids = np.asarray(ids, np.int64)
-        self.ids, self.device = ids, torch.device(device)
-        conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
+        self.ids, self.device, self.processor = ids, torch.device(device), processor
+        conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=processor.cfg.image_mean,
+                    std=processor.cfg.image_std)
         self.batches = []
         for start in range(0, len(ids), batch_size):
             chunk = ids[start:start + batch_size]
             layout = BatchLayout(len(chunk), tuple(info.slots), info.height, info.width, data.deltas.frames,
-                                 info.state_dim, info.action_dim, data.deltas.action_horizon, text_len)
+                                 info.state_dim, info.action_dim, data.deltas.action_horizon, prompts.length)
             arrays = layout.views(bytearray(layout.nbytes))
             eps, ts = table.locate(chunk)
-            BlockFiller(ds, data.deltas, layout, 0).fill(arrays, list(zip(chunk.tolist(), eps.tolist(), ts.tolist())),
-                                                         "raise")
+            BlockFiller(ds, data.deltas, layout, 0, prompts).fill(
+                arrays, list(zip(chunk.tolist(), eps.tolist(), ts.tolist())), "raise")
             out = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in arrays.items()
                    if not n.startswith("frames.")}
             out["frames"] = {s: nv12_to_input(torch.from_numpy(arrays[f"frames.{s}"].copy()).to(self.device), **conv)
                              for s in layout.slots}
             self.batches.append(out)
+
+    def inputs(self, batch: dict) -> dict:
+        return self.processor(batch, None)  # centred crops: N1.6's evaluation transform
+
+
+def predict(model, inputs: dict, *, horizon: int, action_dim: int, steps: int, seed: int) -> torch.Tensor:
+    """(B, horizon, action_dim) normalized actions: `steps` Euler steps from noise seeded by `seed`
+    (drawn on the CPU: the same actions on every device)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((inputs["state"].shape[0], horizon, model.cfg.max_action_dim), generator=g)
+    return model.get_action(inputs, noise.to(inputs["state"].device), steps)[..., :action_dim]
 
 
 def _plain(model):
@@ -77,7 +93,7 @@ def _plain(model):
 
 
 def val_metrics(model, valset: ValSet, *, seed: int = 0, steps: int = 4) -> dict:
-    """Validation flow loss and action MSE (normalised units) of `model` (a VLAModel)."""
+    """Validation flow loss and action MSE (normalised units) of `model` (a Gr00tN1d6)."""
     was_training, engine_module = model.training, model
     model = _plain(model)
     model.eval()
@@ -86,11 +102,13 @@ def val_metrics(model, valset: ValSet, *, seed: int = 0, steps: int = 4) -> dict
     try:
         with torch.no_grad():
             for i, batch in enumerate(valset.batches):
-                shape = batch["action"].shape
-                noise, u = torch.randn(shape, generator=g), torch.rand(shape[0], generator=g)
-                out = model(batch, noise.to(valset.device), u.to(valset.device))
+                inputs = valset.inputs(batch)
+                b, h, da = batch["action"].shape
+                noise = torch.randn((b, h, model.cfg.max_action_dim), generator=g)
+                u = torch.rand(b, generator=g)
+                out = model(inputs, noise.to(valset.device), u.to(valset.device))
                 w = (batch["action_valid"] & batch["sample_valid"][:, None]).float()
-                pred = model.predict_action(batch, steps=steps, seed=seed + i)
+                pred = predict(model, inputs, horizon=h, action_dim=da, steps=steps, seed=seed + i)
                 err = ((pred.float() - batch["action"].float()) ** 2).mean(-1)
                 flow += float(out["flow_loss"]) * float(w.sum())
                 mse += float((err * w).sum())

@@ -1,24 +1,23 @@
-"""Attention backends for the multimodal mask: `Attention(requested)(q, k, v, mask, dropout_p)`.
+"""The one attention interface: `Attention(requested)(q, k, v, mask, dropout_p)`.
 
-q, k, v are (B, heads, N, head_dim); `mask` is a description from mask.py, never a tensor:
-VLSelf / VLCross (full attention over the valid vl keys), Causal, or None (no mask). Which
-kernel runs is decided on the first call (device, dtype and head size are known only then) and
-said in one log line:
+q, k, v are (B, heads, N, head_dim) (k and v may have fewer heads: grouped KV heads are
+repeated here); `mask` is a description from mask.py (`Causal`, `Keys`) or None, never a tensor.
+Every attention of the model goes through it: the DiT's own attention module calls it, and the
+transformers blocks of the backbone (Qwen3, SigLIP2) reach it through the attention function
+registered under `HF_ATTENTION`, which looks up the `Attention` bound to the module
+(`bind_attention`). A parallel plan (Ulysses sequence parallelism) swaps a site's bound callable
+from outside; the model never knows.
 
-  sdpa   reference: the dense boolean masks of mask.dense (kept for tests; the CPU default).
-  flex   FlexAttention with a BlockMask built from the (B, N) key validity in O(B N / 128 +
-         (N / 128)^2) block bookkeeping, mask_mod = mask.rule; torch.compile'd on CUDA, head_dim
-         zero-padded to 16 below it (the compiled kernel's minimum). On CPU
-         (torch 2.13) only the eager forward exists: a call whose inputs need gradients raises
-         NotImplementedError there (eager and compiled alike), so such calls use sdpa.
-  flash  flash-attn varlen kernels: the valid tokens are gathered per sample (they are a
-         prefix of each segment, so the packed sequence is one index gather), cu_seqlens from
-         the counts, scattered back after. Padded vl queries get v (attention to themselves
-         alone, as the reference). Needs CUDA, sm >= 8.0, fp16/bf16, head_dim <= 256.
-  auto   CUDA: flash if usable, else flex (never a dense N x N mask on the GPU); CPU: sdpa.
+Which kernel runs is decided on the first call for a (device, dtype, head_dim) and said once:
 
-Causal and None are never masks outside `sdpa`: SDPA with is_causal / no mask (flash-attn's
-own causal kernel under `flash`), which lets SDPA pick its flash or cuDNN kernel on CUDA.
+  sdpa   reference: the dense boolean masks of mask.dense (the CPU default).
+  flex   FlexAttention with a BlockMask from mask.rule (create_block_mask; the sequences of N1.6
+         are a few hundred tokens); compiled on CUDA, head_dim zero-padded to 16 below it. On CPU
+         (torch 2.13) only its forward exists: calls that need gradients run sdpa.
+  flash  flash-attn: Causal as varlen over each row's valid suffix with its causal kernel (padded
+         queries get v: attention to themselves alone, as the rule); Keys as varlen keys; no mask
+         as its dense kernel. Needs CUDA, sm >= 8.0, fp16/bf16, head_dim <= 256.
+  auto   CUDA: flash if usable, else flex; CPU: sdpa.
 """
 
 from __future__ import annotations
@@ -27,81 +26,47 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import AttentionInterface
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.model import mask as masks
-from loongforge.train.model.mask import Causal, VLSelf
+from loongforge.train.model.mask import Causal, Keys
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
-BLOCK = 128  # FlexAttention's default block size; the block table below is built for it
+HF_ATTENTION = "loongforge"  # transformers' attn_implementation name of this interface
+KERNEL_ATTR = "attention_kernel"  # the callable an attention site calls; bound per module
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, h_kv, N, d) -> (B, h_kv * groups, N, d), each KV head repeated for its query heads."""
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
 
 
 def sdpa_dense(q, k, v, mask, dropout_p=0.0):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=masks.dense(mask, q.device), dropout_p=dropout_p)
-
-
-def sdpa_structured(q, k, v, mask, dropout_p=0.0):
-    """None / Causal without a mask tensor."""
-    assert mask is None or isinstance(mask, Causal), mask
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=mask is not None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=masks.dense(mask, q.shape[2]), dropout_p=dropout_p)
 
 
 # ---- flex -----------------------------------------------------------------------------------------
-def _block_counts(keys: torch.Tensor) -> torch.Tensor:
-    """(B, N) bool -> (B, ceil(N / BLOCK)) valid tokens per block."""
-    b, n = keys.shape
-    nb = -(-n // BLOCK)
-    return F.pad(keys, (0, nb * BLOCK - n)).view(b, nb, BLOCK).sum(-1)
-
-
-def _kv_table(blocks: torch.Tensor):
-    """(B, nq, nk) bool -> (B, 1, nq) counts, (B, 1, nq, nk) indices with the chosen blocks first."""
-    num = blocks.sum(-1, dtype=torch.int32)
-    idx = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return num[:, None], idx[:, None]
-
-
-# NOTE: built outside torch.compile, once per batch and kind, then cached on the layout for every
-# block. Traced inside a fused block under --cuda-graphs (reduce-overhead), its tensors would live
-# in the CUDA graph's private pool, which the next replay overwrites while the layout still holds
-# them for the following blocks.
-@torch.compiler.disable
-def flex_block_mask(mask, nq: int):
-    """The BlockMask of VLSelf / VLCross without evaluating the predicate on N x N: a block is
-    full when all its queries and keys are valid, partial when it holds any allowed pair."""
-    # flex_attention loads torch's compile stack; only the flex backend pays for it
-    from torch.nn.attention.flex_attention import BlockMask
-
-    layout = mask.layout
-
-    def build():
-        keys = layout.valid() if isinstance(mask, VLSelf) else layout.cross_keys()
-        kc = _block_counts(keys)
-        full_k = kc == BLOCK  # a short last block is never full: its tail is out of range
-        if isinstance(mask, VLSelf):
-            nb = kc.shape[1]
-            eye = torch.eye(nb, dtype=torch.bool, device=keys.device)  # padded queries see themselves
-            any_ = ((kc[:, :, None] > 0) & (kc[:, None, :] > 0)) | eye
-            full = full_k[:, :, None] & full_k[:, None, :]
-        else:
-            nqb = -(-nq // BLOCK)
-            q_whole = torch.arange(1, nqb + 1, device=keys.device) * BLOCK <= nq  # as create_block_mask
-            any_ = (kc > 0)[:, None, :].expand(-1, nqb, -1)
-            full = full_k[:, None, :] & q_whole[None, :, None]
-        rule = masks.rule(mask)
-        return BlockMask.from_kv_blocks(*_kv_table(any_ & ~full), *_kv_table(full), BLOCK_SIZE=BLOCK,
-                                        mask_mod=lambda b, h, q, kv: rule(b, q, kv), seq_lengths=(nq, layout.n))
-
-    return layout.cached(("flex", type(mask).__name__, nq), build)
-
-
+FLEX_MIN_HEAD_DIM = 16  # inductor's CUDA FlexAttention kernel (tl.dot) needs head_dim >= 16
 _compiled_flex = None
-# Inductor's CUDA FlexAttention kernel (tl.dot) needs head_dim >= 16, and raises NotImplementedError
-# below it (torch 2.13, _inductor/kernel/flex/flex_attention.py); `tiny` heads have 12. Smaller
-# heads are zero-padded to 16 (non-powers of 2 above it the kernel rounds up itself).
-FLEX_MIN_HEAD_DIM = 16
+
+
+# NOTE: built outside torch.compile, once per batch and kind (cached on the description): traced
+# inside a fused block under --cuda-graphs its tensors would live in the graph's private pool.
+@torch.compiler.disable
+def flex_block_mask(mask, nq: int, nk: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask  # loads torch's compile stack
+
+    r = masks.rule(mask)
+    b = mask.valid.shape[0] if isinstance(mask, Causal) else mask.keys.shape[0]
+    return mask.cached(("flex", nq, nk), lambda: create_block_mask(lambda bb, h, q, kv: r(bb, q, kv), b, None, nq, nk,
+                                                                   device=device))
 
 
 def _flex_fn(compiled: bool):
@@ -111,68 +76,54 @@ def _flex_fn(compiled: bool):
     if not compiled:
         return flex_attention
     if _compiled_flex is None:
-        # NOTE: one compiled callable for all shapes: frame buckets are a small fixed set, and
-        # after the first recompile dynamo marks the lengths dynamic instead of recompiling each.
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
 def flex(q, k, v, mask, dropout_p=0.0, *, compiled: bool):
-    if mask is None or isinstance(mask, Causal):
-        return sdpa_structured(q, k, v, mask, dropout_p)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
-        # torch 2.13 refuses any CPU input that requires grad, even under no_grad.
         if torch.is_grad_enabled():
-            return sdpa_dense(q, k, v, mask, dropout_p)  # no FlexAttention backward on CPU
+            return sdpa_dense(q, k, v, mask, dropout_p)  # no FlexAttention backward on CPU (torch 2.13)
         q, k, v = q.detach(), k.detach(), v.detach()
     if dropout_p > 0:
-        raise ConfigError("model.dropout: FlexAttention has no attention dropout; use --attention flash or "
-                          "sdpa, or model.dropout=0")
-    fn, block_mask, d = _flex_fn(compiled), flex_block_mask(mask, q.shape[2]), q.shape[-1]
+        raise ConfigError("attention: FlexAttention has no attention dropout; use --attention flash or sdpa")
+    fn, bm, d = _flex_fn(compiled), flex_block_mask(mask, q.shape[2], k.shape[2], q.device), q.shape[-1]
     if d >= FLEX_MIN_HEAD_DIM:
-        return fn(q, k, v, block_mask=block_mask)
-    # Zero columns leave q.k (and so the softmax, with the scale kept at 1/sqrt(d)) unchanged and
-    # add zero output columns, cut off after; autograd passes through the pad and the slice.
-    pad = (0, FLEX_MIN_HEAD_DIM - d)
-    y = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=block_mask, scale=d ** -0.5)
-    return y[..., :d]
+        return fn(q, k, v, block_mask=bm)
+    pad = (0, FLEX_MIN_HEAD_DIM - d)  # zero columns change neither q.k nor the kept outputs
+    return fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=bm, scale=d ** -0.5)[..., :d]
 
 
 # ---- flash ----------------------------------------------------------------------------------------
-def _varlen(keys: torch.Tensor):
+def _varlen(keep: torch.Tensor):
     """(B, N) bool -> (flat indices of the kept tokens, cu_seqlens int32 (B+1,), max length)."""
-    counts = keys.sum(1, dtype=torch.int32)
+    counts = keep.sum(1, dtype=torch.int32)
     cu = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
     # NOTE: nonzero() and .item() sync with the host: once per batch and kind (cached on the
-    # layout), not once per layer.
-    return keys.flatten().nonzero().squeeze(1), cu, int(counts.max().item())
+    # description), not once per layer.
+    return keep.flatten().nonzero().squeeze(1), cu, int(counts.max().item())
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """(B, h, N, d) -> (B*N, h, d); a view when x came from split_heads."""
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b * n, h, d)
 
 
-# NOTE: kept out of torch.compile (fusion compiles each block's forward): the packed token total
-# and max_seqlen (a host .item()) change with every batch, so a traced flash would recompile the
-# block each batch, shared by all blocks, until dynamo's recompile limit dropped them to eager. As
-# one opaque call the block graphs around it see only the padded (B, h, N, d) shapes.
+# NOTE: kept out of torch.compile: the packed token count and max_seqlen (a host .item()) change
+# with every batch, which would recompile the fused block around it each batch.
 @torch.compiler.disable
 def flash(q, k, v, mask, dropout_p=0.0, *, fa):
     b, h, nq, d = q.shape
-    if mask is None or isinstance(mask, Causal):
-        y = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
-                               causal=mask is not None)
-        return y.transpose(1, 2)
-    layout = mask.layout
-    if isinstance(mask, VLSelf):
-        idx, cu, mx = layout.cached("flash_self", lambda: _varlen(layout.valid()))
+    if mask is None:
+        return fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p).transpose(1, 2)
+    if isinstance(mask, Causal):
+        idx, cu, mx = mask.cached("flash", lambda: _varlen(mask.valid))
         qf, kf, vf = _tokens(q), _tokens(k), _tokens(v)
-        y = fa.flash_attn_varlen_func(qf[idx], kf[idx], vf[idx], cu, cu, mx, mx, dropout_p)
-        out = vf.index_copy(0, idx, y)  # padded queries: v, i.e. attention to themselves alone
-        return out.view(b, nq, h, d).transpose(1, 2)
-    idx, cu_k, mx = layout.cached("flash_cross", lambda: _varlen(layout.cross_keys()))
+        y = fa.flash_attn_varlen_func(qf[idx], kf[idx], vf[idx], cu, cu, mx, mx, dropout_p, causal=True)
+        return vf.index_copy(0, idx, y).view(b, nq, h, d).transpose(1, 2)
+    idx, cu_k, mx = mask.cached("flash", lambda: _varlen(mask.safe()))
     cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * nq
     kf, vf = _tokens(k), _tokens(v)
     y = fa.flash_attn_varlen_func(_tokens(q), kf[idx], vf[idx], cu_q, cu_k, nq, mx, dropout_p)
@@ -207,20 +158,16 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: i
     if requested in ("auto", "flash"):
         fa, why = flash_unusable(device, dtype, head_dim)
         if fa is not None:
-            kernel = lambda q, k, v, m, p=0.0: flash(q, k, v, m, p, fa=fa)  # noqa: E731
-            return kernel, (f"flash-attn {fa.__version__} varlen for vl self/cross, its causal kernel for bins "
-                            f"self, no mask for act self ({requested}: {_gpu(device)}, {dtype})")
-        if not cuda and requested == "auto":
-            return sdpa_dense, ("sdpa with dense boolean masks (auto on CPU: the only CPU kernel with a backward "
-                                "for this mask; causal/none as masks too)")
+            return (lambda q, k, v, m, p=0.0: flash(q, k, v, m, p, fa=fa),  # noqa: E731
+                    f"flash-attn {fa.__version__}: varlen causal for the LLM, varlen keys for the DiT's "
+                    f"cross-attention, dense for vision and DiT self ({requested}: {_gpu(device)}, {dtype})")
+        if not cuda:
+            return sdpa_dense, (f"sdpa with dense boolean masks ({requested} on CPU: the CPU kernel with a "
+                                "backward for these masks)")
         why = f"flash unusable: {why}; "
-    if not cuda and requested == "flash":
-        return sdpa_dense, f"sdpa with dense boolean masks ({why}the CPU fallback that trains)"
     kernel = lambda q, k, v, m, p=0.0: flex(q, k, v, m, p, compiled=cuda)  # noqa: E731
-    where = ("compiled, " + _gpu(device)) if cuda else (
-        "eager on CPU: forward only in torch 2.13, calls needing gradients run sdpa with dense masks")
-    return kernel, (f"flex with a BlockMask from the valid lengths for vl self/cross, SDPA is_causal for bins "
-                    f"self, no mask for act self ({why}{where})")
+    where = ("compiled, " + _gpu(device)) if cuda else "eager on CPU: forward only, calls needing gradients run sdpa"
+    return kernel, f"flex with BlockMasks from the mask rules ({why}{where})"
 
 
 def _gpu(device: torch.device) -> str:
@@ -229,8 +176,8 @@ def _gpu(device: torch.device) -> str:
 
 
 class Attention:
-    """The one attention interface every block calls. Chooses its kernel on the first call for
-    each (device, dtype, head_dim) and logs that choice once (rank 0)."""
+    """The attention interface every site calls. Chooses its kernel on the first call for each
+    (device, dtype, head_dim) and logs the choice once (rank 0)."""
 
     def __init__(self, requested: str):
         if requested not in BACKENDS:
@@ -240,6 +187,9 @@ class Attention:
         self.chosen: dict = {}  # (device, dtype, head_dim) -> the logged line, for tests and reports
 
     def __call__(self, q, k, v, mask, dropout_p: float = 0.0):
+        if k.shape[1] != q.shape[1]:  # grouped KV heads (Qwen3)
+            groups = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         key = (q.device, q.dtype, q.shape[-1])
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -254,3 +204,30 @@ class Attention:
 
     def __setstate__(self, state):
         self.__init__(state["requested"])
+
+
+def _hf_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **_):
+    """transformers' attention-function signature -> the site's bound kernel. Returns (B, N, h, d)."""
+    kernel = module.__dict__.get(KERNEL_ATTR)
+    if kernel is None:
+        raise RuntimeError(f"{type(module).__name__}: no attention kernel bound (build the model with build_model)")
+    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
+        raise RuntimeError(f"{type(module).__name__}: attention scale {scaling} is not 1/sqrt(head_dim)")
+    return kernel(query, key, value, attention_mask, dropout).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(HF_ATTENTION, _hf_attention)
+
+
+def attention_sites(root: nn.Module) -> list[nn.Module]:
+    """Every module of `root` that calls an attention kernel (the transformers blocks' attention
+    modules, the DiT's): the ones `bind_attention` binds and a sequence-parallel plan rebinds."""
+    return [m for m in root.modules() if getattr(m, "is_attention_site", False)
+            or (hasattr(m, "q_proj") and getattr(getattr(m, "config", None), "_attn_implementation", None)
+                == HF_ATTENTION)]
+
+
+def bind_attention(root: nn.Module, attn) -> None:
+    """Bind `attn` to every attention site under `root` (a plain attribute: no parameter, no state)."""
+    for m in attention_sites(root):
+        m.__dict__[KERNEL_ATTR] = attn

@@ -60,7 +60,10 @@ def align_ds_accelerator(device: torch.device) -> str:
     return get_accelerator().device_name()
 
 
-LEAF_BLOCKS = ("loongforge.train.model.layers.TrunkBlock", "loongforge.train.model.layers.HeadBlock")
+# ZeRO-3 leaf modules (--zero3-leaf-blocks): N1.6's blocks, one parameter fetch per block.
+LEAF_BLOCKS = ("transformers.models.siglip2.modeling_siglip2.Siglip2EncoderLayer",
+               "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer",
+               "loongforge.train.model.dit.BasicTransformerBlock")
 
 
 def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:

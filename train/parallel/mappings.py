@@ -8,6 +8,7 @@ gloo subgroup in torch 2.13, hence our own.
     reduce_from   fwd all-reduce         bwd identity        (leave a row-parallel linear)
     scatter_to    fwd keep my chunk      bwd all-gather      (replicated -> split, no comm fwd)
     gather_from   fwd all-gather         bwd keep my chunk   (split -> replicated)
+    gather_sum    fwd all-gather         bwd reduce-scatter  (split -> used by whichever rank owns a row)
     all_to_all    fwd scatter dim a,     bwd the inverse     (Ulysses: heads <-> sequence)
                       gather dim b
 """
@@ -94,6 +95,21 @@ class _GatherFrom(torch.autograd.Function):
         return _chunk(g, ctx.dim, ctx.group), None, None
 
 
+class _GatherSum(torch.autograd.Function):
+    """All-gather forward; backward sums the gradient over the group and keeps my chunk (a
+    reduce-scatter): for a gathered tensor whose consumers are spread over the ranks, each row's
+    gradient living on whichever rank used it."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _chunk(_all_reduce(g, ctx.group), ctx.dim, ctx.group), None, None
+
+
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
     w = _world(group)
     if w == 1:
@@ -132,6 +148,10 @@ def scatter_to(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def gather_from(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _GatherFrom.apply(x, dim, group)
+
+
+def gather_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _GatherSum.apply(x, dim, group)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:

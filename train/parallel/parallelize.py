@@ -2,8 +2,10 @@
 
     parallelize(build, cfg, state, device=...)
       construct   build() (under deepspeed.zero.Init for plain ZeRO-3, see below)
-      1. TP       the trunk's linears swapped for column/row-parallel shards (tensor_parallel.py)
-      2. SP       the video tokens split over the SP group, Ulysses attention (video_sp.py)
+      1. TP       the attention and MLP linears of the vision tower, LLM and DiT swapped for
+                  column/row-parallel shards (tensor_parallel.py)
+      2. SP       images split over the SP group before the vision tower, the LLM's image tokens
+                  sharded with Ulysses attention (video_sp.py)
       3. FP8      linears swapped for torchao Float8Linear (kernels/precision.py)
       4. fusion   block forwards compiled; --cuda-graphs: reduce-overhead graphs (kernels/fusion.py, graphs.py)
       5. AC       activation checkpointing of every Nth block (kernels/checkpointing.py)
@@ -14,7 +16,7 @@
 
 Why `build` is a factory, not a model: plain ZeRO-3 (no TP, SP or hybrid sharding) constructs the
 model inside deepspeed.zero.Init, which partitions each module's parameters as it is created, so
-no rank ever holds the full fp32 model (~6.4 GB per rank for the 1.6b recipe); steps 3-5 then run
+no rank ever holds the full fp32 model (~11.9 GB for N1.6's 2.96 B parameters); steps 3-5 then run
 on the partitioned modules, as they always have. A TP/SP/hybrid run instead builds the full,
 identically seeded model on every rank (so TP starts from the single-process initialisation),
 cuts its shards, and ZeRO-3 partitions the result over the shard group in step 6 (one transient
@@ -78,20 +80,27 @@ class ParallelModel:
 
 
 def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: ParallelState, *,
-                device: torch.device) -> ParallelModel:
-    """Construct the model with `build` and apply steps 1-6 of the module docstring, in that order."""
+                device: torch.device, build_full: bool = False) -> ParallelModel:
+    """Construct the model with `build` and apply steps 1-6 of the module docstring, in that order.
+    `build_full`: construct the whole model even under plain ZeRO-3 (a build that loads checkpoint
+    weights), then partition it, as a TP/SP run does."""
     import deepspeed  # heavy: only a process that trains pays its import
 
     conf = ds_config(cfg, world=state.get_data_parallel_world_size(), device=device)
     hybrid = is_hybrid(state)
-    with _construction(conf, hybrid):
+    with _construction(conf, hybrid or build_full):
         model = build()
         apply_tp(model, state)  # 1
         apply_sp(model, state, conf)  # 2
         policies = apply_memory_policies(model, cfg, device)  # 3-5
-    if hybrid and conf["zero_optimization"]["stage"] == 3:  # 6
+    if (hybrid or build_full) and conf["zero_optimization"]["stage"] == 3:  # 6
         partition_zero3(model, state)  # over the shard group, never the pure DP group
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
+    # The optimizer (and ZeRO's gradient and optimizer-state partitions) hold the trainable parameters
+    # only: a fine-tune that freezes the vision tower and most of the LLM keeps no state for them.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigError("model: no parameter trains (every --tune-* switch is off); turn one on")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=conf,
                                            mpu=state if hybrid else None,
                                            lr_scheduler=LRSchedule.factory(cfg.optim, cfg.run.steps))
     if state.plan.zero_shard == "sp" and state.get_data_parallel_rank() != 0:
@@ -116,13 +125,14 @@ def _construction(conf: dict, hybrid: bool):
 def apply_tp(model: nn.Module, state: ParallelState) -> int:
     swapped = apply_tensor_parallel(model, state)
     if state.plan.tp > 1 and swapped == 0:
-        raise ConfigError(f"parallel.tp={state.plan.tp}: no block with nn.Linear qkv/proj/fc1/fc2 to split "
-                          "(a module swap replaced them?); use --tp 1")
+        raise ConfigError(f"parallel.tp={state.plan.tp}: no attention or MLP block of the tensor-parallel plan to "
+                          "split (a module swap replaced them?); use --tp 1")
     return swapped
 
 
 def apply_sp(model: nn.Module, state: ParallelState, conf: dict) -> list:
-    """Video tokens sharded at model.trunk_tokens, the loss gradient seeded for ZeRO's divisor over SP."""
+    """Images split before the vision tower, the LLM's image tokens sharded (Ulysses), the loss gradient
+    seeded for ZeRO's divisor over SP (video_sp.py)."""
     if state.plan.sp == 1:
         return []
     return apply_video_sequence_parallel(model, SequenceParallel(state),

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.config import ModelConfig, TrainConfig
+from loongforge.train.config import TrainConfig
+from loongforge.train.model.config import GrootConfig
 from loongforge.train.parallel import comm
 
 
@@ -202,12 +203,12 @@ def plan_of(cfg: TrainConfig) -> ParallelPlan:
     return ParallelPlan(tp=p.tp, sp=p.sp, zero_shard="sp" if p.grad_compression == "topk" else "sp_dp")
 
 
-def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
+def check_layout(cfg: TrainConfig, world: int, model_cfg: GrootConfig) -> int:
     """Preflight (no process group): the layout fits the world, the model and the memory policies.
     Returns the DP size."""
     p = plan_of(cfg)
     dp = p.dp(world)  # ConfigError when world % (tp*sp) != 0
-    p.check_model(heads=model_cfg.heads)
+    check_model_split(model_cfg, tp=p.tp, sp=p.sp)
     mem = getattr(cfg, "memory", None)
     if p.sp > 1 and mem is not None and getattr(mem, "cuda_graphs", False):
         # NOTE: a captured block would replay the Ulysses all-to-alls of the batch it was captured on.
@@ -218,11 +219,22 @@ def check_layout(cfg: TrainConfig, world: int, model_cfg: ModelConfig) -> int:
         # and fusion is untested around the TP collectives and the Ulysses all-to-alls.
         raise ConfigError(f"parallel.tp={p.tp} sp={p.sp}: --fp8 and --fuse on are not combined with tensor or "
                           "sequence parallelism yet; drop them or use --tp 1 --sp 1")
-    hidden = int(model_cfg.dim * model_cfg.mlp_ratio)
-    if hidden % p.tp:
-        raise ConfigError(f"parallel.tp={p.tp}: the MLP hidden size {hidden} (model.dim x mlp_ratio) is not "
-                          "divisible by tp; pick a tp that divides it")
     return dp
+
+
+def check_model_split(m: GrootConfig, *, tp: int, sp: int) -> None:
+    """What TP splits (heads and MLP widths of the vision tower, the LLM and the DiT) divides by tp;
+    the LLM's query and KV heads, which Ulysses also splits, by tp x sp."""
+    v, t, d = m.vision, m.text, m.dit
+    need = [("vision heads", v.num_attention_heads, tp), ("vision MLP width", v.intermediate_size, tp),
+            ("LLM query heads", t.num_attention_heads, tp * sp), ("LLM KV heads", t.num_key_value_heads, tp * sp),
+            ("LLM MLP width", t.intermediate_size, tp), ("DiT heads", d.num_attention_heads, tp),
+            ("DiT MLP width", 4 * d.inner_dim, tp)]
+    for what, n, by in need:
+        if n % by:
+            raise ConfigError(f"parallel: the model's {what} ({n}) is not divisible by "
+                              f"{'tp x sp' if by == tp * sp and sp > 1 else 'tp'} = {by}; pick a layout that divides "
+                              "it (N1.6: tp x sp must divide its 8 KV heads)")
 
 
 def is_hybrid(state: ParallelState) -> bool:

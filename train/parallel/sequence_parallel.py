@@ -1,40 +1,33 @@
-"""Sequence parallelism over the video tokens only (DeepSpeed-Ulysses style).
+"""Ulysses sequence parallelism over the LLM's image tokens (DeepSpeed-Ulysses style).
 
-A sample's sequence is [video | replicated], video = the patch tokens of every
-camera and frame (long, balanced), replicated = state, language and action
-tokens (short). `SequenceParallel.split` gives each of the S ranks of the SP
-group ceil(Nv/S) consecutive video tokens (the video is padded to a multiple
-of S; pad keys are masked, a pad query attends to itself only) and keeps the
-replicated tokens whole on every rank. Norms and MLPs are token-local. The
-attention (`SequenceParallel.attention(inner)`, a drop-in for a block's
-`attn(q, k, v, mask, dropout_p)` on (B, H, N, Dh)) does:
+N1.6's LLM reads [chat text | image tokens | text] per sample, the image tokens (81 per image at
+N1.6's size, one image per camera and frame) far outnumbering the text. `SequenceParallel.split`
+reorders each row to [image tokens | the rest] (the gather index is per row: left padding moves
+the image tokens), gives each of the S ranks of the SP group ceil(Nv/S) consecutive image tokens
+(padded to a multiple of S) and keeps the rest (Nr tokens) whole on every rank; positions travel
+with their tokens, so the rotary embedding sees the original ones. Norms and MLPs are token-local.
+The attention (`SequenceParallel.attention(inner)`, a drop-in for a site's bound kernel on
+(B, H, N, Dh)) does:
 
-    video q,k,v  all-to-all: scatter heads, gather sequence -> H/S heads x all video
-    replicated   keep my H/S heads (no comm forward; all-gather of grads backward)
-    attention    over [all video | replicated] with the full (padded) boolean mask
-    output       video: all-to-all back (scatter sequence, gather heads);
-                 replicated: all-gather heads (backward keeps my heads)
+    image q,k,v  all-to-all: scatter heads, gather sequence -> H/S heads x all image tokens
+    the rest     keep my H/S heads (no comm forward; all-gather of grads backward)
+    reorder      back to the original token order (pads dropped): the kernel and the causal
+                 mask are the model's own, flash's causal varlen included
+    output       reordered to [image | rest], image: all-to-all back (scatter sequence, gather
+                 heads); the rest: all-gather heads (backward keeps my heads)
 
-Why Ulysses and not an all-gather of K/V (per rank, per layer, forward; the
-backward moves the same again), hidden size d, Nv video and Nr replicated tokens:
-    Ulysses    (4 Nv/S + Nr) * d * (S-1)/S     q,k,v and output all-to-all + replicated heads
-    K/V gather  2 Nv * d * (S-1)/S             every rank gathers all video K and V
-(backward: the inverse all-to-alls vs a reduce-scatter of dK, dV). For this
-token mix Nr << Nv (e.g. 2 cameras x 4 frames x 256 patches = 2048 video vs ~50
-state+text+action tokens), so Ulysses moves ~(2/S + Nr/(2Nv)) of K/V gather's
-bytes: 0.51x at S=4, 0.26x at S=8; it ties at S=2. K/V gather also keeps the
-whole video's K/V on every rank (memory O(Nv), not O(Nv/S)) and computes the
-replicated queries' attention S times. Ulysses needs heads % (T*S) == 0 and its
-all-to-all is latency-bound across nodes: the plan keeps SP inside a node.
+Grouped KV heads (Qwen3: 16 query, 8 KV heads) split the same way, so tp x sp must divide the KV
+heads. Why Ulysses and not an all-gather of K/V: (4 Nv/S + Nr) d (S-1)/S bytes per rank and layer
+against 2 Nv d (S-1)/S, and O(Nv/S) activation memory instead of O(Nv): 0.51x the bytes at S = 4
+for this token mix (Nr << Nv). Its all-to-all is latency-bound across nodes: the plan keeps SP
+inside a node.
 
-Replicated tokens and gradients. Every SP rank computes the replicated tokens
-in full, so their contribution to a parameter's gradient would be counted S
-times when the gradients are summed over the SP group (ZeRO does that sum). The
-hooks of `apply_sequence_parallel` weight it 1/S: around each token-local module
-with parameters, the output's gradient rows of replicated tokens are scaled by
-1/S (the parameter gradient sees the weight) and the input's by S (the
-activation gradient flowing on stays exact; exact in floating point for S a
-power of two).
+Replicated tokens and gradients. Every SP rank computes the rest in full, so its contribution to a
+parameter's gradient would be counted S times when ZeRO sums over the SP group. The hooks of
+`apply_sequence_parallel` weight it 1/S: around each token-local module with parameters, the
+output's gradient rows of replicated tokens are scaled by 1/S (the parameter gradient sees the
+weight) and the input's by S (the activation gradient flowing on stays exact; exact in floating
+point for S a power of two).
 """
 
 from __future__ import annotations
@@ -52,29 +45,16 @@ from loongforge.train.parallel.tensor_parallel import ColumnParallelLinear, RowP
 
 @dataclass(frozen=True, slots=True)
 class SPLayout:
-    n_video: int  # real video tokens of the sample
-    n_local: int  # video tokens per rank (padded)
-    n_rep: int  # replicated tokens (state, language, action), on every rank
-    size: int  # SP group size
+    n_video: int  # real image tokens per row
+    n_local: int  # image tokens per rank (padded)
+    n_rep: int  # the rest, on every rank
+    size: int
+    to_orig: torch.Tensor  # (B, N) original position -> index in [all image (padded) | rest]
+    to_perm: torch.Tensor  # (B, Nvp + Nr) index in [all image (padded) | rest] -> original position
 
     @property
     def n_video_padded(self) -> int:
         return self.n_local * self.size
-
-
-def pad_mask(mask: torch.Tensor, layout: SPLayout) -> torch.Tensor:
-    """(B, 1, N, N) mask over [video | replicated] -> the same over [video | pads | replicated]:
-    pad keys invisible to every query, a pad query sees itself only (no NaN rows)."""
-    nv, npad = layout.n_video, layout.n_video_padded - layout.n_video
-    if npad == 0:
-        return mask
-    b, n = mask.shape[0], mask.shape[-1] + npad
-    keep = torch.cat([torch.arange(nv), torch.arange(nv + npad, n)]).to(mask.device)
-    out = torch.zeros(b, 1, n, n, dtype=torch.bool, device=mask.device)
-    out[:, :, keep[:, None], keep[None, :]] = mask
-    pads = torch.arange(nv, nv + npad, device=mask.device)
-    out[:, :, pads, pads] = True
-    return out
 
 
 class _RepGradScale(torch.autograd.Function):
@@ -92,6 +72,18 @@ class _RepGradScale(torch.autograd.Function):
         return g, None, None
 
 
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (B, N, ...) -> x[b, idx[b]] (B, M, ...)."""
+    shape = (*idx.shape, *x.shape[2:])
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(shape))
+
+
+def _cols(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (B, h, N, d) -> x[b, :, idx[b]] (B, h, M, d)."""
+    b, h, _, d = x.shape
+    return x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d))
+
+
 class SequenceParallel:
     """The SP group, the layout of the current batch, and the Ulysses attention."""
 
@@ -99,72 +91,83 @@ class SequenceParallel:
         self.group, self.size, self.rank = state.group("sp"), state.size("sp"), state.rank_in("sp")
         self.layout: SPLayout | None = None
 
-    def split(self, seq: torch.Tensor, n_video: int, mask: torch.Tensor | None = None):
-        """(B, N, ...) full sequence, video first -> my (B, n_local + Nr, ...) tokens and the padded
-        mask; records the layout the attention and the gradient hooks of this batch use."""
-        n_local = math.ceil(n_video / self.size)
-        self.layout = lay = SPLayout(n_video, n_local, seq.shape[1] - n_video, self.size)
-        video = seq[:, :n_video]
-        if lay.n_video_padded > n_video:
-            pad = video.new_zeros(video.shape[0], lay.n_video_padded - n_video, *video.shape[2:])
-            video = torch.cat([video, pad], dim=1)
-        mine = video[:, self.rank * n_local:(self.rank + 1) * n_local]
-        local = torch.cat([mine, seq[:, n_video:]], dim=1)
-        return local, (None if mask is None else pad_mask(mask, lay))
+    def split(self, seq: torch.Tensor, positions: torch.Tensor, video: torch.Tensor):
+        """seq (B, N, d), positions (B, N), video (B, N) bool (the image tokens, the same count in every
+        row) -> my (B, n_local + Nr, d) tokens and their positions; records the batch's layout."""
+        b, n = video.shape
+        counts = video.sum(1)
+        nv = int(counts[0])  # NOTE: host sync, once per batch (not per layer)
+        if not bool((counts == nv).all()):
+            raise ConfigError("parallel.sp: the rows of a batch hold different numbers of image tokens")
+        # Stable sort on "not image" puts each row's image tokens first, in order, then the rest.
+        perm = torch.argsort((~video).to(torch.uint8), dim=1, stable=True)
+        n_local = math.ceil(nv / self.size)
+        nvp = n_local * self.size
+        ar = torch.arange(n, device=seq.device)
+        padded = torch.cat([perm[:, :nv], perm.new_zeros(b, nvp - nv), perm[:, nv:]], dim=1)
+        slot = torch.where(ar < nv, ar, ar + nvp - nv)  # where each of perm's entries lands in `padded`
+        to_orig = torch.empty_like(perm).scatter_(1, perm, slot[None].expand(b, n))
+        self.layout = SPLayout(nv, n_local, n - nv, self.size, to_orig, padded)
+        seq = _RepGradScale.apply(_rows(seq, perm), nv, 1.0 / self.size)  # the rest: 1/S into the embeddings
+        pos = _rows(positions, perm)
+        img, rest = seq[:, :nv], seq[:, nv:]
+        if nvp > nv:
+            img = torch.cat([img, img.new_zeros(b, nvp - nv, img.shape[2])], dim=1)
+            pos = torch.cat([pos[:, :nv], pos.new_zeros(b, nvp - nv), pos[:, nv:]], dim=1)
+        lo, hi = self.rank * n_local, (self.rank + 1) * n_local
+        return torch.cat([img[:, lo:hi], rest], dim=1), torch.cat([pos[:, lo:hi], pos[:, nvp:]], dim=1)
 
-    def gather_video(self, local: torch.Tensor) -> torch.Tensor:
-        """My video tokens -> all real video tokens (backward keeps my slice)."""
+    def merge(self, local: torch.Tensor) -> torch.Tensor:
+        """My tokens -> the full (B, N, d) sequence in the original order (backward keeps my image slice)."""
         lay = self.layout
-        return gather_from(local[:, :lay.n_local], 1, self.group)[:, :lay.n_video]
+        img = gather_from(local[:, :lay.n_local].contiguous(), 1, self.group)
+        return _rows(torch.cat([img, local[:, lay.n_local:]], dim=1), lay.to_orig)
 
     def attention(self, inner):
         def sp_attention(q, k, v, mask, dropout_p=0.0):
-            n, s = self.layout.n_local, self.size
-            if q.shape[1] % s:
-                raise ConfigError(f"parallel.sp={s}: {q.shape[1]} local attention heads do not split {s} ways; "
-                                  "choose heads as a multiple of tp*sp")
-            qkv = torch.stack([q, k, v])  # (3, B, H, n_local + Nr, Dh): one all-to-all, not three
-            video = all_to_all(qkv[:, :, :, :n], 2, 3, self.group)  # (3, B, H/S, S*n_local, Dh)
-            rep = scatter_to(qkv[:, :, :, n:], 2, self.group)  # (3, B, H/S, Nr, Dh)
-            full = torch.cat([video, rep], dim=3)
-            y = inner(full[0], full[1], full[2], mask, dropout_p)  # (B, H/S, Nv_pad + Nr, Dh)
-            y_video = all_to_all(y[:, :, :s * n], 2, 1, self.group)  # (B, H, n_local, Dh)
-            y_rep = gather_from(y[:, :, s * n:], 1, self.group)  # (B, H, Nr, Dh)
-            return torch.cat([y_video, y_rep], dim=2)
+            lay, s = self.layout, self.size
+            n = lay.n_local
+            if q.shape[1] % s or k.shape[1] % s:
+                raise ConfigError(f"parallel.sp={s}: {q.shape[1]} query / {k.shape[1]} KV heads per rank do not "
+                                  f"split {s} ways; choose tp x sp dividing the KV heads")
+
+            def to_full(x):  # (B, h, n_local + Nr, d) -> (B, h/S, N, d) in the original order
+                img = all_to_all(x[:, :, :n], 1, 2, self.group)
+                return _cols(torch.cat([img, scatter_to(x[:, :, n:], 1, self.group)], dim=2), lay.to_orig)
+
+            y = _cols(inner(to_full(q), to_full(k), to_full(v), mask, dropout_p), lay.to_perm)
+            img = all_to_all(y[:, :, :s * n], 2, 1, self.group)  # (B, H, n_local, Dh)
+            return torch.cat([img, gather_from(y[:, :, s * n:], 1, self.group)], dim=2)
 
         return sp_attention
 
-    def _rows(self, x: torch.Tensor) -> int:
+    def _n_img(self, x: torch.Tensor) -> int:
         lay = self.layout
-        # A module fed a shorter sequence than the local layout (a head over the action
-        # tokens) reads replicated tokens only.
         return lay.n_local if x.shape[1] == lay.n_local + lay.n_rep else 0
 
     def _pre(self, module, args):
         x = args[0]
-        return (_RepGradScale.apply(x, self._rows(x), float(self.size)), *args[1:])
+        return (_RepGradScale.apply(x, self._n_img(x), float(self.size)), *args[1:])
 
     def _post(self, module, args, out):
-        return _RepGradScale.apply(out, self._rows(args[0]), 1.0 / self.size)
+        return _RepGradScale.apply(out, self._n_img(args[0]), 1.0 / self.size)
 
 
 def token_local_param_modules(model: nn.Module) -> list[nn.Module]:
-    """The token-wise modules with parameters: Linear, LayerNorm, Embedding, TP linears."""
+    """The token-wise modules with parameters: linears, norms (LayerNorm, RMSNorm), embeddings."""
     kinds = (nn.Linear, nn.LayerNorm, nn.Embedding, ColumnParallelLinear, RowParallelLinear)
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    return [m for m in model.modules()
+            if isinstance(m, kinds) or (type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight"))]
 
 
-def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel, modules=None) -> list:
-    """Route every block's `attn` through Ulysses and weight replicated tokens' parameter
-    gradients 1/S. `modules`: the token-local modules with parameters that see the
-    sequence as (B, N, ...) (default: token_local_param_modules). Returns hook handles."""
-    if sp.size == 1:
-        return []
-    for blk in model.modules():
-        if callable(getattr(blk, "attn", None)) and hasattr(blk, "qkv"):
-            blk.attn = sp.attention(blk.attn)
+def apply_sequence_parallel(sites: list[nn.Module], modules: list[nn.Module], sp: SequenceParallel,
+                            kernel_attr: str) -> list:
+    """Route each attention site's bound kernel through Ulysses and weight the replicated tokens'
+    parameter gradients 1/S in `modules`. Returns hook handles."""
+    for site in sites:
+        site.__dict__[kernel_attr] = sp.attention(site.__dict__[kernel_attr])
     handles = []
-    for m in token_local_param_modules(model) if modules is None else modules:
+    for m in modules:
         handles.append(m.register_forward_pre_hook(sp._pre))
         handles.append(m.register_forward_hook(sp._post))
     return handles

@@ -1,24 +1,30 @@
 """Tensor parallelism as a module swap applied from outside the model.
 
-`apply_tensor_parallel(model, state)` replaces, in every block that exposes
-`qkv`, `proj`, `fc1`, `fc2` (nn.Linear), the linears by their TP shards:
+`apply_tensor_parallel(model, state)` replaces, in every module of a class named in `TP_PLAN`, the
+named nn.Linear submodules by their TP shards (Megatron's split, and transformers' own tp_plan for
+Qwen3: q/k/v and gate/up "colwise", o/down "rowwise"):
 
-    qkv  (dim -> 3*dim, [q|k|v], heads*head_dim each)  column-split BY HEADS:
-         rank t keeps heads [t*H/T, (t+1)*H/T) of each of q, k, v, so its
-         local output is [q_t | k_t | v_t] and the block, which derives its
-         local head count from the tensor shape, needs no change;
-    proj row-split (input = the local heads' outputs), all-reduce after;
-    fc1  column-split (hidden/T), fc2 row-split, all-reduce after.
+    column  the output features split in T contiguous chunks: for q, k, v that is a split BY HEADS
+            (heads are contiguous head_dim-wide blocks), so rank t keeps query heads [tH/T, (t+1)H/T)
+            and, with grouped KV heads, exactly the KV heads those queries read; the attention
+            counts its local heads from the projected width, so it needs no change;
+    row     the input features split the same way, all-reduce after, bias added once.
 
-Two all-reduces per block in forward (after proj, after fc2) and two in
-backward (copy_to before qkv and fc1), all inside the TP group. Embeddings,
-norms and heads stay replicated: they are small next to the trunk and
-splitting them would add collectives outside the blocks (documented choice).
-Shards are cut from the full, identically seeded weights, so a TP run starts
-from the exact single-process initialisation. Every sharded tensor carries
-`tensor_model_parallel=True` (DeepSpeed's gradient norm counts it per shard,
-not once) plus `partition_dim` and `tp_index` (which rows/columns of the full
-tensor it holds) for gathering and checkpoints.
+The blocks of N1.6 (names as in the checkpoint):
+
+    SigLIP2 attention   q_proj, k_proj, v_proj | out_proj        SigLIP2 MLP   fc1 | fc2
+    Qwen3 attention     q_proj, k_proj, v_proj | o_proj          Qwen3 MLP     gate_proj, up_proj | down_proj
+    DiT attention       to_q, to_k, to_v | to_out.0              DiT FF        net.0.proj | net.2
+
+Two all-reduces per attention + MLP pair in forward (after the row-parallel linears) and two in
+backward (copy_to before the column-parallel ones), all inside the TP group. Embeddings, norms,
+the mlp1 connector, the per-embodiment encoders and the DiT's time and output projections stay
+replicated: they are small next to the blocks, and splitting them would add collectives outside
+the blocks (documented choice). Shards are cut from the full, identically seeded weights, so a TP
+run starts from the exact single-process initialisation. Every sharded tensor carries
+`tensor_model_parallel=True` (DeepSpeed's gradient norm counts it per shard, not once) plus
+`partition_dim` and `tp_index` (which rows/columns of the full tensor it holds) for gathering and
+checkpoints.
 """
 
 from __future__ import annotations
@@ -73,38 +79,48 @@ def chunk_index(n: int, rank: int, world: int) -> torch.Tensor:
     return torch.arange(rank * step, (rank + 1) * step)
 
 
-def qkv_index(dim3: int, rank: int, world: int) -> torch.Tensor:
-    third = dim3 // 3  # heads*head_dim of each of q, k, v
-    return torch.cat([part * third + chunk_index(third, rank, world) for part in range(3)])
+TP_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
+    "Siglip2Attention": (("q_proj", "col"), ("k_proj", "col"), ("v_proj", "col"), ("out_proj", "row")),
+    "Siglip2MLP": (("fc1", "col"), ("fc2", "row")),
+    "Qwen3Attention": (("q_proj", "col"), ("k_proj", "col"), ("v_proj", "col"), ("o_proj", "row")),
+    "Qwen3MLP": (("gate_proj", "col"), ("up_proj", "col"), ("down_proj", "row")),
+    "DiTAttention": (("to_q", "col"), ("to_k", "col"), ("to_v", "col"), ("to_out.0", "row")),
+    "FeedForward": (("net.0.proj", "col"), ("net.2", "row")),
+}
 
 
-def is_tp_block(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("qkv", "proj", "fc1", "fc2"))
+def tp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in TP_PLAN]
 
 
-def _check(block: nn.Module, world: int) -> None:
-    dim3, hidden = block.qkv.out_features, block.fc1.out_features
-    head_dim = getattr(block, "head_dim", None)
-    heads = dim3 // 3 // head_dim if head_dim else None
-    if dim3 % 3 or (heads is not None and heads % world) or (dim3 // 3) % world:
-        raise ConfigError(f"parallel.tp={world}: attention heads ({heads}) of {type(block).__name__} "
-                          "do not split evenly; choose heads as a multiple of tp")
-    if hidden % world:
-        raise ConfigError(f"parallel.tp={world}: MLP hidden size {hidden} is not divisible by tp")
+def _swap(parent: nn.Module, path: str, kind: str, rank: int, world: int, group) -> None:
+    *up, leaf = path.split(".")
+    for part in up:
+        parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+    lin = parent[int(leaf)] if leaf.isdigit() else getattr(parent, leaf)
+    if not isinstance(lin, nn.Linear):
+        raise ConfigError(f"parallel.tp={world}: {type(parent).__name__}.{leaf} is {type(lin).__name__}, not "
+                          "nn.Linear (a module swap replaced it before TP?)")
+    n = lin.out_features if kind == "col" else lin.in_features
+    if n % world:
+        raise ConfigError(f"parallel.tp={world}: {type(parent).__name__}.{leaf} has {n} "
+                          f"{'output' if kind == 'col' else 'input'} features, not divisible by tp")
+    idx = chunk_index(n, rank, world)
+    new = ColumnParallelLinear(lin, idx, group) if kind == "col" else RowParallelLinear(lin, idx, group)
+    if leaf.isdigit():
+        parent[int(leaf)] = new
+    else:
+        setattr(parent, leaf, new)
 
 
 def apply_tensor_parallel(model: nn.Module, state) -> int:
-    """Swap the linears of every TP-able block in place; returns how many blocks were swapped."""
+    """Swap the linears of every module in TP_PLAN in place; returns how many modules were split."""
     group = state.group("tp")
     world, rank = state.size("tp"), state.rank_in("tp")
-    blocks = [m for m in model.modules() if is_tp_block(m)]
+    mods = tp_modules(model)
     if world == 1:
         return 0
-    for blk in blocks:
-        _check(blk, world)
-        qkv, proj, fc1, fc2 = blk.qkv, blk.proj, blk.fc1, blk.fc2
-        blk.qkv = ColumnParallelLinear(qkv, qkv_index(qkv.out_features, rank, world), group)
-        blk.proj = RowParallelLinear(proj, chunk_index(proj.in_features, rank, world), group)
-        blk.fc1 = ColumnParallelLinear(fc1, chunk_index(fc1.out_features, rank, world), group)
-        blk.fc2 = RowParallelLinear(fc2, chunk_index(fc2.in_features, rank, world), group)
-    return len(blocks)
+    for _, mod in mods:
+        for path, kind in TP_PLAN[type(mod).__name__]:
+            _swap(mod, path, kind, rank, world, group)
+    return len(mods)
