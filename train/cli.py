@@ -47,6 +47,15 @@ def register(subparsers) -> None:
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=_eval)
+    x = subparsers.add_parser("export", help="write a run's checkpoint as an Isaac-GR00T N1.6 checkpoint directory "
+                                             "(config.json, safetensors, processor files)")
+    x.add_argument("run_dir", metavar="RUN", help="run directory (holds checkpoints/)")
+    x.add_argument("out", metavar="OUT", help="new directory to write")
+    x.add_argument("--format", default="gr00t", choices=("gr00t",), help="gr00t: what Isaac-GR00T's loader reads")
+    x.add_argument("--data", required=True, metavar="SHARDS", help="the shard root the run trained on (statistics, "
+                   "modality groups, cameras for the processor files)")
+    x.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    x.set_defaults(func=_export)
     register_tune(subparsers)
     register_ckpt(subparsers)
 
@@ -63,6 +72,14 @@ def _train(args) -> int:
     # Never returns: os._exit after teardown (gloo can abort in interpreter shutdown).
     exit_now(run_args(args))
     return 1  # unreachable
+
+
+def _export(args) -> int:
+    from loongforge.train.ckpt.export import export_run
+
+    files = export_run(args.run_dir, args.out, args.data, tag=args.tag)
+    print(f"exported {args.run_dir} -> {args.out}: {', '.join(files)}")
+    return 0
 
 
 def _profile(args) -> int:

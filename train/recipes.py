@@ -2,7 +2,9 @@
 tokenizer and the user's switches -> the architecture (GrootConfig), the image processing, the
 prompt table and the embodiment.
 
-Every recipe is GR00T N1.6: the same modules, names and data flow, at three sizes.
+Every recipe is GR00T N1.6: the same modules, names and data flow, at three sizes. The reduced ones
+keep N1.6's grouped KV heads (2 query heads per KV head) and 4 KV heads, so the seed's TP 2 x SP 2
+layouts split them.
 
   tiny        a CPU step in well under a second (tests, the demo): 2 vision layers, 2 of 3 LLM
               layers, 4 DiT blocks; 56-pixel images (4 image tokens each)
@@ -45,8 +47,8 @@ def tiny() -> Recipe:
     return Recipe(GrootConfig(
         vision=VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                             num_patches=16),
-        text=TextConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=12, vocab_size=BYTE_VOCAB),
+        text=TextConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=8, vocab_size=BYTE_VOCAB),
         dit=DiTConfig(num_layers=4, num_attention_heads=4, attention_head_dim=8, output_dim=32),
         image_token_index=BYTE_IMAGE_TOKEN, select_layer=2, backbone_embedding_dim=48, hidden_size=32,
         input_embedding_dim=32, max_seq_len=64, **_SCRATCH), ProcessorConfig(image_edge=56))
@@ -56,8 +58,8 @@ def small() -> Recipe:
     return Recipe(GrootConfig(
         vision=VisionConfig(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                             num_patches=64),
-        text=TextConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=64, vocab_size=BYTE_VOCAB),
+        text=TextConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=32, vocab_size=BYTE_VOCAB),
         dit=DiTConfig(num_layers=8, num_attention_heads=4, attention_head_dim=64, output_dim=256),
         image_token_index=BYTE_IMAGE_TOKEN, select_layer=4, backbone_embedding_dim=256, hidden_size=256,
         input_embedding_dim=256, max_seq_len=128, **_SCRATCH), ProcessorConfig(image_edge=112))
@@ -131,13 +133,15 @@ def base_configs(cfg: TrainConfig) -> tuple[GrootConfig, ProcessorConfig]:
     return model, proc
 
 
-def plan_model(cfg: TrainConfig, data) -> ModelPlan:
-    """The run's model from the config and the data (a data.training_data.TrainingData)."""
+def plan_model(cfg: TrainConfig, data, *, processor: ProcessorConfig | None = None) -> ModelPlan:
+    """The run's model from the config and the data (a data.training_data.TrainingData); `processor`
+    replaces the recipe's image processing (benchmarks that shrink the images)."""
     opts = cfg.model
     model, proc = base_configs(cfg)
+    proc = processor or proc
     ds = data.dataset
     tok_dir = opts.tokenizer or (opts.init_from if has_tokenizer(opts.init_from) else None)
-    tok = load_tokenizer(tok_dir)
+    tok = load_tokenizer(tok_dir, model.image_token_index)
     fields: dict = {**_switches(opts)}
     if opts.dit_dropout is not None:
         fields["dit"] = {"dropout": opts.dit_dropout}
@@ -146,12 +150,13 @@ def plan_model(cfg: TrainConfig, data) -> ModelPlan:
         fields.update(image_token_index=tok.image_token_id, action_horizon=ds.action_horizon,
                       max_state_dim=max(model.max_state_dim, ds.state_dim),
                       max_action_dim=max(model.max_action_dim, ds.action_dim))
-        if tok_dir is not None:
+        if has_tokenizer(tok_dir):
             fields["text"] = {"vocab_size": max(model.text.vocab_size, len(tok.tok))}
     elif tok_dir is None and model.text.vocab_size != BYTE_VOCAB:
         raise ConfigError(f"--init-from {opts.init_from}: its LLM reads Qwen3 tokens and the directory holds no "
                           "tokenizer; give --tokenizer DIR (Isaac-GR00T's "
-                          "gr00t/model/modules/nvidia/Eagle-Block2A-2B-v2 folder)")
+                          "gr00t/model/modules/nvidia/Eagle-Block2A-2B-v2 folder; `--tokenizer bytes` only for "
+                          "tests on a reduced checkpoint)")
     model = model.replace(**fields)
     if tok.image_token_id != model.image_token_index:
         raise ConfigError(f"tokenizer {tok.name}: <IMG_CONTEXT> is token {tok.image_token_id}, the model's image "

@@ -56,7 +56,8 @@ class BaselineLoader:
         # Sample id i of the loader's table -> (source episode, t, frames at its video deltas)
         windows = windows_of(loader.ds.root, loader.deltas, loader.stride)
         ds = LeRobotVideoDataset(dataset_root, list(windows), action_horizon=loader.deltas.action_horizon,
-                                 cameras=tuple(k for k, _ in cams), transform=ModelInputs(info, cams))
+                                 cameras=tuple(k for k, _ in cams),
+                                 transform=ModelInputs(info, cams, prompts=loader.prompts))
         # The loader's own per-step plan (epoch, in-epoch position, this rank's sample ids), as it serves it.
         self.metas = [meta for meta, _ in itertools.islice(loader.plans(), steps)]
         self._dl = torch.utils.data.DataLoader(ds, batch_sampler=_IdBatches(self.metas), num_workers=num_workers,
@@ -141,12 +142,13 @@ def _probe_step(trainer, it) -> int:
     probe = _activation_probe_class()(e.module)
     batch = next(it)
     meta = batch.pop("meta")
-    noise, t = noise_for(trainer.cfg.data.seed, meta["epoch"], meta["sample_ids"], batch["action"].shape,
-                         trainer.device)
+    b, h, _ = batch["action"].shape
+    noise, u, crop = noise_for(trainer.cfg.data.seed, meta["epoch"], meta["sample_ids"],
+                               (b, h, trainer.model_cfg.max_action_dim), trainer.device)
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with probe.forward():
-        out = e(batch, noise, t)
+        out = e(trainer.processor(batch, crop), noise, u)
     with probe.backward():
         e.backward(out["loss"])
         if trainer.dp_sync is not None:

@@ -18,7 +18,7 @@ from loongforge.train.config import ParallelConfig
 
 DS_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (the baseline's)
 TUNED_BUCKET = 2_000_000  # elements: a few buckets per step for tiny/small, so reduction starts during backward
-AC_EVERY = 2  # tiny and small have 2-4 trunk blocks; every 4 (the seed's 1.6b choice) would checkpoint one
+AC_EVERY = 2  # tiny and small have 2-8 blocks per tower; every 4 would checkpoint one of tiny's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

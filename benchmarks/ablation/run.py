@@ -19,6 +19,7 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -36,7 +37,7 @@ from loongforge.shared.errors import ConfigError
 from loongforge.benchmarks.harness.config import BenchConfig
 from loongforge.benchmarks.harness.daemon import CacheDaemon
 from loongforge.benchmarks.harness.data import generate, transcode
-from loongforge.train.model.recipes import RECIPES
+from loongforge.train.recipes import RECIPES
 
 log = logging.getLogger(__name__)
 RANK_TIMEOUT_S = 600
@@ -197,7 +198,7 @@ def run(cfg: AblationConfig, out_dir: Path = RESULTS_DIR, workdir: Path | None =
 
 
     cuda = torch.cuda.is_available()
-    plan = Plan(ranks=cfg.ranks, cuda=cuda, sp_accepted=sp_accepted(cfg.ranks), heads=RECIPES[cfg.recipe]().heads)
+    plan = Plan(ranks=cfg.ranks, cuda=cuda, sp_accepted=sp_accepted(cfg.ranks), heads=tp_heads(RECIPES[cfg.recipe]().model))
     rows = ladder(plan, quick=cfg.quick)
     if cfg.only:
         rows = [r if r.id in cfg.only or r.skip else dataclasses.replace(r, skip="not run (--rows)") for r in rows]
@@ -235,3 +236,9 @@ def run(cfg: AblationConfig, out_dir: Path = RESULTS_DIR, workdir: Path | None =
         if tmp:
             shutil.rmtree(workdir, ignore_errors=True)
     return write(measured, True), path
+
+
+def tp_heads(m) -> int:
+    """The head count TP must divide: every tower's (vision, LLM query and KV, DiT)."""
+    return math.gcd(m.vision.num_attention_heads, m.text.num_attention_heads, m.text.num_key_value_heads,
+                    m.dit.num_attention_heads)

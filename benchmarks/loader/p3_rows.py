@@ -21,11 +21,13 @@ from loongforge.benchmarks.harness.measure import Stat, endless, ratio
 from loongforge.benchmarks.harness.rows import Row
 from loongforge.train.data.batch import Norm
 from loongforge.train.data.batch import encode_text
-from loongforge.train.config import DataConfig
+from loongforge.train.config import DataConfig, RunConfig, TrainConfig
+from loongforge.train.data.processor import Processor, ProcessorConfig
 from loongforge.train.data.training_data import load_training_data
-from loongforge.train.model.model import VLAModel
-from loongforge.train.model.recipes import resolve
+from loongforge.train.model.build import build_model
+from loongforge.train.model.noise import noise_for
 from loongforge.train.observe.profiler import StepTimer
+from loongforge.train.recipes import plan_model
 
 log = logging.getLogger(__name__)
 TEXT_TOKENS = 32
@@ -34,14 +36,14 @@ SEED_WAIT = (0.92, 0.15)  # ... and the seed cut the wait per step from 0.92 s t
 
 
 class ModelInputs:
-    """The per-item transform a GR00T-style dataset runs in its workers: the
-    model's input dict (normalized images/state/action, byte tokens, masks)."""
+    """The per-item transform a GR00T-style dataset runs in its workers: the loader's batch layout
+    (normalized images, N1.6's min/max state/action, the run's prompt ids or the task's bytes, masks)."""
 
     def __init__(self, info, cameras: tuple[tuple[str, str], ...], image_mean: float = 0.5,
-                 image_std: float = 0.25):
+                 image_std: float = 0.5, prompts=None):
         self.norm = Norm.from_dataset(info)  # the dataset's stats, as the loader normalizes
         self.cameras = cameras  # (dataset key, slot) pairs
-        self.mean, self.std = image_mean, image_std
+        self.mean, self.std, self.prompts = image_mean, image_std, prompts
 
     def __call__(self, item: dict) -> dict:
         import torch
@@ -50,11 +52,15 @@ class ModelInputs:
         n = self.norm
         frames = {slot: (item[key] - self.mean) / self.std for key, slot in self.cameras}
         k = item["observation.state"].shape[0]
-        tokens, mask = encode_text(item["task"], TEXT_TOKENS)
+        if self.prompts is not None:
+            r = self.prompts.row_of_text(item["task"])
+            tokens, mask = self.prompts.ids[r], self.prompts.mask[r]
+        else:
+            tokens, mask = encode_text(item["task"], TEXT_TOKENS)
         return {
             "frames": frames,
-            "state": (item["observation.state"] - torch.from_numpy(n.state_mean)) / torch.from_numpy(n.state_std),
-            "action": (item["action"] - torch.from_numpy(n.action_mean)) / torch.from_numpy(n.action_std),
+            "state": torch.from_numpy(n.state(item["observation.state"].numpy())),
+            "action": torch.from_numpy(n.action(item["action"].numpy())),
             "action_valid": ~item["action_is_pad"],
             "frame_mask": torch.ones(k, dtype=torch.bool),
             "task_tokens": torch.from_numpy(tokens),
@@ -77,20 +83,24 @@ def make_step(data, seed: int):
     import torch
 
 
-    # One vision token per frame (frames resized on the device to 2 patches a side) keeps the step
-    # cheap (GPU-like) whatever the frame size.
-    cfg = resolve("tiny", data, max_text_tokens=TEXT_TOKENS, max_frames=data.max_frames, vision_tokens=1)
+    # 28-pixel images (one LLM token, four vision patches each) keep the step cheap (GPU-like) whatever
+    # the frame size; every sample gets the same prompt (the loaders differ in their frames, not in it).
+    plan = plan_model(TrainConfig(data=DataConfig(root=data.root, video_deltas=data.deltas.video),
+                                  run=RunConfig(run_dir=data.root)), data, processor=ProcessorConfig(image_edge=28))
+    cfg = plan.model
     torch.manual_seed(seed)
-    model = VLAModel(cfg)
+    model = build_model(cfg)
+    proc = Processor(plan.processor, max_state_dim=cfg.max_state_dim, max_action_dim=cfg.max_action_dim,
+                     embodiment_id=plan.embodiment_id)
+    prompt, pmask = torch.from_numpy(plan.prompts.ids[-1]), torch.from_numpy(plan.prompts.mask[-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
 
     def step(batch, timer):
-        b, h, da = batch["action"].shape
-        noise = torch.randn(b, h, da, generator=gen)
-        t = torch.rand(b, generator=gen)
+        b, h, _ = batch["action"].shape
+        noise, u, crop = noise_for(seed, 0, range(b), (b, h, cfg.max_action_dim), torch.device("cpu"))
         with timer.phase("forward"):
-            loss = model(batch, noise, t)["loss"]
+            batch = {**batch, "task_tokens": prompt.expand(b, -1), "task_mask": pmask.expand(b, -1)}
+            loss = model(proc(batch, crop), noise, u)["loss"]
         with timer.phase("backward"):
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -189,8 +199,8 @@ def _p3(ctx: Context, workers: int) -> list[Row]:
     wait_s = {k: Stat.of(v) for k, v in waits.items()}
     compute = max(step_s["ours"].median - wait_s["ours"].median, 0.0)
     params = {**ctx.window_params(), "workers": workers, "train_steps": ctx.cfg.train_steps,
-              "repeats": ctx.cfg.repeats, "model": "tiny", "model_dim": model_cfg.dim, "model_depth": model_cfg.depth,
-              "patch": model_cfg.patch, "vision_tokens": model_cfg.vision_tokens,
+              "repeats": ctx.cfg.repeats, "model": "tiny (GR00T N1.6, 28-pixel images)",
+              "model_params": sum(p.numel() for p in build_model(model_cfg, "sdpa").parameters()),
               "ours_source": ctx.source_label, "processes": 1, "torch_threads": torch.get_num_threads()}
     labels = dict(baseline_label="PyAV on-the-fly DataLoader", ours_label=f"BlockLoader ({ctx.source_label})")
     seed_ratio = SEED_WAIT[0] / SEED_WAIT[1]

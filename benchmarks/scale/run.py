@@ -27,15 +27,16 @@ from loongforge.benchmarks.harness.dataset import TRAIN_DELTAS, synthetic_train_
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.scale import alpha_beta as ab
 from loongforge.train.tune import jobs
-from loongforge.train.config import DataConfig
+from loongforge.train.config import DataConfig, RunConfig, TrainConfig
 from loongforge.train.data.training_data import load_training_data
-from loongforge.train.model import recipes
-from loongforge.train.model.model import VLAModel, count_parameters
+from loongforge.train.model.model import Gr00tN1d6, count_parameters
+from loongforge.train.parallel.tensor_parallel import TP_PLAN, tp_modules
+from loongforge.train.recipes import plan_model
 from loongforge.benchmarks.scale.report import plot as draw, tables
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-SEED_COMPUTE_S = 4.15 - 1.29  # the seed's 32-GPU step minus its comm: GPU compute per step, 1.6b
+SEED_COMPUTE_S = 4.15 - 1.29  # the practitioner's 32-GPU N1.6 step minus its comm: GPU compute per step
 
 
 def scale_data(workdir: str, samples: int) -> tuple[str, list[str]]:
@@ -66,27 +67,41 @@ def measure(ranks, plans, *, recipe: str, steps: int, micro_batch: int, workdir:
 
 
 def _split_params(model) -> int:
-    """Elements TP shards (qkv, fc1 weights + biases; proj, fc2 weights) over the trunk blocks."""
-    return sum(blk.qkv.weight.numel() + blk.qkv.bias.numel() + blk.fc1.weight.numel() + blk.fc1.bias.numel()
-               + blk.proj.weight.numel() + blk.fc2.weight.numel() for blk in model.blocks)
+    """Elements TP shards: the weights (and column biases) of every linear of the TP plan."""
+    n = 0
+    for _, mod in tp_modules(model):
+        for path, kind in TP_PLAN[type(mod).__name__]:
+            if kind == "sum":
+                continue
+            lin = mod
+            for part in path.split("."):
+                lin = lin[int(part)] if part.isdigit() else getattr(lin, part)
+            n += lin.weight.numel() + (lin.bias.numel() if kind == "col" and lin.bias is not None else 0)
+    return n
 
 
 def recipe_sizes(measured: str, target: str, workdir: str) -> dict:
-    """Parameters (all, and TP-split) and trunk activation size (dim x depth x tokens) of the
-    measured and the target recipe, on the measured data layout."""
+    """Parameters (all, and TP-split) and activation size of the measured and the target recipe (both
+    GR00T N1.6, the target typically the released size), on the measured data layout."""
     import torch
 
-
-    index = load_training_data(DataConfig(root=os.path.join(workdir, "data"), video_deltas=TRAIN_DELTAS))
-    frames = index.max_frames
+    root = os.path.join(workdir, "data")
+    index = load_training_data(DataConfig(root=root, video_deltas=TRAIN_DELTAS))
     out = {}
     for role, name in (("measured", measured), ("target", target)):
-        c = recipes.resolve(name, index, max_text_tokens=32, max_frames=frames)
+        plan = plan_model(TrainConfig(recipe=name, data=DataConfig(root=root, video_deltas=TRAIN_DELTAS),
+                                      run=RunConfig(run_dir=workdir)), index)
+        c = plan.model
         with torch.device("meta"):
-            model = VLAModel(c)
-        tokens = c.cameras * c.max_frames * c.vision_tokens + c.max_frames + c.max_text_tokens
+            model = Gr00tN1d6(c)
+        images = len(index.dataset.cameras) * index.max_frames
+        per_image = c.tokens_per_image(*plan.processor.image_size)
+        patches = per_image * (c.pixels_per_token // c.vision.patch_size) ** 2
+        act = (c.vision.hidden_size * c.vision.num_hidden_layers * images * patches
+               + c.text.hidden_size * c.select_layer * plan.prompts.length
+               + c.dit.inner_dim * c.dit.num_layers * (1 + index.dataset.action_horizon))
         out[role] = {"recipe": name, "params": count_parameters(model), "tp_split_params": _split_params(model),
-                     "act": c.dim * c.depth * tokens}
+                     "act": act, "prompt_tokens": plan.prompts.length, "image_tokens": images * per_image}
     return out
 
 
@@ -130,7 +145,7 @@ def reproject(doc: dict, *, hw: ab.Hardware, sizes, compute_s: float, dtype_byte
 
 
 def run(ranks, plans, *, recipe="tiny", steps=4, micro_batch=2, device="cpu", out_dir: Path = RESULTS_DIR,
-        hw=ab.Hardware(), sizes=(32, 64, 128), project_recipe="1.6b", compute_s=SEED_COMPUTE_S, dtype_bytes=2,
+        hw=ab.Hardware(), sizes=(32, 64, 128), project_recipe="gr00t-n1.6", compute_s=SEED_COMPUTE_S, dtype_bytes=2,
         workdir=None, plot=True) -> tuple:
     with tempfile.TemporaryDirectory(prefix="loongforge-scale-") as tmp:
         work = workdir or tmp
@@ -176,9 +191,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=4, help="steps per job (the first is warm-up)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--project-to", type=_ints, default=(32, 64, 128), help="GPU counts to project to")
-    p.add_argument("--project-recipe", default="1.6b", help="recipe whose bytes the projection scales to")
+    p.add_argument("--project-recipe", default="gr00t-n1.6", help="recipe whose bytes the projection scales to (the released N1.6)")
     p.add_argument("--compute-s", type=float, default=SEED_COMPUTE_S, help="GPU compute seconds per step at the "
-                   "projected sizes (default 2.86: the seed's 4.15 s step minus its 1.29 s comm, 1.6b on 32 GPUs)")
+                   "projected sizes (default 2.86: the practitioner's N1.6 4.15 s step minus its 1.29 s comm on 32 GPUs)")
     p.add_argument("--nvlink-gbps", type=float, default=150.0, help="achieved NVLink GB/s per GPU")
     p.add_argument("--nvlink-latency-us", type=float, default=5.0)
     p.add_argument("--ib-gbps", type=float, default=40.0, help="achieved InfiniBand GB/s per GPU")

@@ -162,6 +162,8 @@ def tp_kinds(doc: dict) -> dict[str, str]:
     kinds = {}
     for prefix, mod in tp_modules(_meta_model(doc)):
         for path, kind in TP_PLAN[type(mod).__name__]:
+            if kind == "sum":
+                continue  # replicated (its gradient is summed over TP, its value identical)
             p = f"{prefix}.{path}." if prefix else f"{path}."
             kinds[p + "weight"] = kind
             if kind == "col" and getattr(_get(mod, path), "bias", None) is not None:

@@ -11,7 +11,10 @@ its `formalize_language`):
 Two tokenizers: the checkpoint's own (Qwen3's, loaded by transformers from local files only: the
 directory given with --tokenizer or --init-from; never a download), or, for models trained from
 scratch without one, bytes: ids 0-255 are the UTF-8 bytes and the template's special tokens
-follow (`BYTE_VOCAB` ids). Every task of a dataset is known before training starts, so the prompts
+follow (`BYTE_VOCAB` ids). `--tokenizer bytes` on a checkpoint with a larger vocabulary (a reduced
+test checkpoint) puts the special tokens at the checkpoint's own ids instead: <IMG_CONTEXT> at its
+image token, <img>, </img>, <|endoftext|>, <|im_start|>, <|im_end|> right after it (Isaac-GR00T's
+reduced reference fixture numbers them so). Every task of a dataset is known before training starts, so the prompts
 are built once, here, into a (tasks, L) table; a decode worker copies a row per sample.
 """
 
@@ -44,18 +47,26 @@ def chat_text(task: str, images: int, tokens_per_image: int) -> str:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes + the template's special tokens (ids 256..)."""
+    """UTF-8 bytes + the template's special tokens (ids 256.., or from `image_token_id` on)."""
 
     name = "bytes"
-    image_token_id = BYTE_IMAGE_TOKEN
-    pad_token_id = 256
     _special = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+    _AFTER_IMAGE = ("<IMG_CONTEXT>", "<img>", "</img>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+    def __init__(self, image_token_id: int | None = None):
+        if image_token_id is None or image_token_id == BYTE_IMAGE_TOKEN:
+            self.ids = {s: 256 + i for i, s in enumerate(SPECIALS)}
+        else:
+            if image_token_id < 256:
+                raise ConfigError(f"tokenizer bytes: the model's image token {image_token_id} is a byte")
+            self.ids = {s: image_token_id + i for i, s in enumerate(self._AFTER_IMAGE)}
+        self.image_token_id, self.pad_token_id = self.ids["<IMG_CONTEXT>"], self.ids["<|endoftext|>"]
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
         for part in self._special.split(text):
             if part in SPECIALS:
-                out.append(256 + SPECIALS.index(part))
+                out.append(self.ids[part])
             elif part:
                 out.extend(part.encode("utf-8"))
         return out
@@ -85,13 +96,14 @@ class HFTokenizer:
 
 
 def has_tokenizer(path: str | None) -> bool:
-    return bool(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+    return bool(path) and path != "bytes" and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | None):
-    """The tokenizer of a directory, or bytes when none is given."""
-    if path is None:
-        return ByteTokenizer()
+def load_tokenizer(path: str | None, image_token_id: int | None = None):
+    """The tokenizer of a directory; bytes when none is given, or "bytes" (special tokens at the model's
+    `image_token_id` when given)."""
+    if path is None or path == "bytes":
+        return ByteTokenizer(image_token_id if path == "bytes" else None)
     if not has_tokenizer(path):
         raise ConfigError(f"tokenizer: {path} holds none of {', '.join(TOKENIZER_FILES)}")
     return HFTokenizer(path)
@@ -106,6 +118,7 @@ class PromptTable:
     ids: np.ndarray
     mask: np.ndarray
     image_token_id: int
+    texts: tuple[str, ...] = ()  # the tasks' text as the dataset has it, in task_ids' order
 
     @property
     def length(self) -> int:
@@ -116,6 +129,10 @@ class PromptTable:
             return len(self.ids) - 1
         hit = np.flatnonzero(self.task_ids == int(task_index))
         return int(hit[0]) if len(hit) else len(self.ids) - 1
+
+    def row_of_text(self, text: str) -> int:
+        """The row of a task given by its text (a loader that reads the text, not the index)."""
+        return self.texts.index(text) if text in self.texts else len(self.ids) - 1
 
 
 def build_prompts(tokenizer, tasks: dict, *, images: int, tokens_per_image: int,
@@ -139,4 +156,5 @@ def build_prompts(tokenizer, tasks: dict, *, images: int, tokens_per_image: int,
     for i, r in enumerate(rows):
         ids[i, n - len(r):] = r  # the collator pads on the left
         mask[i, n - len(r):] = True
-    return PromptTable(np.asarray([int(k) for k in keys], np.int64), ids, mask, int(tokenizer.image_token_id))
+    return PromptTable(np.asarray([int(k) for k in keys], np.int64), ids, mask, int(tokenizer.image_token_id),
+                       tuple(str(tasks[k]) for k in keys))

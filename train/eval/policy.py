@@ -17,12 +17,12 @@ ones read from the module state file; every torch.load inside is forced weights-
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.train.ckpt import files as ckpt_files
+from loongforge.train.ckpt.weights import load_weights
 from loongforge.train.data.batch import Norm
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.processor import Processor, ProcessorConfig
@@ -37,25 +37,6 @@ from loongforge.train.model.model import Gr00tN1d6
 DEFAULT_SAMPLES = 8  # flow samples averaged per prediction (train/README.md: the K-sample mean won on validation)
 
 
-def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """fp32 state dict of the model from a DeepSpeed checkpoint directory."""
-    tag_dir = os.path.join(ckpt_files.ckpt_root(run_dir), tag)
-    with ckpt_files.weights_only_loads():
-        if zero_stage == 0:
-            path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path} missing: checkpoint {tag} is incomplete")
-            state = torch.load(path, map_location="cpu", weights_only=True)["module"]
-        else:
-            # deepspeed is heavy: only ZeRO-1/2/3 checkpoints need its consolidation
-            from deepspeed.utils.zero_to_fp32 import (
-                get_fp32_state_dict_from_zero_checkpoint,
-            )
-
-            state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
-    return {k: v.float() for k, v in state.items()}
-
-
 class Policy:
     def __init__(self, model: Gr00tN1d6, index: TrainingData, processor: ProcessorConfig, *, embodiment_id: int,
                  tokenizer: str | None = None, device: str | torch.device = "cpu"):
@@ -65,7 +46,7 @@ class Policy:
         self.index, self.norm = index, Norm.from_dataset(index.dataset)
         self.processor = Processor(processor, max_state_dim=self.cfg.max_state_dim,
                                    max_action_dim=self.cfg.max_action_dim, embodiment_id=embodiment_id)
-        self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer, self.cfg.image_token_index)
 
     @classmethod
     def load(cls, run_dir: str, data_root: str | None = None, *, index: TrainingData | None = None,

@@ -111,9 +111,10 @@ class EagleModel(nn.Module):
         seq = lm.embed_tokens(input_ids)
         image_mask = input_ids == self.image_token_index
         vit = self.image_embeds(pixels).to(seq.dtype)
-        # Row-major, as the reference fills them. NOTE: no count check here (a host sync per step):
-        # the processor builds each prompt with exactly tokens_per_image tokens per image it sends.
-        seq = seq.masked_scatter(image_mask[..., None], vit)
+        # A prompt whose image tokens do not match the images would train on garbage silently
+        # (masked_scatter takes what it needs): checked on the device, no host sync.
+        torch._assert_async(image_mask.sum() == vit.shape[0], "image tokens in the prompts != image embeddings")
+        seq = seq.masked_scatter(image_mask[..., None], vit)  # row-major, as the reference fills them
         b, n = input_ids.shape
         # NOTE: positions 0..N-1 on every row, padding included: the reference (HF Qwen3 without
         # position_ids) counts a left-padded row's pads too.

@@ -150,6 +150,12 @@ def gather_from(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _GatherFrom.apply(x, dim, group)
 
 
+def all_reduce_grad(g: torch.Tensor, group) -> torch.Tensor:
+    """A parameter's gradient summed over `group` (a hook on a replicated parameter whose ranks each
+    see part of its uses)."""
+    return _all_reduce(g, group)
+
+
 def gather_sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _GatherSum.apply(x, dim, group)
 

@@ -17,7 +17,9 @@ The blocks of N1.6 (names as in the checkpoint):
     DiT attention       to_q, to_k, to_v | to_out.0              DiT FF        net.0.proj | net.2
 
 Two all-reduces per attention + MLP pair in forward (after the row-parallel linears) and two in
-backward (copy_to before the column-parallel ones), all inside the TP group. Embeddings, norms,
+backward (copy_to before the column-parallel ones), all inside the TP group; Qwen3's per-head q/k
+RMSNorm weights stay whole on every rank and their gradients (each rank's covers its heads) are
+summed over the group ("sum"). Embeddings, norms,
 the mlp1 connector, the per-embodiment encoders and the DiT's time and output projections stay
 replicated: they are small next to the blocks, and splitting them would add collectives outside
 the blocks (documented choice). Shards are cut from the full, identically seeded weights, so a TP
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.parallel.mappings import copy_to, reduce_from
+from loongforge.train.parallel.mappings import all_reduce_grad, copy_to, reduce_from
 
 
 def _mark(p: nn.Parameter, dim: int, index: torch.Tensor, full: int) -> None:
@@ -82,7 +84,8 @@ def chunk_index(n: int, rank: int, world: int) -> torch.Tensor:
 TP_PLAN: dict[str, tuple[tuple[str, str], ...]] = {
     "Siglip2Attention": (("q_proj", "col"), ("k_proj", "col"), ("v_proj", "col"), ("out_proj", "row")),
     "Siglip2MLP": (("fc1", "col"), ("fc2", "row")),
-    "Qwen3Attention": (("q_proj", "col"), ("k_proj", "col"), ("v_proj", "col"), ("o_proj", "row")),
+    "Qwen3Attention": (("q_proj", "col"), ("k_proj", "col"), ("v_proj", "col"), ("o_proj", "row"),
+                       ("q_norm", "sum"), ("k_norm", "sum")),
     "Qwen3MLP": (("gate_proj", "col"), ("up_proj", "col"), ("down_proj", "row")),
     "DiTAttention": (("to_q", "col"), ("to_k", "col"), ("to_v", "col"), ("to_out.0", "row")),
     "FeedForward": (("net.0.proj", "col"), ("net.2", "row")),
@@ -93,7 +96,17 @@ def tp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if type(m).__name__ in TP_PLAN]
 
 
+def _sum_grad(norm: nn.Module, group) -> None:
+    """A replicated parameter applied to this rank's heads only (Qwen3's per-head q/k RMSNorm): each TP
+    rank's gradient covers its heads, the true one is their sum (transformers' tp_plan calls it
+    replicated_with_grad_allreduce). The module and its parameter stay as they are; the gradient is
+    all-reduced over the TP group as autograd produces it."""
+    norm.weight.register_hook(lambda g: all_reduce_grad(g, group))
+
+
 def _swap(parent: nn.Module, path: str, kind: str, rank: int, world: int, group) -> None:
+    if kind == "sum":
+        return _sum_grad(getattr(parent, path), group)
     *up, leaf = path.split(".")
     for part in up:
         parent = parent[int(part)] if part.isdigit() else getattr(parent, part)

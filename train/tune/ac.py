@@ -34,14 +34,16 @@ import time
 import torch
 
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.train.config import DataConfig
+from loongforge.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.processor import Processor
+from loongforge.train.data.prompt import build_prompts, load_tokenizer
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac, block_lists
 from loongforge.train.kernels.precision import train_dtype
-from loongforge.train.model import recipes
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
+from loongforge.train.recipes import plan_model
 from loongforge.train.parallel.engine import pick_device
 from loongforge.train.tune.results import FORMAT_VERSION
 
@@ -67,24 +69,32 @@ class Workload:
         self.device = pick_device(device)
         index = _load_root(root, video_deltas)
         max_frames = index.max_frames
-        self.cfg = recipes.resolve(recipe, index, max_text_tokens=32, max_frames=max_frames, **model_overrides)
+        plan = plan_model(TrainConfig(recipe=recipe, data=DataConfig(root=root, video_deltas=video_deltas),
+                                      model=ModelConfig(**model_overrides), run=RunConfig(run_dir=root)), index)
+        self.cfg = plan.model
         torch.manual_seed(seed)
         # The dtype DeepSpeed trains in (its bf16 mode casts the module; fp32 master weights live in
         # the optimizer, which tuning does not build).
         self.dtype = train_dtype(self.device, precision)
         self.model = build_model(self.cfg).to(self.device, self.dtype).train()
-        self.base = _one_batch(root, index, self.device)
+        self.processor = Processor(plan.processor, max_state_dim=self.cfg.max_state_dim,
+                                   max_action_dim=self.cfg.max_action_dim, embodiment_id=plan.embodiment_id)
+        self.base = _one_batch(root, index, self.device, plan)
         self.max_frames = max_frames
+        tok, tasks = load_tokenizer(plan.tokenizer, self.cfg.image_token_index), index.dataset.tasks or {}
+        tokens, cams = self.cfg.tokens_per_image(*plan.processor.image_size), len(index.dataset.cameras)
+        self.prompt_for = lambda k: build_prompts(tok, tasks, images=cams * k, tokens_per_image=tokens)
 
     def batch(self, micro: int, frames: int | None = None):
         """A micro-batch of `micro` samples (the loaded ones repeated) capped at `frames` frames."""
-        b = _cap_frames(self.base, frames) if frames else self.base
+        b = _cap_frames(self.base, frames, self.prompt_for(frames)) if frames else self.base
         b = _tile(b, micro)
-        noise, t = noise_for(0, 0, range(b["action"].shape[0]), b["action"].shape, self.device)
-        return b, noise, t
+        n, h, _ = b["action"].shape
+        noise, u, crop = noise_for(0, 0, range(n), (n, h, self.cfg.max_action_dim), self.device)
+        return self.processor(b, crop), noise, u
 
-    def loss(self, batch, noise, t):
-        return self.model(batch, noise, t)["loss"]
+    def loss(self, inputs, noise, u):
+        return self.model(inputs, noise, u)["loss"]
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -106,9 +116,11 @@ def _load_root(root: str, video_deltas: tuple[int, ...]):
     return load_training_data(DataConfig(root=root, video_deltas=video_deltas))
 
 
-def _one_batch(root: str, index, device) -> dict:
+def _one_batch(root: str, index, device, plan) -> dict:
     n = min(8, index.num_samples)
-    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas)
+    p = plan.processor
+    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas, prompts=plan.prompts,
+                         image_mean=p.image_mean, image_std=p.image_std)
     with loader:
         batch = next(iter(loader))
     batch.pop("meta", None)
@@ -129,9 +141,14 @@ def _tile(batch: dict, micro: int) -> dict:
     return _map(batch, tile)
 
 
-def _cap_frames(batch: dict, k: int) -> dict:
+def _cap_frames(batch: dict, k: int, prompts) -> dict:
     # The loader's layout (batch.py): frames.<slot> (B, K, ...), state (B, K, S), frame_mask (B, K).
+    # The prompt holds K frames' image tokens, so a capped batch gets a prompt of k frames' (the first
+    # task's on every row: what tuning measures is the length, not the words).
     out = dict(batch)
+    b, dev = batch["state"].shape[0], batch["state"].device
+    out["task_tokens"] = torch.from_numpy(prompts.ids[:1]).to(dev).expand(b, -1).contiguous()
+    out["task_mask"] = torch.from_numpy(prompts.mask[:1]).to(dev).expand(b, -1).contiguous()
     out["frames"] = {s: v[:, :k].contiguous() for s, v in batch["frames"].items()}
     out["state"] = batch["state"][:, :k].contiguous()
     out["frame_mask"] = batch["frame_mask"][:, :k].contiguous()

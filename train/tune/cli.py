@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def _common(p) -> None:
     p.add_argument("--memory-budget", required=True, help="activation bytes per rank, e.g. 2GiB, 512MiB")
-    p.add_argument("--recipe", default="small", help="tiny | small | 1.6b")
+    p.add_argument("--recipe", default="small", help="tiny | small | gr00t-n1.6")
     p.add_argument("--data", default=None, help="shard root; default: a synthetic root in a temp dir")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
