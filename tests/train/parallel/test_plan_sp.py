@@ -31,8 +31,13 @@ def test_plan_rejects_bad_layouts():
         plan.ParallelPlan(tp=0)
     with pytest.raises(ConfigError, match="not divisible by tp\\*sp"):
         plan.ParallelPlan(tp=2, sp=2).dp(6)
-    with pytest.raises(ConfigError, match="heads"):
-        plan.ParallelPlan(tp=2, sp=4).check_model(heads=4)
+    from loongforge.train.recipes import tiny
+
+    with pytest.raises(ConfigError, match="LLM KV heads \\(4\\) is not divisible by tp x sp = 8"):
+        plan.check_model_split(tiny().model, tp=2, sp=4)
+    with pytest.raises(ConfigError, match="vision heads \\(2\\) is not divisible by tp = 4"):
+        plan.check_model_split(tiny().model, tp=4, sp=1)
+    plan.check_model_split(tiny().model, tp=2, sp=2)
 
 
 def _mpu_worker(rank: int, world: int) -> None:
@@ -57,40 +62,35 @@ def test_mpu_groups_on_4_ranks():
 
 
 def _sp_attention_worker(rank: int, world: int) -> None:
-    state = plan.initialize(plan.ParallelPlan(sp=world), verbose=False)
-    _, mask, _, n_video = make_batch(0)  # 7 video tokens: one pad on 2 ranks; sample 1 has 3 invalid frames
-    g = torch.Generator().manual_seed(1)
-    b, n = mask.shape[0], mask.shape[-1]
-    q, k, v, w = (torch.randn(b, 4, n, 8, generator=g) for _ in range(4))
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = sdpa(*ref_in, mask)
-    (ref * w).sum().backward()
+    """Ulysses over the image tokens of left-padded rows (image tokens at different places per row):
+    output and input gradients equal one process's causal attention over the whole sequence."""
+    from loongforge.train.model.attention import sdpa_dense
+    from loongforge.train.model.mask import Causal
+    from loongforge.train.parallel.sequence_parallel import SequenceParallel
 
-    sp = SequenceParallel(state)
-    # split works on (B, N, ...): move heads behind the sequence and back
-    local = [sp.split(t.transpose(1, 2), n_video)[0].transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
-    _, padded_mask = sp.split(q.transpose(1, 2), n_video, mask)
-    counter = comm.CommCounter()
-    with comm.counting(counter):
-        out = sp.attention(sdpa)(*local, padded_mask)
-        w_local = sp.split(w.transpose(1, 2), n_video)[0].transpose(1, 2)
-        (out * w_local).sum().backward()
-    lay = sp.layout
-    real = min(lay.n_local, n_video - rank * lay.n_local)  # my real (non-pad) video tokens
-    mine = slice(rank * lay.n_local, rank * lay.n_local + real)
-
-    def pick(t):  # my real video tokens and the replicated tokens of a full (B, H, N, Dh) tensor
-        return torch.cat([t[:, :, mine], t[:, :, n_video:]], dim=2)
-
-    def drop_pad(t):
-        return torch.cat([t[:, :, :real], t[:, :, lay.n_local:]], dim=2)
-
-    torch.testing.assert_close(drop_pad(out), pick(ref), rtol=1e-5, atol=1e-6)
-    for x_local, x_ref in zip(local, ref_in):
-        torch.testing.assert_close(drop_pad(x_local.grad), pick(x_ref.grad), rtol=1e-5, atol=1e-6)
-    gathered = sp.gather_video(out.transpose(1, 2)).transpose(1, 2)
-    torch.testing.assert_close(gathered, ref[:, :, :n_video], rtol=1e-5, atol=1e-6)
-    assert counter.calls[("sp", "all_to_all_single")] == 4  # q|k|v and output, forward and backward
+    mpu = plan.initialize(plan.ParallelPlan(tp=1, sp=2), verbose=False)
+    sp = SequenceParallel(mpu)
+    g = torch.Generator().manual_seed(0)
+    b, n, h, d = 2, 9, 4, 8
+    video = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)  # 5 each
+    valid = torch.tensor([[1] * 9, [0, 0] + [1] * 7], dtype=torch.bool)
+    x = torch.randn(b, n, h * d, generator=g, requires_grad=True)
+    mask = Causal(valid)
+    heads = lambda t: t.view(t.shape[0], t.shape[1], h, d).transpose(1, 2)  # noqa: E731
+    ref = sdpa_dense(heads(x), heads(2 * x), heads(3 * x), mask)
+    ref.transpose(1, 2).reshape(b, n, -1).pow(2).sum().backward()
+    ref_grad, x.grad = x.grad.clone(), None
+    local, _ = sp.split(x, torch.arange(n)[None].expand(b, n), video)
+    y = sp.attention(sdpa_dense)(heads(local), heads(2 * local), heads(3 * local), mask)
+    full = sp.merge(y.transpose(1, 2).reshape(b, local.shape[1], -1))
+    torch.testing.assert_close(full, ref.transpose(1, 2).reshape(b, n, -1), rtol=1e-5, atol=1e-6)
+    # Every rank holds the whole output and its loss: merge's backward keeps my image rows and the whole
+    # rest; split's backward weights the replicated rest 1/S: summed over the group, each input row's
+    # gradient counts once, as in one process.
+    full.pow(2).sum().backward()
+    grad = x.grad.clone()
+    dist.all_reduce(grad, group=mpu.group("sp"))
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     plan.destroy()
 
 

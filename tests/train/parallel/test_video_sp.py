@@ -113,9 +113,27 @@ def _layout_worker(rank: int, world: int, tp: int, sp: int) -> None:
             for p in [*model.parameters(), *ref.parameters()]:
                 if p.grad is not None:
                     p -= LR * p.grad
-    if sp > 1:  # Ulysses per LLM layer: q, k, v and the output, all-to-all each way
-        assert counter.calls[("sp", "all_to_all_single")] == 2 * 4 * CFG.select_layer * STEPS
+    _check_counts(counter, tp, sp)
     plan.destroy()
+
+
+def _check_counts(counter, tp: int, sp: int) -> None:
+    """The collectives each layout implies, per step."""
+    groups = counter.by_group()
+    lv, ll, ld = CFG.vision.num_hidden_layers, CFG.select_layer, CFG.dit.num_layers
+    # TP forward: an all-reduce after every row-parallel linear (attention output, MLP output) of every
+    # block. Backward: one per input entering a TP region (the vision and LLM attention and MLP, the DiT's
+    # FF and attention, whose cross blocks take the features as a second input) and one per Qwen3 q/k
+    # norm gradient.
+    forward = 2 * (lv + ll + ld)
+    backward = 2 * lv + 2 * ll + 2 * ll + ld + (ld // 2) * 1 + (ld // 2) * 2
+    got = groups.get("tp", {}).get("calls", 0)
+    assert got == (forward + backward if tp > 1 else 0), (got, forward, backward)  # per step
+    if sp > 1:  # Ulysses per LLM layer: q, k, v and the output, all-to-all each way
+        assert counter.calls[("sp", "all_to_all_single")] == 2 * 4 * ll * STEPS
+    else:
+        assert "sp" not in groups
+    assert "dp" not in groups  # gradient sync is outside the counted region
 
 
 def _zero3_worker(rank: int, world: int, tp: int, sp: int) -> None:
