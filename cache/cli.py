@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from loongforge.cache.access import connect
-from loongforge.cache.config import SOCKET_ENV, default_socket_path, format_bytes, load_config
+from loongforge.cache.access import connect, denied_message
+from loongforge.cache.config import DAEMON_USER_ENV, SOCKET_ENV, default_socket_path, format_bytes, load_config
 from loongforge.shared.errors import CacheError, LoongForgeError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -55,12 +55,14 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
 
     stats = sub.add_parser("stats", help="print the daemon's counters (a table, or --json)")
     _endpoint_flags(stats)
+    _daemon_user_flag(stats)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.add_argument("--timeout", type=float, default=5.0)
     stats.set_defaults(func=cmd_stats)
 
     stop = sub.add_parser("stop", help="shut the daemon down gracefully (SSD tier kept)")
     _endpoint_flags(stop)
+    _daemon_user_flag(stop)
     stop.add_argument("--timeout", type=float, default=5.0)
     stop.set_defaults(func=cmd_stop)
 
@@ -69,6 +71,11 @@ def _endpoint_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--socket", help=f"unix socket path (default ${SOCKET_ENV} or a per-user path)")
     group.add_argument("--tcp", help="loopback HOST:PORT instead of the unix socket")
+
+
+def _daemon_user_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--daemon-user", help=f"the user the daemon runs as (name or uid; default ${DAEMON_USER_ENV}, "
+                                         "else the socket directory's owner): any other answering is refused")
 
 
 def cmd_serve(args) -> int:
@@ -84,8 +91,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _request(args, op: str) -> dict:
-    conn = connect(None if args.tcp else (args.socket or default_socket_path()), args.tcp, args.timeout)
+def _request(args, op: str, socket_path: str | None) -> dict:
+    conn = connect(socket_path, args.tcp, args.timeout, args.daemon_user)
     try:
         return conn.request(op)
     finally:
@@ -93,10 +100,14 @@ def _request(args, op: str) -> dict:
 
 
 def _request_or_say_why(args, op: str) -> dict | None:
-    """The daemon's reply, or None after one line on stderr: unreachable, or a socket the client
-    library would not trust either (the same message, word for word)."""
+    """The daemon's reply, or None after one line on stderr: unreachable, refused (EACCES: the
+    group and the fix), a socket or daemon the client library would not trust either, or a
+    refusal from the daemon; each worded as the client library words it."""
+    socket_path = None if args.tcp else (args.socket or default_socket_path())
     try:
-        return _request(args, op)
+        return _request(args, op, socket_path)
+    except PermissionError as exc:
+        print(f"loongforge cache {op}: {denied_message(socket_path) if socket_path else exc}", file=sys.stderr)
     except OSError as exc:
         print(f"loongforge cache {op}: daemon unreachable: {exc}", file=sys.stderr)
     except CacheError as exc:

@@ -20,6 +20,7 @@ from loongforge.shared.index import ShardIndex
 
 ENV_PREFIX = "LOONGFORGE_CACHE_"
 SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
+DAEMON_USER_ENV = "LOONGFORGE_CACHE_DAEMON_USER"  # clients: the uid the daemon must run as (name or number)
 
 
 def fallback_socket_dir() -> str:

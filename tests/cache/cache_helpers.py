@@ -22,10 +22,13 @@ class DaemonProc:
 
     def __init__(self, tmp: Path, root: str, index: ShardIndex, name: str = "node-a", *, ram: str = "1MiB",
                  ssd: str = "4MiB", redis_url: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
-                 umask: int = -1):
+                 umask: int = -1, user=None):
         self.root, self.index, self.name = root, index, name
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
+        if user is not None:  # a users.User: the daemon runs as that uid, in a directory of its own
+            os.chown(self.dir, user.uid, user.gid)
+            os.chmod(self.dir, 0o750)
         self.socket = str(self.dir / "c.sock")
         self.ram_dir = str(self.dir / "ram")
         self.ssd_dir = str(self.dir / "ssd")
@@ -67,7 +70,7 @@ class DaemonProc:
         return rc
 
     def request(self, op: str, **fields) -> dict:
-        conn = Connection(self.socket, None, 10.0)
+        conn = Connection(None if self.tcp else self.socket, self.tcp, 10.0)
         try:
             return conn.request(op, **fields)
         finally:
