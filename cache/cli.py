@@ -45,6 +45,9 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--node-id", help="this node's name in Redis (default: hostname)")
     serve.add_argument("--peer-listen", help="HOST:PORT to serve shards to other nodes (port 0 = any)")
     serve.add_argument("--peer-advertise", help="HOST:PORT other nodes use to reach --peer-listen")
+    serve.add_argument("--peer-secret-file", help="the deployment's shared peer-port secret (chmod 600, the same "
+                                                  "file on every node); required with --peer-listen. Or set "
+                                                  "LOONGFORGE_CACHE_PEER_SECRET")
     serve.add_argument("--prefetch-window", type=int, help="shards to prefetch ahead per announced plan")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (off by default)")
     serve.add_argument("--lease-s", type=float, help="seconds a reader's pin lasts without renewal")
@@ -82,8 +85,8 @@ def cmd_serve(args) -> int:
     from loongforge.cache.daemon import Daemon
 
     keys = ("origin", "socket", "tcp", "ram_dir", "ram_budget", "ssd_dir", "ssd_budget", "ssd_verify", "redis_url", "node_id",
-            "peer_listen", "peer_advertise", "prefetch_window", "metrics_port", "lease_s", "lock_ttl_s",
-            "heartbeat_s", "node_ttl_s")
+            "peer_listen", "peer_advertise", "peer_secret_file", "prefetch_window", "metrics_port", "lease_s",
+            "lock_ttl_s", "heartbeat_s", "node_ttl_s")
     cfg = load_config(args.config, **{k: getattr(args, k) for k in keys})
     daemon = Daemon(cfg)
     daemon.start()

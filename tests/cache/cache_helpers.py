@@ -14,6 +14,7 @@ from loongforge.cache.protocol import Connection
 from loongforge.shared.index import ShardIndex
 
 READY = "cache daemon ready on"
+PEER_SECRET = "loongforge-test-peer-secret-0123456789abcdef"  # the test deployment's; >= 32 bytes
 
 
 class DaemonProc:
@@ -37,9 +38,13 @@ class DaemonProc:
                      "--ram-dir", self.ram_dir, "--ram-budget", ram, "--ssd-dir", self.ssd_dir, "--ssd-budget", ssd,
                      "--node-id", name, "--prefetch-window", "0", "--heartbeat-s", "0.2", "--node-ttl-s", "2",
                      *(("--redis-url", redis_url, "--peer-listen", "127.0.0.1:0") if redis_url else ()), *extra]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG", **(env or {})}
-        if "--tcp" in extra:  # --socket and --tcp are exclusive
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG",
+                    **({"LOONGFORGE_CACHE_PEER_SECRET": PEER_SECRET} if redis_url else {}), **(env or {})}
+        self.tcp = extra[extra.index("--tcp") + 1] if "--tcp" in extra else None
+        if self.tcp:  # --socket and --tcp are exclusive
             self.args = [a for a in self.args if a not in ("--socket", self.socket)]
+        if user is not None:
+            self.args = user.argv(*self.args[3:])  # `serve ...` through tests/cache/run_as.py
         self.umask = umask  # the daemon's umask (-1: inherit the test's)
         self.proc: subprocess.Popen | None = None
 
