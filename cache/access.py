@@ -100,7 +100,7 @@ def unsafe_ancestor(path: str, trusted: set[int]) -> str | None:
             try:
                 st = os.lstat(p)
             except FileNotFoundError:
-                return None
+                break  # nothing below exists on this chain
             mode = st.st_mode
             foreign = st.st_uid not in trusted
             open_to_others = stat.S_ISDIR(mode) and mode & 0o022 and not mode & stat.S_ISVTX
@@ -112,11 +112,12 @@ def unsafe_ancestor(path: str, trusted: set[int]) -> str | None:
     return None
 
 
-def check_socket_dir(socket_path: str, daemon_uid: int | None = None) -> int:
+def check_socket_dir(socket_path: str, daemon_uid: int | None = None) -> int | None:
     """The one trust check of a unix socket's directory, made by the daemon before it binds (with
     its own uid) and by every client before it connects. Returns the uid the daemon must have:
     `daemon_uid` if given (`--daemon-user`), else the directory's owner (a daemon can only bind in a
-    directory it may write, and no one else may write this one). The per-user fallback directory
+    directory it may write, and no one else may write this one); None for a client when the
+    directory does not exist (connect() then reports the missing socket). The per-user fallback directory
     under the shared /tmp must be a real directory of this uid, closed to everyone else; any other
     must be a real directory of root or the daemon's uid that no one else may write (sticky or not:
     a sticky /tmp lets anyone take a free name there). Every directory above it must be safe too
@@ -127,7 +128,8 @@ def check_socket_dir(socket_path: str, daemon_uid: int | None = None) -> int:
         st = os.lstat(parent)
     except FileNotFoundError:
         if private:
-            raise UntrustedPathError(f"socket directory {parent} does not exist: is the cache daemon running?") from None
+            missing = f"socket directory {parent} does not exist: is the cache daemon running?"
+            raise UntrustedPathError(missing) from None
         if daemon_uid is not None:  # the daemon, before it creates the directory: not inside another user's
             _check_ancestors(socket_path, parent, daemon_uid)
         return daemon_uid  # a client: connect() reports the missing socket
@@ -201,14 +203,14 @@ def connect(socket_path: str | None, tcp: str | None, timeout: float,
         expected = check_socket_dir(socket_path, expected)
     conn = Connection(None if tcp else socket_path, tcp, timeout)
     try:
-        conn.peer_uid = peer_uid(conn.sock)
-        if expected is not None and conn.peer_uid != expected:
+        uid = conn.peer_uid = peer_uid(conn.sock)
+        if expected is not None and uid != expected:
             where = f"tcp:{tcp}" if tcp else socket_path
-            served = "a process whose uid cannot be told" if conn.peer_uid is None else f"uid {conn.peer_uid}"
+            served = "a process whose uid cannot be told" if uid is None else _who({uid})
             raise UntrustedPathError(
-                f"{where} is served by {served} ({_user_name(conn.peer_uid) if conn.peer_uid is not None else '?'}), "
-                f"not by the daemon's user, {_who({expected})}: another process may pose as the cache daemon; "
-                f"refusing it. If the daemon runs as another user, say so with --daemon-user / {DAEMON_USER_ENV}")
+                f"{where} is served by {served}, not by the daemon's user, {_who({expected})}: another process "
+                f"may pose as the cache daemon; refusing it. If the daemon runs as another user, say so with "
+                f"--daemon-user / {DAEMON_USER_ENV}")
     except BaseException:
         conn.close()
         raise

@@ -1,5 +1,5 @@
 """CacheClient: a `ShardSource` that asks the node's cache daemon for a tier
-file and mmaps it. Cheap to construct in every trainer worker (connects
+file and mmaps it, once it has checked whose it is and its sha256. Cheap to construct in every trainer worker (connects
 lazily, reconnects after fork). When the daemon is unreachable it falls back
 to reading origin directly (unless fallback=False), and retries the daemon
 after a backoff. No call blocks longer than `timeout` on the daemon.

@@ -239,6 +239,8 @@ class Daemon:
     def _unlink_socket(self) -> None:
         """Remove our socket, and only ours: whatever now sits at the path (another user's socket in a
         directory we should never have been given, a new daemon's) is left alone with a WARNING."""
+        if self.cfg.tcp or self._socket_id is None:
+            return  # nothing published (TCP, or stopped before the socket got its name)
         path = self.cfg.socket
         try:
             st = os.lstat(path)
