@@ -1,6 +1,6 @@
 """The daemon's access rules with real Unix users, set up as an outside audit set them up (users.py):
-`d` runs the daemon, `inn` is in its group, `out` is not. `inn` and `out` share a primary group
-(nogroup), as users of one node often share `users`, so `out`'s own daemon is one `inn` could read.
+`d` runs the daemon, `inn` is in its group, `out` is not. `inn` and `out` share a primary group, as
+users of one node often share `users`, so `out`'s own daemon is one `inn` could read.
 Each test is a finding of that audit: who may pose as the daemon, who may stop it, what a refused
 user is told, a squatted RAM directory, and what a group member may change under a reader."""
 

@@ -59,22 +59,23 @@ def made_users():
     if os.geteuid() != 0 or not shutil.which("useradd"):
         pytest.skip("needs root and useradd to create the daemon's user, a group member and an outsider (CI has both)")
     tag = f"lft{os.getpid()}"
-    group, names = f"{tag}g", {"d": f"{tag}d", "inn": f"{tag}i", "out": f"{tag}o"}
-    nogroup = grp.getgrgid(65534).gr_name
+    # `shared`: the primary group of `inn` and `out`, as users of a node often share `users`
+    group, shared, names = f"{tag}g", f"{tag}s", {"d": f"{tag}d", "inn": f"{tag}i", "out": f"{tag}o"}
+    groups: list[str] = []
     made: list[str] = []
     try:
-        _run("groupadd", group)
-        _run("useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-g", group, names["d"])
-        made.append(names["d"])
-        _run("useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-g", nogroup, "-G", group, names["inn"])
-        made.append(names["inn"])
-        _run("useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-g", nogroup, names["out"])
-        made.append(names["out"])
+        for g in (group, shared):
+            _run("groupadd", g)
+            groups.append(g)
+        for key, primary, extra in (("d", group, ()), ("inn", shared, ("-G", group)), ("out", shared, ())):
+            _run("useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-g", primary, *extra, names[key])
+            made.append(names[key])
         yield Users(group, grp.getgrnam(group).gr_gid, **{k: _user(v) for k, v in names.items()})
     finally:
         for name in made:
             subprocess.run(["userdel", name], capture_output=True, timeout=60)
-        subprocess.run(["groupdel", group], capture_output=True, timeout=60)
+        for g in groups:
+            subprocess.run(["groupdel", g], capture_output=True, timeout=60)
 
 
 @contextmanager
