@@ -153,7 +153,8 @@ def render_table(stats: dict) -> str:
               f"   prefetched {sum(c['prefetches'].values())}  lead p50 "
               + (f"{lead['p50']:.3f}s" if lead["p50"] is not None else "-"),
               f"pinned {stats['pinned']}  in flight {stats['inflight']}  plans {len(stats['plans'])} ranks  "
-              f"rejected {sum(c['rejected'].values())}  redis errors {sum(c['redis_errors'].values())}"]
+              f"rejected {sum(c['rejected'].values())}  peer 401s {sum(c.get('peer_refused', {}).values())}  "
+              f"redis errors {sum(c['redis_errors'].values())}"]
     if stats["redis"].get("last_error"):
         lines.append(f"last redis error: {stats['redis']['last_error']}")
     for tier in ("ram", "ssd"):
