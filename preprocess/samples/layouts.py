@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,6 @@ def _encode(path: Path, episodes: list[list[np.ndarray]], *, fps: int, codec: st
     """One mp4 of the episodes in order, frame pts = frame number, an I frame at each episode start.
     `times`: per episode, each frame's presentation time from the episode's start (seconds; a
     variable frame rate, 1/90000 s ticks); episode e starts at sum of the earlier lengths / fps."""
-    from fractions import Fraction
-
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +193,9 @@ def _write_meta(src, out: Path, meta, ep_rows, data_tables, codec, gop, fps) -> 
     import pyarrow.parquet as pq
 
     info = json.loads((Path(src) / "meta" / "info.json").read_text())
+    kept = {c.key for c in meta.cameras}
+    for key in [k for k, f in info["features"].items() if f.get("dtype") == "video" and k not in kept]:
+        del info["features"][key]  # a camera without files (the source's quirk): LeRobot would look for its mp4s
     for cam in meta.cameras:
         info["features"][cam.key]["info"] = {"video.height": cam.height, "video.width": cam.width,
                                              "video.codec": codec, "video.pix_fmt": "yuv420p", "video.fps": fps,
@@ -207,7 +209,7 @@ def _write_meta(src, out: Path, meta, ep_rows, data_tables, codec, gop, fps) -> 
     (out / "meta" / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
     (out / "meta" / "info.json").write_text(json.dumps(info, indent=4) + "\n")
     pq.write_table(pa.Table.from_pylist(ep_rows), out / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
-    import pandas as pd
+    import pandas as pd  # the preprocess extra, as pyarrow
 
     tasks = sorted(meta.tasks.items())
     # LeRobot's layout: a pandas frame indexed by the task string (`meta.tasks.iloc[i].name` is the text).
