@@ -126,7 +126,8 @@ class ConvertEpisodeFn(beam.DoFn):
                                                                   spans.get(cam.key), spec)
                 source_bytes += size
                 videos.append(info)
-                timing.append((cam.key, *(rows.counts() if rows is not None else (0, 0, 0))))
+                if rows is not None:
+                    timing.append((cam.key, *rows.counts()))
                 if rows is not None and rows.skipped:
                     keep &= rows.frame >= 0
             camera = None

@@ -113,8 +113,9 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
 
 def frame_timing(meta: SourceMeta, params: ConvertParams, staged: list[StagedEpisode]) -> dict:
     """What the timestamp rule did (stages/timing.py): its tolerance and mismatch policy, and per
-    camera the rows shifted, clamped and skipped over the converted episodes."""
-    cameras = {c.key: {"shifted": 0, "clamped": 0, "skipped": 0} for c in meta.cameras}
+    video camera the rows shifted, clamped and skipped over the converted episodes (an image feature
+    holds one image per row: nothing to map)."""
+    cameras = {c.key: {"shifted": 0, "clamped": 0, "skipped": 0} for c in meta.cameras if c.kind == "video"}
     for ep in staged:
         for key, *counts in ep.timing:
             for kind, count in zip(("shifted", "clamped", "skipped"), counts):
