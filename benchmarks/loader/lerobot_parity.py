@@ -223,7 +223,8 @@ def table(rows: list[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lerobot-venv", required=True, help="a venv with lerobot 0.6.1 (benchmarks/lerobot_venv/setup.sh)")
+    p.add_argument("--lerobot-venv", default=None, metavar="PATH",
+                   help="a venv with lerobot 0.6.1, made by benchmarks/lerobot_venv/setup.sh (required)")
     p.add_argument("--episodes", type=int, default=4, help="episodes of the generated datasets (4)")
     p.add_argument("--frames", type=int, nargs=2, default=(30, 50), metavar=("A", "B"),
                    help="frames per generated episode, drawn from [A, B] (30 50)")
@@ -233,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    if not (Path(args.lerobot_venv) / "bin" / "python").exists():
+    if not args.lerobot_venv or not (Path(args.lerobot_venv) / "bin" / "python").exists():
         raise UsageError(f"--lerobot-venv {args.lerobot_venv}: no bin/python; make it with "
                          "bash benchmarks/lerobot_venv/setup.sh PATH")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
