@@ -31,6 +31,8 @@ BENCHMARKS = {
     "preprocess": ("loongforge.benchmarks.loader.preprocess", "preprocess throughput against PyAV decoding"),
     "lerobot-baseline": ("loongforge.benchmarks.loader.lerobot_baseline", "the LeRobotDataset-compatible adapter's "
                          "fast path against LeRobot-style PyAV loading, GOP 2 and long GOP"),
+    "lerobot-parity": ("loongforge.benchmarks.loader.lerobot_parity", "LeRobotDataset's items against the real "
+                       "lerobot 0.6.1's, item by item (needs --lerobot-venv)"),
     "preprocess-dask": ("loongforge.benchmarks.micro.preprocess_dask", "preprocess frames/s on 1 vs 2 dask workers "
                                                                       "vs the local runner (scaling efficiency)"),
 }

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from loongforge.cache.access import connect
-from loongforge.cache.config import SOCKET_ENV, default_socket_path, format_bytes, load_config
+from loongforge.cache.access import connect, denied_message
+from loongforge.cache.config import DAEMON_USER_ENV, SOCKET_ENV, default_socket_path, format_bytes, load_config
 from loongforge.shared.errors import CacheError, LoongForgeError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -45,6 +45,9 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--node-id", help="this node's name in Redis (default: hostname)")
     serve.add_argument("--peer-listen", help="HOST:PORT to serve shards to other nodes (port 0 = any)")
     serve.add_argument("--peer-advertise", help="HOST:PORT other nodes use to reach --peer-listen")
+    serve.add_argument("--peer-secret-file", help="the deployment's shared peer-port secret (chmod 600, the same "
+                                                  "file on every node); required with --peer-listen. Or set "
+                                                  "LOONGFORGE_CACHE_PEER_SECRET")
     serve.add_argument("--prefetch-window", type=int, help="shards to prefetch ahead per announced plan")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (off by default)")
     serve.add_argument("--lease-s", type=float, help="seconds a reader's pin lasts without renewal")
@@ -55,12 +58,14 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
 
     stats = sub.add_parser("stats", help="print the daemon's counters (a table, or --json)")
     _endpoint_flags(stats)
+    _daemon_user_flag(stats)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.add_argument("--timeout", type=float, default=5.0)
     stats.set_defaults(func=cmd_stats)
 
     stop = sub.add_parser("stop", help="shut the daemon down gracefully (SSD tier kept)")
     _endpoint_flags(stop)
+    _daemon_user_flag(stop)
     stop.add_argument("--timeout", type=float, default=5.0)
     stop.set_defaults(func=cmd_stop)
 
@@ -71,12 +76,17 @@ def _endpoint_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--tcp", help="loopback HOST:PORT instead of the unix socket")
 
 
+def _daemon_user_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--daemon-user", help=f"the user the daemon runs as (name or uid; default ${DAEMON_USER_ENV}, "
+                                         "else the socket directory's owner): any other answering is refused")
+
+
 def cmd_serve(args) -> int:
     from loongforge.cache.daemon import Daemon
 
     keys = ("origin", "socket", "tcp", "ram_dir", "ram_budget", "ssd_dir", "ssd_budget", "ssd_verify", "redis_url", "node_id",
-            "peer_listen", "peer_advertise", "prefetch_window", "metrics_port", "lease_s", "lock_ttl_s",
-            "heartbeat_s", "node_ttl_s")
+            "peer_listen", "peer_advertise", "peer_secret_file", "prefetch_window", "metrics_port", "lease_s",
+            "lock_ttl_s", "heartbeat_s", "node_ttl_s")
     cfg = load_config(args.config, **{k: getattr(args, k) for k in keys})
     daemon = Daemon(cfg)
     daemon.start()
@@ -84,8 +94,8 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _request(args, op: str) -> dict:
-    conn = connect(None if args.tcp else (args.socket or default_socket_path()), args.tcp, args.timeout)
+def _request(args, op: str, socket_path: str | None) -> dict:
+    conn = connect(socket_path, args.tcp, args.timeout, args.daemon_user)
     try:
         return conn.request(op)
     finally:
@@ -93,10 +103,14 @@ def _request(args, op: str) -> dict:
 
 
 def _request_or_say_why(args, op: str) -> dict | None:
-    """The daemon's reply, or None after one line on stderr: unreachable, or a socket the client
-    library would not trust either (the same message, word for word)."""
+    """The daemon's reply, or None after one line on stderr: unreachable, refused (EACCES: the
+    group and the fix), a socket or daemon the client library would not trust either, or a
+    refusal from the daemon; each worded as the client library words it."""
+    socket_path = None if args.tcp else (args.socket or default_socket_path())
     try:
-        return _request(args, op)
+        return _request(args, op, socket_path)
+    except PermissionError as exc:
+        print(f"loongforge cache {op}: {denied_message(socket_path) if socket_path else exc}", file=sys.stderr)
     except OSError as exc:
         print(f"loongforge cache {op}: daemon unreachable: {exc}", file=sys.stderr)
     except CacheError as exc:
@@ -139,7 +153,8 @@ def render_table(stats: dict) -> str:
               f"   prefetched {sum(c['prefetches'].values())}  lead p50 "
               + (f"{lead['p50']:.3f}s" if lead["p50"] is not None else "-"),
               f"pinned {stats['pinned']}  in flight {stats['inflight']}  plans {len(stats['plans'])} ranks  "
-              f"rejected {sum(c['rejected'].values())}  redis errors {sum(c['redis_errors'].values())}"]
+              f"rejected {sum(c['rejected'].values())}  peer 401s {sum(c.get('peer_refused', {}).values())}  "
+              f"redis errors {sum(c['redis_errors'].values())}"]
     if stats["redis"].get("last_error"):
         lines.append(f"last redis error: {stats['redis']['last_error']}")
     for tier in ("ram", "ssd"):

@@ -1,5 +1,5 @@
 """CacheClient: a `ShardSource` that asks the node's cache daemon for a tier
-file and mmaps it. Cheap to construct in every trainer worker (connects
+file and mmaps it, once it has checked whose it is and its sha256. Cheap to construct in every trainer worker (connects
 lazily, reconnects after fork). When the daemon is unreachable it falls back
 to reading origin directly (unless fallback=False), and retries the daemon
 after a backoff. No call blocks longer than `timeout` on the daemon.
@@ -14,8 +14,9 @@ import threading
 import time
 import weakref
 
-from loongforge.cache.access import UntrustedPathError, connect, file_problem, group_of, open_no_follow
-from loongforge.cache.config import default_socket_path
+from loongforge.cache.access import (UntrustedPathError, connect, denied_message, file_problem, open_no_follow,
+                                    resolve_user)
+from loongforge.cache.config import DAEMON_USER_ENV, default_socket_path
 from loongforge.cache.protocol import Connection, ProtocolError
 from loongforge.shared import storage
 from loongforge.shared.errors import CacheError, CacheUnavailableError, IntegrityError, ShardNotFoundError
@@ -38,10 +39,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _map(path: str, entry: ShardEntry, owner_uid: int | None, hashed: set) -> memoryview:
-    """Map a tier file the daemon handed out, after checking it is the daemon's: not a symlink,
-    owned by the daemon's uid (SO_PEERCRED) and writable by no one else. Without a uid to check
-    (TCP), the bytes are hashed against the index on the first map of that file instead."""
+def _map(path: str, entry: ShardEntry, owner_uid: int | None) -> memoryview:
+    """Map a tier file the daemon handed out, after checking it is the daemon's and holds the
+    index's bytes: not a symlink, writable by no one but its owner, owned by the daemon's uid where
+    the kernel told us (access.peer_uid), and its sha256 equal to the index's. The hash is checked
+    on every new mapping, whatever the transport: the owner check cannot see a byte flipped in
+    place by root or the daemon's uid, and a file checked once may have changed since."""
     with os.fdopen(open_no_follow(path), "rb") as f:
         st = os.fstat(f.fileno())
         problem = file_problem(st, owner_uid, entry.bytes)
@@ -49,26 +52,27 @@ def _map(path: str, entry: ShardEntry, owner_uid: int | None, hashed: set) -> me
             raise IntegrityError(f"{path}: {problem}")
         if entry.bytes == 0:
             return memoryview(b"")
-        # MAP_POPULATE pre-faults the tmpfs pages in one go: reading then runs at memcpy speed.
+        # MAP_POPULATE pre-faults the tmpfs pages in one go: hashing and reading then run at memory speed.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
-    if owner_uid is None and (st.st_dev, st.st_ino) not in hashed:
-        try:
-            storage.verify(view, entry.name, entry.bytes, entry.sha256)
-        except IntegrityError:
-            _close_view(view)
-            raise
-        hashed.add((st.st_dev, st.st_ino))
+    try:
+        storage.verify(view, entry.name, entry.bytes, entry.sha256)
+    except IntegrityError as exc:
+        _close_view(view)
+        raise IntegrityError(f"{path}: {exc}") from None
     return view
 
 
 class CacheClient:
     def __init__(self, root: str, index: ShardIndex, *, socket_path: str | None = None, tcp: str | None = None,
-                 fallback: bool = True, timeout: float = 5.0, max_open: int = 16):
+                 fallback: bool = True, timeout: float = 5.0, max_open: int = 16, daemon_user: str | int | None = None):
         self.root = root
         self.index = index
         self.socket_path = socket_path or (None if tcp else default_socket_path())
         self.tcp = tcp
+        # The uid the daemon must run as: daemon_user, else LOONGFORGE_CACHE_DAEMON_USER, else (None) the
+        # socket directory's owner. A name that does not exist is a ConfigError now, not at the first read.
+        self.daemon_uid = resolve_user(daemon_user if daemon_user is not None else os.environ.get(DAEMON_USER_ENV))
         self.fallback = fallback
         self.timeout = timeout
         self._origin: OriginSource | None = None
@@ -84,7 +88,6 @@ class CacheClient:
         self._lease_s = 60.0
         self._peer_uid: int | None = None
         self._daemon_ops: set[str] = set()  # ops the daemon serves (hello): `report` only where listed
-        self._hashed: set = set()  # (dev, inode) of tier files verified by hash (TCP only)
         self._renewer: tuple[int, threading.Event] | None = None  # (pid, stop) of the lease thread
         self._rank: int | None = None
         self._degraded_since: float | None = None
@@ -119,7 +122,7 @@ class CacheClient:
             return reply
 
     def _connect(self) -> None:
-        conn = connect(self.socket_path, self.tcp, self.timeout)  # the socket-directory check first
+        conn = connect(self.socket_path, self.tcp, self.timeout, self.daemon_uid)  # socket dir, then peer uid
         try:
             hello = conn.request("hello")
         except BaseException:
@@ -132,11 +135,8 @@ class CacheClient:
 
     def _unreachable(self, exc: BaseException) -> str:
         where = f"tcp:{self.tcp}" if self.tcp else f"unix:{self.socket_path}"
-        if isinstance(exc, PermissionError):
-            return (f"cache daemon socket {self.socket_path}: permission denied (EACCES) for uid {os.geteuid()}. "
-                    f"The socket must be group-writable (the daemon sets 0660; run it with UMask=0007) and this "
-                    f"user must be in the socket's group, {group_of(self.socket_path)}: "
-                    f"see infra/cache/README.md, 'Socket access'")
+        if isinstance(exc, PermissionError) and not self.tcp:
+            return denied_message(self.socket_path)  # word for word what `loongforge cache stats|stop` print
         if isinstance(exc, UntrustedPathError):
             return str(exc)  # word for word what `loongforge cache stats|stop` print
         return f"cache daemon at {where}: {type(exc).__name__}: {exc}"
@@ -207,13 +207,13 @@ class CacheClient:
         checks it itself and, if it agrees, drops it and hands out a fresh copy, mapped instead (so
         one bad file costs a refill, not an origin read per reader until eviction). None: read origin."""
         try:
-            return _map(path, entry, self._peer_uid, self._hashed)
+            return _map(path, entry, self._peer_uid)
         except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
             refused = exc
         fresh = self._report(name, refused)
         if fresh is not None:
             try:
-                view = _map(fresh["path"], entry, self._peer_uid, self._hashed)
+                view = _map(fresh["path"], entry, self._peer_uid)
             except (OSError, IntegrityError) as exc:
                 refused = exc
             else:

@@ -20,6 +20,7 @@ from loongforge.shared.index import ShardIndex
 
 ENV_PREFIX = "LOONGFORGE_CACHE_"
 SOCKET_ENV = "LOONGFORGE_CACHE_SOCKET"
+DAEMON_USER_ENV = "LOONGFORGE_CACHE_DAEMON_USER"  # clients: the uid the daemon must run as (name or number)
 
 
 def fallback_socket_dir() -> str:
@@ -64,12 +65,20 @@ class CacheConfig:
     ssd_verify: str = "size"  # on start: "size" (fast; hashes checked on every SSD->RAM fill) or "full"
     redis_url: str | None = None  # redis://, rediss://, unix://; user/password may sit in the URL
     redis_username: str | None = None  # ACL user, if not in the URL
-    redis_password: str | None = None  # prefer the env var LOONGFORGE_CACHE_REDIS_PASSWORD over a flag
+    # Prefer the env var LOONGFORGE_CACHE_REDIS_PASSWORD over a flag. Secrets stay out of the config's repr.
+    redis_password: str | None = dataclasses.field(default=None, repr=False)
     redis_ca_certs: str | None = None  # CA bundle for rediss://
     redis_prefix: str = "loongforge:cache"
     node_id: str = dataclasses.field(default_factory=_socket.gethostname)
     peer_listen: str | None = None  # HOST:PORT for node-to-node shard transfer; port 0 = any
     peer_advertise: str | None = None  # address other nodes use; default: the listen address
+    # The deployment's shared secret for the peer port (every node has the same one; peer.py signs and
+    # checks each request with it): a key file readable only by the daemon's user (chmod 600), or the
+    # env var LOONGFORGE_CACHE_PEER_SECRET. Required with peer_listen: without it anyone who reaches
+    # the port (local users included) could read every shard.
+    peer_secret_file: str | None = None
+    peer_secret: str | None = dataclasses.field(default=None, repr=False)
+    peer_auth_window_s: float = 30.0  # a signed request's timestamp may be this far from our clock
     prefetch_window: int = 4  # shards ahead per announced plan
     prefetch_threads: int = 2
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; off unless set
@@ -98,6 +107,13 @@ class CacheConfig:
                 raise ConfigError(f"tcp: {host!r} is not loopback; the protocol has no auth, bind 127.0.0.1 or [::1]")
         if self.peer_listen:
             parse_hostport(self.peer_listen, "peer_listen")
+            if not (self.peer_secret_file or self.peer_secret):
+                raise ConfigError(
+                    f"peer_listen {self.peer_listen}: the peer port serves every shard to whoever reaches it, so it "
+                    "needs the deployment's shared secret: set peer_secret_file (a key file, chmod 600, the same on "
+                    "every node: `openssl rand -hex 32 > FILE`) or LOONGFORGE_CACHE_PEER_SECRET")
+        if self.peer_secret_file and self.peer_secret:
+            raise ConfigError("peer_secret_file and peer_secret are both set: keep one (the key file is preferred)")
         if self.ssd_verify not in ("size", "full"):
             raise ConfigError(f"ssd_verify: {self.ssd_verify!r} is not 'size' or 'full'")
         if self.prefetch_window < 0 or self.prefetch_threads < 1:
@@ -105,8 +121,8 @@ class CacheConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port")
         for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s",
-                     "tier_recheck_s"):
-            if getattr(self, name) <= 0:
+                     "tier_recheck_s", "peer_auth_window_s"):
+            if not getattr(self, name) > 0:  # NaN too
                 raise ConfigError(f"{name}: must be > 0 seconds")
         if self.tier_recheck_max_s < self.tier_recheck_s:
             raise ConfigError("tier_recheck_max_s must be >= tier_recheck_s")

@@ -20,7 +20,7 @@ import threading
 import time
 
 from loongforge.cache import protocol
-from loongforge.cache.access import SOCKET_MODE, check_socket_dir, make_dirs, make_private_dir
+from loongforge.cache.access import SOCKET_MODE, check_socket_dir, make_dirs, make_private_dir, peer_uid
 from loongforge.cache.config import CacheConfig, fallback_socket_dir, parse_hostport
 from loongforge.cache.coord import Coordinator
 from loongforge.cache.metrics import Metrics
@@ -32,6 +32,7 @@ from loongforge.shared.dataset import load_shard_index
 log = logging.getLogger(__name__)
 _owner_ids = itertools.count(1)
 REASON_CHARS = 500  # a report's reason is the client's words: logged, so bounded
+MAX_INT = 2**31 - 1  # ranks and epochs
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -43,7 +44,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 line = self.rfile.readline(protocol.MAX_LINE + 1)
                 if not line:
                     return
-                reply = daemon.dispatch(line, owner)
+                reply = daemon.dispatch(line, owner, lambda: peer_uid(self.connection))
                 self.wfile.write(protocol.encode(reply))
                 self.wfile.flush()
                 if reply.get("stopping"):  # only after the reply is out: the process exits soon after
@@ -93,11 +94,14 @@ class Daemon:
         self.stop_event = threading.Event()
         self.started = time.time()
         self.server = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we published
         self.peer = None
         self.metrics_server = None
 
     # -- requests --------------------------------------------------------------
-    def dispatch(self, line: bytes, owner: str) -> dict:
+    def dispatch(self, line: bytes, owner: str, client_uid=lambda: None) -> dict:
+        """One request -> one reply, whatever the bytes: a malformed message is an error reply,
+        never a crashed handler. `client_uid()`: the uid at the other end (asked for `stop` only)."""
         req_id = None
         try:
             req = protocol.decode(line)
@@ -106,14 +110,32 @@ class Daemon:
                 raise protocol.ProtocolError(
                     f"protocol version {req.get('v')!r}, daemon speaks {protocol.PROTOCOL_VERSION}: upgrade the client")
             op = req.get("op")
-            if op not in protocol.OPS:
+            if not isinstance(op, str) or op not in protocol.OPS:
                 raise protocol.ProtocolError(f"unknown op {op!r}; ops: {', '.join(protocol.OPS)}")
+            if op == "stop":
+                self._authorize_stop(client_uid())
             result = getattr(self, "op_" + op)(req, owner)
             return {"v": protocol.PROTOCOL_VERSION, "id": req_id, "ok": True, **result}
         except (LoongForgeError, ValueError, KeyError, TypeError, OSError) as exc:
             if not isinstance(exc, LoongForgeError):
                 log.warning("request failed: %s: %s", type(exc).__name__, exc)
             return protocol.error_reply(req_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug: say so with its traceback, keep serving
+            log.error("request failed unexpectedly (a bug; the daemon keeps serving): %s: %s",
+                      type(exc).__name__, exc, exc_info=True)
+            return protocol.error_reply(req_id, exc)
+
+    def _authorize_stop(self, uid: int | None) -> None:
+        """`stop` is for the daemon's own uid and root (the operator: `loongforge cache stop` as that
+        user, or systemctl / SIGTERM); the group's trainers may use the cache, not end it for everyone."""
+        if uid in (0, os.geteuid()):
+            return
+        self.metrics.inc("rejected", "stop_not_allowed")
+        who = "a process whose uid cannot be told" if uid is None else f"uid {uid}"
+        log.warning("refused `stop` from %s: only uid %d (the daemon's) or root may stop it", who, os.geteuid())
+        raise CacheError(f"stop refused: only the daemon's user (uid {os.geteuid()}) or root may stop the cache "
+                         f"daemon, and this request came from {who}. Ask its operator (systemctl stop "
+                         f"loongforge-cache, or `loongforge cache stop` as that user)")
 
     def op_hello(self, req, owner):
         return {"node": self.cfg.node_id, "protocol": protocol.PROTOCOL_VERSION, "ops": list(protocol.OPS),
@@ -121,30 +143,21 @@ class Daemon:
                 "max_open": self.store.max_open(), "lease_s": self.cfg.lease_s}
 
     def op_get(self, req, owner):
-        rank = req.get("rank")
-        return self.store.get(str(req["shard"]), owner, int(rank) if rank is not None else None)
+        return self.store.get(_str(req, "shard"), owner, _int(req, "rank", optional=True))
 
     def op_report(self, req, owner):
-        reason = req.get("reason")
-        if not isinstance(reason, str):
-            raise protocol.ProtocolError("report: reason must be a string (why the client refused the file)")
-        return self.store.report(str(req["shard"]), owner, reason[:REASON_CHARS])
+        reason = _str(req, "reason", why="why the client refused the file")
+        return self.store.report(_str(req, "shard"), owner, reason[:REASON_CHARS])
 
     def op_renew(self, req, owner):
-        shards = req["shards"]
-        if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
-            raise protocol.ProtocolError("renew: shards must be a list of shard names")
-        return {"renewed": self.store.renew(shards, owner), "lease_s": self.cfg.lease_s}
+        return {"renewed": self.store.renew(_names(req, "shards"), owner), "lease_s": self.cfg.lease_s}
 
     def op_release(self, req, owner):
-        self.store.release(str(req["shard"]), owner)
+        self.store.release(_str(req, "shard"), owner)
         return {}
 
     def op_announce(self, req, owner):
-        shards = req["shards"]
-        if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
-            raise protocol.ProtocolError("announce: shards must be a list of shard names")
-        n = self.store.announce(int(req["rank"]), int(req["epoch"]), shards)
+        n = self.store.announce(_int(req, "rank"), _int(req, "epoch"), _names(req, "shards"))
         return {"announced": n}
 
     def op_stats(self, req, owner):
@@ -175,7 +188,7 @@ class Daemon:
             self._start_services()
             self.server.server_activate()
             if not self.cfg.tcp:
-                _publish_socket(self.server.server_address, self.cfg.socket)
+                self._socket_id = _publish_socket(self.server.server_address, self.cfg.socket)
         except BaseException:
             self.server.server_close()
             _unlink_if_socket(self.server.server_address) if not self.cfg.tcp else None
@@ -185,7 +198,7 @@ class Daemon:
         self.store.open()
         if self.cfg.peer_listen:
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
-            self.peer = PeerServer(self.store, host, port).start()
+            self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s).start()
             self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"
         elif self.cfg.redis_url:
             log.warning("redis is configured but --peer-listen is not: nodes cannot copy shards from each other, "
@@ -214,8 +227,9 @@ class Daemon:
             if parent == fallback_socket_dir():
                 make_private_dir(parent)
             else:
+                check_socket_dir(path, os.geteuid())  # nothing is created inside another user's directory
                 make_dirs(parent)  # what it creates is 0750 whatever the umask: group members reach the socket
-            check_socket_dir(path)  # the check every client makes: refuse now what no client would trust
+            check_socket_dir(path, os.geteuid())  # the check every client makes: refuse now what no client would trust
             _clear_stale_socket(path)
             server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
             server.server_bind()
@@ -223,8 +237,20 @@ class Daemon:
         return server
 
     def _unlink_socket(self) -> None:
-        if not self.cfg.tcp:
-            _unlink_if_socket(self.cfg.socket)
+        """Remove our socket, and only ours: whatever now sits at the path (another user's socket in a
+        directory we should never have been given, a new daemon's) is left alone with a WARNING."""
+        if self.cfg.tcp or self._socket_id is None:
+            return  # nothing published (TCP, or stopped before the socket got its name)
+        path = self.cfg.socket
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) != self._socket_id:
+            log.warning("%s is no longer the socket this daemon published (%s, owner uid %d): left in place",
+                        path, stat.filemode(st.st_mode), st.st_uid)
+            return
+        os.unlink(path)
 
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.cfg.heartbeat_s):
@@ -254,15 +280,54 @@ class Daemon:
             self.server.shutdown()
 
     def _cleanup(self) -> None:
-        self.server.server_close()
-        self._unlink_socket()
-        if self.peer:
-            self.peer.stop()
-        if self.metrics_server:
-            self.metrics_server.shutdown()
-        self.coord.deregister()
-        self.store.close()
-        log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s", self.cfg.ssd_dir)
+        """Every step runs, whatever an earlier one raised: a socket we may not unlink must not leave
+        the RAM tier (a /dev/shm segment) behind."""
+        steps = [("closing the server", self.server.server_close), ("removing the socket", self._unlink_socket),
+                 ("stopping the peer server", self.peer.stop if self.peer else None),
+                 ("stopping the metrics server", self.metrics_server.shutdown if self.metrics_server else None),
+                 ("deregistering from redis", self.coord.deregister), ("removing the RAM tier", self.store.close)]
+        failed = []
+        for what, step in steps:
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - one failed step must not skip the others
+                failed.append(what)
+                log.error("stopping: %s failed (%s: %s); going on with the rest", what, type(exc).__name__, exc)
+        log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s%s", self.cfg.ssd_dir,
+                 f" (except: {', '.join(failed)})" if failed else "")
+
+
+def _str(req: dict, name: str, why: str = "a shard name") -> str:
+    value = req.get(name)
+    if not isinstance(value, str):
+        raise protocol.ProtocolError(f"{req.get('op')}: {name} must be a string ({why}), got {_kind(value)}")
+    return value
+
+
+def _int(req: dict, name: str, optional: bool = False) -> int | None:
+    """A rank or epoch: an integer in [0, 2**31); floats, booleans and huge numbers are refused
+    (int(1e400) raised OverflowError inside the handler)."""
+    value = req.get(name)
+    if value is None and optional:
+        return None
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise protocol.ProtocolError(f"{req.get('op')}: {name} must be an integer from 0 to {MAX_INT}, "
+                                     f"got {_kind(value)}")
+    return value
+
+
+def _names(req: dict, name: str) -> list[str]:
+    value = req.get(name)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise protocol.ProtocolError(f"{req.get('op')}: {name} must be a list of shard names")
+    return value
+
+
+def _kind(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__} {text[:40]}…"
 
 
 def _clear_stale_socket(path: str) -> None:
@@ -290,16 +355,19 @@ def _clear_stale_socket(path: str) -> None:
     raise CacheError(f"another cache daemon is serving on {path}; stop it (`loongforge cache stop`) or pass --socket")
 
 
-def _publish_socket(bound: str, path: str) -> None:
-    """Give the listening socket its public name. link() fails if the name was taken since the
-    stale check (a daemon started meanwhile): never replace another daemon's socket."""
+def _publish_socket(bound: str, path: str) -> tuple[int, int]:
+    """Give the listening socket its public name; returns its (st_dev, st_ino), which cleanup checks
+    before unlinking. link() fails if the name was taken since the stale check (a daemon started
+    meanwhile): never replace another daemon's socket."""
     try:
         os.link(bound, path)
+        st = os.lstat(bound)
     except FileExistsError:
         raise CacheError(f"{path} appeared while this daemon started (another daemon?); "
                          "stop it (`loongforge cache stop`) or pass --socket") from None
     finally:
         _unlink_if_socket(bound)
+    return st.st_dev, st.st_ino
 
 
 def _unlink_if_socket(path: str) -> None:

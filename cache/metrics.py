@@ -25,6 +25,9 @@ _COUNTERS = {
     "redis_errors": ("Redis operations that failed (the daemon kept serving)", "op"),
     "reports": ("Tier files a client refused and reported, by the daemon's verdict: replaced (its own check "
                 "failed too: dropped and filled again) or intact", "outcome"),
+    "peer_refused": ("Peer-port requests refused with 401, by reason (unsigned, malformed, bad_signature, stale, "
+                     "replayed, flooded): anything but 0 is a node with the wrong secret or someone probing the port",
+                     "reason"),
     "origin_reads": ("Origin reads, by why coordination allowed one (lock, no_live_holder, peer_failed, "
                      "uncoordinated)", "reason"),
 }

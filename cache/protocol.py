@@ -6,8 +6,8 @@ PROTOCOL.md. Shard bytes never cross the socket; replies carry tier paths.
 from __future__ import annotations
 
 import json
+import math
 import socket
-import struct
 
 from loongforge.shared import errors
 
@@ -29,11 +29,27 @@ def encode(msg: dict) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ProtocolError(f"number {text[:40]} is out of range: numbers must be finite")
+    return value
+
+
+def _no_constant(name: str):
+    raise ProtocolError(f"{name} is not a JSON number: numbers must be finite")
+
+
 def decode(line: bytes) -> dict:
+    """One message; ProtocolError for anything but a JSON object of finite numbers. Python's json
+    reads NaN, Infinity and 1e400 unless told not to, and raises RecursionError on deep nesting
+    (100,000 `[`): both are answered as malformed messages, never as a crashed handler."""
     if len(line) > MAX_LINE:
         raise ProtocolError(f"message of {len(line)} bytes exceeds the {MAX_LINE}-byte limit")
     try:
-        msg = json.loads(line)
+        msg = json.loads(line, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:
+        raise ProtocolError("message nested too deep (no message of this protocol nests more than 4 levels)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not a JSON message: {exc}") from None
     if not isinstance(msg, dict):
@@ -76,12 +92,9 @@ class Connection:
             raise
         self.rfile = self.sock.makefile("rb")
         self._next_id = 0
-        # The daemon's uid as the kernel reports it (unix sockets only): tier files it hands out must
-        # be owned by it. None over TCP, where the client verifies the bytes instead.
+        # The daemon's uid as the kernel reports it, set by access.connect (peer_uid): tier files it
+        # hands out must be owned by it. None where it cannot be told.
         self.peer_uid: int | None = None
-        if family == socket.AF_UNIX and hasattr(socket, "SO_PEERCRED"):
-            creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            self.peer_uid = struct.unpack("3i", creds)[1]
 
     def request(self, op: str, **fields) -> dict:
         self._next_id += 1

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from loongforge.cache.config import format_bytes
-from loongforge.cache.peer import fetch_from_peer
+from loongforge.cache.peer import fetch_from_peer, load_secret
 from loongforge.cache.policy import PlanBook, Policy
 from loongforge.cache.tiers import Tier, tmpfs_huge_option
 from loongforge.shared import paths, storage
@@ -44,6 +44,7 @@ class Store:
         self.prefetched_at: dict[str, float] = {}
         self.wake = threading.Event()  # new plan or progress: prefetchers re-plan
         self.coord = coord_factory(self.holdings)
+        self.peer_secret = load_secret(cfg)  # signs this node's fetches; the peer server checks them with it
         self.ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="ssd-writer")
         self.ssd_pending = 0
         self.write_done = threading.Condition(self.lock)  # notified when an SSD write-through ends
@@ -313,7 +314,7 @@ class Store:
 
         def from_peer(addr: str) -> bytes:
             t0 = time.monotonic()
-            data = fetch_from_peer(addr, entry.name, timeout=self.cfg.fill_timeout_s)
+            data = fetch_from_peer(addr, entry.name, timeout=self.cfg.fill_timeout_s, secret=self.peer_secret)
             self._verify_remote(data, entry, "peer")
             self.metrics.inc("fills", "peer")
             self.metrics.observe_fill("peer", time.monotonic() - t0)

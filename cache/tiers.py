@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from loongforge.cache.access import DIR_MODE, FILE_MODE, file_problem, make_dirs, open_no_follow
+from loongforge.cache.access import DIR_MODE, FILE_MODE, check_tier_root, file_problem, make_dirs, open_no_follow
 from loongforge.shared import paths, storage
 from loongforge.shared.errors import ConfigError, IntegrityError
 from loongforge.shared.index import ShardIndex
@@ -81,6 +81,7 @@ class Tier:
     def open_dir(self) -> None:
         """Create the directory, or check the on-disk format of an existing one,
         and lock it: two daemons sharing a tier would delete each other's files."""
+        check_tier_root(self.root, self.name)  # before anything is created: not inside another user's directory
         make_dirs(self.data_dir)  # parents it creates get DIR_MODE too, never the umask's 0777
         for d in (self.root, self.data_dir):
             os.chmod(d, DIR_MODE)

@@ -35,6 +35,8 @@ COLOR_RANGE_CHOICES = ("auto", "limited", "full")  # auto: keep the sources' ran
 COLOR_MATRIX_CHOICES = ("auto", "bt601", "bt709")
 DEFAULT_BLOCK_FRAMES = 16  # = shared.writer.DEFAULT_BLOCK_FRAMES (not imported: config stays light)
 BLOCK_CODEC_CHOICES = ("zstd", "delta-zstd")  # = shared.blocks.BLOCK_CODECS (FORMAT.md "Block codec")
+FRAME_MISMATCH_CHOICES = ("clamp", "skip", "fail")  # = stages.timing.MISMATCH_POLICIES
+DEFAULT_TIMESTAMP_TOLERANCE_S = 1e-4  # LeRobotDataset's tolerance_s
 
 
 def default_workers() -> int:
@@ -66,6 +68,10 @@ class PreprocessConfig:
     # Every frame is stored once, in zstd blocks of `block_frames` frames; samples are derived by the loader.
     block_frames: int = DEFAULT_BLOCK_FRAMES  # B, frames per block
     block_codec: str = "zstd"  # block codec before zstd (FORMAT.md; delta-zstd: 11-23 % smaller)
+    # Row r shows the frame nearest its timestamp (stages/timing.py); a row with none within the
+    # tolerance is clamped to the nearest frame of its episode, skipped, or fails the episode.
+    timestamp_tolerance_s: float = DEFAULT_TIMESTAMP_TOLERANCE_S
+    frame_mismatch: str = "clamp"
 
     def __post_init__(self):
         if not isinstance(self.action_horizon, int) or self.action_horizon < 1:
@@ -97,6 +103,11 @@ class PreprocessConfig:
                               f"{DEFAULT_BLOCK_FRAMES})")
         if self.block_codec not in BLOCK_CODEC_CHOICES:
             raise ConfigError(f"block_codec={self.block_codec!r}: choose one of {BLOCK_CODEC_CHOICES}")
+        if not self.timestamp_tolerance_s > 0:
+            raise ConfigError(f"timestamp_tolerance_s={self.timestamp_tolerance_s!r}: must be > 0 seconds (LeRobot's "
+                              f"default is {DEFAULT_TIMESTAMP_TOLERANCE_S:g})")
+        if self.frame_mismatch not in FRAME_MISMATCH_CHOICES:
+            raise ConfigError(f"frame_mismatch={self.frame_mismatch!r}: choose one of {FRAME_MISMATCH_CHOICES}")
         if self.progress_s < 0:
             raise ConfigError(f"progress_s={self.progress_s}: must be >= 0 (0 = no progress lines)")
         if not self.input or not self.output:
@@ -123,6 +134,11 @@ class PreprocessConfig:
         out = {name: getattr(self, name) for name in OUTPUT_FIELDS}
         if self.block_codec != "zstd":  # absent = zstd: default roots keep the params they had before codecs
             out["block_codec"] = self.block_codec
+        # Absent = the defaults (source.frame_timing records what was applied either way).
+        if self.timestamp_tolerance_s != DEFAULT_TIMESTAMP_TOLERANCE_S:
+            out["timestamp_tolerance_s"] = self.timestamp_tolerance_s
+        if self.frame_mismatch != "clamp":
+            out["frame_mismatch"] = self.frame_mismatch
         return out
 
     @classmethod
@@ -182,6 +198,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-codec", choices=BLOCK_CODEC_CHOICES, default="zstd",
                         help="zstd (default) or delta-zstd (frame-to-frame differences, lossless, 11-23%% smaller "
                         "on synthetic footage at the same decode CPU; shared/FORMAT.md)")
+    parser.add_argument("--timestamp-tolerance", type=float, default=DEFAULT_TIMESTAMP_TOLERANCE_S, metavar="S",
+                        help="row r shows the video frame nearest its timestamp, as LeRobot decodes it; a row with "
+                        "no frame within S seconds is a mismatch (default 1e-4, LeRobot's tolerance_s)")
+    parser.add_argument("--frame-mismatch", choices=FRAME_MISMATCH_CHOICES, default="clamp",
+                        help="a row with no frame within the tolerance: clamp to the nearest frame of its episode "
+                        "(default), skip the row, or fail the episode; counted per camera in the summary and index")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
                         help="local runner: a progress line every S seconds (0 = off; 10)")
     for flag in RETIRED_FLAGS:
@@ -199,4 +221,6 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             allow_failed=args.allow_failed, fingerprint=args.fingerprint,
                             color_range=args.color_range, color_matrix=args.color_matrix,
                             progress_s=args.progress_s, block_frames=args.block_frames,
-                            block_codec=args.block_codec)
+                            block_codec=args.block_codec,
+                            timestamp_tolerance_s=getattr(args, "timestamp_tolerance", DEFAULT_TIMESTAMP_TOLERANCE_S),
+                            frame_mismatch=getattr(args, "frame_mismatch", "clamp"))

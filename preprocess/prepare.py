@@ -11,6 +11,7 @@ from loongforge.preprocess.stages.colorspace import ColorTarget, dataset_colors
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.stages.convert import ConvertParams
 from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.stages.timing import FrameTiming
 from loongforge.shared.errors import ConfigError, SourceDataError
 from loongforge.shared.split import choose_val_episodes
 
@@ -54,4 +55,5 @@ def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget |
     return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
                          zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
                          block_frames=cfg.block_frames, block_codec=cfg.block_codec,
-                         sizes=sizes if len(set(sizes)) > 1 else ())
+                         sizes=sizes if len(set(sizes)) > 1 else (),
+                         timing=FrameTiming(cfg.timestamp_tolerance_s, cfg.frame_mismatch))

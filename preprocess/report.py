@@ -34,6 +34,7 @@ def summarize(root: str, seconds: float | None = None) -> dict:
         "val_episodes": sorted(int(e) for e in root_ds.val_episodes),
         "train_episodes": root_ds.num_episodes - int(np.asarray(root_ds.val_mask).sum()),
         "source_version": ds.source.get("codebase_version", ""),
+        "frame_timing": ds.source.get("frame_timing") or {},
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)
@@ -47,6 +48,27 @@ def _cameras(s: dict) -> str:
     if len({tuple(v) for v in sizes.values()}) > 1:
         return ", ".join(f"{key} at {h}x{w}" for key, (h, w) in sizes.items())
     return f"{', '.join(s['cameras'])} at {s['resolution'][0]}x{s['resolution'][1]}"
+
+
+def _timing_lines(timing: dict) -> list[str]:
+    """Which frame each row shows: one line when every row shows its own frame, else per camera the
+    rows shifted (another frame, within the tolerance), clamped and skipped, plus a warning line."""
+    cams = timing.get("cameras") or {}
+    if not timing:
+        return []
+    rule = f"nearest frame to each row's timestamp (tolerance {timing['tolerance_s']:g} s, mismatch " \
+           f"{timing['mismatch']})"
+    if not any(any(c.values()) for c in cams.values()):
+        return [f"frames     {rule}: every row shows its own frame"]
+    lines = [f"frames     {rule}:"]
+    for key, c in cams.items():
+        lines.append(f"           {key}: {c['shifted']} rows shifted, {c['clamped']} clamped, {c['skipped']} skipped")
+    off = {key: c["clamped"] + c["skipped"] for key, c in cams.items() if c["clamped"] + c["skipped"]}
+    if off:
+        lines.append(f"warning    rows without a frame within {timing['tolerance_s']:g} s of their timestamp were "
+                     f"{'clamped' if timing['mismatch'] == 'clamp' else 'skipped'}: "
+                     + ", ".join(f"{key} {n}" for key, n in off.items()))
+    return lines
 
 
 def format_summary(s: dict) -> str:
@@ -64,6 +86,7 @@ def format_summary(s: dict) -> str:
                  f"{s.get('train_episodes', s['episodes'])} train" if val else
                  "split      none: every episode trains (--val-count N, --val-fraction F or --val-episodes IDS "
                  "hold some out)")
+    lines += _timing_lines(s.get("frame_timing") or {})
     if "frames_per_s" in s:
         lines.append(f"speed      {s['source_frames']} frames x {len(s['cameras'])} cameras in {s['seconds']} s"
                      f" = {s['frames_per_s']} frames/s")

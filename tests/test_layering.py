@@ -54,6 +54,7 @@ OPTIONAL = {
     "PIL": "the preprocess extra (Pillow): only datasets with image features decode them",
     "distributed": "the preprocess-dask extra: only --runner dask",
     "pyarrow": "the preprocess extra (LeRobot parquet)",
+    "pandas": "the preprocess extra: LeRobot's meta/tasks.parquet is a pandas frame indexed by the task (sample data)",
     "redis": "the cache extra",
     "prometheus_client": "the cache extra",
     "fsspec": "remote (URL) roots only; local paths never pay its registry import",

@@ -5,8 +5,9 @@ Three measurements, each next to a baseline timed in the same run:
      epochs of the trainer's real sample order (the loader's epoch order at its
      defaults, over episodes packed into shards), replayed through the daemon's
      own policy module (cache/policy.py, no I/O);
-  2. RAM-tier read bandwidth through CacheClient (mmap of the tier file) vs a
-     plain numpy memcpy of the same bytes;
+  2. RAM-tier read bandwidth through CacheClient (mmap of the tier file, whose
+     sha256 the client checks on every new map) vs a plain numpy memcpy of the
+     same bytes, and that check alone;
   3. cold-miss latency through a real daemon vs reading origin directly.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import shutil
 import subprocess
@@ -179,12 +181,16 @@ def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, r
                 warm.read_shard(n)  # fill the RAM tier
         # numpy-allocated (huge pages where the kernel allows): the fastest memcpy source this box has.
         in_memory = [np.frombuffer(Path(root, n).read_bytes(), np.uint8).copy() for n in names]
-        cold, hot, memcpy = [], [], []
+        cold, hot, memcpy, hashing = [], [], [], []
         for _ in range(repeats):  # interleaved, best of N: a busy machine hits both sides alike
             t0 = time.perf_counter()
             for src in in_memory:
                 np.copyto(dst[:len(src)], src)
             memcpy.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for src in in_memory:  # what the client adds to every new map: its sha256 check against the index
+                hashlib.sha256(src).digest()
+            hashing.append(time.perf_counter() - t0)
             with CacheClient(root, index, socket_path=d.socket) as client:
                 t0 = time.perf_counter()
                 for n in names:  # request + mmap of the tier file + read every byte
@@ -201,8 +207,9 @@ def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, r
     rows = []
     where = f" [{ram_base}: {_tmpfs_pages(ram_base)}]"
     for i, (title, times) in enumerate([("numpy memcpy of the same bytes (baseline)", memcpy),
-                                        ("CacheClient.read_shard + read, first map" + where, cold),
-                                        ("CacheClient.read_shard + read, already mapped" + where, hot)]):
+                                        ("CacheClient.read_shard + read, first map (sha256 checked)" + where, cold),
+                                        ("CacheClient.read_shard + read, already mapped" + where, hot),
+                                        ("sha256 of the same bytes alone: the client's check of a new map", hashing)]):
         gbps = total / min(times) / 1e9
         rows.append({"id": f"ram-read{tag}-{i}", "title": title, "metric": "GB/s", "value": round(gbps, 2),
                      "vs_memcpy": round(gbps / base, 2), "bytes": total, "repeats": repeats, "ram_dir": ram_base})

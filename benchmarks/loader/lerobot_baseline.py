@@ -2,6 +2,12 @@
 
     python -m loongforge.benchmarks.loader.lerobot_baseline --workers 2 --json out.json
     python -m loongforge.benchmarks.loader.lerobot_baseline --episodes 2 --frames 40 60 --seconds 2   # a quick check
+    loongforge bench lerobot-baseline --lerobot-venv /work/lerobot-venv   # against the real lerobot 0.6.1
+
+`--lerobot-venv PATH` (a venv made by benchmarks/lerobot_venv/setup.sh) times the real lerobot 0.6.1
+instead of the rebuilt one: `DataLoader(lerobot's LeRobotDataset(root, video_backend=B), ...)` in that
+venv's Python (benchmarks/lerobot_venv/time_loader.py), B = pyav and torchcodec (reported as not
+available where it does not run), both encodings written as v3.0 (lerobot 0.6.1 reads no other).
 
 Data: GR00T-shaped sample data (one 256x256 camera at 20 fps, 44-D state and action), in two encodings:
   gop2   re-encoded as LeRobot writes today: v3.0 layout, AV1 (`--codec`) with a keyframe every 2
@@ -23,8 +29,10 @@ it does not (benchmarks/README.md). Goals: >= 20x at GOP 2, >= 100x at long GOP.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +68,8 @@ def build_data(work: Path, args) -> dict[str, tuple[str, str]]:
     v2 = generate_preset(work / "gopL", "gr00t-like", episodes=args.episodes, frames=tuple(args.frames),
                          gop=args.long_gop, **size)
     v3 = write_v3(v2, work / "gop2", codec=args.codec, gop=2, episodes_per_file=args.episodes_per_file)
+    if args.lerobot_venv:  # lerobot 0.6.1 reads v3.0 only: the long GOP re-encoded as it ships, in that layout
+        v2 = write_v3(v2, work / "gopL-v3", codec="h264", gop=args.long_gop, episodes_per_file=args.episodes_per_file)
     out = {}
     for name, src in (("gop2", v3), ("gopL", v2)):
         shards = work / f"{name}-shards"
@@ -94,6 +104,19 @@ def time_baseline(src: str, deltas: dict, args) -> dict:
     return _time(_endless(loader), args.seconds, args.batch_size)
 
 
+def time_real_lerobot(src: str, deltas: dict, args, backend: str) -> dict:
+    """The real lerobot in its own venv (time_loader.py); {"error": ...} where the backend does not run."""
+    script = Path(__file__).resolve().parents[1] / "lerobot_venv" / "time_loader.py"
+    cmd = [str(Path(args.lerobot_venv) / "bin" / "python"), str(script), "--root", src, "--deltas", json.dumps(deltas),
+           "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--seconds", str(args.seconds),
+           "--backend", backend]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = run.stdout.strip().splitlines()
+    if run.returncode or not lines:
+        return {"error": f"exit {run.returncode}: {run.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
 def time_fast(shards: str, deltas: dict, args) -> dict:
     with LeRobotLoader(shards, delta_timestamps=deltas, batch_size=args.batch_size, num_workers=args.workers,
                        split="all") as loader:
@@ -121,26 +144,44 @@ def _run(args) -> list[dict]:
                 if args.settings and setting not in args.settings:
                     continue
                 with pinned(cores_for(args.workers)) as cores:
-                    base = time_baseline(src, deltas, args)
+                    if args.lerobot_venv:
+                        base = time_real_lerobot(src, deltas, args, "pyav")
+                        codec_row = time_real_lerobot(src, deltas, args, "torchcodec")
+                    else:
+                        base, codec_row = time_baseline(src, deltas, args), None
                     fast = time_fast(shards, deltas, args)
+                if "error" in base:
+                    raise UsageError(f"lerobot in {args.lerobot_venv} did not run: {base['error']}")
                 ratio = fast["samples_per_s"] / base["samples_per_s"]
                 rows.append({"encoding": encoding, "gop": 2 if encoding == "gop2" else args.long_gop,
                              "codec": args.codec if encoding == "gop2" else "h264", "setting": setting,
                              "workers": args.workers, "cores": cores, "baseline": base, "loongforge": fast,
-                             "ratio": ratio, "goal": GOALS[encoding], "met": ratio >= GOALS[encoding]})
+                             "ratio": ratio, "goal": GOALS[encoding], "met": ratio >= GOALS[encoding],
+                             "baseline_kind": "lerobot 0.6.1" if args.lerobot_venv else "rebuilt pyav loading",
+                             "torchcodec": codec_row})
                 log.info("%s %s: %.1f vs %.1f samples/s (%.1fx)", encoding, setting, base["samples_per_s"],
                          fast["samples_per_s"], ratio)
     return rows
 
 
 def table(rows: list[dict], torchcodec: str | None) -> str:
-    lines = ["| Encoding | Deltas | Workers | LeRobot pyav (samples/s) | LoongForge (samples/s) | Ratio | Goal |",
-             "|---|---|---|---|---|---|---|"]
+    real = bool(rows) and rows[0].get("torchcodec") is not None
+    lines = ["| Encoding | Deltas | Workers | LeRobot pyav (samples/s) | LoongForge (samples/s) | Ratio | Goal |"
+             + (" lerobot torchcodec (samples/s) |" if real else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if real else "")]
     for r in rows:
+        tc = r.get("torchcodec") or {}
+        tc_cell = f" {tc['samples_per_s']:,.1f} |" if "samples_per_s" in tc else " not available |"
         lines.append(f"| {r['codec']} GOP {r['gop']} | {r['setting']} | {r['workers']} | "
                      f"{r['baseline']['samples_per_s']:,.1f} | {r['loongforge']['samples_per_s']:,.1f} | "
-                     f"{r['ratio']:,.1f}x | >= {r['goal']:g}x: {'met' if r['met'] else 'MISSED'} |")
-    lines.append(f"torchcodec: {'available' if torchcodec is None else 'not available: ' + torchcodec}")
+                     f"{r['ratio']:,.1f}x | >= {r['goal']:g}x: {'met' if r['met'] else 'MISSED'} |"
+                     + (tc_cell if real else ""))
+    if real:
+        errors = {r["torchcodec"]["error"] for r in rows if "error" in r["torchcodec"]}
+        lines.append("baseline: the real lerobot 0.6.1" + (f"; its torchcodec backend: {sorted(errors)[0]}"
+                                                          if errors else ""))
+    else:
+        lines.append(f"torchcodec: {'available' if torchcodec is None else 'not available: ' + torchcodec}")
     return "\n".join(lines)
 
 
@@ -156,6 +197,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--episodes-per-file", type=int, default=4, help="v3.0 episodes per mp4 (4)")
     p.add_argument("--settings", nargs="*", choices=("gr00t", "lerobot2"), default=None, help="delta settings (both)")
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per pass, at least (20)")
+    p.add_argument("--lerobot-venv", default=None, metavar="PATH",
+                   help="time the real lerobot 0.6.1 in this venv (benchmarks/lerobot_venv/setup.sh) instead of the "
+                   "rebuilt pyav loading; both encodings written as v3.0")
     p.add_argument("--work", default=None, help="directory for the generated data (a temp dir, removed after)")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (lerobot-baseline-<time>-<host>.json)")
 
@@ -163,6 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     if args.workers < 0 or args.batch_size < 1 or args.seconds <= 0 or args.episodes < 1:
         raise UsageError("--workers >= 0, --batch-size >= 1, --seconds > 0, --episodes >= 1")
+    if args.lerobot_venv and not (Path(args.lerobot_venv) / "bin" / "python").exists():
+        raise UsageError(f"--lerobot-venv {args.lerobot_venv}: no bin/python; make it with "
+                         "bash benchmarks/lerobot_venv/setup.sh PATH")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     machine = machine_info()
     rows = run(args)

@@ -27,6 +27,10 @@ from loongforge.shared.errors import SourceDataError, UnsupportedSourceError
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
 CAMERA_KINDS = ("video", "image")
 STATE_KEY, ACTION_KEY = "observation.state", "action"
+# Columns whose values an episode's required arrays already hold, as LeRobot returns them (FORMAT.md).
+STANDARD_ARRAYS = {STATE_KEY: "state", ACTION_KEY: "action", "timestamp": "timestamp", "frame_index": "frame_index",
+                   "index": "index", "task_index": "task_index"}
+GR00T_TASK_COLUMN = "annotation.human.action.task_description"  # what the task_index array holds when present
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,79 @@ class CameraSource:
     width: int
     codec: str
     kind: str = "video"  # "video": frames in mp4 files; "image": PNG/JPEG bytes in the data parquet
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A parquet column LeRobotDataset returns in its item: info.json's non-camera features (the
+    schema its `datasets` table is loaded with) that the data parquet holds. `dtype` and `shape`
+    are the item's (LeRobot builds each value with `torch.tensor(python value)`: every float is
+    float32, every integer int64; a shape-[1] feature is a scalar); `array` is the episode array
+    holding the values ("" for episode_index, the episode's own id)."""
+
+    name: str
+    array: str
+    dtype: str  # float32 | int64 | bool | str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"array": self.array, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+def item_dtype(dtype: str) -> str | None:
+    """The dtype of LeRobot's item value for a feature dtype; None for a non-tabular one."""
+    if dtype == "bool":
+        return "bool"
+    if dtype in ("string", "str", "large_string"):
+        return "str"
+    if re.fullmatch(r"float(16|32|64)", dtype or ""):
+        return "float32"
+    if re.fullmatch(r"u?int(8|16|32|64)", dtype or ""):
+        return "int64"
+    return None
+
+
+def _array_name(name: str, taken: set[str]) -> str:
+    """A member-name-safe array name of its own for a column: 'next.done' -> 'col_next_done'."""
+    base = "col_" + (re.sub(r"[^a-z0-9_]", "_", name.lower()).strip("_") or "x")
+    out, k = base, 2
+    while out in taken:
+        out, k = f"{base}_{k}", k + 1
+    taken.add(out)
+    return out
+
+
+def item_columns(features: dict, parquet_columns, warn) -> tuple[Column, ...]:
+    """The columns of LeRobot's item, in info.json's order. `parquet_columns`: the data parquet's
+    column names (None when unknown: every feature is assumed present). A feature whose dtype
+    LeRobot does not read as a table value, or that the parquet lacks, is left out with a warning."""
+    present = set(parquet_columns) if parquet_columns is not None else None
+    taken: set[str] = set()
+    out = []
+    for name, feat in (features or {}).items():
+        kind = feat.get("dtype") if isinstance(feat, dict) else None
+        if kind in CAMERA_KINDS:
+            continue
+        dtype = item_dtype(str(kind))
+        if dtype is None:
+            warn(f"feature {name!r} has dtype {kind!r}, not a table value LoongForge stores; left out of the items")
+            continue
+        if present is not None and name not in present:
+            warn(f"feature {name!r} is in info.json but not in the data parquet; left out of the items")
+            continue
+        shape = tuple(int(d) for d in (feat.get("shape") or [1]))
+        shape = () if shape == (1,) else shape
+        array = STANDARD_ARRAYS.get(name, "")
+        gr00t = present is not None and GR00T_TASK_COLUMN in present
+        if name == "task_index" and gr00t:
+            array = ""  # the task_index array holds GR00T's task column: LeRobot's own gets an array of its own
+        if name == GR00T_TASK_COLUMN and gr00t and dtype == "int64" and not shape:
+            array = "task_index"
+        if name == "episode_index":
+            out.append(Column(name, "", dtype, shape))
+            continue
+        out.append(Column(name, array or _array_name(name, taken), dtype, shape))
+    return tuple(out)
 
 
 def parse_json(raw: bytes, origin: str):

@@ -210,9 +210,12 @@ def _info(episodes, lengths, height, width, fps, cameras, state_dim, action_dim,
                       "video_info": dict(video_info)} for key in keys}
     features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": _names(state_dim)}
     features["action"] = {"dtype": "float32", "shape": [action_dim], "names": _names(action_dim)}
+    # Every parquet column is a feature: LeRobotDataset loads the parquet with this schema and refuses
+    # a file holding a column it does not list.
     for name, dtype in (("timestamp", "float32"), ("task_index", "int64"), ("episode_index", "int64"),
                         ("index", "int64"), ("frame_index", "int64"),
-                        ("annotation.human.action.task_description", "int64")):
+                        ("annotation.human.action.task_description", "int64"),
+                        ("annotation.human.validity", "int64"), ("next.done", "bool")):
         features[name] = {"dtype": dtype, "shape": [1], "names": None}
     return {
         "codebase_version": "v2.0",

@@ -32,6 +32,7 @@ from loongforge.preprocess.stages.images import images_to_nv12
 from loongforge.preprocess.stages.pack import METRICS_NS, StagedEpisode, staging_path
 from loongforge.preprocess.runner.progress import report_episode
 from loongforge.preprocess.stages.stats import episode_moments
+from loongforge.preprocess.stages.timing import FrameTiming
 from loongforge.shared import storage
 from loongforge.shared.blocks import encode_episode
 from loongforge.shared.errors import FormatError, SourceDataError
@@ -67,6 +68,7 @@ class ConvertParams:
     block_frames: int = 16  # frames per zstd block
     block_codec: str = "zstd"  # FORMAT.md "Block codec"
     sizes: tuple[tuple[int, int], ...] = ()  # per slot, its stored (height, width); () = all height x width
+    timing: FrameTiming = FrameTiming()  # which frame a row shows (stages/timing.py)
 
     def size(self, camera: int) -> tuple[int, int]:
         return self.sizes[camera] if self.sizes else (self.height, self.width)
@@ -90,6 +92,7 @@ class ConvertEpisodeFn(beam.DoFn):
         self.failed = Metrics.counter(METRICS_NS, "episodes_failed")
         self.samples = Metrics.counter(METRICS_NS, "samples")
         self.frames = Metrics.counter(METRICS_NS, "frames_decoded")
+        self.rows = {kind: Metrics.counter(METRICS_NS, f"rows_{kind}") for kind in ("shifted", "clamped", "skipped")}
 
     def _fail(self, spec: EpisodeSpec, camera: str | None, exc: Exception):
         self.failed.inc()
@@ -105,32 +108,46 @@ class ConvertEpisodeFn(beam.DoFn):
         return FAILED, record
 
     def _read_inputs(self, spec: EpisodeSpec):
-        """(table, {slot: NV12}, camera infos, source bytes); raises _Failed naming the camera
-        at fault (None = the parquet)."""
+        """(table, {slot: NV12}, camera infos, source bytes, per camera (key, shifted, clamped, skipped));
+        raises _Failed naming the camera at fault (None = the parquet)."""
         camera = None
         try:
             table = read_episode(spec, self.meta)
             if spec.length >= 0 and spec.length != table.length:
                 log.warning("episode %d: the episode metadata says %d frames, parquet has %d; trusting the parquet",
                             spec.index, spec.length, table.length)
-            frames, videos, source_bytes = {}, [], 0 if spec.shared_parquet else files.size(spec.parquet)
+            frames, videos, timing = {}, [], []
+            source_bytes = 0 if spec.shared_parquet else files.size(spec.parquet)
+            keep = np.ones(table.length, bool)
             paths_of, spans = dict(spec.videos), dict(zip((k for k, _ in spec.videos), spec.spans))
             for c, cam in enumerate(self.meta.cameras):
                 camera = cam.key
-                frames[cam.slot], info, size = self._camera(c, cam, table, paths_of.get(cam.key), spans.get(cam.key),
-                                                            spec)
+                frames[cam.slot], info, size, rows = self._camera(c, cam, table, paths_of.get(cam.key),
+                                                                  spans.get(cam.key), spec)
                 source_bytes += size
                 videos.append(info)
+                if rows is not None:
+                    timing.append((cam.key, *rows.counts()))
+                if rows is not None and rows.skipped:
+                    keep &= rows.frame >= 0
+            camera = None
+            if not keep.all():
+                if not keep.any():
+                    raise SourceDataError(f"episode {spec.index}: every row was skipped (--frame-mismatch skip): no "
+                                          "row's timestamp has a frame within the tolerance")
+                table = table.select(keep)
+                frames = {slot: f[keep] for slot, f in frames.items()}
         except (SourceDataError, FormatError) as exc:
             raise _Failed(camera, exc) from exc
         except Exception as exc:  # noqa: BLE001 - a reader/decoder bug on one input must not kill the job
             log.exception("episode %d: unexpected error reading %s", spec.index, camera or "the parquet")
             raise _Failed(camera, SourceDataError(f"{type(exc).__name__}: {exc}")) from exc
-        return table, frames, videos, source_bytes
+        return table, frames, videos, source_bytes, tuple(timing)
 
     def _camera(self, c: int, cam, table: EpisodeTable, path: str | None, span, spec: EpisodeSpec):
-        """(NV12 frames, (key, source h, w, codec, matrix, range), source bytes) of one camera. Files
-        shared by several episodes count 0 here: their bytes are SourceMeta.shared_bytes."""
+        """(NV12 frames, (key, source h, w, codec, matrix, range), source bytes, RowFrames or None for
+        image features, one image per row) of one camera. Files shared by several episodes count 0
+        here: their bytes are SourceMeta.shared_bytes."""
         p = self.params
         height, width = p.size(c)
         if cam.kind == "image":
@@ -138,19 +155,20 @@ class ConvertEpisodeFn(beam.DoFn):
             out = np.empty((table.length, height * 3 // 2, width), np.uint8)
             sh, sw, fmt = images_to_nv12(table.images[cam.key], out, resize_mode=p.resize_mode, target=target,
                                          origin=f"{spec.parquet} {cam.key}")
-            return out, (cam.key, sh, sw, fmt, target.matrix, target.range), 0
+            return out, (cam.key, sh, sw, fmt, target.matrix, target.range), 0, None
         if path is None:
             raise SourceDataError(f"episode {spec.index}: no video file for {cam.key}")
-        out, info = decode_nv12(path, table.length, height=height, width=width, resize_mode=p.resize_mode,
-                                color=p.color, span=span)
+        out, info = decode_nv12(path, table.timestamps, height=height, width=width, resize_mode=p.resize_mode,
+                                color=p.color, span=span, timing=p.timing)
         size = files.size(path) if span is None else 0
-        return out, (cam.key, info.height, info.width, info.codec, info.color_matrix, info.color_range), size
+        return out, (cam.key, info.height, info.width, info.codec, info.color_matrix, info.color_range), size, \
+            info.rows
 
     def process(self, spec: EpisodeSpec):
         t0 = time.perf_counter()
         p = self.params
         try:
-            table, frames, videos, source_bytes = self._read_inputs(spec)
+            table, frames, videos, source_bytes, timing = self._read_inputs(spec)
         except _Failed as failed:
             yield self._fail(spec, failed.camera, failed.error)
             return
@@ -163,20 +181,26 @@ class ConvertEpisodeFn(beam.DoFn):
         self.converted.inc()
         self.samples.inc(table.length)
         self.frames.inc(table.length * len(frames))
+        for _, *counts in timing:
+            for kind, count in zip(("shifted", "clamped", "skipped"), counts):
+                if count:
+                    self.rows[kind].inc(count)
         log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
         report_episode(self.progress_topic, spec.index, ok=True)
         yield STATS, episode_moments(spec.index, table.state, table.action)
         yield STAGED, StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
-                                    source_bytes=source_bytes, videos=tuple(videos))
+                                    source_bytes=source_bytes, videos=tuple(videos), timing=timing)
 
 
 def episode_arrays(table) -> dict:
-    """The per-frame arrays an episode stores (FORMAT.md), with the source's `index` when it has one."""
+    """The per-frame arrays an episode stores (FORMAT.md), with the source's `index` when it has one
+    and the other columns of LeRobot's item (`col_*`)."""
     out = {"state": table.state, "action": table.action, "timestamp": table.timestamps,
            "frame_index": table.frame_index, "task_index": table.task_index}
     if table.index is not None:
         out["index"] = table.index
+    out.update(getattr(table, "columns", None) or {})
     return out
 
 

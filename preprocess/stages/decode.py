@@ -7,10 +7,11 @@ would re-decode from the previous keyframe every time, which at GOP 100+ costs
 
 An episode inside a file holding several (LeRobot v3.0) is its `span` [from, to) in seconds:
 the decoder seeks to the keyframe at or before `from` (never decodes the file from its start
-for a later episode) and keeps exactly the frames whose presentation time t satisfies
-from - p/2 <= t < to - p/2 (p: one frame period): frame-exact, the first and last frame of
-the episode and no frame of a neighbour, what LeRobotDataset shows at episode time 0 ..
-(n-1)/fps.
+for a later episode) and considers exactly the frames whose presentation time t satisfies
+from - p/2 <= t < to - p/2 (p: one frame period): the first and last frame of the episode and
+no frame of a neighbour. Row r gets the frame of those nearest `from + timestamp[r]`, what
+LeRobotDataset shows for it (stages/timing.py: the identity for stamps 0, 1/fps, ...; rows
+without a frame within the tolerance are clamped, skipped or fail the episode).
 
 Colour: H.264 from LeRobot is yuv420p; repacking its planes to NV12 is lossless
 (no matrix or range conversion), so the NV12 carries the source's colour
@@ -28,6 +29,7 @@ import numpy as np
 from loongforge.preprocess import files
 from loongforge.preprocess.stages.colorspace import SWS_MATRIX, SWS_RANGE, UNTAGGED, ColorTarget, StreamColor, \
     check_stream, stream_color
+from loongforge.preprocess.stages.timing import FrameMismatch, FrameTiming, NearestFrames, RowFrames
 from loongforge.shared.errors import SourceDataError
 
 YUV420 = ("yuv420p", "yuvj420p")  # same planes; yuvj is full range (kept as is, recorded)
@@ -42,6 +44,7 @@ class VideoInfo:
     color_matrix: str  # bt601 | bt709, of the source stream
     frames: int  # decoded
     color_range: str = "limited"  # of the source stream
+    rows: RowFrames | None = None  # which frame each row shows, when rows were given by timestamp
 
 
 def crop_box(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[int, int, int, int]:
@@ -177,18 +180,31 @@ def _frames(container, stream, window: tuple[float, float, float] | None):
             yield frame
 
 
-def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: int | None = None,
+def decode_nv12(path: str, rows, *, height: int | None = None, width: int | None = None,
                 resize_mode: str = "resize", threads: int = 1, color: ColorTarget | None = None,
-                span: tuple[float, float] | None = None) -> tuple[np.ndarray, VideoInfo]:
-    """Decode exactly `n_frames` frames of the first video stream into NV12 (those of `span`,
+                span: tuple[float, float] | None = None,
+                timing: FrameTiming | None = None) -> tuple[np.ndarray, VideoInfo]:
+    """NV12 frames of the first video stream, one per row, from the file's frames (those of `span`,
     [from, to) seconds, when the file holds several episodes).
+    `rows`: the parquet's timestamps (seconds of episode time, one per row): each row gets the frame
+    nearest `from + timestamp` (stages/timing.py, by `timing`; `VideoInfo.rows` says which); or a
+    row count: exactly that many frames, frame i for row i.
     `color`: the dataset's colour; None keeps the stream's own (and records it).
 
-    Raises SourceDataError when the file is missing or unreadable, holds a
-    different number of frames than `n_frames` (the parquet's row count), or
-    is in another colour than `color` when `color` does not ask to convert."""
+    Raises SourceDataError when the file is missing or unreadable, holds no frame for the rows
+    (a row count: a different number of frames), a row has no frame within the tolerance under
+    mismatch "fail", or the stream is in another colour than `color` when `color` does not ask to
+    convert."""
     import av
 
+    mapper = None
+    if isinstance(rows, (int, np.integer)):
+        n_rows = int(rows)
+    else:
+        times = np.asarray(rows, np.float64)
+        n_rows = len(times)
+        mapper = NearestFrames(times + (span[0] if span is not None else 0.0), timing or FrameTiming())
+    where = f"{path} [{span[0]:g}, {span[1]:g}) s" if span is not None else path
     try:
         with files.open_read(path) as f, av.open(f, mode="r") as container:
             if not container.streams.video:
@@ -208,23 +224,54 @@ def decode_nv12(path: str, n_frames: int, *, height: int | None = None, width: i
             check_stream(path, got, target)  # refuses another colour unless conversion was asked for
             convert = NV12Converter(src_h, src_w, height, width, resize_mode, got, target)
             h, w = convert.dst
-            out = np.empty((n_frames, h * 3 // 2, w), dtype=np.uint8)
-            count = 0
-            window = _span_window(stream, span, n_frames) if span is not None else None
-            where = f"{path} [{span[0]:g}, {span[1]:g}) s" if span is not None else path
-            for frame in _frames(container, stream, window):
-                if count == n_frames:
-                    total = "more" if span is not None else stream.frames or "more"
-                    raise SourceDataError(f"{where}: length mismatch: video has {total} frames, parquet "
-                                          f"{n_frames} rows")
-                convert(frame, out[count])
-                count += 1
+            out = np.empty((n_rows, h * 3 // 2, w), dtype=np.uint8)
+            window = _span_window(stream, span, n_rows) if span is not None else None
+            if mapper is None:
+                count = _decode_count(container, stream, window, convert, out, where, span)
+            else:
+                count = _decode_nearest(container, stream, window, convert, out, mapper)
             info = VideoInfo(height=src_h, width=src_w, codec=cc.name, pix_fmt=str(cc.pix_fmt),
-                             color_matrix=got.matrix, frames=count, color_range=got.range)
+                             color_matrix=got.matrix, frames=count, color_range=got.range,
+                             rows=mapper.result() if mapper is not None else None)
     except FileNotFoundError:
         raise SourceDataError(f"{path}: video file missing") from None
     except av.FFmpegError as exc:
         raise SourceDataError(f"{path}: unreadable video ({type(exc).__name__}: {exc})") from exc
-    if count != n_frames:
-        raise SourceDataError(f"{where}: length mismatch: video has {count} frames, parquet {n_frames} rows")
+    except FrameMismatch as exc:
+        raise SourceDataError(f"{where}: {exc}; the episode's video has {mapper.seen} frames for {n_rows} rows "
+                              "(--frame-mismatch clamp or skip converts it)") from None
+    if mapper is None and count != n_rows:
+        raise SourceDataError(f"{where}: length mismatch: video has {count} frames, parquet {n_rows} rows")
+    if mapper is not None and count == 0 and n_rows:
+        raise SourceDataError(f"{where}: no video frame in the episode's span for its {n_rows} rows")
     return out, info
+
+
+def _decode_count(container, stream, window, convert, out: np.ndarray, where: str, span) -> int:
+    """Frame i into row i; more frames than rows is a length mismatch."""
+    count = 0
+    for frame in _frames(container, stream, window):
+        if count == len(out):
+            total = "more" if span is not None else stream.frames or "more"
+            raise SourceDataError(f"{where}: length mismatch: video has {total} frames, parquet {len(out)} rows")
+        convert(frame, out[count])
+        count += 1
+    return count
+
+
+def _decode_nearest(container, stream, window, convert, out: np.ndarray, mapper: NearestFrames) -> int:
+    """Each frame converted once, into the first row it serves, copied to the others (rows stamped
+    between two frames may share one); a frame no row is nearest to is decoded, never converted."""
+
+    def write(served) -> None:
+        if served is not None and len(served[0]):
+            rows, frame = served
+            convert(frame, out[rows[0]])
+            out[rows[1:]] = out[rows[0]]
+
+    count = 0
+    for frame in _frames(container, stream, window):
+        write(mapper.push(_time(frame, stream), frame))
+        count += 1
+    write(mapper.finish())
+    return count

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from loongforge.preprocess import files
 
 from loongforge.preprocess.lerobot import chunked, per_episode
-from loongforge.preprocess.lerobot.meta import ACTION_KEY, STATE_KEY, CameraSource, cameras, check_version, \
+from loongforge.preprocess.lerobot.meta import ACTION_KEY, STATE_KEY, CameraSource, Column, cameras, check_version, \
+    item_columns, \
     derived_modality, names, parse_json, vector_dim
 from loongforge.shared.errors import SourceDataError, UnsupportedSourceError
 
@@ -60,6 +61,7 @@ class SourceMeta:
     stats: dict = field(default_factory=dict)  # LeRobot's own statistics, as LeRobotDataset loads them
     features: dict = field(default_factory=dict)  # info.json's features, as found
     shared_bytes: int = 0  # bytes of the data/video files that hold several episodes (v3.0), counted once
+    columns: tuple[Column, ...] = ()  # the parquet columns of LeRobot's item, and the arrays that hold them
 
     @property
     def image_keys(self) -> tuple[str, ...]:
@@ -122,6 +124,19 @@ def _episodes(root: str, version: str, info: dict, raw: dict, listing: set[str],
     return specs, per_episode.tasks(raw), per_episode.stats(raw), {}
 
 
+def parquet_columns(path: str) -> list[str] | None:
+    """Column names of a data parquet from its footer alone; None when it cannot be read here (the
+    convert stage reports that file, episode by episode)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with files.open_read(path) as f:
+            return list(pq.ParquetFile(f).schema_arrow.names)
+    except (OSError, pa.ArrowException):
+        return None
+
+
 def _optional_stat(root: str, rel: str) -> dict[str, tuple[int, str]]:
     try:
         return {rel: (files.size(files.join(root, rel)), "")}
@@ -160,11 +175,13 @@ def discover(root: str, fingerprint: str = "stat") -> tuple[SourceMeta, list[Epi
         modality = derived_modality(info, cams, state_dim, action_dim)
         warn("no meta/modality.json; state/action groups derived from info.json's feature names: "
              f"state {sorted(modality['state'])}, action {sorted(modality['action'])}")
+    columns = item_columns(feats, parquet_columns(specs[0]["parquet"]) if specs else None, warn)
     meta = SourceMeta(
         uri=root, codebase_version=version, robot_type=str(info.get("robot_type") or ""),
         fps=float(info.get("fps", 0)), cameras=tuple(cams), state_dim=state_dim, action_dim=action_dim,
         state_names=names(state), action_names=names(action), tasks=tasks, modality=modality,
         fingerprint=fingerprint_inputs(root, raw, {**stats, **extra}, fingerprint), warnings=tuple(warnings),
         stats=lerobot_stats, features=feats,
+        columns=columns,
         shared_bytes=sum(size for size, _ in stats.values()) if version == "v3.0" else 0)
     return meta, [EpisodeSpec(**s) for s in specs]

@@ -7,6 +7,10 @@ the episode are not read.
 Per-row task: GR00T's `annotation.human.action.task_description` column when
 present (that is what GR00T conditions on), else LeRobot's `task_index`, else
 the episode's first task from the episode metadata.
+
+Every other column of LeRobot's item (`SourceMeta.columns`: next.done, next.reward,
+annotation.*, LeRobot's own task_index beside GR00T's, ...) is read into an array of its own, in
+the dtype LeRobot's item gives it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loongforge.preprocess import files
+from loongforge.preprocess.lerobot.meta import Column
 from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta
 from loongforge.shared.errors import SourceDataError
 
@@ -33,10 +38,21 @@ class EpisodeTable:
     task_text: dict  # task_index -> instruction
     index: np.ndarray | None = None  # int64 (n,): the source's global frame index (LeRobot's `index`), if any
     images: dict = field(default_factory=dict)  # image camera key -> per row {"bytes": ..., "path": ...}
+    columns: dict = field(default_factory=dict)  # array name -> (n, ...) values of a column of LeRobot's item
 
     @property
     def length(self) -> int:
         return int(self.state.shape[0])
+
+    def select(self, keep: np.ndarray) -> "EpisodeTable":
+        """The rows where `keep` is True (rows skipped for want of a frame)."""
+        rows = np.flatnonzero(keep)
+        return EpisodeTable(
+            episode=self.episode, state=self.state[rows], action=self.action[rows], timestamps=self.timestamps[rows],
+            frame_index=self.frame_index[rows], task_index=self.task_index[rows], task_text=self.task_text,
+            index=self.index[rows] if self.index is not None else None,
+            images={k: [v[i] for i in rows] for k, v in self.images.items()},
+            columns={k: v[rows] for k, v in self.columns.items()})
 
 
 def _matrix(table, column: str, dim: int, origin: str) -> np.ndarray:
@@ -57,6 +73,31 @@ def _matrix(table, column: str, dim: int, origin: str) -> np.ndarray:
     if flat.size != n * dim:
         raise SourceDataError(f"{origin}: column {column!r} has {flat.size} values for {n} rows of {dim}")
     return flat.reshape(n, dim)
+
+
+def _column(table, col: Column, origin: str) -> np.ndarray:
+    """(n, *shape) values of one column in the item's dtype; strings as a fixed-width str array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = table.column(col.name).combine_chunks()
+    n = len(values)
+    if values.null_count:
+        raise SourceDataError(f"{origin}: column {col.name!r} has {values.null_count} null rows")
+    if col.dtype == "str":
+        return np.array(values.to_pylist(), dtype=str).reshape(n, *col.shape)
+    while pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type) or \
+            pa.types.is_large_list(values.type):
+        values = pc.list_flatten(values)
+    try:
+        flat = values.to_numpy(zero_copy_only=False).astype(col.dtype)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise SourceDataError(f"{origin}: column {col.name!r} ({values.type}) is not {col.dtype} ({exc})") from None
+    size = int(np.prod(col.shape))
+    if flat.size != n * size:
+        raise SourceDataError(f"{origin}: column {col.name!r} has {flat.size} values for {n} rows of shape "
+                              f"{list(col.shape)} (info.json)")
+    return flat.reshape(n, *col.shape)
 
 
 def _may_hold(row_group, column: int, episode: int) -> bool:
@@ -121,6 +162,12 @@ def read_episode(spec: EpisodeSpec, meta: SourceMeta) -> EpisodeTable:
     task_text = dict(meta.tasks)
     if spec.tasks:
         task_text[-1] = spec.tasks[0]  # fallback for rows without a task index
+    columns = {}
+    for col in meta.columns:
+        if col.name not in table.column_names and col.name != "episode_index":
+            raise SourceDataError(f"{origin}: no {col.name!r} column (a feature in info.json)")
+        if col.array.startswith("col_"):
+            columns[col.array] = _column(table, col, origin)
     images = {}
     for key in meta.image_keys:
         if key not in table.column_names:
@@ -128,4 +175,4 @@ def read_episode(spec: EpisodeSpec, meta: SourceMeta) -> EpisodeTable:
         images[key] = table.column(key).to_pylist()
     return EpisodeTable(episode=spec.index, state=state, action=action, timestamps=timestamps,
                         frame_index=frame_index, task_index=task_index, task_text=task_text,
-                        index=column("index", None, np.int64), images=images)
+                        index=column("index", None, np.int64), images=images, columns=columns)

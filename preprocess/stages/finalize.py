@@ -111,6 +111,18 @@ def _source_colors(staged: list[StagedEpisode]) -> dict:
     return {key: {k: sorted(v) for k, v in seen.items()} for key, seen in sorted(out.items())}
 
 
+def frame_timing(meta: SourceMeta, params: ConvertParams, staged: list[StagedEpisode]) -> dict:
+    """What the timestamp rule did (stages/timing.py): its tolerance and mismatch policy, and per
+    video camera the rows shifted, clamped and skipped over the converted episodes (an image feature
+    holds one image per row: nothing to map)."""
+    cameras = {c.key: {"shifted": 0, "clamped": 0, "skipped": 0} for c in meta.cameras if c.kind == "video"}
+    for ep in staged:
+        for key, *counts in ep.timing:
+            for kind, count in zip(("shifted", "clamped", "skipped"), counts):
+                cameras[key][kind] += int(count)
+    return {"tolerance_s": params.timing.tolerance_s, "mismatch": params.timing.mismatch, "cameras": cameras}
+
+
 def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams, moments: dict,
                   staged: list[StagedEpisode]) -> tuple[DatasetInfo, tuple[int, ...]]:
     """(dataset info, validation episodes). `moments`: the per-episode partials (JobResults);
@@ -135,6 +147,9 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         # What LeRobot-compatible readers (train/data/lerobot.py) need: LeRobot's own statistics
         # (over every source episode, as LeRobotDataset loads them) and info.json's features.
         "lerobot_stats": meta.stats, "features": meta.features,
+        # The columns of LeRobot's item and the episode arrays holding them; which frame each row shows.
+        "columns": {c.name: c.to_json() for c in meta.columns},
+        "frame_timing": frame_timing(meta, params, staged),
     }
     # frames_per_sample 1: every frame is stored once; samples are shaped at training time (delta indices).
     dataset = DatasetInfo(

@@ -37,6 +37,8 @@ class StagedEpisode:
     source_frames: int  # rows of the episode (= frames per camera)
     source_bytes: int  # parquet + mp4 bytes read
     videos: tuple[tuple[str, int, int, str, str, str], ...]  # (camera key, src h, src w, codec, matrix, range)
+    # Per camera (key, rows shifted, clamped, skipped) by the timestamp rule (stages/timing.py).
+    timing: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

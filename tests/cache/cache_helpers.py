@@ -14,6 +14,7 @@ from loongforge.cache.protocol import Connection
 from loongforge.shared.index import ShardIndex
 
 READY = "cache daemon ready on"
+PEER_SECRET = "loongforge-test-peer-secret-0123456789abcdef"  # the test deployment's; >= 32 bytes
 
 
 class DaemonProc:
@@ -22,10 +23,13 @@ class DaemonProc:
 
     def __init__(self, tmp: Path, root: str, index: ShardIndex, name: str = "node-a", *, ram: str = "1MiB",
                  ssd: str = "4MiB", redis_url: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
-                 umask: int = -1):
+                 umask: int = -1, user=None):
         self.root, self.index, self.name = root, index, name
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
+        if user is not None:  # a users.User: the daemon runs as that uid, in a directory of its own
+            os.chown(self.dir, user.uid, user.gid)
+            os.chmod(self.dir, 0o750)
         self.socket = str(self.dir / "c.sock")
         self.ram_dir = str(self.dir / "ram")
         self.ssd_dir = str(self.dir / "ssd")
@@ -34,9 +38,13 @@ class DaemonProc:
                      "--ram-dir", self.ram_dir, "--ram-budget", ram, "--ssd-dir", self.ssd_dir, "--ssd-budget", ssd,
                      "--node-id", name, "--prefetch-window", "0", "--heartbeat-s", "0.2", "--node-ttl-s", "2",
                      *(("--redis-url", redis_url, "--peer-listen", "127.0.0.1:0") if redis_url else ()), *extra]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG", **(env or {})}
-        if "--tcp" in extra:  # --socket and --tcp are exclusive
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOONGFORGE_LOG_LEVEL": "DEBUG",
+                    **({"LOONGFORGE_CACHE_PEER_SECRET": PEER_SECRET} if redis_url else {}), **(env or {})}
+        self.tcp = extra[extra.index("--tcp") + 1] if "--tcp" in extra else None
+        if self.tcp:  # --socket and --tcp are exclusive
             self.args = [a for a in self.args if a not in ("--socket", self.socket)]
+        if user is not None:
+            self.args = user.argv(*self.args[3:])  # `serve ...` through tests/cache/run_as.py
         self.umask = umask  # the daemon's umask (-1: inherit the test's)
         self.proc: subprocess.Popen | None = None
 
@@ -67,7 +75,7 @@ class DaemonProc:
         return rc
 
     def request(self, op: str, **fields) -> dict:
-        conn = Connection(self.socket, None, 10.0)
+        conn = Connection(None if self.tcp else self.socket, self.tcp, 10.0)
         try:
             return conn.request(op, **fields)
         finally:

@@ -7,6 +7,7 @@ import signal
 
 import pytest
 from tests.cache.cache_helpers import DaemonProc
+from tests.cache.users import made_users
 
 
 @pytest.fixture
@@ -24,3 +25,11 @@ def daemons(tmp_path):
         if d.proc is not None:
             d.stop(signal.SIGKILL)
     shutil.rmtree(tmp_path / "nodes", ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def users():
+    """Throwaway Unix users: the daemon's (`d`), a member of its group (`inn`), an outsider (`out`).
+    Skipped without root (see users.py)."""
+    with made_users() as made:
+        yield made

@@ -183,7 +183,9 @@ def _flip_byte(path: str) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-# kind -> (over TCP, tamper(path)); over the unix socket the client checks owner and mode, over TCP the hash
+# kind -> (over TCP, tamper(path)); the client checks mode, owner (the daemon's uid, from the kernel) and
+# sha256 on every map, whichever the transport: a byte flipped in place by root or the daemon's uid keeps
+# owner and mode, and used to reach every new reader over the unix socket
 TAMPER = {
     "swapped, foreign owner": (False, lambda p: _swap_tier_file(p, NOBODY, 0o640)),
     "swapped, world-writable": (False, lambda p: _swap_tier_file(p, 0, 0o666)),
@@ -192,6 +194,8 @@ TAMPER = {
     "chown": (False, lambda p: os.chown(p, NOBODY, -1)),
     "swapped, same owner, over tcp": (True, lambda p: _swap_tier_file(p, os.geteuid(), 0o640)),
     "flipped byte, over tcp": (True, _flip_byte),
+    "flipped byte, over the unix socket": (False, _flip_byte),
+    "chmod g+w, over tcp": (True, lambda p: os.chmod(p, 0o660)),
 }
 
 
@@ -363,13 +367,14 @@ def test_permission_denied_names_the_socket_group(synthetic_root, daemons, caplo
 
 
 def test_socket_dir_check_outside_the_fallback_dir(tmp_path):
-    """An explicit socket directory is trusted unless anyone may replace the socket in it."""
+    """An explicit socket directory is trusted only if no one but its owner may write it: a sticky
+    /tmp-like directory (1777) lets anyone take the socket's name before the daemon starts."""
     d = tmp_path / "run"
     d.mkdir()
-    for mode, trusted in ((0o750, True), (0o1777, True), (0o777, False)):  # 1777: /tmp's sticky bit
+    for mode, trusted in ((0o750, True), (0o755, True), (0o1777, False), (0o777, False), (0o770, False)):
         os.chmod(d, mode)
         if trusted:
-            check_socket_dir(str(d / "c.sock"))
+            assert check_socket_dir(str(d / "c.sock")) == os.geteuid()  # the uid the daemon must have: the owner's
         else:
             with pytest.raises(CacheError, match="anyone could replace the socket"):
                 check_socket_dir(str(d / "c.sock"))

@@ -93,9 +93,11 @@ def test_disk_full_output_is_one_clear_error_and_publishes_nothing(tmp_path, tin
 
 @pytest.mark.parametrize("allow, rc", [("0", 3), ("2", 0), ("25%", 3), ("50%", 0)])
 def test_failed_records_set_the_exit_code(quirky_dataset, tmp_path, capsys, allow, rc):
-    """The quirky dataset: 4 episodes, 2 fail (corrupt video, length mismatch)."""
+    """The quirky dataset: 4 episodes, 2 fail (corrupt video; a short video, its last rows without a frame
+    under --frame-mismatch fail)."""
     out = str(tmp_path / "shards")
-    got = main(["preprocess", "--input", quirky_dataset, "--output", out, "--allow-failed", allow, "--",
+    got = main(["preprocess", "--input", quirky_dataset, "--output", out, "--allow-failed", allow,
+                "--frame-mismatch", "fail", "--",
                 "--direct_running_mode=in_memory", "--direct_num_workers=1"])
     captured = capsys.readouterr()
     assert got == rc

@@ -81,10 +81,10 @@ def test_corrupt_episode_same_records_and_exit_code(cluster, quirky_dataset, tmp
     index as the local runner, and exit 3 when more records failed than --allow-failed permits."""
     from loongforge.cli import main
 
-    want = local_job(quirky_dataset, str(tmp_path / "local"), run_in_memory)
+    want = local_job(quirky_dataset, str(tmp_path / "local"), run_in_memory, frame_mismatch="fail")
     out = str(tmp_path / "dask")
     rc = main(["preprocess", "--input", quirky_dataset, "--output", out, "--shard-size", "64KiB",
-               "--block-frames", "4", "--allow-failed", "1", "--progress-s", "0", "--json",
+               "--block-frames", "4", "--allow-failed", "1", "--progress-s", "0", "--json", "--frame-mismatch", "fail",
                "--runner", "dask", "--dask-scheduler", cluster.address])
     assert want["failed"] == 2 and rc == 3, capsys.readouterr().err[-2000:]
     assert_same_tree(out, str(tmp_path / "local"))

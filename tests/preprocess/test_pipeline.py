@@ -80,13 +80,15 @@ def test_inspect_verifies_a_root(converted, capsys):
 
 
 def test_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, run_in_memory, caplog):
-    """Failed inputs become records (not a dead job), and two runs give identical bytes."""
+    """Failed inputs become records (not a dead job), and two runs give identical bytes. The short
+    video's rows past its end have no frame: under --frame-mismatch fail its episode is a record
+    (the default clamps them: tests/preprocess/test_timing.py)."""
     import logging
 
     outs = [str(tmp_path / f"r{i}") for i in range(2)]
     for out in outs:
         with caplog.at_level(logging.WARNING):
-            summary = run_in_memory(quirky_dataset, out, block_frames=B)
+            summary = run_in_memory(quirky_dataset, out, block_frames=B, frame_mismatch="fail")
     assert summary["failed"] >= 1
     failed = [json.loads(line) for line in (Path(outs[0]) / paths.FAILED_FILE).read_text().splitlines()]
     assert len(failed) == summary["failed"] and open_root(outs[0]).manifest["failed"] == failed
@@ -94,7 +96,7 @@ def test_job_is_deterministic_and_records_failures(quirky_dataset, tmp_path, run
         assert (Path(outs[0]) / rel).read_bytes() == (Path(outs[1]) / rel).read_bytes(), rel
     assert [(r["episode"], r["camera"]) for r in failed] == [(1, "observation.images.ego_view"),
                                                             (3, "observation.images.ego_view")]
-    assert "unreadable video" in failed[0]["reason"] and "length mismatch" in failed[1]["reason"]
+    assert "unreadable video" in failed[0]["reason"] and "has no frame within" in failed[1]["reason"]
     assert summary["failed"] == 2 and summary["episodes"] == 2
     ds = open_root(outs[0])
     assert ds.verify() == [] and [ds.episode_id(e) for e in range(ds.num_episodes)] == [0, 2]

@@ -13,6 +13,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
+from loongforge.preprocess.stages.timing import FrameTiming
 from loongforge.preprocess.stages.convert import FAILED, STAGED, STATS, ConvertEpisodeFn, ConvertParams, select_tag
 from loongforge.preprocess.stages.discover import discover
 from loongforge.preprocess.stages.finalize import JobResultsFn
@@ -40,13 +41,14 @@ def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tm
     meta, episodes = discover(quirky_dataset)
     lengths = {e.index: e.length for e in episodes}
     with pipeline() as p:
-        out = p | beam.Create(episodes) | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path)))
+        fail = FrameTiming(mismatch="fail")  # the short video's episode fails (the default clamps its last rows)
+        out = p | beam.Create(episodes) | beam.ParDo(ConvertEpisodeFn(meta, params(tmp_path, timing=fail)))
         layouts = out | "Staged" >> beam.FlatMap(select_tag, STAGED) | "Layouts" >> beam.Map(
             lambda e: (e.episode, e.layout.num_frames, [len(c) for c in e.layout.blocks]))
         want = [(ep, lengths[ep], [-(-lengths[ep] // 4)] * 2) for ep in (0, 2)]  # 1 = corrupt video, 3 = mismatch
         assert_that(layouts, equal_to(want), label="CheckLayouts")
         reasons = out | "Failed" >> beam.FlatMap(select_tag, FAILED) | "Reasons" >> beam.Map(
-            lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "length mismatch" in r["reason"]))
+            lambda r: (r["episode"], r["camera"], "unreadable" in r["reason"] or "has no frame within" in r["reason"]))
         assert_that(reasons, equal_to([(1, "observation.images.ego_view", True),
                                        (3, "observation.images.ego_view", True)]), label="CheckFailed")
         counts = (out | "Stats" >> beam.FlatMap(select_tag, STATS)
@@ -61,10 +63,12 @@ def test_convert_episode_fn_stages_episodes_and_tags_failures(quirky_dataset, tm
     with tarfile.open(fileobj=io.BytesIO(staged[0].read_bytes() + END_OF_ARCHIVE)) as tar:
         names = tar.getnames()
     blocks = -(-lengths[0] // 4)
-    # `index`: the source's global frame index (LeRobot's column), an optional array (FORMAT.md)
-    assert names[:6] == [f"e000000.{n}.npy" for n in ("action", "frame_index", "index", "state", "task_index",
-                                                      "timestamp")]
-    assert names[6:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
+    # `index`: the source's global frame index (LeRobot's column), an optional array (FORMAT.md); `col_*`: the
+    # other columns of LeRobot's item (LeRobot's own task_index: the task_index array holds GR00T's task column)
+    assert names[:9] == [f"e000000.{n}.npy" for n in ("action", "col_annotation_human_validity", "col_next_done",
+                                                      "col_task_index", "frame_index", "index", "state",
+                                                      "task_index", "timestamp")]
+    assert names[9:] == [f"e000000_b{b:06d}.{c}.nv12.zst" for b in range(blocks) for c in ("ego_view", "wrist_view")]
 
 
 def test_job_results_stats_equal_numpy_and_are_order_free(sample_dataset):

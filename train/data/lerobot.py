@@ -176,12 +176,15 @@ class LeRobotDataset(torch.utils.data.Dataset):
         e, t = self.locate(int(idx))
         arrays, length = reader.arrays(e), int(self.ds.episode_lengths[e])
         item: dict = {}
-        for v in plan.vectors:
-            rows, pad = query(v.deltas, t, length)
-            values = arrays[v.array][rows]
-            item[v.key] = torch.from_numpy(values if v.deltas is not None else values[0])
-            if v.deltas is not None:
-                item[f"{v.key}_is_pad"] = torch.from_numpy(pad)
+        for col in plan.columns:
+            rows, pad = query(col.deltas, t, length)
+            values = reader.column(e, col, rows, arrays)
+            if col.dtype == "str":
+                item[col.key] = str(values[0])
+            else:
+                item[col.key] = torch.from_numpy(values if col.deltas is not None else np.array(values[0]))
+            if col.deltas is not None:
+                item[f"{col.key}_is_pad"] = torch.from_numpy(pad)
         for cam in plan.cameras:
             rows, pad = query(cam.deltas, t, length)
             if plan.color == "pyav" and self._pyav is None:
@@ -190,9 +193,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             item[cam.key] = rgb[0] if cam.squeeze else rgb
             if cam.deltas is not None:
                 item[f"{cam.key}_is_pad"] = torch.from_numpy(pad)
-        for name, value in reader.scalars(e, t, arrays).items():
-            item[name] = torch.tensor(value)
-        item["task"] = self.tasks.get(int(item["task_index"]), "")
+        # LeRobot's `meta.tasks.iloc[task_index]`: the instruction of the row's own task_index column.
+        item["task"] = self.tasks.get(int(arrays[plan.task_array][t]), "")
         return item
 
     def __repr__(self) -> str:

@@ -7,11 +7,18 @@ timestamps x fps, each within `tolerance_s` of a whole frame, else refused as Le
     rows   clamp(t + d, 0, T - 1)              frames / state rows / action rows read
     pad    (t + d < 0) | (t + d >= T)          `<key>_is_pad`, only for keys given a delta
 
-Shapes (LeRobot's): a vector key with deltas is (len(d), dim), without (dim,); a camera is
-(len(d), 3, h, w) float32 in [0, 1], except a video camera with one delta or none, which is
-squeezed to (3, h, w) (LeRobot's `frames.squeeze(0)`), and an image camera without deltas
-(3, h, w). `timestamp` float32, `frame_index`, `episode_index`, `index`, `task_index` int64
-scalars, `task` the instruction.
+Keys: every column of the source's data parquet that LeRobot's item holds (its info.json
+non-camera features: observation.state, action, timestamp, episode_index, index, task_index, and
+frame_index, next.done, next.reward, annotation.* where the dataset has them; the index's
+`source.columns`, preprocess/lerobot/meta.py), each camera, `<key>_is_pad` for each key given
+deltas, and `task` (the instruction of the row's `task_index` column). A root written before
+`source.columns` gives state, action, timestamp, frame_index, episode_index, index, task_index.
+
+Shapes and dtypes (LeRobot's, which builds each value with `torch.tensor`): a column with deltas
+is (len(d), *shape), without it is the row's shape (a scalar for a shape-[1] feature); floats
+are float32, integers int64, bools bool, strings str. A camera is (len(d), 3, h, w) float32 in
+[0, 1], except a video camera with one delta or none, which is squeezed to (3, h, w) (LeRobot's
+`frames.squeeze(0)`), and an image camera without deltas (3, h, w).
 
 Colour: "loongforge" converts the stored NV12 with the index's matrix and range
 (shared/color.py's rule, the trainer's numba pass), within a few LSB of PyAV; "pyav" rebuilds
@@ -36,7 +43,6 @@ from loongforge.train.data.block_cache import BlockCache
 from loongforge.train.data.colorspace import nv12_to_input
 
 STATE_KEY, ACTION_KEY = "observation.state", "action"
-VECTOR_ARRAYS = {STATE_KEY: "state", ACTION_KEY: "action"}
 COLOR_MODES = ("loongforge", "pyav")
 ARRAYS_KEPT = 64  # episodes whose per-frame arrays a reader keeps (a few KB each)
 
@@ -61,21 +67,39 @@ class CameraPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class VectorPlan:
-    key: str  # observation.state | action
-    array: str  # state | action (the episode array)
+class ColumnPlan:
+    key: str  # observation.state | action | timestamp | next.done | ...
+    array: str  # the episode array holding it; "" = episode_index (the episode's id)
     deltas: tuple[int, ...] | None
-    dim: int
+    shape: tuple[int, ...]  # one row's
+    dtype: str  # float32 | int64 | bool | str (LeRobot's item dtype)
+
+    @property
+    def frames(self) -> int:
+        return len(self.deltas) if self.deltas is not None else 1
+
+
+def item_columns(info: DatasetInfo) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(key, array, shape, dtype) of every column of the item: the root's `source.columns`, or the
+    fixed set of a root written before it."""
+    found = info.source.get("columns")
+    if found:
+        return [(key, c["array"], tuple(c["shape"]), c["dtype"]) for key, c in found.items()]
+    return [(STATE_KEY, "state", (info.state_dim,), "float32"), (ACTION_KEY, "action", (info.action_dim,), "float32"),
+            ("timestamp", "timestamp", (), "float32"), ("frame_index", "frame_index", (), "int64"),
+            ("episode_index", "", (), "int64"), ("index", "index", (), "int64"),
+            ("task_index", "task_index", (), "int64")]
 
 
 @dataclass(frozen=True, slots=True)
 class ItemPlan:
     fps: float
     cameras: tuple[CameraPlan, ...]
-    vectors: tuple[VectorPlan, ...]
+    columns: tuple[ColumnPlan, ...]
     matrix: str
     color_range: str
     color: str = "loongforge"
+    task_array: str = "task_index"  # the array of LeRobot's task_index column: what `task` is looked up by
 
     def __post_init__(self):
         if self.color not in COLOR_MODES:
@@ -86,19 +110,24 @@ class ItemPlan:
               color: str = "loongforge") -> "ItemPlan":
         deltas = delta_indices(delta_timestamps or {}, info.fps, tolerance_s)
         features = info.source.get("features") or {}
-        known = [c.key for c in info.cameras] + list(VECTOR_ARRAYS)
+        columns = item_columns(info)
+        known = [c.key for c in info.cameras] + [key for key, *_ in columns]
         unknown = sorted(set(deltas) - set(known))
         if unknown:
             raise ConfigError(f"delta_timestamps keys {unknown}: not in this root (it has {known})")
+        strings = sorted(key for key, _, _, dtype in columns if dtype == "str" and key in deltas)
+        if strings:
+            raise ConfigError(f"delta_timestamps keys {strings}: string columns have no time axis (LeRobot cannot "
+                              "stack them either)")
         cams = tuple(CameraPlan(c.key, i, (features.get(c.key) or {}).get("dtype", "video"), deltas.get(c.key),
                                 *info.camera_size(i)) for i, c in enumerate(info.cameras))
-        vecs = tuple(VectorPlan(key, array, deltas.get(key), dim) for (key, array), dim in
-                     zip(VECTOR_ARRAYS.items(), (info.state_dim, info.action_dim)))
-        return cls(info.fps, cams, vecs, info.color_matrix, info.color_range, color)
+        cols = tuple(ColumnPlan(key, array, deltas.get(key), shape, dtype) for key, array, shape, dtype in columns)
+        task = next((c.array for c in cols if c.key == "task_index" and c.array), "task_index")
+        return cls(info.fps, cams, cols, info.color_matrix, info.color_range, color, task)
 
     def key_deltas(self) -> dict:
         """{key: delta indices} of the keys given deltas (what resuming checks against)."""
-        return {p.key: list(p.deltas) for p in (*self.cameras, *self.vectors) if p.deltas is not None}
+        return {p.key: list(p.deltas) for p in (*self.cameras, *self.columns) if p.deltas is not None}
 
 
 def delta_indices(delta_timestamps: dict, fps: float, tolerance_s: float) -> dict[str, tuple[int, ...]]:
@@ -177,7 +206,7 @@ class ItemReader:
         if got is None:
             got = self.ds.read_arrays(e)
             length = int(self.ds.episode_lengths[e])
-            for name in ("state", "action", "timestamp"):
+            for name in ("state", "action", "timestamp", *(k for k in got if k.startswith("col_"))):
                 if got[name].shape[0] != length:
                     raise FormatError(f"episode {self.ds.episode_id(e)}: {name} has {got[name].shape[0]} rows, "
                                       f"the index says {length} frames")
@@ -201,10 +230,12 @@ class ItemReader:
             out[k] = block[i]
         return out
 
-    def scalars(self, e: int, t: int, arrays: dict) -> dict:
-        """timestamp, frame_index, episode_index, index, task_index of frame t (numpy scalars)."""
-        index = arrays.get("index")
-        return {"timestamp": np.float32(arrays["timestamp"][t]), "frame_index": np.int64(arrays["frame_index"][t]),
-                "episode_index": np.int64(self.ds.episode_id(e)),
-                "index": np.int64(index[t] if index is not None else int(self.ds.episode_starts[e]) + t),
-                "task_index": np.int64(arrays["task_index"][t])}
+    def column(self, e: int, col: ColumnPlan, rows: np.ndarray, arrays: dict) -> np.ndarray:
+        """(k, *shape) values of one column at episode rows `rows`, in the item's dtype."""
+        if not col.array:
+            values = np.full(len(rows), self.ds.episode_id(e), np.int64)
+        elif col.array == "index" and "index" not in arrays:  # a source without LeRobot's index column
+            values = int(self.ds.episode_starts[e]) + rows
+        else:
+            values = arrays[col.array][rows]
+        return values if col.dtype == "str" else values.astype(col.dtype, copy=False)

@@ -7,7 +7,8 @@
     loader.state_dict() / load_state_dict(state)   # exact resume, as BlockLoader
 
 The same keys, shapes, dtypes and values as `DataLoader(LeRobotDataset(root, delta_timestamps=...),
-batch_size=B)` yields (default collate: a leading batch axis, `task` a list of strings), from
+batch_size=B)` yields (default collate: a leading batch axis, `task` a list of strings; the epoch's
+last, partial batch kept as DataLoader's drop_last=False keeps it, `drop_last=True` leaves it out), from
 BlockLoader's machinery: the deterministic global order (order.py: every frame of the training
 episodes once per epoch, block-aware, rank slices of a global batch), decode worker processes
 that fill shared-memory slots from the block cache (workers.py), and the prefetcher that
@@ -29,8 +30,7 @@ from loongforge.train.data.lerobot_items import ItemPlan, ItemReader, PyAVRGB, q
 from loongforge.train.data.loader import DEFAULT_CACHE_MB, BlockLoader
 from loongforge.train.data.sources import SourceSpec, make_source
 
-SCALARS = (("timestamp", "<f4"), ("frame_index", "<i8"), ("episode_index", "<i8"), ("index", "<i8"),
-           ("task_index", "<i8"))
+FIELD_DTYPES = {"float32": "<f4", "int64": "<i8", "bool": "|b1"}  # a column's item dtype -> its batch field
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +62,23 @@ class FieldLayout:
 
 def item_layout(plan: ItemPlan, batch: int) -> FieldLayout:
     """frames.<key> NV12 (B, K, 3h/2, w) (or rgb.<key> uint8 (B, K, h, w, 3) for colour "pyav"),
-    the vectors (B, K, dim), pad.<key> (B, K), the scalars (B,), sample_ids (B,)."""
+    col.<key> (B, K, *shape) or (B, *shape) per column, pad.<key> (B, K), sample_ids (B,)."""
+    strings = [c.key for c in plan.columns if c.dtype == "str"]
+    if strings:
+        raise ConfigError(f"columns {strings} hold strings, which the fast path's fixed-size batches do not carry; "
+                          "read this root with LeRobotDataset in a DataLoader")
     specs = []
     for c in plan.cameras:
         rgb = plan.color == "pyav" and c.kind == "video"
         shape = (batch, c.frames, c.height, c.width, 3) if rgb else (batch, c.frames, c.height * 3 // 2, c.width)
         specs.append((f"{'rgb' if rgb else 'frames'}.{c.key}", shape, "|u1"))
-    for v in plan.vectors:
-        specs.append((v.key, (batch, len(v.deltas or (0,)), v.dim), "<f4"))
-    for p in (*plan.cameras, *plan.vectors):
+    for col in plan.columns:
+        shape = (batch, col.frames, *col.shape) if col.deltas is not None else (batch, *col.shape)
+        specs.append((f"col.{col.key}", shape, FIELD_DTYPES[col.dtype]))
+    for p in (*plan.cameras, *plan.columns):
         if p.deltas is not None:
             specs.append((f"pad.{p.key}", (batch, len(p.deltas)), "|b1"))
-    specs += [(name, (batch,), dtype) for name, dtype in SCALARS]
-    specs += [("sample_valid", (batch,), "|b1"), ("sample_ids", (batch,), "<i8")]
+    specs += [("task_row", (batch,), "<i8"), ("sample_valid", (batch,), "|b1"), ("sample_ids", (batch,), "<i8")]
     return FieldLayout(tuple(specs))
 
 
@@ -130,13 +134,13 @@ class ItemFiller:
                 reader.frames(e, c.column, rows, out=arrays[f"frames.{c.key}"][row])
             if c.deltas is not None:
                 arrays[f"pad.{c.key}"][row] = pad
-        for v in plan.vectors:
-            rows, pad = query(v.deltas, t, length)
-            arrays[v.key][row] = ep[v.array][rows]
-            if v.deltas is not None:
-                arrays[f"pad.{v.key}"][row] = pad
-        for name, value in reader.scalars(e, t, ep).items():
-            arrays[name][row] = value
+        for col in plan.columns:
+            rows, pad = query(col.deltas, t, length)
+            values = reader.column(e, col, rows, ep)
+            arrays[f"col.{col.key}"][row] = values if col.deltas is not None else values[0]
+            if col.deltas is not None:
+                arrays[f"pad.{col.key}"][row] = pad
+        arrays["task_row"][row] = ep[plan.task_array][t]
 
 
 class LeRobotLoader(BlockLoader):
@@ -145,7 +149,7 @@ class LeRobotLoader(BlockLoader):
                  color: str = "loongforge", split: str = "train", tolerance_s: float = 1e-4,
                  block_cache_mb: float = DEFAULT_CACHE_MB, prefetch: int = 2, max_steps: int | None = None,
                  timeout_s: float = 120.0, start_method: str = "spawn", source: SourceSpec | None = None,
-                 **order):
+                 drop_last: bool = False, **order):
         ds = open_root(root)
         if split not in ("train", "all"):
             raise ConfigError(f"split={split!r}: the fast path reads 'train' (the training split) or 'all'")
@@ -155,7 +159,8 @@ class LeRobotLoader(BlockLoader):
         super().__init__(root, batch_size=batch_size, num_workers=num_workers, seed=seed, rank=rank, world=world,
                          dataset=ds, device=device, rgb=True, block_cache_mb=block_cache_mb, bad_samples="raise",
                          prefetch=prefetch, max_steps=max_steps, timeout_s=timeout_s, start_method=start_method,
-                         image_mean=0.0, image_std=1.0, train_only=split == "train", source=source, **order)
+                         image_mean=0.0, image_std=1.0, train_only=split == "train", source=source,
+                         drop_last=drop_last, **order)
 
     def _filler(self, root: str, per_rank: int, max_text_tokens: int, cache_bytes: int) -> ItemFillerSpec:
         return ItemFillerSpec(root, self.items, item_layout(self.items, per_rank), cache_bytes, self.source_spec)
@@ -164,7 +169,8 @@ class LeRobotLoader(BlockLoader):
         return {**super()._order_key(), "delta_indices": self.items.key_deltas(), "color": self.items.color}
 
     def __len__(self) -> int:
-        """Steps (batches of this rank) per epoch."""
+        """Steps (batches of this rank) per epoch: ceil(samples / batch_size), as a DataLoader's len(),
+        or the full batches alone with drop_last=True."""
         return self.plan.steps
 
     def __next__(self) -> dict:
@@ -172,18 +178,20 @@ class LeRobotLoader(BlockLoader):
         return self._lerobot_batch(raw)
 
     def _lerobot_batch(self, raw: dict) -> dict:
+        rows = len(raw["meta"]["sample_ids"])  # fewer than the slot's rows in an epoch's kept tail
+        if rows < len(raw["sample_ids"]):
+            raw = {k: (v if k == "meta" else {c: x[:rows] for c, x in v.items()} if k == "frames" else v[:rows])
+                   for k, v in raw.items()}
         plan, frames, out = self.items, raw["frames"], {}
         for c in plan.cameras:
             x = frames.get(c.key)
             if x is None:  # colour "pyav": uint8 RGB made in the worker, to [0, 1] floats here (on the device)
                 x = raw[f"rgb.{c.key}"].permute(0, 1, 4, 2, 3).float().div_(255)
             out[c.key] = x[:, 0] if c.squeeze else x
-        for v in plan.vectors:
-            out[v.key] = raw[v.key] if v.deltas is not None else raw[v.key][:, 0]
-        for p in (*plan.cameras, *plan.vectors):
+        for col in plan.columns:
+            out[col.key] = raw[f"col.{col.key}"]
+        for p in (*plan.cameras, *plan.columns):
             if p.deltas is not None:
                 out[f"{p.key}_is_pad"] = raw[f"pad.{p.key}"]
-        for name, _ in SCALARS:
-            out[name] = raw[name]
-        out["task"] = [self.tasks.get(int(i), "") for i in raw["task_index"].tolist()]
+        out["task"] = [self.tasks.get(int(i), "") for i in raw["task_row"].tolist()]
         return out

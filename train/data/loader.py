@@ -62,7 +62,7 @@ class BlockLoader:
                  max_text_tokens: int = 32, bad_samples: str = "skip", prefetch: int = 2,
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
                  image_mean: float = 0.5, image_std: float = 0.5, train_only: bool = True,
-                 source: SourceSpec | None = None, prompts: PromptTable | None = None):
+                 source: SourceSpec | None = None, drop_last: bool = True, prompts: PromptTable | None = None):
         self.ds = dataset if dataset is not None else open_root(root)
         self.prompts = prompts  # the model's prompt per task (the trainer's); None = the task text's bytes
         info = self.ds.info
@@ -81,7 +81,8 @@ class BlockLoader:
         per_rank = order.check_layout(batch_size, rank, world)  # now, not mid-run
         n = self.table.num_samples if self.train_eps is None else \
             int(self.table.counts[np.asarray(self.train_eps, bool)].sum())
-        self.plan = order.plan_epoch(n, batch_size)
+        # drop_last=False: the epoch's last, partial batch too (the LeRobot adapter; order.py "Uneven tail").
+        self.plan = order.plan_epoch(n, batch_size, drop_last)
         self.device = resolve_device(device)
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
         if block_cache_mb < 0:
@@ -138,7 +139,8 @@ class BlockLoader:
         ablation baseline serves, so both loaders read the same samples in the same order)."""
         epoch, consumed, step = self.epoch, self.consumed, self.steps_done
         while self.max_steps is None or step < self.max_steps:
-            ids = self.epoch_order(epoch).rank_ids(consumed, self.global_batch, self.rank, self.world)
+            ids = self.epoch_order(epoch).rank_ids(consumed, self.global_batch, self.rank, self.world,
+                                                   tail=not self.plan.drop_last)
             eps, ts = self.table.locate(ids)
             self._announce(epoch, consumed)
             items = list(zip(ids.tolist(), eps.tolist(), ts.tolist()))
@@ -154,7 +156,7 @@ class BlockLoader:
         whole next epoch too (prefetch across the seam). A shard is where a sample's episode lives."""
         if self._announcer is None:
             return
-        end = self.plan.steps * self.global_batch
+        end = min(self.plan.steps * self.global_batch, self.plan.samples)
         if epoch != self._announced_epoch:
             if self._announced_next != epoch:  # else sent whole near the last epoch's end
                 self._send_plan(epoch, consumed, end)

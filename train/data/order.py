@@ -22,7 +22,10 @@ Uneven tail: the last partial global batch of an epoch is DROPPED (and counted i
 `EpochPlan.dropped`). Every rank therefore runs exactly `steps` steps per epoch: ranks
 with different batch counts deadlock in allreduce (webdataset #188). We drop rather than
 pad because padding repeats samples within an epoch; the dropped samples differ every
-epoch, since the order does.
+epoch, since the order does. With `drop_last=False` (the LeRobot adapter, as a DataLoader)
+the tail is one more, smaller global batch, split over the ranks in contiguous slices as
+evenly as it goes (every rank still runs the same number of steps; a rank's slice may be
+empty): every sample exactly once per epoch, none repeated.
 
 The loader state is one global in-epoch counter (samples consumed by all ranks together)
 plus the epoch, never per-rank cursors, so a resume may change the data-parallel degree
@@ -42,24 +45,36 @@ from loongforge.shared.errors import ConfigError
 class EpochPlan:
     samples: int  # samples in the dataset (the training split)
     global_batch: int
-    steps: int  # full global batches this epoch
+    steps: int  # global batches this epoch (full ones, plus the tail's when it is kept)
     dropped: int  # samples of the tail batch left out this epoch
+    drop_last: bool = True
 
 
-def plan_epoch(num_samples: int, global_batch: int) -> EpochPlan:
-    if num_samples < global_batch:
+def plan_epoch(num_samples: int, global_batch: int, drop_last: bool = True) -> EpochPlan:
+    if num_samples < (global_batch if drop_last else 1):
         raise ConfigError(f"data.global_batch_size: {global_batch} exceeds the {num_samples} samples of the "
                           "dataset; lower --batch-size")
     steps = num_samples // global_batch
+    if not drop_last:
+        return EpochPlan(num_samples, global_batch, -(-num_samples // global_batch), 0, False)
     return EpochPlan(num_samples, global_batch, steps, num_samples - steps * global_batch)
 
 
 def advance(epoch: int, consumed: int, plan: EpochPlan) -> tuple[int, int]:
-    """(epoch, in-epoch counter) after one global batch; rolls over, dropping the tail."""
+    """(epoch, in-epoch counter) after one global batch; rolls over, dropping the tail unless kept."""
     consumed += plan.global_batch
-    if consumed + plan.global_batch > plan.samples:
+    if consumed + (plan.global_batch if plan.drop_last else 0) > plan.samples or consumed == plan.samples:
         return epoch + 1, 0
     return epoch, consumed
+
+
+def rank_range(consumed: int, global_batch: int, rank: int, world: int, n: int,
+               tail: bool = False) -> tuple[int, int]:
+    """Positions [a, b) of this rank in the global batch at `consumed`: a contiguous slice of
+    global_batch / world, or, in a kept tail (`tail`) shorter than the batch, of what is left."""
+    _check_slice(consumed, global_batch, rank, world, n, tail)
+    left = min(global_batch, n - consumed)
+    return consumed + rank * left // world, consumed + (rank + 1) * left // world
 
 
 def check_layout(global_batch: int, rank: int, world: int) -> int:
@@ -235,11 +250,9 @@ class EpochOrder:
             a, w = stop, w + 1
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def rank_ids(self, consumed: int, global_batch: int, rank: int, world: int) -> np.ndarray:
+    def rank_ids(self, consumed: int, global_batch: int, rank: int, world: int, tail: bool = False) -> np.ndarray:
         """`rank_slice` of the sequence, expanding only this rank's slice."""
-        _check_slice(consumed, global_batch, rank, world, self.num_samples)
-        per = global_batch // world
-        return self.ids(consumed + rank * per, consumed + (rank + 1) * per)
+        return self.ids(*rank_range(consumed, global_batch, rank, world, self.num_samples, tail))
 
     def rank_episodes(self, consumed: int, end: int, global_batch: int, rank: int, world: int):
         """Episodes of this rank's samples at positions [consumed, end), window by window in
@@ -254,21 +267,19 @@ class EpochOrder:
             w += 1
 
 
-def _check_slice(consumed: int, global_batch: int, rank: int, world: int, n: int) -> None:
+def _check_slice(consumed: int, global_batch: int, rank: int, world: int, n: int, tail: bool = False) -> None:
     check_layout(global_batch, rank, world)
     if consumed % global_batch:
         raise ConfigError(f"in-epoch counter {consumed} is not a multiple of the global batch {global_batch}; "
                           "resume with the global batch size the run was started with")
-    if consumed + global_batch > n:
+    if consumed + (1 if tail else global_batch) > n:
         raise IndexError(f"global batch at {consumed} runs past the epoch ({n} samples)")
 
 
-def rank_slice(seq: np.ndarray, consumed: int, global_batch: int, rank: int, world: int) -> np.ndarray:
+def rank_slice(seq: np.ndarray, consumed: int, global_batch: int, rank: int, world: int,
+               tail: bool = False) -> np.ndarray:
     """This rank's contiguous slice of the global batch at in-epoch position `consumed`."""
-    _check_slice(consumed, global_batch, rank, world, len(seq))
-    per = global_batch // world
-    start = consumed + rank * per
-    return seq[start:start + per]
+    return seq[slice(*rank_range(consumed, global_batch, rank, world, len(seq), tail))]
 
 
 def batch_diversity(seq: np.ndarray, episodes: np.ndarray, times: np.ndarray, groups: np.ndarray,

@@ -100,6 +100,23 @@ def test_fast_path_batches_are_the_same_items(roots):
     assert state["order"]["delta_indices"]["action"] == list(range(16))
 
 
+def test_the_last_partial_batch_is_kept_as_a_dataloader_keeps_it(roots):
+    """195 items at batch 32: 6 full batches and one of 3, every index exactly once per epoch
+    (DataLoader's drop_last=False); drop_last=True leaves the 3 out."""
+    root, spec, _, _ = roots["video"]
+    deltas = {"action": spec["delta_timestamps"]["action"]}
+    with LeRobotLoader(root, delta_timestamps=deltas, batch_size=32, num_workers=0, max_steps=8) as loader:
+        assert len(loader) == 7
+        batches = list(loader)
+    sizes = [len(b["index"]) for b in batches]
+    assert sizes == [32] * 6 + [3, 32]  # the 8th step starts epoch 2
+    assert sorted(i for b in batches[:7] for i in b["index"].tolist()) == list(range(195))
+    tail = batches[6]
+    assert tail["action"].shape == (3, 16, 7) and len(tail["task"]) == 3 and tail["action_is_pad"].shape == (3, 16)
+    with LeRobotLoader(root, delta_timestamps=deltas, batch_size=32, drop_last=True, max_steps=7) as loader:
+        assert len(loader) == 6 and [len(b["index"]) for b in loader] == [32] * 7
+
+
 def test_episode_boundaries_stats_and_selection(roots):
     import pyarrow.parquet as pq
 
@@ -138,3 +155,80 @@ def test_the_trainer_refuses_cameras_of_different_sizes(roots):
     root, *_ = roots["video"]
     with pytest.raises(ConfigError, match="different sizes .*--height H --width W"):
         BlockLoader(root, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def many_columns(tmp_path_factory):
+    """GR00T-like sample data in LeRobot v3.0 with more columns: float64, a float vector, a string
+    (beside next.done bool and the annotation.* ints the sample data has)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loongforge.preprocess.samples.dataset import generate_dataset
+    from loongforge.preprocess.samples.layouts import write_v3
+
+    tmp = tmp_path_factory.mktemp("columns")
+    src = write_v3(generate_dataset(tmp / "v2", episodes=2, frames=(6, 9), height=32, width=32,
+                                    cameras=("ego_view",)), tmp / "v3", codec="h264", gop=2)
+    path = src / "data/chunk-000/file-000.parquet"
+    table = pq.read_table(path)
+    n = table.num_rows
+    table = table.append_column("next.reward", pa.array(np.linspace(0, 1, n), pa.float64()))
+    env = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    table = table.append_column("observation.environment_state",
+                                pa.FixedSizeListArray.from_arrays(pa.array(env.reshape(-1)), 3))
+    table = table.append_column("note", pa.array([f"row {i}" for i in range(n)]))
+    pq.write_table(table, path)
+    info = json.loads((src / "meta/info.json").read_text())
+    info["features"].update({"next.reward": {"dtype": "float64", "shape": [1], "names": None},
+                             "observation.environment_state": {"dtype": "float32", "shape": [3], "names": None},
+                             "note": {"dtype": "string", "shape": [1], "names": None}})
+    (src / "meta/info.json").write_text(json.dumps(info))
+    out = tmp / "shards"
+    run_job(PreprocessConfig(input=str(src), output=str(out), workers=1), IN_MEMORY)
+    return src, str(out), table
+
+
+def test_the_item_holds_every_parquet_column_as_lerobot_types_it(many_columns):
+    """LeRobot's item: each row of its `datasets` table (the info.json features) through
+    `torch.tensor(python value)` (hf_transform_to_torch): floats float32, ints int64, bools bool,
+    strings str; no key the dataset does not have. Deltas on any column, as LeRobot queries them."""
+    _, root, table = many_columns
+    rows = table.to_pylist()
+    ds = LeRobotDataset(root)
+    assert len(ds) == len(rows)
+    tasks = ds.tasks
+    for i in (0, 5, len(rows) - 1):
+        item, row = ds[i], rows[i]
+        assert set(item) == set(row) | {"observation.images.ego_view", "task"}
+        for key, value in row.items():
+            want = value if isinstance(value, str) else torch.tensor(value)
+            got = item[key]
+            if isinstance(want, str):
+                assert got == want, key
+            else:
+                assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+        assert item["task"] == tasks[row["task_index"]] and item["next.done"].dtype == torch.bool
+    with_deltas = LeRobotDataset(root, delta_timestamps={"next.reward": [-0.05, 0.0], "next.done": [0.0, 0.05]})
+    item = with_deltas[0]
+    assert item["next.reward"].dtype == torch.float32 and item["next.reward_is_pad"].tolist() == [True, False]
+    assert item["next.done"].shape == (2,) and item["next.done_is_pad"].tolist() == [False, False]
+    with pytest.raises(ConfigError, match="string columns"):
+        LeRobotDataset(root, delta_timestamps={"note": [0.0]})
+    with pytest.raises(ConfigError, match="hold strings"):
+        LeRobotLoader(root, batch_size=2)
+
+
+def test_a_root_without_frame_index_gives_no_frame_index(tmp_path):
+    """A dataset without a frame_index column (GR00T's demo data) gets no frame_index key."""
+    import pyarrow.parquet as pq
+
+    src = copy_fixture("lerobot_v3/video", tmp_path / "video")
+    path = src / "data/chunk-000/file-000.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["frame_index"]), path)
+    info = json.loads((src / "meta/info.json").read_text())
+    del info["features"]["frame_index"]
+    (src / "meta/info.json").write_text(json.dumps(info))
+    run_job(PreprocessConfig(input=str(src), output=str(tmp_path / "out"), workers=1), IN_MEMORY)
+    item = LeRobotDataset(str(tmp_path / "out"))[3]
+    assert "frame_index" not in item and item["index"] == 3 and item["timestamp"] == np.float32(0.15)

@@ -1,14 +1,17 @@
 """README "Use LoongForge shards from your own training loop" runs as written: its commands (sample
-data in LeRobot's v3.0 layout, preprocess), then its Python (the adapter in a torch DataLoader, then
-the fast path), with only the paths moved into a temp dir."""
+data in LeRobot's v3.0 layout, preprocess), then its Python saved as snippet.py and run as
+`python snippet.py` (both loaders start worker processes, which import the script: it must run
+as a script, not only under exec), in a temp dir as the working directory."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
-
-import torch
 
 from loongforge.cli import main
 
@@ -22,21 +25,27 @@ def _section() -> str:
     return text[start:text.index("\n## ", start + 1)]
 
 
-def test_readme_example_runs(tmp_path):
+def test_readme_example_runs_as_a_script(tmp_path):
     section = _section()
     bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    for line in bash.strip().splitlines():
-        argv = shlex.split(line.split("#")[0].replace("data/", f"{tmp_path}/data/"))
-        assert argv[0] == "loongforge"
-        assert main(argv[1:] + (IN_MEMORY if argv[1] == "preprocess" else [])) == 0, line
-    ns: dict = {}
-    exec(code.replace('"data/v3-shards"', repr(f"{tmp_path}/data/v3-shards")), ns)
-    frames, actions, batch = ns["frames"], ns["actions"], ns["batch"]
-    assert frames.shape == (8, 2, 3, 64, 64) and frames.dtype == torch.float32 and actions.shape == (8, 16, 8)
-    assert 0.0 <= float(frames.min()) and float(frames.max()) <= 1.0
-    assert set(batch) == {"observation.images.ego_view", "observation.images.wrist_view", "observation.state",
-                          "action", "observation.images.ego_view_is_pad", "observation.state_is_pad",
-                          "action_is_pad", "timestamp", "frame_index", "episode_index", "index", "task_index",
-                          "task"}
-    assert batch["observation.images.ego_view"].shape == (8, 2, 3, 64, 64) and len(batch["task"]) == 8
+    cwd = Path.cwd()
+    os.chdir(tmp_path)  # the README's relative paths (data/...) land in the temp dir
+    try:
+        for line in bash.strip().splitlines():
+            argv = shlex.split(line.split("#")[0])
+            assert argv[0] == "loongforge"
+            assert main(argv[1:] + (IN_MEMORY if argv[1] == "preprocess" else [])) == 0, line
+    finally:
+        os.chdir(cwd)
+    (tmp_path / "snippet.py").write_text(code)
+    run = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = re.fullmatch(r"(\(.*?\)) (\(.*?\)) (\[.*\])", run.stdout.strip().splitlines()[-1])
+    frames, actions, keys = (ast.literal_eval(g) for g in printed.groups())
+    assert frames == (8, 2, 3, 64, 64) and actions == (8, 16, 8)
+    assert set(keys) == {"observation.images.ego_view", "observation.images.wrist_view", "observation.state",
+                         "action", "observation.images.ego_view_is_pad", "observation.state_is_pad",
+                         "action_is_pad", "timestamp", "frame_index", "episode_index", "index", "task_index",
+                         "annotation.human.action.task_description", "annotation.human.validity", "next.done",
+                         "task"}

@@ -115,6 +115,23 @@ def test_advance_rolls_over_and_drops_tail():
     assert seen == [(0, 0), (0, 4), (1, 0), (1, 4), (2, 0)]
 
 
+def test_a_kept_tail_is_one_more_smaller_batch_split_over_the_ranks():
+    plan = order.plan_epoch(10, 4, drop_last=False)
+    assert (plan.steps, plan.dropped) == (3, 0)
+    state, seen = (0, 0), []
+    for _ in range(4):
+        seen.append(state)
+        state = order.advance(*state, plan)
+    assert seen == [(0, 0), (0, 4), (0, 8), (1, 0)]
+    seq = np.arange(10)[::-1]
+    parts = [rank_slice(seq, c, 4, r, 2, tail=True) for c in (0, 4, 8) for r in range(2)]
+    assert [len(p) for p in parts] == [2, 2, 2, 2, 1, 1]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(10))  # every sample once, none repeated
+    assert order.plan_epoch(3, 4, drop_last=False).steps == 1  # fewer samples than one batch: one short batch
+    with pytest.raises(IndexError):
+        rank_slice(seq, 8, 4, 0, 2)  # without tail=True the tail is not a batch
+
+
 def test_world_change_keeps_global_sequence():
     """The state is one global counter: the rank slices of a step, laid side by side, are the step
     of one rank, so a resume may change the data-parallel degree."""
