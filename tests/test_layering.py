@@ -34,13 +34,14 @@ LAYERS: dict[str, list] = {
     # The services: the shard format at the bottom; the trainer reads shards through the cache's client.
     "loongforge": ["shared", ("preprocess", "cache"), "train", "benchmarks", "cli"],
     # Inside the trainer (train/README.md has the folder map).
-    "loongforge.train": ["config", ("model", "data"), ("kernels", "observe"), "parallel", "ckpt",
+    "loongforge.train": ["config", ("model", "data"), "recipes", ("kernels", "observe"), "parallel", "ckpt",
                          ("eval", "resilience"), "tune", "flags", "preflight", "trainer", "launch", "cli"],
 }
 
 # What a function may import locally, and why: third-party packages, by their top-level name.
 OPTIONAL = {
     "torch": "heavy (seconds to import): kept out of command registration and torch-free helpers",
+    "transformers": "heavy (seconds to import): only a run that brings a tokenizer loads its AutoTokenizer",
     "deepspeed": "heavy (seconds, plus its accelerator probe): only the paths that build or read an engine pay it",
     "torchao": "optional extra loongforge[fp8]: only --fp8 needs it",
     "flash_attn": "optional extra loongforge[gpu], CUDA only",

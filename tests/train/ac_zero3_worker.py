@@ -9,21 +9,23 @@ import torch
 
 
 def build(root, run_dir, memory, depth=3):
+    from loongforge.train.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.data.processor import Processor
     from loongforge.train.data.training_data import load_training_data
-    from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-    from loongforge.train.model import recipes
     from loongforge.train.model.build import build_model
     from loongforge.train.model.noise import noise_for
     from loongforge.train.parallel import plan
     from loongforge.train.parallel.parallelize import parallelize
+    from loongforge.train.recipes import plan_model
     from loongforge.train.tune.ac import _one_batch
 
     rank = torch.distributed.get_rank()
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=4, video_deltas=(-1, 0)),
                       run=RunConfig(run_dir=run_dir), memory=memory, recipe="tiny",
-                      parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False))
+                      model=ModelConfig(dit_dropout=0.0), parallel=ParallelConfig(zero_stage=3, wall_clock_breakdown=False))
     index = load_training_data(cfg.data)  # 2 frames per camera and sample
-    mcfg = recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2, depth=depth)
+    mplan = plan_model(cfg, index)
+    mcfg = mplan.model.replace(dit={"num_layers": depth})
     torch.manual_seed(0)
     names = []
 
@@ -35,12 +37,17 @@ def build(root, run_dir, memory, depth=3):
     state = plan.initialize(plan.plan_of(cfg), verbose=False)
     built = parallelize(build_and_name, cfg, state, device=torch.device("cpu"))
     e, policies = built.engine, built.policies
-    batch = _one_batch(root, index, torch.device("cpu"))
+    batch = _one_batch(root, index, torch.device("cpu"), mplan)
     batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
              for k, b in batch.items()}  # each rank its own samples
-    n = batch["action"].shape[0]
-    noise, t = noise_for(0, 0, range(rank, 2 * n, 2), batch["action"].shape, torch.device("cpu"))
-    return e, policies, names, (batch, noise, t)
+    n, h, _ = batch["action"].shape
+    noise, u, crop = noise_for(0, 0, range(rank, 2 * n, 2), (n, h, mcfg.max_action_dim), torch.device("cpu"))
+    proc = Processor(mplan.processor, max_state_dim=mcfg.max_state_dim, max_action_dim=mcfg.max_action_dim,
+                     embodiment_id=mplan.embodiment_id)
+    return e, policies, names, (proc(batch, crop), noise, u)
+
+
+DIT = "action_head.model.transformer_blocks."
 
 
 def fp8_losses(root, run_dir, fp8):
@@ -48,8 +55,9 @@ def fp8_losses(root, run_dir, fp8):
 
     mem = MemoryConfig(ac_every=1, fp8=fp8, fp8_warmup_steps=2, fp8_min_features=16)
     e, policies, _, args = build(root, run_dir, mem, depth=4)
-    # trunk blocks 1, 2: qkv, proj, fc1, fc2 each (the 2-block heads have no inner block)
-    assert len(policies.fp8_linears) == (8 if fp8 else 0), policies.fp8_linears
+    # DiT blocks 1, 2: to_q, to_k, to_v, to_out.0, ff.net.0.proj, ff.net.2 each (the 2-layer vision tower and
+    # LLM have no inner block)
+    assert len(policies.fp8_linears) == (12 if fp8 else 0), policies.fp8_linears
     losses = []
     for step in range(4):
         policies.on_step(step)
@@ -75,11 +83,11 @@ def grads(root, run_dir, every):
     from loongforge.train.config import MemoryConfig
 
     e, policies, names, args = build(root, run_dir, MemoryConfig(ac_every=every))
-    assert ("blocks.0" in policies.checkpointed) == (every > 0) and ("blocks.1" in policies.checkpointed) == (every == 1)
+    assert (DIT + "0" in policies.checkpointed) == (every > 0) and (DIT + "1" in policies.checkpointed) == (every == 1)
     e.backward(e(*args)["loss"])
-    out = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in zip(names, e.module.parameters())}
+    full = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in zip(names, e.module.parameters())}
     e.destroy()
-    return out
+    return {n: g.clone() for n, g in full.items() if g is not None}
 
 
 class ScaleBlock(torch.nn.Module):

@@ -22,6 +22,7 @@ samples and real dimensions. The prompt ids come from the loader (prompt.py's ta
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -35,8 +36,6 @@ MIN_PIXELS, MAX_PIXELS, MAX_SIDE = 4 * 28 * 28, 4096 * 28 * 28, 500 * 14  # Eagl
 
 def smart_resize(h: int, w: int, factor: int = IMAGE_FACTOR) -> tuple[int, int]:
     """Eagle's smart_resize: both sides a multiple of `factor`, pixels within its bounds."""
-    import math
-
     hb = min(max(factor, round(h / factor) * factor), MAX_SIDE)
     wb = min(max(factor, round(w / factor) * factor), MAX_SIDE)
     if hb * wb > MAX_PIXELS:

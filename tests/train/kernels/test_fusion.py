@@ -1,16 +1,21 @@
-"""Block fusion via torch.compile (train/kernels/fusion.py): policy, equivalence with eager (CPU with
-the aot_eager backend: dynamo + AOTAutograd, no C++ build), composition with AC; inductor on GPU."""
+"""Block fusion via torch.compile (train/kernels/fusion.py) on GR00T N1.6's blocks (SigLIP2 encoder
+layers, Qwen3 decoder layers, DiT blocks): policy, equivalence with eager (CPU with the aot_eager
+backend: dynamo + AOTAutograd, no C++ build), composition with AC; inductor on GPU."""
 
 import copy
 
 import pytest
 import torch
 
-from loongforge.train.kernels import fusion, checkpointing as memory
-from loongforge.train.config import ModelConfig
-from loongforge.train.model.model import VLAModel
+from loongforge.train.kernels import checkpointing as memory
+from loongforge.train.kernels import fusion
+from tests.train.n16 import CFG, build, make_inputs, to
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BLOCKS = (["backbone.model.vision_model.vision_model.encoder.layers.0",
+           "backbone.model.vision_model.vision_model.encoder.layers.1"]
+          + [f"backbone.model.language_model.model.layers.{i}" for i in range(CFG.select_layer)]
+          + [f"action_head.model.transformer_blocks.{i}" for i in range(CFG.dit.num_layers)])
 
 
 def test_policy():
@@ -20,39 +25,20 @@ def test_policy():
     assert fusion.fusion_wanted("on", cpu, 3) and not fusion.fusion_wanted("off", gpu, 0)
 
 
-def _model_and_inputs(device="cpu", dtype=torch.float32, dim=64, b=2):
-    torch.manual_seed(0)
-    m = VLAModel(ModelConfig(dim=dim, depth=3, heads=4)).to(device, dtype)
-    cfg = m.cfg
-    g = torch.Generator().manual_seed(0)
-    h, w = cfg.image_size
-    batch = {"frames": {s: torch.rand(b, cfg.max_frames, 3, h, w, generator=g) for s in ("a", "b")},
-             "state": torch.randn(b, cfg.max_frames, cfg.state_dim, generator=g),
-             "action": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),
-             "task_tokens": torch.randint(0, 256, (b, cfg.max_text_tokens), generator=g),
-             "frame_mask": torch.tensor([[True, True], [True, False]]).repeat(b // 2, 1),
-             "task_mask": torch.ones(b, cfg.max_text_tokens, dtype=torch.bool),
-             "action_valid": torch.ones(b, cfg.action_horizon, dtype=torch.bool),
-             "sample_valid": torch.ones(b, dtype=torch.bool)}
-    move = lambda x: {k: move(v) for k, v in x.items()} if isinstance(x, dict) else x.to(device)  # noqa: E731
-    noise = torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g)
-    return m, (move(batch), noise.to(device), torch.rand(b, generator=g).to(device))
-
-
 def _loss_and_grads(m, args):
     m.zero_grad(set_to_none=True)
     loss = m(*args)["loss"]
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
 def test_fused_equals_eager_and_composes_with_ac():
     torch._dynamo.reset()
-    ref, args = _model_and_inputs()
+    ref = build()
+    args = make_inputs(0)
     m = copy.deepcopy(ref)
-    assert fusion.apply_fusion(m, backend="aot_eager") == [  # every block list of the model
-        "blocks.0", "blocks.1", "blocks.2", "head_blocks.0", "head_blocks.1", "bin_blocks.0", "bin_blocks.1"]
-    compiled = m.blocks[0].forward
+    assert fusion.apply_fusion(m, backend="aot_eager") == BLOCKS  # every block of every tower
+    compiled = m.action_head.model.transformer_blocks[0].forward
     want_loss, want = _loss_and_grads(ref, args)
     for every in (0, 1):  # fused alone, then AC wrapping the compiled forwards
         memory.apply_ac(m, every)
@@ -61,7 +47,7 @@ def test_fused_equals_eager_and_composes_with_ac():
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
     memory.apply_ac(m, 0)
-    assert m.blocks[0].forward is compiled  # removing AC keeps the fusion
+    assert m.action_head.model.transformer_blocks[0].forward is compiled  # removing AC keeps the fusion
 
 
 @pytest.mark.gpu
@@ -69,12 +55,17 @@ def test_fused_equals_eager_and_composes_with_ac():
 def test_gpu_inductor_equivalence_and_kernel_time():
     from torch.profiler import ProfilerActivity, profile
 
+    from loongforge.train.recipes import small
+
     torch._dynamo.reset()
-    ref, args = _model_and_inputs("cuda", torch.bfloat16, dim=512, b=8)
+    cfg = small().model.replace(dit={"dropout": 0.0}, action_horizon=4, max_state_dim=6, max_action_dim=5)
+    ref = build(cfg).cuda().to(torch.bfloat16)
+    inputs, noise, u = make_inputs(0, b=8, v=2, hw=(112, 112), cfg=cfg)
+    args = (to(inputs, "cuda", torch.bfloat16), noise.cuda(), u.cuda())
     m = copy.deepcopy(ref)
     fusion.apply_fusion(m)
-    want_loss, want = _loss_and_grads(ref, args)
-    loss, got = _loss_and_grads(m, args)
+    want_loss, _ = _loss_and_grads(ref, args)
+    loss, _ = _loss_and_grads(m, args)
     torch.testing.assert_close(loss.float(), want_loss.float(), rtol=2e-2, atol=2e-2)
 
     def kernels(model):
@@ -96,11 +87,11 @@ def test_gpu_inductor_equivalence_and_kernel_time():
 
 @torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batches(monkeypatch):
-    """20 batches whose valid text and frame counts vary (so flash-attn's packed token total and
-    max_seqlen change every batch), blocks fused with aot_eager, flash-attn replaced by the CPU
-    stand-in of test_attention: every block variant compiles in the first batch and nothing after
-    (bound: 16 graphs in all, none new after batch 1). Traced, the varlen bookkeeping recompiled
-    the blocks each batch until dynamo's recompile limit (8) sent them back to eager."""
+    """8 batches whose prompts are padded differently (flash-attn's packed token total and max_seqlen
+    change every batch), blocks fused with aot_eager, flash-attn replaced by the CPU stand-in of
+    test_attention: the graphs settle after the first batches and nothing new compiles after (traced,
+    the varlen bookkeeping recompiled the blocks each batch until dynamo's recompile limit sent them
+    back to eager)."""
     from torch._dynamo.utils import counters
 
     from loongforge.train.model import attention as attn
@@ -110,50 +101,36 @@ def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batche
     monkeypatch.setattr(attn, "_gpu", lambda device: "CPU stand-in")
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    m = VLAModel(ModelConfig(dim=32, depth=2, heads=2, attention="flash"))
-    _, (batch, noise, t) = _model_and_inputs(b=2)
+    m = build(attention="flash")
     fusion.apply_fusion(m, backend="aot_eager")
+    inputs, noise, u = make_inputs(0, b=2, v=1, hw=(56, 56))
     g, graphs = torch.Generator().manual_seed(1), []
-    text, frames = batch["task_mask"].shape[1], batch["frame_mask"].shape[1]
-    for _ in range(20):
-        b = dict(batch, task_mask=torch.arange(text)[None] < torch.randint(1, text + 1, (2, 1), generator=g),
-                 frame_mask=torch.rand(2, frames, generator=g) < 0.7)
-        b["frame_mask"][:, -1] = True
-        m(b, noise, t)["loss"].backward()
+    for _ in range(8):
+        b = dict(inputs, attention_mask=inputs["attention_mask"].clone())
+        pad = int(torch.randint(0, 3, (1,), generator=g))
+        b["attention_mask"][1, :pad] = 0  # more left padding in row 1, a different packed total
+        m(b, noise, u)["loss"].backward()
         graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert graphs[-1] == graphs[0] <= 16, graphs
+    assert graphs[-1] == graphs[3], graphs
 
 
 @torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
-def test_frame_buckets_under_fusion_stop_recompiling():
-    """Batches cycling through 4 frame counts (the loader's buckets: another token count each).
-    With dynamic=False each bucket was a graph per block variant, shared by all blocks of a class
-    against one recompile limit (8): it was hit and blocks ran eager. Automatic dynamic shapes:
-    no new graph once each bucket was seen (a size-1 dimension stays specialized), fewer than 24 in
-    all, and the limit is never hit (made an error here: past it dynamo silently runs eager)."""
+def test_prompt_and_image_counts_under_fusion_stop_recompiling():
+    """Batches cycling twice through 4 shapes (longer prompts and more images per sample: the frame count of
+    a run with history). With dynamic=False each shape was a graph per block variant against one
+    recompile limit per code object: it was hit and blocks ran eager. Automatic dynamic shapes: no new
+    graph once each shape was seen, and the limit is never hit (made an error here)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=32, depth=2, heads=2, max_frames=4)
-    m = VLAModel(cfg)
+    m = build()
     fusion.apply_fusion(m, backend="aot_eager")
-    g, graphs, (h, w), b = torch.Generator().manual_seed(1), [], cfg.image_size, 2
-    for i in range(20):
-        n = 1 + i % 4
-        batch = {"frames": {s: torch.rand(b, n, 3, h, w, generator=g) for s in ("a", "b")},
-                 "state": torch.randn(b, n, cfg.state_dim, generator=g),
-                 "action": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),
-                 "task_tokens": torch.randint(0, 256, (b, cfg.max_text_tokens), generator=g),
-                 "frame_mask": torch.ones(b, n, dtype=torch.bool),
-                 "task_mask": torch.ones(b, cfg.max_text_tokens, dtype=torch.bool),
-                 "action_valid": torch.ones(b, cfg.action_horizon, dtype=torch.bool),
-                 "sample_valid": torch.ones(b, dtype=torch.bool)}
-        noise = torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g)
-        m(batch, noise, torch.rand(b, generator=g))["loss"].backward()
+    graphs = []
+    for i in range(8):
+        inputs, noise, u = make_inputs(i, b=2, v=1 + i % 4, hw=(56, 56), extra_text=3 * (i % 4))
+        m(inputs, noise, u)["loss"].backward()
         graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert graphs[-1] == graphs[7] < 24, graphs  # settled: nothing new in the last 12 batches
+    assert graphs[-1] == graphs[3], graphs  # settled once each shape was seen: nothing new in the second cycle

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.kernels.test_fusion import _model_and_inputs  # noqa: E402
+from tests.train.n16 import build, make_inputs, to  # noqa: E402
+from tests.train.kernels.test_fusion import BLOCKS  # noqa: E402
 
 from loongforge.shared.errors import ConfigError  # noqa: E402
 from loongforge.train.parallel import engine
@@ -72,11 +73,11 @@ def test_policies_compile_blocks_mark_steps_and_own_accumulated_grads(monkeypatc
     monkeypatch.setattr(graphs, "mark_step_begin", lambda: marks.append(1))
     cfg = TrainConfig(data=DataConfig(root="unused"), run=RunConfig(run_dir="unused"),
                       parallel=ParallelConfig(zero_stage=1), memory=MemoryConfig(cuda_graphs=True, fuse="off"))
-    ref, args = _model_and_inputs()
+    ref, args = build(), make_inputs(0)
     m = copy.deepcopy(ref)
     pol = apply_memory_policies(m, cfg, torch.device("cpu"))
     assert checked == [dict(device=torch.device("cpu"), zero_stage=1, ac_every=0, tp=1)]
-    assert pol.fused[0] == "blocks.0" and len(pol.fused) == 7 and pol.graphed
+    assert pol.fused == BLOCKS and pol.graphed
     for model in (ref, m):  # two accumulated micro-steps, as --grad-accum 2 under ZeRO 0/1
         model.zero_grad(set_to_none=True)
         for _ in range(2):
@@ -86,12 +87,13 @@ def test_policies_compile_blocks_mark_steps_and_own_accumulated_grads(monkeypatc
     assert marks == [1, 1]
     want = dict(ref.named_parameters())
     for name, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        if want[name].grad is not None:
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=name)
     # The hook is on every block parameter and hands AccumulateGrad a copy of its input.
     g = torch.ones(3)
     assert graphs._own(g) is not g and torch.equal(graphs._own(g), g)
     assert graphs.own_grads(copy.deepcopy(ref)) == sum(
-        1 for n, p in ref.named_parameters() if n.split(".")[0] in ("blocks", "head_blocks", "bin_blocks"))
+        1 for n, _ in ref.named_parameters() if any(n.startswith(b + ".") for b in BLOCKS))
 
 
 @pytest.mark.gpu
@@ -103,7 +105,9 @@ def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs():
     counters.clear()
     cfg = TrainConfig(data=DataConfig(root="unused"), run=RunConfig(run_dir="unused"),
                       parallel=ParallelConfig(zero_stage=1), memory=MemoryConfig(cuda_graphs=True))
-    ref, args = _model_and_inputs("cuda", torch.float32, dim=256, b=4)
+    ref = build().cuda()
+    inputs, noise, u = make_inputs(0)
+    args = (to(inputs, "cuda"), noise.cuda(), u.cuda())
     m = copy.deepcopy(ref)
     pol = apply_memory_policies(m, cfg, GPU)
     for step in range(4):  # recording (first steps), then replays; 2 micro-steps each
@@ -116,7 +120,8 @@ def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs():
                 loss.backward()
         want = dict(ref.named_parameters())
         for name, p in m.named_parameters():
-            torch.testing.assert_close(p.grad, want[name].grad, rtol=2e-3, atol=2e-5, msg=f"step {step}: {name}")
+            if want[name].grad is not None:
+                torch.testing.assert_close(p.grad, want[name].grad, rtol=2e-3, atol=2e-5, msg=f"step {step}: {name}")
     # compiled regions inductor refused to graph (a CPU tensor, a mutated input) still run, without graphs
     assert counters["inductor"]["cudagraph_skips"] == 0, "inductor refused to graph a block (see the log)"
     from torch._inductor.cudagraph_trees import get_manager

@@ -19,26 +19,21 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _model(depth=4, dim=64):
-    from loongforge.train.config import ModelConfig
-    from loongforge.train.model.model import VLAModel
+    """The reduced N1.6 with a DiT of `depth` blocks `dim` wide (its vision tower and LLM keep the tiny
+    recipe's 2 layers each: no inner block, no FP8 there)."""
+    from tests.train.n16 import CFG, build
 
-    torch.manual_seed(0)
-    return VLAModel(ModelConfig(dim=dim, depth=depth, heads=4))
+    return build(CFG.replace(dit={"num_layers": depth, "num_attention_heads": 4, "attention_head_dim": dim // 4,
+                                  "output_dim": dim}, input_embedding_dim=dim, hidden_size=dim))
 
 
 def _inputs(model, b=2):
-    cfg = model.cfg
-    g = torch.Generator().manual_seed(0)
-    h, w = cfg.image_size
-    batch = {"frames": {s: torch.rand(b, cfg.max_frames, 3, h, w, generator=g) for s in ("a", "b")},
-             "state": torch.randn(b, cfg.max_frames, cfg.state_dim, generator=g),
-             "action": torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g),
-             "task_tokens": torch.randint(0, 256, (b, cfg.max_text_tokens), generator=g),
-             "frame_mask": torch.ones(b, cfg.max_frames, dtype=torch.bool),
-             "task_mask": torch.ones(b, cfg.max_text_tokens, dtype=torch.bool),
-             "action_valid": torch.ones(b, cfg.action_horizon, dtype=torch.bool),
-             "sample_valid": torch.ones(b, dtype=torch.bool)}
-    return batch, torch.randn(b, cfg.action_horizon, cfg.action_dim, generator=g), torch.rand(b, generator=g)
+    from tests.train.n16 import make_inputs
+
+    return make_inputs(0, b=b, v=1, hw=(56, 56), cfg=model.cfg)
+
+
+DIT = "action_head.model.transformer_blocks."
 
 
 def test_train_dtype():
@@ -53,11 +48,14 @@ def test_filter_converts_inner_blocks_only_same_params_and_names():
     params = {n: p for n, p in m.named_parameters()}
     keys = list(m.state_dict())
     names = precision.convert_fp8(m, min_features=16)
-    assert names and all(n.startswith(("blocks.1.", "blocks.2.")) for n in names)
-    assert {n.split(".", 2)[1] for n in names} == {"1", "2"}
-    inner = [n for n, mod in m.named_modules() if isinstance(mod, nn.Linear) and n.startswith(("blocks.1.", "blocks.2."))]
-    assert sorted(names) == sorted(inner)  # every linear of the inner blocks (dims are multiples of 16)
-    assert not isinstance(m.velocity_out, Float8Linear) and not isinstance(m.blocks[0].qkv, Float8Linear)
+    assert names and all(n.startswith((DIT + "1.", DIT + "2.")) for n in names)
+    inner = [n for n, mod in m.named_modules() if isinstance(mod, nn.Linear) and n.startswith((DIT + "1.", DIT + "2."))
+             and ".norm" not in n]
+    assert sorted(names) == sorted(inner)  # every GEMM of the inner blocks (dims are multiples of 16)
+    assert DIT + "1.norm1.linear" not in names  # the adaptive norm's modulation: one row per sample
+    blocks = m.action_head.model.transformer_blocks
+    assert not isinstance(m.action_head.model.proj_out_2, Float8Linear)
+    assert not isinstance(blocks[0].attn1.to_q, Float8Linear)
     assert list(m.state_dict()) == keys  # a BF16 checkpoint loads unchanged
     assert all(p is params[n] for n, p in m.named_parameters())  # ZeRO sees the same tensors
 
@@ -66,11 +64,13 @@ def test_filter_skips_small_and_unaligned_gemms():
     m = _model(depth=4)
     assert precision.convert_fp8(copy.deepcopy(m), min_features=256) == []  # dim 64 < 256: all small
     keep = precision.fp8_filter(m, min_features=16)
-    assert keep(m.blocks[1].qkv, "blocks.1.qkv")
-    assert not keep(nn.Linear(64, 72), "blocks.1.qkv")  # 72 % 16 != 0
-    assert not keep(nn.Linear(64, 8), "blocks.1.qkv")  # below the size floor
-    assert not keep(m.bin_out, "bin_out") and not keep(m.blocks[3].proj, "blocks.3.proj")
-    assert not keep(nn.LayerNorm(64), "blocks.1.ln1")
+    blocks = m.action_head.model.transformer_blocks
+    assert keep(blocks[1].attn1.to_q, DIT + "1.attn1.to_q")
+    assert not keep(nn.Linear(64, 72), DIT + "1.attn1.to_q")  # 72 % 16 != 0
+    assert not keep(nn.Linear(64, 8), DIT + "1.attn1.to_q")  # below the size floor
+    assert not keep(m.action_head.model.proj_out_2, "action_head.model.proj_out_2")
+    assert not keep(blocks[3].attn1.to_out[0], DIT + "3.attn1.to_out.0")  # the last block
+    assert not keep(nn.LayerNorm(64), DIT + "1.norm1")
 
 
 def test_warmup_schedule_blend_and_switch():
@@ -102,7 +102,7 @@ def test_warmup_blend_is_high_precision_then_fp8_exactly():
     torch.testing.assert_close(fp8, pure(*args)["loss"], rtol=0, atol=0)
     assert fp8 != ref(*args)["loss"] and half not in (fp8, ref(*args)["loss"])  # FP8 really quantizes
     half.backward()  # the blend trains through both paths
-    assert m.blocks[1].qkv.weight.grad is not None
+    assert m.action_head.model.transformer_blocks[1].attn1.to_q.weight.grad is not None
 
 
 def test_refuses_without_torchao(monkeypatch):
@@ -184,9 +184,9 @@ def test_gpu_fp8_training_tracks_bf16_after_warmup():
             precision.convert_fp8(m, min_features=256, device=dev)
             w = precision.Fp8Warmup(m, steps=5)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        batch, noise, t = _inputs(m, b=8)  # CPU tensors from the config, moved below
-        move = lambda x: {k: move(v) for k, v in x.items()} if isinstance(x, dict) else x.to(dev)  # noqa: E731
-        batch, noise, t = move(batch), noise.to(dev), t.to(dev)
+        batch, noise, t = _inputs(m, b=8)  # CPU tensors, moved below
+        batch = {k: (v.to(dev, torch.bfloat16) if v.is_floating_point() else v.to(dev)) for k, v in batch.items()}
+        noise, t = noise.to(dev), t.to(dev)
         out = []
         for step in range(30):
             if w is not None:
@@ -203,7 +203,7 @@ def test_gpu_fp8_training_tracks_bf16_after_warmup():
 
 
 def test_fp8_gemms_get_inner_dims_padded_to_16_for_any_token_count(monkeypatch):
-    """The small recipe's N=161 tokens x micro-batch 8 = 1,288 tokens: the weight-gradient GEMM
+    """161 tokens x micro-batch 8 = 1,288 tokens: the weight-gradient GEMM
     has them as its inner dimension, which cuBLAS needs to be a multiple of 16 (CPU's reference
     _scaled_mm has no such limit, so the shapes handed to it are what is checked)."""
     from torchao.float8 import Float8LinearConfig

@@ -20,12 +20,10 @@ from loongforge.train.parallel.sequence_parallel import SequenceParallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
 from loongforge.train.parallel.zero import partition_zero3, zero_loss_scale
-from loongforge.train.recipes import tiny
+from tests.train.n16 import CFG, make_inputs
 from tests.train.parallel.dist_helpers import gather_tp_tensor, run_ranks
 
 STEPS, LR, B, V = 4, 0.05, 4, 3
-CFG = tiny().model.replace(dit={"dropout": 0.0}, action_horizon=4, max_state_dim=6, max_action_dim=5)
-IMG = CFG.image_token_index
 
 
 def _rel(a, b) -> float:
@@ -33,32 +31,6 @@ def _rel(a, b) -> float:
     shift of every key) is compared absolutely, against the rounding floor of fp32."""
     err = (a - b).norm()
     return 0.0 if err < 1e-9 else (err / b.norm().clamp_min(1e-12)).item()
-
-
-def make_inputs(step: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """The model's inputs for B samples (as train/data/processor.py builds them), noise and u."""
-    g = torch.Generator().manual_seed(100 + step)
-    per_image = 6  # (84 / 28) x (56 / 28)
-    rows, width = [], 0
-    for b in range(B):
-        text = torch.randint(0, 256, (3 + b,), generator=g).tolist()  # a prompt a little longer each row
-        ids = text[:2] + [IMG] * per_image + text[2:] + [IMG] * 2 * per_image + [257, 258]
-        rows.append(ids)
-        width = max(width, len(ids))
-    input_ids = torch.full((B, width), 256)
-    attention_mask = torch.zeros(B, width, dtype=torch.long)
-    for b, ids in enumerate(rows):
-        input_ids[b, width - len(ids):] = torch.tensor(ids)  # left padding, as the collator
-        attention_mask[b, width - len(ids):] = 1
-    h, dims = CFG.action_horizon, CFG.max_action_dim
-    action_mask = torch.ones(B, h, dims)
-    action_mask[:, :, 3:] = 0  # a 3-D robot in 5-D slots
-    action_mask[2, 3:] = 0  # a chunk past the episode end
-    inputs = {"pixel_values": torch.rand(B * V, 3, 84, 56, generator=g) * 2 - 1, "input_ids": input_ids,
-              "attention_mask": attention_mask, "state": torch.randn(B, 1, CFG.max_state_dim, generator=g),
-              "action": torch.randn(B, h, dims, generator=g) * action_mask, "action_mask": action_mask,
-              "embodiment_id": torch.tensor([1, 10, 10, 3])}
-    return inputs, torch.randn(B, h, dims, generator=g), torch.rand(B, generator=g)
 
 
 def _rows(inputs: dict, lo: int, hi: int) -> dict:
