@@ -13,6 +13,7 @@ it is built, loaded and saved, never run, and never trains.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.siglip2.configuration_siglip2 import Siglip2VisionConfig
 from transformers.models.siglip2.modeling_siglip2 import (Siglip2EncoderLayer, Siglip2MultiheadAttentionPoolingHead,
@@ -66,12 +67,19 @@ class VisionTransformer(nn.Module):
         grid = (pixels.shape[-2] // self.patch_size, pixels.shape[-1] // self.patch_size)
         emb = self.embeddings
         x = emb.patch_embedding(patchify(pixels, self.patch_size).to(emb.patch_embedding.weight.dtype))
-        # Siglip2VisionEmbeddings.forward resizes the position table once per image; every image here
-        # has the same grid, so it is resized once and broadcast (the same numbers).
-        side = emb.position_embedding_size
-        table = emb.position_embedding.weight.reshape(side, side, -1)
-        pos = emb.resize_positional_embeddings(table, torch.tensor([grid]), max_length=grid[0] * grid[1])
-        return self.post_layernorm(self.encoder(x + pos)), grid
+        return self.post_layernorm(self.encoder(x + self.positions(grid))), grid
+
+    def positions(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The learned square position table resized to the image's patch grid: the numbers of
+        Siglip2VisionEmbeddings.resize_positional_embeddings (bilinear, antialiased, fp32 on the CPU
+        where antialiasing has no bf16 kernel), computed once for the batch (every image has the same
+        grid) and without its per-image host loop."""
+        table = self.embeddings.position_embedding.weight
+        side = self.embeddings.position_embedding_size
+        x = table.reshape(side, side, -1).permute(2, 0, 1)[None]
+        x = x.float() if x.device.type == "cpu" else x
+        x = F.interpolate(x, size=grid, mode="bilinear", align_corners=False, antialias=True)
+        return x.reshape(table.shape[-1], grid[0] * grid[1]).transpose(0, 1).to(table.dtype)[None]
 
 
 class VisionModel(nn.Module):
