@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 STEP_KEY = "train/loss"  # every training row holds it (tracking.step_scalars)
 FINISH_TIMEOUT_S = 60.0  # W&B's upload at the end of a run, bounded: the data stays in RUN_DIR/wandb
-INIT_TIMEOUT_S = 30.0  # W&B server unreachable at start: give up after this and log offline
+INIT_TIMEOUT_S = 20.0  # W&B server unreachable at start: give up after this and log offline
 
 
 def markdown_table(columns: list[str], rows: list[list]) -> str:
@@ -89,7 +89,7 @@ class WandbSink:
         self.run_dir, self.id = run_dir, id
         self.floor = wandb_files.last_step(run_dir, id, STEP_KEY)
         kwargs = dict(project=project, name=name, id=id, resume="allow", dir=run_dir, config=config)
-        settings = dict(console="off", silent=True, x_save_requirements=False)
+        settings = dict(console="off", silent=True, x_save_requirements=False, disable_git=True)
         if "WANDB_INIT_TIMEOUT" not in os.environ:
             settings["init_timeout"] = INIT_TIMEOUT_S
         try:
@@ -100,8 +100,9 @@ class WandbSink:
             log.warning("W&B: cannot start the run online (%s: %s); logging offline under %s/wandb, upload it "
                         "later with `wandb sync %s/wandb/offline-run-*-%s`", type(exc).__name__,
                         str(exc).splitlines()[0] if str(exc) else "", run_dir, run_dir, id)
+            wandb.teardown()  # W&B's service still counts the failed run as live under this id
             self.run = wandb.init(**kwargs, mode="offline", settings=wandb.Settings(**settings))
-        where = f"{self.run.dir} (offline)" if self.run.offline else self.run.url
+        where = f"{os.path.dirname(self.run.dir)} (offline)" if self.run.offline else self.run.url
         log.info("W&B: run %s/%s, id %s: %s%s", project, name, id, where,
                  f"; steps up to {self.floor} are in the run already" if self.floor is not None else "")
 

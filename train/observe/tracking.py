@@ -216,3 +216,36 @@ class Tracker:
     def close(self) -> None:
         self._call("close")
         self.sinks = []
+
+
+def report_profile(run_dir: str, b: dict, chart: str | None) -> None:
+    """`loongforge profile`: the breakdown table (the last segment's), its phases as scalars, the chart."""
+    tracker = Tracker.for_report(run_dir)
+    if not tracker.sinks:
+        return
+    names = dict(zip(("data wait", "communication", "launch/dispatch overhead", "compute"),
+                     (name for name, _ in PHASES)))
+    rows = [[phase, round(s * 1e3, 4), round(b["percent"][phase], 2)] for phase, s in b["table"].items()]
+    scalars = {f"profile/{names.get(p, p.replace(' ', '_'))}_pct": b["percent"][p] for p in b["table"]}
+    scalars.update({"profile/step_ms": b["step_s"] * 1e3, "profile/samples_per_s": b["samples_per_s"]})
+    tracker.report(b["last_step"] + 1, scalars=scalars, tables={"profile/breakdown": (["phase", "ms", "%"], rows)},
+                   images={"profile/chart": chart} if chart else {}, text={"profile/footnote": b["footnote"]})
+    tracker.close()
+
+
+def report_eval(run_dir: str, summary: dict, step: int, plots: list[str]) -> None:
+    """`loongforge eval`: MSE and MAE per action group and method (eval.json's "overall"), the episode plots."""
+    tracker = Tracker.for_report(run_dir)
+    if not tracker.sinks:
+        return
+    overall = summary["overall"]
+    methods = list(overall)
+    scalars, tables = {}, {}
+    for metric in ("mse", "mae"):
+        groups = list(overall[methods[0]][metric])
+        tables[f"eval/{metric}"] = (["group", *methods], [[g, *(overall[m][metric][g] for m in methods)]
+                                                          for g in groups])
+        scalars.update({f"eval/{metric}/{g}/{m}": overall[m][metric][g] for m in methods for g in groups})
+    images = {f"eval/{os.path.splitext(os.path.basename(p))[0]}": p for p in plots}
+    tracker.report(step, scalars=scalars, tables=tables, images=images)
+    tracker.close()
