@@ -173,3 +173,40 @@ def test_a_torn_or_corrupt_wandb_file(tmp_path):
     with pytest.raises(FormatError, match="checksum"):
         list(wandb_files.payloads(str(tmp_path / "bad.wandb")))
     shutil.rmtree(run)
+
+
+def test_eval_and_profile_add_to_the_same_run(tmp_path, monkeypatch):
+    """`loongforge eval`'s and `profile`'s results, reported into a run that logs to both trackers: TensorBoard
+    gets the images and tables at the given step, W&B the tables, images and scalars in the run's summary."""
+    from PIL import Image
+
+    from loongforge.train.observe.tracking import report_eval, report_profile
+    from readback import tensorboard_accumulator, wandb_summary
+
+    run = tmp_path / "run"
+    run.mkdir()  # what a training launch with --report-to tensorboard,wandb leaves for the commands
+    (run / STATE_FILE).write_text(json.dumps({"v": 1, "report_to": ["tensorboard", "wandb"], "tensorboard": TB_DIR,
+                                              "wandb": {"id": "evalrun1", "project": "p", "name": "run"}}))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    plot = str(tmp_path / "episode_000007.png")
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(plot)
+    overall = {m: {"mse": {"arm": 0.1 * i, "gripper": 0.2 * i, "all": 0.3 * i},
+                   "mae": {"arm": 0.01 * i, "gripper": 0.02 * i, "all": 0.03 * i}}
+               for i, m in enumerate(("policy", "ridge", "mean"), 1)}
+    report_eval(str(run), {"overall": overall, "episodes": {"7": {}}}, 3, [plot])
+    b = {"table": {p: 0.01 * (i + 1) for i, p in enumerate(("data wait", "communication", "launch/dispatch overhead",
+                                                             "compute"))},
+         "step_s": 0.1, "samples_per_s": 80.0, "last_step": 2, "footnote": "means over steps 1..2"}
+    b["percent"] = {k: 100 * v / 0.1 for k, v in b["table"].items()}
+    report_profile(str(run), b, plot)
+    acc = tensorboard_accumulator(str(run))
+    assert [(e.step, e.width, e.height) for e in acc.Images("eval/episode_000007")] == [(3, 64, 48)]
+    assert [e.step for e in acc.Images("profile/chart")] == [3]
+    table = acc.Tensors("eval/mse/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| group | policy | ridge | mean |" in table and "| gripper | 0.2 | 0.4 | 0.6 |" in table
+    assert [(e.step, e.value) for e in acc.Scalars("eval/mse/arm/ridge")] == [(3, pytest.approx(0.2))]
+    summary = wandb_summary(str(run))
+    assert summary["eval/mse"]["_type"] == "table-file" and summary["eval/episode_000007"]["_type"] == "image-file"
+    assert summary["eval/mae/gripper/mean"] == pytest.approx(0.06)
+    assert summary["profile/data_wait_pct"] == pytest.approx(10.0) and summary["profile/compute_pct"] == 40.0
+    assert wandb_history(str(run)) == []  # summaries only: W&B's history steps stay the training's
