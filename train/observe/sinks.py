@@ -77,9 +77,10 @@ def new_wandb_id() -> str:
 
 
 class WandbSink:
-    """One W&B run in RUN_DIR/wandb, resumed by id (resume="allow"). `floor`: the last step the run
-    already holds in its local .wandb files; a resumed launch skips the steps up to it, as W&B does
-    online, so every step is in the run once."""
+    """One W&B run in RUN_DIR/wandb, resumed by id (resume="allow"). A training session (`config`
+    given) reads `floor`, the last step the run already holds in its local .wandb files, and skips the
+    steps up to it, as W&B does online, so every step is in the run once; a command's session (eval,
+    profile: no config) adds summaries only and reads nothing."""
 
     name = "wandb"
 
@@ -87,8 +88,8 @@ class WandbSink:
         import wandb  # the [track] extra
 
         self.run_dir, self.id = run_dir, id
-        self.floor = wandb_files.last_step(run_dir, id, STEP_KEY)
-        kwargs = dict(project=project, name=name, id=id, resume="allow", dir=run_dir, config=config)
+        self.floor = wandb_files.last_step(run_dir, id, STEP_KEY) if config is not None else None
+        kwargs = dict(project=project, name=name, id=id, resume="allow", dir=run_dir)
         settings = dict(console="off", silent=True, x_save_requirements=False, disable_git=True)
         if "WANDB_INIT_TIMEOUT" not in os.environ:
             settings["init_timeout"] = INIT_TIMEOUT_S
@@ -102,7 +103,10 @@ class WandbSink:
                         str(exc).splitlines()[0] if str(exc) else "", run_dir, run_dir, id)
             wandb.teardown()  # W&B's service still counts the failed run as live under this id
             self.run = wandb.init(**kwargs, mode="offline", settings=wandb.Settings(**settings))
-        where = f"{os.path.dirname(self.run.dir)} (offline)" if self.run.offline else self.run.url
+        if config is not None:  # a resumed run's config may change (--resume, --steps): not an error here
+            self.run.config.update(config, allow_val_change=True)
+        where = (f"{os.path.dirname(self.run.dir)} (offline)" if self.run.offline else self.run.url
+                 or "nothing recorded (WANDB_MODE=disabled)")
         log.info("W&B: run %s/%s, id %s: %s%s", project, name, id, where,
                  f"; steps up to {self.floor} are in the run already" if self.floor is not None else "")
 
