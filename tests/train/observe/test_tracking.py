@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -172,7 +171,6 @@ def test_a_torn_or_corrupt_wandb_file(tmp_path):
     (tmp_path / "bad.wandb").write_bytes(bytes(bad))
     with pytest.raises(FormatError, match="checksum"):
         list(wandb_files.payloads(str(tmp_path / "bad.wandb")))
-    shutil.rmtree(run)
 
 
 def test_eval_and_profile_add_to_the_same_run(tmp_path, monkeypatch):
