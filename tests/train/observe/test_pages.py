@@ -183,6 +183,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.timeout(1200)  # a fresh CI machine installs chromium in the fixture first (apt-get: minutes)
 def test_profile_page_in_a_real_browser(browser, served, tmp_path):
     run_dir, url = served
     browser.console()  # drop what the new tab logged

@@ -4,8 +4,10 @@ TensorBoard and W&B, then `loongforge profile` adding to the same run."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,20 +52,30 @@ def test_a_2_rank_run_reports_to_tensorboard_by_default(zero3_run):
     assert not os.path.exists(os.path.join(zero3_run, "wandb"))
 
 
-def test_report_to_wandb_without_the_package_is_one_line_before_any_process_group(train_root, tmp_path):
+def test_report_to_wandb_without_the_package_is_one_line_before_any_process_group(train_root, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A rank's whole entry (launch.run_args), in this process, with wandb absent: exit 2, one line, and the
+    process group never started (a spy in the trainer's init_distributed)."""
+    from loongforge.train import flags, launch as entry, trainer
+
     root, _ = train_root
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
-    env = dict(os.environ, PYTHONPATH=f"{hide}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    reached = []
+    monkeypatch.setattr(trainer, "init_distributed", lambda *a, **k: reached.append(a) or 1 / 0)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what importlib reports for a package that is absent
+    old = signal.getsignal(signal.SIGTERM)
+    p = argparse.ArgumentParser()
+    flags.add_train_args(p)
     run_dir = tmp_path / "run"
-    proc = launch([sys.executable, "-m", "loongforge.train", "--data", root, "--run-dir", str(run_dir),
-                   "--report-to", "tensorboard,wandb"], cwd=str(tmp_path), env=env, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == ["loongforge train: config error: --report-to tensorboard,wandb: the wandb package is not "
-                      "installed; pip install 'loongforge[track]' (or drop it from --report-to)"], proc.stderr
-    assert "Initializing TorchBackend" not in proc.stderr and "init_process_group" not in proc.stderr
+    try:
+        code = entry.run_args(p.parse_args(["--data", root, "--run-dir", str(run_dir), "--device", "cpu",
+                                            "--report-to", "tensorboard,wandb"]))
+    finally:
+        signal.signal(signal.SIGTERM, old)  # run_args installs its SIGTERM handler
+    err = capsys.readouterr().err
+    assert code == 2 and reached == []
+    assert err.strip().splitlines() == [
+        "loongforge train: config error: --report-to tensorboard,wandb: the wandb package is not installed; "
+        "pip install 'loongforge[track]' (or drop it from --report-to)"], err
     assert not run_dir.exists()  # nothing started: no metrics.jsonl, no lock, no tracker files
 
 
