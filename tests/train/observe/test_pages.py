@@ -1,19 +1,21 @@
 """The run's HTML page (`loongforge profile`'s profile.html) in a real headless browser: Debian's chromium
 driven through chromedriver's WebDriver HTTP API, the page served from the run dir over loopback HTTP.
 It loads without console errors, the chart image is there and not blank, the table has the four phases.
-The screenshot it takes is docs/profile-page.png (README "Watch a run"): LOONGFORGE_DOCS_SCREENSHOT=PATH
-writes it there too."""
+The screenshots it takes are docs/profile-page.png and docs/tensorboard.png (README "Watch a run"):
+LOONGFORGE_DOCS_SCREENSHOT=PATH and LOONGFORGE_DOCS_TB_SCREENSHOT=PATH write them there too."""
 
 from __future__ import annotations
 
 import base64
 import functools
+import re
 import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -144,9 +146,11 @@ def _run_dir(path) -> str:
             row = {"v": 1, "step": step, "loss": 2.0 / (1 + step / 50) + 0.05 * rng.random(), "samples": 16,
                    "warmup": step == 0, "world": 2, "data_wait_s": 0.004 + 0.01 * (step % 40 == 0),
                    "forward_s": 0.03 + 0.004 * rng.random(), "backward_s": 0.05, "optimizer_s": 0.01,
-                   "comm_s": 0.012, "overhead_s": 0.006}
+                   "comm_s": 0.012, "overhead_s": 0.006, "lr": 3e-3 * min(1.0, (step + 1) / 15),
+                   "grad_norm": 1.5 / (1 + step / 40) + 0.1 * rng.random()}
             row["step_s"] = sum(row[k] for k in ("data_wait_s", "forward_s", "backward_s", "optimizer_s",
                                                   "overhead_s"))
+            row["compute_s"] = row["forward_s"] + row["backward_s"] + row["optimizer_s"] - row["comm_s"]
             if step % 100 == 99:
                 row.update(val_flow_loss=1.0 / (1 + step / 80), val_action_mse=0.6 / (1 + step / 80))
             f.write(json.dumps(row) + "\n")
@@ -208,3 +212,74 @@ def test_profile_page_in_a_real_browser(browser, served, tmp_path):
     page = browser.run_async(INSPECT)
     errors = [m["message"] for m in browser.console() if m["level"] == "SEVERE"]
     assert page["error"] == "not loaded" and any("profile.png" in e and "404" in e for e in errors), errors
+
+
+def _tensorboard_server(logdir: str):
+    """`tensorboard --logdir LOGDIR` on a loopback port, as a user starts it; (process, url) once it answers."""
+    port = _free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "tensorboard")  # the venv's, beside its python
+    proc = subprocess.Popen([exe, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=2) as r:
+                if json.loads(r.read()):
+                    return proc, f"http://127.0.0.1:{port}"
+        except (urllib.error.URLError, ConnectionError, ValueError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "tensorboard did not serve the run"
+        time.sleep(0.3)
+
+
+# `full`: a TensorBoard server and its web app (seconds of JavaScript on 2 cores). make test reads the same
+# events through TensorBoard's own reader: test_tracking.py::test_sigkill_then_resume_every_step_once_in_tensorboard_and_wandb.
+@pytest.mark.full
+@pytest.mark.timeout(1200)
+def test_tensorboard_shows_a_run_in_a_real_browser(browser, tmp_path):
+    """A run's TensorBoard (training steps, then `loongforge profile`'s table and chart) in TensorBoard's own web
+    app: the train/, time/ and profile/ groups are there, and no console error."""
+    from loongforge.train.config import DataConfig, RunConfig, TrackConfig, TrainConfig
+    from loongforge.train.observe.metrics import read_metrics
+    from loongforge.train.observe.tracking import Tracker, report_profile
+
+    run_dir = _run_dir(tmp_path / "run")
+    cfg = TrainConfig(data=DataConfig(root="unused"), run=RunConfig(run_dir=run_dir),
+                      track=TrackConfig(report_to=("tensorboard",)))
+    tracker = Tracker.for_training(cfg, rank=0, start_step=0)
+    for row in read_metrics(run_dir):  # what MetricsLog hands the tracker as it writes each row
+        tracker.log_step(row)
+    tracker.close()
+    b = breakdown.breakdown(run_dir)
+    report_profile(run_dir, b, write_chart(b, run_dir))
+    server, url = _tensorboard_server(os.path.join(run_dir, "tensorboard"))
+    try:
+        browser.console()
+        browser.open(f"{url}/#timeseries")
+        deadline = time.monotonic() + 90
+        while True:
+            text = browser.cmd("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
+            groups = set(re.findall(r"(?m)^([a-z]+)\d+ cards?$", text))  # a group's header: "time17 cards"
+            if {"train", "time", "profile"} <= groups and "profile\n/chart" in text:  # the first card is shown
+                break
+            assert time.monotonic() < deadline, text[:2000]
+            time.sleep(0.5)
+        errors = [m for m in browser.console() if m["level"] == "SEVERE"]
+        assert errors == [], errors
+        # The screenshot: the training curves, in TensorBoard's scalars dashboard filtered to train/.
+        browser.open(f"{url}/#scalars&tagFilter=train%2F(loss%7Clr%7Cgrad_norm)&_smoothingWeight=0")
+        deadline = time.monotonic() + 60
+        while browser.cmd("POST", "/execute/sync", {"script": "return document.querySelectorAll("
+                                                                "'tf-scalar-card, .tf-scalar-card, svg').length",
+                                                      "args": []}) < 3:
+            assert time.monotonic() < deadline, "no scalar charts"
+            time.sleep(0.5)
+        time.sleep(2)  # the charts' first draw
+        shot = browser.screenshot()
+        (tmp_path / "tensorboard.png").write_bytes(shot)
+        if os.environ.get("LOONGFORGE_DOCS_TB_SCREENSHOT"):
+            with open(os.environ["LOONGFORGE_DOCS_TB_SCREENSHOT"], "wb") as f:
+                f.write(shot)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
