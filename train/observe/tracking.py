@@ -122,6 +122,8 @@ class Tracker:
         if rank != 0:
             return cls()
         names = resolve_report_to(cfg.track.report_to, say=log.info)
+        if not names:
+            return cls()  # --report-to none: no file at all (a stored W&B id stays for a later resume with it)
         run_dir, t = cfg.run.run_dir, cfg.track
         os.makedirs(run_dir, exist_ok=True)
         try:
@@ -129,14 +131,14 @@ class Tracker:
         except (OSError, ValueError, FormatError) as exc:
             log.warning("%s; new tracker runs are started", exc)
             old = None
-        wandb_state = None
+        wandb_state, kept = None, (old or {}).get("wandb") or {}
         if "wandb" in names:
-            kept = (old or {}).get("wandb") or {}
             wandb_state = {"id": kept.get("id") or sinks_mod.new_wandb_id(),
                            "project": t.wandb_project or kept.get("project") or WANDB_PROJECT,
                            "name": t.wandb_run_name or kept.get("name") or os.path.basename(os.path.abspath(run_dir))}
+        # A resume without W&B keeps its id: a later resume with it continues the same W&B run.
         _write_state(run_dir, {"v": STATE_VERSION, "report_to": list(names), "tensorboard": TB_DIR,
-                               "wandb": wandb_state})
+                               "wandb": wandb_state or kept or None})
         config = cfg.to_dict()
         tracker = cls()
         if "tensorboard" in names:
