@@ -23,6 +23,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 # constant 1e-3 gave 0.036); small: 3e-4 halved the open-loop error of constant 1e-3 on a GR00T demo
 # set; 1.6b: GR00T's fine-tuning lr. train/README.md has the figures.
 RECIPE_LR = {"tiny": 3e-3, "small": 3e-4, "1.6b": 1e-4}
+REPORT_TO = ("tensorboard", "wandb")  # experiment trackers (train/observe/tracking.py), HF Trainer's names
 
 
 def _need(cond: bool, field_name: str, msg: str) -> None:
@@ -266,6 +267,19 @@ class FaultConfig:
         _need(self.startup_timeout_s >= 0, "faults.startup_timeout_s", "must be >= 0 (0 = off; --startup-timeout-s)")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrackConfig:
+    """Experiment trackers rank 0 reports to (train/observe/tracking.py)."""
+
+    report_to: tuple[str, ...] | None = None  # None: tensorboard when installed, else none; () = none
+    wandb_project: str | None = None  # None: "loongforge"
+    wandb_run_name: str | None = None  # None: the run dir's name
+
+    def __post_init__(self):
+        bad = [n for n in self.report_to or () if n not in REPORT_TO]
+        _need(not bad, "track.report_to", f"unknown {bad}; use a comma list of {', '.join(REPORT_TO)}, or none")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: DataConfig
@@ -276,6 +290,7 @@ class TrainConfig:
     run: RunConfig
     recipe: str = "tiny"
     faults: FaultConfig = field(default_factory=FaultConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,6 +19,7 @@ from loongforge.train.data.training_data import TrainingData, load_training_data
 from loongforge.train.kernels import graphs
 from loongforge.train.model import recipes
 from loongforge.train.model.build import model_config
+from loongforge.train.observe.tracking import resolve_report_to
 from loongforge.train.parallel.engine import ds_config, pick_device
 from loongforge.train.parallel.plan import check_layout, plan_of
 
@@ -45,6 +46,7 @@ def launch_world() -> int:
 def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     """Everything about the config that can be wrong, checked without a process group."""
     world = launch_world() if world is None else world
+    resolve_report_to(cfg.track.report_to)  # --report-to wandb without the package: one line, exit 2
     if cfg.recipe not in recipes.RECIPES:
         raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {sorted(recipes.RECIPES)}")
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists
