@@ -73,3 +73,8 @@ step "open-loop eval on the held-out episodes"
 loongforge eval "$OUT/run" --data "$OUT/shards"
 echo
 echo "demo finished: shards in $OUT/shards, run in $OUT/run"
+if [ -d "$OUT/run/tensorboard" ]; then
+  echo "watch it: tensorboard --logdir $OUT/run/tensorboard   (then open http://localhost:6006)"
+else
+  echo "watch it: pip install 'loongforge[track]' and rerun for TensorBoard curves (--report-to, README \"Watch a run\")"
+fi

@@ -48,6 +48,7 @@ OPTIONAL = {
     "numba": "optional fast path of the CPU colour conversion; torch ops run without it",
     "matplotlib": "heavy, only for charts",
     "psutil": "optional: CPU accounting of benchmark processes",
+    "wandb": "optional extra loongforge[track]: only --report-to wandb (rank 0) needs it",
     "torchcodec": "optional baseline decoder of the loader benchmark (its torch 2.13 wheels are CUDA builds)",
     "apache_beam": "the preprocess extra; Beam workers only",
     "google": "protobuf, through apache_beam (the local runner)",

@@ -85,14 +85,17 @@ def _export(args) -> int:
 def _profile(args) -> int:
     from loongforge.train.observe import breakdown as report
     from loongforge.train.observe.chart import write_chart
+    from loongforge.train.observe.tracking import report_profile
 
     b = report.breakdown(args.run_dir)
     print(report.to_json(b) if args.json else report.format_table(b))
+    png = None
     if not args.no_chart:
         png = write_chart(b, args.run_dir)
         html = report.write_html(b, args.run_dir)
         if not args.json:
             print(f"chart: {png}\nhtml:  {html}")
+    report_profile(args.run_dir, b, png)  # to the run's TensorBoard / W&B, when it reports to them
     return 0
 
 
@@ -102,6 +105,7 @@ def _eval(args) -> int:
     from loongforge.train.ckpt import files as ckpt_files
     from loongforge.train.eval.openloop import check_request, format_table, run_eval
     from loongforge.train.eval.policy import Policy
+    from loongforge.train.observe.tracking import report_eval
 
     # Everything asked is checked before the checkpoint loads (seconds, and DeepSpeed's output).
     check_request(open_root(args.data), args.episodes, args.steps, args.samples)
@@ -116,6 +120,8 @@ def _eval(args) -> int:
     out = args.out or os.path.join(args.run_dir, "eval")
     summary = run_eval(policy, args.data, out, episodes=args.episodes, steps=args.steps, samples=args.samples,
                        plot_dims=args.plot_dims)
+    plots = [os.path.join(out, f"episode_{int(ep):06d}.png") for ep in summary["episodes"]]
+    report_eval(args.run_dir, summary, _step_of(tag), plots)  # to the run's TensorBoard / W&B
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -123,3 +129,9 @@ def _eval(args) -> int:
         print(format_table(summary))
         print(f"summary: {os.path.join(out, 'eval.json')}  plots: {out}/episode_*.png")
     return 0
+
+
+def _step_of(tag: str) -> int:
+    """The step a checkpoint tag (`step00000008`, files.tag_for) was saved at; 0 for another name."""
+    digits = tag[4:].split("_", 1)[0]
+    return int(digits) if tag.startswith("step") and digits.isdigit() else 0

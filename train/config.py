@@ -20,6 +20,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 # Peak learning rate per recipe (OptimConfig.lr unless --lr), for the default warm-up + cosine schedule.
 # gr00t-n1.6: Isaac-GR00T's fine-tuning lr. tiny / small: train/README.md has the figures.
 RECIPE_LR = {"tiny": 3e-3, "small": 3e-4, "gr00t-n1.6": 1e-4}
+REPORT_TO = ("tensorboard", "wandb")  # experiment trackers (train/observe/tracking.py), HF Trainer's names
 
 
 def _need(cond: bool, field_name: str, msg: str) -> None:
@@ -239,6 +240,19 @@ class FaultConfig:
         _need(self.startup_timeout_s >= 0, "faults.startup_timeout_s", "must be >= 0 (0 = off; --startup-timeout-s)")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrackConfig:
+    """Experiment trackers rank 0 reports to (train/observe/tracking.py)."""
+
+    report_to: tuple[str, ...] | None = None  # None: tensorboard when installed, else none; () = none
+    wandb_project: str | None = None  # None: "loongforge"
+    wandb_run_name: str | None = None  # None: the run dir's name
+
+    def __post_init__(self):
+        bad = [n for n in self.report_to or () if n not in REPORT_TO]
+        _need(not bad, "track.report_to", f"unknown {bad}; use a comma list of {', '.join(REPORT_TO)}, or none")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: DataConfig
@@ -249,6 +263,7 @@ class TrainConfig:
     run: RunConfig
     recipe: str = "tiny"
     faults: FaultConfig = field(default_factory=FaultConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)

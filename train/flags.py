@@ -14,7 +14,7 @@ import os
 from loongforge.shared.errors import ConfigError
 from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, LR_SCHEDULES, RECIPE_LR, DataConfig,
                                      FaultConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig,
-                                     TrainConfig)
+                                     TrackConfig, TrainConfig)
 from loongforge.train.tune.results import load_plan
 
 
@@ -194,6 +194,24 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="a rank whose first step has not finished after this long exits, naming the start-up "
                    "phase it is stuck in (0 = off)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    t = p.add_argument_group("experiment tracking (rank 0; train/observe/tracking.py)")
+    t.add_argument("--report-to", type=_report_to, default=_default(TrackConfig, "report_to"), metavar="LIST",
+                   help="comma list of tensorboard, wandb, or none (default: tensorboard when installed, else none; "
+                   "pip install 'loongforge[track]'). TensorBoard: RUN_DIR/tensorboard; W&B: RUN_DIR/wandb, "
+                   "WANDB_MODE=offline honoured")
+    t.add_argument("--wandb-project", default=_default(TrackConfig, "wandb_project"), help="W&B project "
+                   "(default: loongforge)")
+    t.add_argument("--wandb-run-name", default=_default(TrackConfig, "wandb_run_name"), help="W&B run name "
+                   "(default: the run dir's name); a --resume keeps the run id stored in RUN_DIR/tracking.json")
+
+
+def _report_to(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if "none" in names:
+        if len(names) > 1:
+            raise argparse.ArgumentTypeError(f"--report-to {text!r}: none cannot be combined with a tracker")
+        return ()
+    return names
 
 
 def _compress_ratio(a: argparse.Namespace) -> float:
@@ -240,6 +258,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                            hang_timeout_s=a.hang_timeout_s, heartbeat_s=a.heartbeat_s,
                            save_on_term=not a.no_save_on_term, term_grace_s=a.term_grace_s,
                            startup_timeout_s=a.startup_timeout_s),
+        track=TrackConfig(report_to=a.report_to, wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name),
     )
 
 

@@ -17,6 +17,7 @@ from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
 from loongforge.train.config import TrainConfig
 from loongforge.train.data.training_data import TrainingData, load_training_data
 from loongforge.train.kernels import graphs
+from loongforge.train.observe.tracking import resolve_report_to
 from loongforge.train.parallel.engine import ds_config, pick_device
 from loongforge.train.parallel.plan import check_layout, plan_of
 from loongforge.train.recipes import RECIPES, ModelPlan, plan_model
@@ -48,6 +49,7 @@ def launch_world() -> int:
 def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     """Everything about the config that can be wrong, checked without a process group."""
     world = launch_world() if world is None else world
+    resolve_report_to(cfg.track.report_to)  # --report-to wandb without the package: one line, exit 2
     if cfg.recipe not in RECIPES:
         raise ConfigError(f"recipe: unknown {cfg.recipe!r}; use one of {', '.join(RECIPES)}")
     dp = plan_of(cfg).dp(world)  # world % (tp*sp), before any group exists

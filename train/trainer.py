@@ -25,6 +25,7 @@ from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
 from loongforge.train.observe.metrics import MetricsLog
 from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
+from loongforge.train.observe.tracking import Tracker
 from loongforge.train.parallel import plan
 from loongforge.train.parallel.comm import StepComm
 from loongforge.train.parallel.engine import (comm_seconds, init_distributed, param_counts, pick_device,
@@ -110,8 +111,11 @@ class Trainer:
             self.startup.enter("resume", "agreeing on and loading the checkpoint")
             self._resume()
         self.startup.enter("first step", "the first batch (decode workers) and the first forward/backward")
+        # TensorBoard / W&B (--report-to), rank 0: fed each metrics.jsonl row, flushed at each save.
+        self.tracker = Tracker.for_training(cfg, rank=self.rank, start_step=self.step)
         self.metrics = MetricsLog(cfg.run.run_dir, enabled=self.rank == 0, resume=self.step > 0 or cfg.run.resume,
-                                  log_every=cfg.run.log_every, keep_below=self.step, total_steps=cfg.run.steps)
+                                  log_every=cfg.run.log_every, keep_below=self.step, total_steps=cfg.run.steps,
+                                  sinks=(self.tracker,))
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
             write_ds_config(self.ds_conf, cfg.run.run_dir)
@@ -245,7 +249,10 @@ class Trainer:
                "lr": lr,
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
                "nonfinite_skips": self.nan_guard.skipped}
-        return timing, self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+        rec = self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
+        norm = e.get_global_grad_norm()  # after _gather's host copy: no extra sync; None under ZeRO-0
+        rec["grad_norm"] = None if norm is None else float(norm)
+        return timing, rec
 
     def _loss_denominator(self, batches: list[dict]) -> torch.Tensor:
         """What each micro-batch's loss sum is divided by (model.forward's `denom`): the step's action-mask
@@ -287,6 +294,7 @@ class Trainer:
         return rec
 
     def save(self, final: bool = False) -> str | None:
+        self.tracker.on_save(self.ckpt.writer.last_s)  # the trackers' rows up to here reach disk first
         t0 = time.perf_counter()
         blobs = () if self.dp_sync is None else self.dp_sync.blobs()  # per-rank compression residuals
         tag = self.ckpt.save(step=self.step, loader_state=self.loader.state_dict(), final=final, blobs=blobs,
@@ -347,7 +355,7 @@ class Trainer:
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
         for closer in (self.startup.done, lambda: self.watchdog.stop(done=False),
                        lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
-                       self.step_comm.close, lambda: self.run_lock and self.run_lock.release()):
+                       self.tracker.close, self.step_comm.close, lambda: self.run_lock and self.run_lock.release()):
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - close the rest, then report

@@ -44,7 +44,6 @@ def test_zero2_two_ranks_learns_disjoint_slices(zero2_run, train_root):
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     losses = [r["loss"] for r in rows]
     assert mean(losses[-5:]) < 0.85 * mean(losses[:3]), losses  # flow-matching loss is noisy: compare means
-    assert mean([r["ce_loss"] for r in rows[-5:]]) < mean([r["ce_loss"] for r in rows[:3]])
     by_epoch = {}
     for r in rows:
         assert r["world"] == 2 and len(r["sample_ids"]) == 2 and len(r["sample_ids"][0]) == 4
@@ -126,7 +125,7 @@ def test_resume_on_one_rank_keeps_global_sequence(zero2_run, train_root, tmp_pat
     # The first resumed step trains the same samples from the same weights on 1 rank as on 2: with noise
     # seeded per global sample id its losses are the same (fp32 sums aside). Seeded per (step, micro, rank)
     # they differed by ~0.5%. (test_ckpt_resilience's 2 -> 1 -> 4 variant is `full`.)
-    for key in ("loss", "flow_loss", "ce_loss"):
+    for key in ("loss", "flow_loss"):
         assert got[5][key] == pytest.approx(want[5][key], rel=1e-5, abs=1e-6), key
     from loongforge.train.observe import breakdown as report
 

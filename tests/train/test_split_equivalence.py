@@ -64,7 +64,7 @@ def _same_training(one_rank, run_dir: str, *, uneven: bool) -> None:
         assert any(len({valid_rows(ids) for ids in r["sample_ids"]}) > 1 for r in got)
     for a, b in zip(want, got, strict=True):
         assert sorted(sum(b["sample_ids"], [])) == sorted(sum(a["sample_ids"], []))  # the same global batch
-        for key in ("loss", "flow_loss", "ce_loss"):
+        for key in ("loss", "flow_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (b["step"], key)
     state = optimizer_state(run_dir)
     assert state.keys() == want_state.keys()

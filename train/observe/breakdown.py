@@ -194,9 +194,14 @@ def _format_segment(b: dict, several: bool) -> str:
 def write_html(b: dict, run_dir: str) -> str:
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td><td>{b['percent'][k]:.1f}%</td></tr>"
                    for k, v in b["table"].items())
-    doc = (f"<html><body><h3>{html.escape(b['run_dir'])}</h3><table border=1><tr><th>phase</th><th>s</th>"
+    # A standalone page: the chart beside it by relative path; an empty icon, so a browser asks the
+    # server (or file://) for no favicon.ico, whose 404 would be the page's one console error.
+    doc = (f"<!doctype html><html lang=en><head><meta charset=utf-8><link rel=icon href='data:,'>"
+           f"<title>step-time breakdown: {html.escape(b['run_dir'])}</title>"
+           f"<style>img{{max-width:100%}}</style></head><body>"
+           f"<h3>{html.escape(b['run_dir'])}</h3><table id=breakdown border=1><tr><th>phase</th><th>s</th>"
            f"<th>% of step</th></tr>{rows}</table><p>{html.escape(b['footnote'])}</p>"
-           f"<img src='profile.png'></body></html>")
+           f"<img id=chart src='profile.png' alt='step-time breakdown chart'></body></html>")
     path = os.path.join(run_dir, "profile.html")
     with open(path, "w") as f:
         f.write(doc)

@@ -27,8 +27,9 @@ METRICS_VERSION = 1
 
 class MetricsLog:
     def __init__(self, run_dir: str, *, enabled: bool, resume: bool, log_every: int = 1, stream=None,
-                 keep_below: int = 0, total_steps: int = 0):
+                 keep_below: int = 0, total_steps: int = 0, sinks: tuple = ()):
         self.enabled, self.log_every, self.total = enabled, log_every, total_steps
+        self.sinks = sinks  # called with each row after it is written (tracking.Tracker.log_step)
         self.stream = stream or sys.stderr
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._f = None
@@ -49,6 +50,8 @@ class MetricsLog:
         if not self._f:
             return
         self._f.write(json.dumps({"v": METRICS_VERSION, **record}, separators=(",", ":")) + "\n")
+        for sink in self.sinks:
+            sink.log_step(record)
         self._count(record)
         if record["step"] % self.log_every == 0:
             self.stream.write(self._line(record) + "\n")
