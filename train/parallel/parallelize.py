@@ -145,7 +145,7 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
         fused = apply_fusion(model, **graphs.compile_options(m.fuse))
         graphs.own_grads(model)
         log.info("cuda graphs: torch.compile(%s) of %d block forwards", graphs.compile_options(m.fuse), len(fused))
-    elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
+    elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage, model_parallel=cfg.parallel.tp * cfg.parallel.sp):
         fused = apply_fusion(model)
         log.info("fusion: torch.compile of %d block forwards", len(fused))
     ckpt = apply_ac(model, m.ac_every)

@@ -15,9 +15,30 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 def test_policy():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert not fusion.fusion_wanted("auto", cpu, 2)
-    assert fusion.fusion_wanted("auto", gpu, 2) and not fusion.fusion_wanted("auto", gpu, 3)
-    assert fusion.fusion_wanted("on", cpu, 3) and not fusion.fusion_wanted("off", gpu, 0)
+    assert not fusion.fusion_wanted("auto", cpu, 2, model_parallel=1)
+    assert fusion.fusion_wanted("auto", gpu, 2, model_parallel=1)
+    assert not fusion.fusion_wanted("auto", gpu, 3, model_parallel=1)
+    assert not fusion.fusion_wanted("auto", gpu, 2, model_parallel=2)  # TP/SP collectives inside the blocks
+    assert fusion.fusion_wanted("on", cpu, 3, model_parallel=1) and not fusion.fusion_wanted("off", gpu, 0,
+                                                                                              model_parallel=1)
+
+
+@pytest.mark.parametrize("tp, sp, fused", [(1, 1, True), (2, 1, False), (1, 2, False)])
+def test_auto_fusion_is_off_under_tensor_or_sequence_parallel(tp, sp, fused):
+    """`--fuse auto` on CUDA compiled the blocks of a TP/SP run too, whose forwards hold the TP
+    all-reduce and the Ulysses all-to-alls: graph breaks, and a recompile per layout. Checked
+    through parallelize's policy step on a CUDA device name (compiling is lazy: nothing runs)."""
+    from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+    from loongforge.train.model import recipes
+    from loongforge.train.model.build import build_model
+    from loongforge.train.parallel.parallelize import apply_memory_policies
+
+    cfg = TrainConfig(data=DataConfig(root="/x", global_batch_size=8), run=RunConfig(run_dir="/r"),
+                      parallel=ParallelConfig(zero_stage=2, tp=tp, sp=sp))
+    assert cfg.memory.fuse == "auto"
+    torch._dynamo.reset()
+    policies = apply_memory_policies(build_model(recipes.tiny()), cfg, torch.device("cuda", 0))
+    assert bool(policies.fused) == fused, policies.fused
 
 
 def _model_and_inputs(device="cpu", dtype=torch.float32, dim=64, b=2):
