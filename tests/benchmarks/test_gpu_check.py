@@ -5,6 +5,7 @@ part even when a later part dies. (The GPU parts themselves run on a GPU: `make 
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 import pytest
@@ -92,3 +93,39 @@ def test_tests_past_the_deadline_are_not_run_and_fail(fake_gpu, monkeypatch, tmp
     monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: ran.append(node) or _case(node, "passed"))
     res = gpu_check.gpu_tests(str(tmp_path), 60, deadline=0.0, save=lambda part: None)
     assert not ran and not res["ok"] and {c["result"] for c in res["cases"]} == {"not run"}
+
+
+def test_a_flash_attn_that_does_not_import_is_not_installed(tmp_path, monkeypatch):
+    """A flash-attn wheel built for another torch is on the path but its CUDA extension fails to load;
+    its tests then skip, and that skip is allowed only if the check reports flash-attn as not usable."""
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda: undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert not gpu_check.flash_attn_installed()
+    (pkg / "__init__.py").write_text("__version__ = '2.8.3'\n")
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert gpu_check.flash_attn_installed()
+
+
+def test_gpu_test_modules_import_without_the_optional_gpu_packages(monkeypatch):
+    """No GPU test module skips (or fails) at import when torchao or flash-attn is missing: a module-level
+    importorskip turned the FP8 GPU tests into skips, which the check counts as failures on a machine
+    without torchao; those tests must run and say what is missing."""
+    import importlib.util
+    import pathlib
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # an import of torchao (or torchao.*) raises ImportError
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    for path in sorted(tests.rglob("test_*.py")):
+        text = path.read_text()
+        if "mark.gpu" not in text:
+            continue
+        spec = importlib.util.spec_from_file_location(f"_gpu_import_probe_{path.stem}", path)
+        try:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        except BaseException as exc:  # noqa: BLE001 - pytest's Skipped is a BaseException
+            pytest.fail(f"{path.relative_to(tests)}: importing it without torchao/flash-attn raised "
+                        f"{type(exc).__name__}: {exc}")
