@@ -90,7 +90,7 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
         apply_sp(model, state, conf)  # 2
         policies = apply_memory_policies(model, cfg, device)  # 3-5
     if hybrid and conf["zero_optimization"]["stage"] == 3:  # 6
-        partition_zero3(model, state)  # over the shard group, never the pure DP group
+        partition_zero3(model, state, conf)  # over the shard group, never the pure DP group
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
                                            mpu=state if hybrid else None,
                                            lr_scheduler=LRSchedule.factory(cfg.optim, cfg.run.steps))

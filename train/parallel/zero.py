@@ -40,11 +40,29 @@ def zero_loss_scale(zero_config: dict, state) -> float:
     return float(state.size("sp"))
 
 
-def partition_zero3(model, state) -> None:
-    """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp)."""
+def partition_zero3(model, state, conf: dict) -> None:
+    """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp),
+    its parameters in the engine's dtype (`conf`: the DeepSpeed config the engine is built from)."""
     import deepspeed  # heavy; only the paths that build an engine import it
 
+    dtype = engine_dtype(conf)
+    # NOTE: deepspeed.initialize casts the parameters to bf16 only for a model that was not ZeRO-Init'ed
+    # (DeepSpeed 0.19.8, engine._cast_module_mixed_precision), and zero.Init(module=...) partitions each
+    # parameter in the dtype it has: without this cast a TP/SP/hybrid run trains its fp32 weights (no
+    # bf16 GEMMs, twice the memory, flash-attn refused), silently. Parameters only, as the engine casts.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
+
+
+def engine_dtype(conf: dict) -> torch.dtype:
+    """The dtype DeepSpeed trains the module's parameters in, from its config."""
+    if conf.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if conf.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def compressed_dp_sync(model, compressor, *, dense: bool = False) -> None:
