@@ -47,7 +47,8 @@ from loongforge.train.parallel.plan import ParallelState, is_hybrid
 from loongforge.train.parallel.sequence_parallel import SequenceParallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
-from loongforge.train.parallel.zero import CompressedDPSync, partition_zero3, zero_loss_scale
+from loongforge.train.parallel.zero import (CompressedDPSync, keep_vectors_gathered, partition_zero3,
+                                            zero_loss_scale)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
         policies = apply_memory_policies(model, cfg, device)  # 3-5
     if hybrid and conf["zero_optimization"]["stage"] == 3:  # 6
         partition_zero3(model, state, conf)  # over the shard group, never the pure DP group
+    keep_vectors_gathered(conf, model)  # ZeRO-3: norms and biases persist
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=conf,
                                            mpu=state if hybrid else None,
                                            lr_scheduler=LRSchedule.factory(cfg.optim, cfg.run.steps))

@@ -56,6 +56,20 @@ def partition_zero3(model, state, conf: dict) -> None:
     deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
 
 
+def keep_vectors_gathered(conf: dict, model) -> None:
+    """ZeRO-3's persistence threshold (parameters of at most this many elements stay gathered between
+    uses), set to the model's largest 1-D parameter: every norm weight and bias persists, at a few KB
+    each, instead of one all-gather and one free per tensor, per layer, per step (a threshold of 0);
+    the weight matrices, each larger than any vector of the model, stay partitioned. Applied when
+    deepspeed.initialize reads the config; partitioned (zero.Init) parameters report ds_numel/ds_shape."""
+    zero = conf["zero_optimization"]
+    if zero.get("stage") != 3:
+        return
+    vectors = [int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()
+               if len(getattr(p, "ds_shape", p.shape)) == 1]
+    zero["stage3_param_persistence_threshold"] = max(vectors, default=0)
+
+
 def engine_dtype(conf: dict) -> torch.dtype:
     """The dtype DeepSpeed trains the module's parameters in, from its config."""
     if conf.get("bf16", {}).get("enabled"):

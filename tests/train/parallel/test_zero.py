@@ -126,7 +126,7 @@ def test_zero3_refuses_reduce_scatter_off():
 
 def _parallelize_bf16_worker(rank: int, world: int, topk: bool) -> None:
     """parallelize() of a bf16 ZeRO-3 run, plain (built under zero.Init) or hybrid (built, then partitioned
-    over the shard group): the dtype of every parameter DeepSpeed trains."""
+    over the shard group): the dtype of every parameter DeepSpeed trains, and which ones it keeps whole."""
     import deepspeed
 
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
@@ -147,12 +147,23 @@ def _parallelize_bf16_worker(rank: int, world: int, topk: bool) -> None:
     params = dict(built.engine.module.named_parameters())
     wrong = {n: p.ds_tensor.dtype for n, p in params.items() if p.ds_tensor.dtype != torch.bfloat16}
     assert not wrong, f"not bf16 after ZeRO-Init ({'hybrid' if topk else 'plain'}): {wrong}"
+    # Persistence: every vector (norm weights, biases) stays gathered; the matrices are partitioned.
+    threshold = built.ds_config["zero_optimization"]["stage3_param_persistence_threshold"]
+    vectors = {n for n, p in params.items() if len(p.ds_shape) == 1}
+    assert vectors and {n for n in vectors if not p_persist(params[n])} == set(), threshold
+    largest = max(params.values(), key=lambda p: p.ds_numel)
+    assert not p_persist(largest) and threshold == max(params[n].ds_numel for n in vectors)
     plan.destroy()
 
 
+def p_persist(p) -> bool:
+    return bool(getattr(p, "ds_persist", False))
+
+
 @pytest.mark.parametrize("topk", [False, True], ids=["plain", "hybrid"])
-def test_zero3_trains_bf16_parameters(topk):
+def test_zero3_trains_bf16_parameters_and_keeps_vectors_gathered(topk):
     """A ZeRO-3 run with bf16 on must train bf16 parameters on every layout: DeepSpeed skips its own
     cast for a model partitioned before deepspeed.initialize (the hybrid / TP / SP path), which then
-    trained in fp32."""
+    trained in fp32. And norm weights and biases are kept gathered (a persistence threshold of 0
+    gathered and freed each of them in every layer, every step)."""
     run_ranks(_parallelize_bf16_worker, 1, topk)
