@@ -1,12 +1,13 @@
-"""`loongforge bench gpu-check`'s verdicts and bookkeeping, on CPU: each GPU test in its own
-pytest process with its own budget, "all skipped" is a failure, the JSON is written after each
-part even when a later part dies. (The GPU parts themselves run on a GPU: `make gpu-check`.)"""
+"""`loongforge bench gpu-check`'s verdicts and bookkeeping, on CPU: a test file per pytest process,
+each test with its own timeout, parts that never outlast the deadline, "all skipped" is a failure, the
+JSON is written after each part even when a later part dies. (The GPU parts run on a GPU.)"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
+import time
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_each_test_gets_its_own_budget_and_junit(tmp_path):
 
 def _args(tmp_path, **kw):
     ns = argparse.Namespace(out=str(tmp_path), steps=2, skip_tests=False, test_timeout=60, run_timeout=60, jobs=2,
-                            deadline=600)
+                            deadline=600, shards=None, cache_dir=str(tmp_path / "cache"))
     for k, v in kw.items():
         setattr(ns, k, v)
     return ns
@@ -59,40 +60,79 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(gpu_check, "collect_gpu_tests", lambda: (["t.py::a", "t.py::b"], ""))
 
 
+def _group(result, message=""):
+    return lambda path, nodes, out, timeout, test_timeout: [_case(n, result, message) for n in nodes]
+
+
+def _ok_runs(report, a, part):
+    report.data["runs"] = [{"recipe": "tiny", "ok": True, "seconds": 1}]
+    report.data["launch_overhead"] = {"ok": True, "eager": {"launch_overhead_s": 0, "step_s": 1},
+                                      "cuda_graphs": {"launch_overhead_s": 0, "step_s": 1}}
+
+
 def test_report_is_written_when_a_later_part_dies(fake_gpu, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "passed"))
+    monkeypatch.setattr(gpu_check, "_runs", _ok_runs)
 
     def die(*a, **kw):
-        raise RuntimeError("the training runs died")
+        raise RuntimeError("the test part died")
 
-    monkeypatch.setattr(gpu_check, "_runs", die)
+    monkeypatch.setattr(gpu_check, "gpu_tests", die)
     with pytest.raises(RuntimeError):
         gpu_check.handle(_args(tmp_path))
     (report,) = tmp_path.glob("gpu-check-*.json")
     data = json.loads(report.read_text())
-    assert data["tests"]["ok"] and data["tests"]["passed"] == 2 and not data["finished"] and not data["ok"]
+    assert data["runs"][0]["ok"] and not data["finished"] and not data["ok"]
+    assert data["budget_s"]["tests"] == data["budget_s"]["deadline"] == 600
 
 
 def test_all_skipped_exits_non_zero(fake_gpu, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "skipped", "needs CUDA"))
-
-    def runs(report, a, deadline):
-        report.data["runs"] = [{"recipe": "tiny", "ok": True, "seconds": 1}]
-        report.data["launch_overhead"] = {"ok": True, "eager": {"launch_overhead_s": 0, "step_s": 1},
-                                          "cuda_graphs": {"launch_overhead_s": 0, "step_s": 1}}
-
-    monkeypatch.setattr(gpu_check, "_runs", runs)
+    monkeypatch.setattr(gpu_check, "run_group", _group("skipped", "needs CUDA"))
+    monkeypatch.setattr(gpu_check, "_runs", _ok_runs)
     assert gpu_check.handle(_args(tmp_path)) == 1
     assert gpu_check.handle(_args(tmp_path, skip_tests=True)) == 1  # the tests are a part that must run
-    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: _case(node, "passed"))
+    monkeypatch.setattr(gpu_check, "run_group", _group("passed"))
     assert gpu_check.handle(_args(tmp_path)) == 0
+    (txt,) = {p.read_text() for p in tmp_path.glob("gpu-check-*.txt")} - set()
+    assert "gpu-check tests: 2 collected, 2 ran, 2 passed, 0 failed, 0 not reached" in txt
 
 
 def test_tests_past_the_deadline_are_not_run_and_fail(fake_gpu, monkeypatch, tmp_path):
     ran = []
-    monkeypatch.setattr(gpu_check, "run_test", lambda node, out, timeout: ran.append(node) or _case(node, "passed"))
-    res = gpu_check.gpu_tests(str(tmp_path), 60, deadline=0.0, save=lambda part: None)
+    monkeypatch.setattr(gpu_check, "run_group", lambda path, nodes, *a: ran.extend(nodes) or [])
+    res = gpu_check.gpu_tests(str(tmp_path), 60, gpu_check.Part("tests", time.monotonic()), save=lambda part: None)
     assert not ran and not res["ok"] and {c["result"] for c in res["cases"]} == {"not run"}
+    assert gpu_check.tally({"tests": res, "runs": []})["tests"] == {"collected": 2, "ran": 0, "passed": 0,
+                                                                    "failed": 0, "not_reached": 2}
+
+
+@pytest.mark.parametrize("deadline", [1.0, 60.0, 420.0, 3600.0])
+def test_the_parts_never_outlast_the_deadline(deadline):
+    t0 = 1000.0
+    parts = gpu_check.plan_parts(t0, deadline)
+    assert list(parts) == list(gpu_check.BUDGET) and sum(gpu_check.BUDGET.values()) <= 1.0
+    ends = [p.end for p in parts.values()]
+    assert ends == sorted(ends) and ends[-1] == t0 + deadline and all(e <= t0 + deadline for e in ends)
+    late = gpu_check.Part("x", time.monotonic() + 5)
+    assert 4 < late.timeout(600) <= 5 and late.timeout(2) == 2  # a process gets what its part has left
+
+
+def test_a_test_file_runs_in_one_process_with_a_timeout_per_test(tmp_path):
+    tests = tmp_path / "test_group.py"
+    tests.write_text("import os, time\n\nPID = os.getpid()\n\n"
+                     "def test_a():\n    open(os.environ['PIDS'], 'a').write(f'{PID}\\n')\n\n"
+                     "def test_b():\n    open(os.environ['PIDS'], 'a').write(f'{PID}\\n')\n\n"
+                     "def test_slow():\n    time.sleep(60)\n")
+    pids = tmp_path / "pids"
+    nodes = [f"{tests}::test_a", f"{tests}::test_b", f"{tests}::test_slow"]
+    import os
+
+    os.environ["PIDS"] = str(pids)
+    try:
+        res = gpu_check.run_group(str(tests), nodes, str(tmp_path), timeout=120, test_timeout=3)
+    finally:
+        del os.environ["PIDS"]
+    assert [r["result"] for r in res] == ["passed", "passed", "failure"] and "Timeout" in res[2]["message"]
+    assert len(set(pids.read_text().split())) == 1  # one process for the file
 
 
 def test_a_flash_attn_that_does_not_import_is_not_installed(tmp_path, monkeypatch):
