@@ -60,21 +60,20 @@ faults: setup
 	$(BIN)/loongforge bench faults
 	$(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
 
-# GPU box: the same pin, CUDA build. On Linux x86-64 PyPI's torch==2.13.0 wheel *is* the CUDA
-# build (its nvidia-* libraries come from PyPI too): the source every pip cache and mirror holds,
-# so a fresh box needs no override. A venv holding a CPU build (2.13.0+cpu from a CPU index or
-# wheelhouse, like ours) has torch alone uninstalled and the pin installed from GPU_TORCH_INDEX,
-# with no extra index or wheelhouse (a +cpu local version would outrank it): only torch and its
-# CUDA libraries are fetched, every other package stays (no --force-reinstall, which reinstalls
-# all dependencies from that one index). The [gpu] extra (flash-attn) only as a prebuilt wheel:
-# PyPI has its sdist only and a source build takes far longer than the check; without a wheel for
-# this torch its tests are reported as skipped, by name, in the JSON.
+# GPU box with network, this venv: the same torch pin, CUDA build, from GPU_TORCH_INDEX alone.
+# pip's own configuration is set aside for that one install (PIP_CONFIG_FILE=/dev/null loads no config
+# file; the PIP_* variables are unset): an empty PIP_FIND_LINKS does not override a pip.conf
+# find-links, and a wheelhouse holding 2.13.0+cpu would win (`torch==2.13.0` matches it and the local
+# version sorts higher). The [gpu] extra (flash-attn) only as a prebuilt wheel: PyPI has its sdist only
+# and a source build takes far longer than the check; without a wheel for this torch its tests are
+# reported as skipped, by name, in the JSON.
 GPU_TORCH_INDEX ?= https://pypi.org/simple
+GPU_PIP_ENV := env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null
 gpu-check: setup
 	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || { \
 	  echo "torch in $(VENV) is a CPU build: installing $(TORCH) (CUDA build) from $(GPU_TORCH_INDEX)"; \
-	  $(BIN)/pip uninstall -q -y torch && PIP_EXTRA_INDEX_URL= PIP_FIND_LINKS= \
-	    $(BIN)/pip install -q --index-url $(GPU_TORCH_INDEX) '$(TORCH)'; }
+	  $(BIN)/pip uninstall -q -y torch && $(GPU_PIP_ENV) $(BIN)/pip install -q --index-url $(GPU_TORCH_INDEX) '$(TORCH)'; }
+	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'gpu-check: torch ' + torch.__version__ + ' is still a CPU build')"
 	@$(BIN)/pip install -q --only-binary flash-attn -e '.[gpu]' || \
 	  echo "gpu-check: no flash-attn wheel for this torch/CUDA/Python; its tests will be reported as skipped"
 	$(BIN)/loongforge bench gpu-check

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -169,3 +170,45 @@ def test_gpu_test_modules_import_without_the_optional_gpu_packages(monkeypatch):
         except BaseException as exc:  # noqa: BLE001 - pytest's Skipped is a BaseException
             pytest.fail(f"{path.relative_to(tests)}: importing it without torchao/flash-attn raised "
                         f"{type(exc).__name__}: {exc}")
+
+
+def _fake_wheel(folder, version: str) -> None:
+    import zipfile
+
+    dist = f"torch-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"torch-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+
+
+def test_make_gpu_check_installs_the_cuda_pin_from_its_index_alone(tmp_path):
+    """`make gpu-check`'s torch install (its GPU_PIP_ENV prefix): `torch==2.13.0` also matches
+    2.13.0+cpu, which sorts higher, so a find-links of the CPU wheelhouse, from PIP_FIND_LINKS or from
+    a pip.conf (an empty PIP_FIND_LINKS does not override that), would reinstall the CPU build."""
+    import re
+    import shlex
+    import subprocess
+
+    from loongforge.benchmarks.harness.report import SOURCE_CHECKOUT
+
+    make = (SOURCE_CHECKOUT / "Makefile").read_text()
+    prefix = shlex.split(re.search(r"^GPU_PIP_ENV\s*:?=\s*(.+)$", make, re.M).group(1))
+    assert "$(GPU_PIP_ENV) $(BIN)/pip install -q --index-url $(GPU_TORCH_INDEX) '$(TORCH)'" in make
+    cpu, index = tmp_path / "wheelhouse", tmp_path / "index" / "torch"
+    cpu.mkdir()
+    index.mkdir(parents=True)
+    _fake_wheel(cpu, "2.13.0+cpu")
+    _fake_wheel(index, "2.13.0")
+    (index / "index.html").write_text('<a href="torch-2.13.0-py3-none-any.whl">torch-2.13.0-py3-none-any.whl</a>')
+    conf = tmp_path / "xdg" / "pip"
+    conf.mkdir(parents=True)
+    (conf / "pip.conf").write_text(f"[global]\nfind-links = {cpu}\n")
+    env = dict(os.environ, PIP_FIND_LINKS=str(cpu), XDG_CONFIG_HOME=str(tmp_path / "xdg"), PIP_NO_INPUT="1")
+    report = tmp_path / "report.json"
+    cmd = [*prefix, sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
+           "--report", str(report), "--index-url", (tmp_path / "index").as_uri(), "torch==2.13.0"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["version"] == "2.13.0", item["download_info"]["url"]
