@@ -13,7 +13,8 @@ parts can never add up to more than the whole. Time a part leaves unused goes to
    (hybrid sharding: the compressor's DP sync over a 1-rank NCCL group, counted as group "dp");
    they read the shard root of --shards (made by `make gpu-bundle`: no Beam or PyAV needed here)
    or one written on the spot;
-2. tests: every CUDA-only test (`pytest -m gpu --collect-only`: the marker, so new tests join),
+2. tests: every CUDA-only test (`pytest -m gpu --collect-only` of the files that use the marker, so
+   new tests join, and no file that needs the preprocess extras is imported),
    one pytest process per test file (a file's tests share its imports and fixtures: one NCCL
    group, one compile of each shape), `--jobs` files at a time, each test with its own pytest-timeout.
    A skipped GPU test is a failure, except the flash-attn tests when flash-attn does not import
@@ -121,9 +122,22 @@ def flash_attn_installed() -> bool:
     return True
 
 
+def gpu_test_files(root: str = os.path.join(REPO, "tests")) -> list[str]:
+    """The test files that use the gpu marker. Collecting the whole suite would import every test
+    module, and those of preprocess (Beam, PyAV) cannot import on a GPU box that carries neither."""
+    out = []
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.startswith("test_") and f.endswith(".py"):
+                with open(os.path.join(d, f)) as fh:
+                    if "mark.gpu" in fh.read():
+                        out.append(os.path.relpath(os.path.join(d, f), REPO))
+    return out
+
+
 def collect_gpu_tests() -> tuple[list[str], str]:
     code, log, _ = _run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
-                         "no:cacheprovider", "tests"], 300)
+                         "no:cacheprovider", *gpu_test_files()], 300)
     ids = [line.strip() for line in log.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
     return ids, ("" if code == 0 else log[-4000:])
 
