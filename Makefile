@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check faults
+.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check gpu-bundle gpu-rehearse faults
 
 setup: $(STAMP) redis
 
@@ -60,6 +60,19 @@ faults: setup
 	$(BIN)/loongforge bench faults
 	$(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
 
+# The offline GPU path (README "GPU check"). Here, with network: `make gpu-bundle` writes .gpu-bundle/
+# (the wheels the H200 image lacks, for its Python 3.12, and the check's shard root; sizes printed,
+# 64 MiB with the working tree at most); there, with no network: `bash infra/gpu/check.sh` installs
+# them next to the image's own torch 2.11 and runs the check. `make gpu-rehearse` does here what
+# check.sh does there, in a Python 3.12 venv with torch 2.11 and the image's other packages (a CUDA
+# build from PyPI, run on the CPU: ~5 GB once), plus every CPU-runnable part.
+BUNDLE ?= .gpu-bundle
+gpu-bundle: setup
+	$(BIN)/python infra/gpu/bundle.py --out $(BUNDLE)
+
+gpu-rehearse: gpu-bundle
+	BUNDLE=$(BUNDLE) bash infra/gpu/rehearse.sh
+
 # GPU box with network, this venv: the same torch pin, CUDA build, from GPU_TORCH_INDEX alone.
 # pip's own configuration is set aside for that one install (PIP_CONFIG_FILE=/dev/null loads no config
 # file; the PIP_* variables are unset): an empty PIP_FIND_LINKS does not override a pip.conf
@@ -79,4 +92,4 @@ gpu-check: setup
 	$(BIN)/loongforge bench gpu-check
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache $(BUNDLE) .gpu-rehearse
