@@ -87,23 +87,25 @@ def test_fused_equals_eager_and_composes_with_ac():
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_inductor_equivalence_and_kernel_time():
+def test_gpu_inductor_equivalence_and_kernel_time(train_root):
     from torch.profiler import ProfilerActivity, profile
 
+    from tests.train.gpu_model import loss_and_grads, model_and_inputs
+
     torch._dynamo.reset()
-    ref, args = _model_and_inputs("cuda", torch.bfloat16, dim=512, b=8)
+    ref, args = model_and_inputs(train_root[0], "tiny", device="cuda", dtype=torch.bfloat16, batch_size=8)
     m = copy.deepcopy(ref)
-    fusion.apply_fusion(m)
-    want_loss, want = _loss_and_grads(ref, args)
-    loss, got = _loss_and_grads(m, args)
+    assert fusion.apply_fusion(m)
+    want_loss, want = loss_and_grads(ref, args)
+    loss, got = loss_and_grads(m, args)
     torch.testing.assert_close(loss.float(), want_loss.float(), rtol=2e-2, atol=2e-2)
 
     def kernels(model):
         for _ in range(3):
-            _loss_and_grads(model, args)  # compile and warm up outside the trace
+            loss_and_grads(model, args)  # compile and warm up outside the trace
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _loss_and_grads(model, args)
+            loss_and_grads(model, args)
             torch.cuda.synchronize()
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return len(evs), sum(e.device_time for e in evs)

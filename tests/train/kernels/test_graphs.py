@@ -96,14 +96,16 @@ def test_policies_compile_blocks_mark_steps_and_own_accumulated_grads(monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs():
+def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs(train_root):
     from torch._dynamo.utils import counters
+
+    from tests.train.gpu_model import model_and_inputs
 
     torch._dynamo.reset()
     counters.clear()
     cfg = TrainConfig(data=DataConfig(root="unused"), run=RunConfig(run_dir="unused"),
                       parallel=ParallelConfig(zero_stage=1), memory=MemoryConfig(cuda_graphs=True))
-    ref, args = _model_and_inputs("cuda", torch.float32, dim=256, b=4)
+    ref, args = model_and_inputs(train_root[0], "tiny", device="cuda", batch_size=4)
     m = copy.deepcopy(ref)
     pol = apply_memory_policies(m, cfg, GPU)
     for step in range(4):  # recording (first steps), then replays; 2 micro-steps each

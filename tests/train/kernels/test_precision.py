@@ -189,23 +189,22 @@ def test_gpu_fp8_linear_close_to_bf16():
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_fp8_training_tracks_bf16_after_warmup():
+def test_gpu_fp8_training_tracks_bf16_after_warmup(train_root):
     _require_torchao()
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < precision.FP8_MIN_CAPABILITY:
         pytest.skip("FP8 needs compute capability >= 8.9")
-    base = _model(depth=4, dim=256).to(dev, torch.bfloat16)
+    from tests.train.gpu_model import model_and_inputs
+
+    base, (batch, noise, t) = model_and_inputs(train_root[0], "small", device=dev, dtype=torch.bfloat16, batch_size=8)
     losses = {}
     for name in ("bf16", "fp8"):
         m = copy.deepcopy(base)
         w = None
         if name == "fp8":
-            precision.convert_fp8(m, min_features=256, device=dev)
+            assert precision.convert_fp8(m, min_features=256, device=dev)
             w = precision.Fp8Warmup(m, steps=5)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        batch, noise, t = _inputs(m, b=8)  # CPU tensors from the config, moved below
-        move = lambda x: {k: move(v) for k, v in x.items()} if isinstance(x, dict) else x.to(dev)  # noqa: E731
-        batch, noise, t = move(batch), noise.to(dev), t.to(dev)
         out = []
         for step in range(30):
             if w is not None:
