@@ -129,7 +129,7 @@ def test_a_test_file_runs_in_one_process_with_a_timeout_per_test(tmp_path):
 
     os.environ["PIDS"] = str(pids)
     try:
-        res = gpu_check.run_group(str(tests), nodes, str(tmp_path), timeout=120, test_timeout=3)
+        res = gpu_check.run_group(str(tests), nodes, str(tmp_path), timeout=120, test_timeout=1)
     finally:
         del os.environ["PIDS"]
     assert [r["result"] for r in res] == ["passed", "passed", "failure"] and "Timeout" in res[2]["message"]

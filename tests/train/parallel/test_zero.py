@@ -160,7 +160,8 @@ def p_persist(p) -> bool:
     return bool(getattr(p, "ds_persist", False))
 
 
-@pytest.mark.parametrize("topk", [False, True], ids=["plain", "hybrid"])
+# plain was right before the cast was added (DeepSpeed casts a model it partitions itself): make test-full
+@pytest.mark.parametrize("topk", [pytest.param(False, marks=pytest.mark.full), True], ids=["plain", "hybrid"])
 def test_zero3_trains_bf16_parameters_and_keeps_vectors_gathered(topk):
     """A ZeRO-3 run with bf16 on must train bf16 parameters on every layout: DeepSpeed skips its own
     cast for a model partitioned before deepspeed.initialize (the hybrid / TP / SP path), which then
