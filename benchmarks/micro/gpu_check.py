@@ -49,7 +49,7 @@ from loongforge.train.parallel.engine import fused_adam_prebuilt
 REPO = str(SOURCE_CHECKOUT)
 RECIPES = ("tiny", "small")
 TOPK = ("--zero", "3", "--grad-compression", "topk")  # train/parallel/compression.py on NCCL
-BUDGET = {"runs": 0.4, "tests": 0.6}  # shares of --deadline, in the order the parts run
+BUDGET = {"runs": 0.45, "tests": 0.55}  # shares of --deadline, in the order the parts run (estimates: no GPU run yet)
 SHARD_LENGTHS = (64,) * 4
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "loongforge-gpu-check-cache")
 # Files whose tests launch training processes: started first, so the long ones do not start last.
@@ -225,7 +225,9 @@ def write_shards(root: str) -> list[str]:
 
 def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
               extra: tuple[str, ...] = (), data_flags: tuple[str, ...] = ()) -> dict:
-    label = recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
+    """One training run and its profile, all within `timeout` seconds."""
+    end = time.monotonic() + timeout
+    label = _label(recipe, extra)
     run_dir = os.path.join(work, label)
     a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up (and graph recording), 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
@@ -235,8 +237,10 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
     res = {"recipe": label, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
-    pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], 120)
-    tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"], 120)
+    pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"],
+                          min(120.0, end - time.monotonic()))
+    tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"],
+                           min(120.0, end - time.monotonic()))
     with open(os.path.join(run_dir, "ds_config.json")) as f:
         optimizer = json.load(f)["optimizer"]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -318,7 +322,7 @@ class Report:
 
 
 def _label(recipe: str, extra: tuple[str, ...]) -> str:
-    return recipe + "".join("+" + x[2:] for x in extra if x.startswith("--"))
+    return recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
 
 
 def _runs(report: Report, a: argparse.Namespace, part: Part) -> None:
