@@ -9,7 +9,8 @@
 #     of the first-GPU-run defects (ZeRO-3 dtype and persistence, top-k decode order, no host sync in
 #     the step, fusion policy) and its training runs (tiny, and tiny with --zero 3
 #     --grad-compression topk) on the bundle's shards on the CPU, through train_run, which must fail
-#     only on what a GPU provides.
+#     only on what a GPU provides;
+#  5. check.sh end to end, which on a CPU must get as far as the check and be refused there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
@@ -67,4 +68,11 @@ with tempfile.TemporaryDirectory() as work:
         print(f"rehearse.sh: {label} on CPU: trained {res['seconds']} s, profiled; only the GPU-only checks "
               f"failed ({len(gpu_only)})")
 EOF
+# 5. check.sh end to end: on a CPU its last step, the check, must refuse clearly (exit 2, no result)
+rc=0
+PYTHON=$PY SITE=$SITE BUNDLE=$BUNDLE RESULTS=$WORK/results bash infra/gpu/check.sh > "$WORK/check.log" 2>&1 || rc=$?
+if [ "$rc" != 2 ] || ! grep -q "sees no CUDA device" "$WORK/check.log"; then
+  tail -20 "$WORK/check.log"; echo "rehearse.sh: check.sh did not reach the check (exit $rc)" >&2; exit 1
+fi
+echo "rehearse.sh: check.sh ran through to the check, which refused the CPU (exit 2) as it must"
 echo "rehearse.sh: passed in $(( $(date +%s) - t0 )) s"
