@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check faults
+.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check gpu-bundle gpu-rehearse faults
 
 setup: $(STAMP) redis
 
@@ -60,24 +60,36 @@ faults: setup
 	$(BIN)/loongforge bench faults
 	$(BIN)/python -m pytest -q -m full tests/train/resilience/test_faults.py $(PYTEST_ARGS)
 
-# GPU box: the same pin, CUDA build. On Linux x86-64 PyPI's torch==2.13.0 wheel *is* the CUDA
-# build (its nvidia-* libraries come from PyPI too): the source every pip cache and mirror holds,
-# so a fresh box needs no override. A venv holding a CPU build (2.13.0+cpu from a CPU index or
-# wheelhouse, like ours) has torch alone uninstalled and the pin installed from GPU_TORCH_INDEX,
-# with no extra index or wheelhouse (a +cpu local version would outrank it): only torch and its
-# CUDA libraries are fetched, every other package stays (no --force-reinstall, which reinstalls
-# all dependencies from that one index). The [gpu] extra (flash-attn) only as a prebuilt wheel:
-# PyPI has its sdist only and a source build takes far longer than the check; without a wheel for
-# this torch its tests are reported as skipped, by name, in the JSON.
+# The offline GPU path (README "GPU check"). Here, with network: `make gpu-bundle` writes .gpu-bundle/
+# (the wheels the H200 image lacks, for its Python 3.12, and the check's shard root; sizes printed,
+# 64 MiB with the working tree at most); there, with no network: `bash infra/gpu/check.sh` installs
+# them next to the image's own torch 2.11 and runs the check. `make gpu-rehearse` does here what
+# check.sh does there, in a Python 3.12 venv with torch 2.11 and the image's other packages (a CUDA
+# build from PyPI, run on the CPU: ~5 GB once), plus every CPU-runnable part.
+BUNDLE ?= .gpu-bundle
+gpu-bundle: setup
+	$(BIN)/python infra/gpu/bundle.py --out $(BUNDLE)
+
+gpu-rehearse: gpu-bundle
+	BUNDLE=$(BUNDLE) bash infra/gpu/rehearse.sh
+
+# GPU box with network, this venv: the same torch pin, CUDA build, from GPU_TORCH_INDEX alone.
+# pip's own configuration is set aside for that one install (PIP_CONFIG_FILE=/dev/null loads no config
+# file; the PIP_* variables are unset): an empty PIP_FIND_LINKS does not override a pip.conf
+# find-links, and a wheelhouse holding 2.13.0+cpu would win (`torch==2.13.0` matches it and the local
+# version sorts higher). The [gpu] extra (flash-attn) only as a prebuilt wheel: PyPI has its sdist only
+# and a source build takes far longer than the check; without a wheel for this torch its tests are
+# reported as skipped, by name, in the JSON.
 GPU_TORCH_INDEX ?= https://pypi.org/simple
+GPU_PIP_ENV := env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null
 gpu-check: setup
 	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || { \
 	  echo "torch in $(VENV) is a CPU build: installing $(TORCH) (CUDA build) from $(GPU_TORCH_INDEX)"; \
-	  $(BIN)/pip uninstall -q -y torch && PIP_EXTRA_INDEX_URL= PIP_FIND_LINKS= \
-	    $(BIN)/pip install -q --index-url $(GPU_TORCH_INDEX) '$(TORCH)'; }
+	  $(BIN)/pip uninstall -q -y torch && $(GPU_PIP_ENV) $(BIN)/pip install -q --index-url $(GPU_TORCH_INDEX) '$(TORCH)'; }
+	@$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'gpu-check: torch ' + torch.__version__ + ' is still a CPU build')"
 	@$(BIN)/pip install -q --only-binary flash-attn -e '.[gpu]' || \
 	  echo "gpu-check: no flash-attn wheel for this torch/CUDA/Python; its tests will be reported as skipped"
 	$(BIN)/loongforge bench gpu-check
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache $(BUNDLE) .gpu-rehearse

@@ -61,6 +61,10 @@ class Trainer:
                            f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')} "
                            "and DeepSpeed's communication op (its build lock)")
         self.rank, self.world = init_distributed(self.device, cfg.parallel.dist_timeout_s)
+        # The log record's host values (sample ids, SIGTERM votes) are gathered over gloo: read from an NCCL
+        # all-gather they would make the host wait for the GPU every step (_gather).
+        self.host_group = (torch.distributed.new_group(backend="gloo")
+                           if self.world > 1 and self.device.type == "cuda" else None)
         self.startup.closers.append(lambda: release_cpu_shm_buffers(self.world))
         self.startup.enter("parallelize", "building the model and the DeepSpeed engine")
         self.par = plan.initialize(plan.plan_of(cfg))  # every process group of the TP x SP x DP plan, once
@@ -164,7 +168,7 @@ class Trainer:
         start = self.step
         timer = StepTimer(self.device)
         trace = TraceWindow(run.run_dir, self.rank, run.profile_steps, self.device)
-        late = LateWriter(self.metrics.write)  # CUDA timings are read one step late: no sync per step
+        late = LateWriter(self._write_record)  # CUDA timings and losses are read one step late: no sync per step
         it = iter(self.loader)
         self.watchdog.start()  # heartbeats from here; startup (engine, resume) is not judged
         self.stop.armed = True  # a SIGTERM from here is handled after the step in flight (resilience/stop.py)
@@ -250,8 +254,7 @@ class Trainer:
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
                "nonfinite_skips": self.nan_guard.skipped}
         rec = self._gather(rec, torch.stack(losses).mean(0), np.concatenate(ids))
-        norm = e.get_global_grad_norm()  # after _gather's host copy: no extra sync; None under ZeRO-0
-        rec["grad_norm"] = None if norm is None else float(norm)
+        rec["_grad_norm"] = e.get_global_grad_norm()  # None under ZeRO-0; read a step late (_write_record)
         return timing, rec
 
     def _loss_denominator(self, batches: list[dict]) -> torch.Tensor:
@@ -270,28 +273,44 @@ class Trainer:
         return (n.clamp_min(1.0) / (self.data_world * len(batches))).float()
 
     def _gather(self, rec: dict, losses: torch.Tensor, ids: np.ndarray) -> dict:
-        """One all_gather per step for the log line: every rank's losses and sample ids."""
+        """Every rank's part of the step's log record, with no host sync: the host values (sample ids,
+        bad samples, this rank's SIGTERM vote and save estimate) in one all_gather_object over gloo,
+        read at once (every rank acts on the same votes after this step); the device values (losses,
+        the NaN guard's flag) in one all_gather on the device, read a step late (_write_record)."""
         t0 = time.perf_counter()
         # The tail: bad samples, then this rank's SIGTERM vote (flag, grace left) and its save estimate.
-        tail = [self.loader.bad_samples, *self.stop.vote(), self._save_estimate_s()]
-        mine = torch.cat([losses.cpu().double(), torch.from_numpy(ids.astype(np.float64)),
-                          torch.tensor(tail, dtype=torch.float64)])
+        host = [*ids.tolist(), self.loader.bad_samples, *self.stop.vote(), self._save_estimate_s()]
+        dev = torch.cat([losses.detach().double(), self.nan_guard.flag.double()])
         if self.world > 1:
-            dev_t = mine.to(self.device)
-            out = [torch.empty_like(dev_t) for _ in range(self.world)]
-            torch.distributed.all_gather(out, dev_t)
-            every = torch.stack(out).cpu()
-            allr = every[plan.replica_ranks(self.par, self.world)]  # no TP copies
+            every = [None] * self.world
+            torch.distributed.all_gather_object(every, host, group=self.host_group)
+            devs = [torch.empty_like(dev) for _ in range(self.world)]
+            torch.distributed.all_gather(devs, dev)
+            every_dev = torch.stack(devs)
+            replicas = plan.replica_ranks(self.par, self.world)  # no TP copies
         else:
-            every = allr = mine[None]
+            every, every_dev, replicas = [host], dev[None], [0]
         n = len(ids)
-        votes = every[:, 3 + n:].tolist()  # every rank's, TP copies included: all must stop together
+        votes = [row[n + 1:] for row in every]  # every rank's, TP copies included: all must stop together
         self._stop_votes = votes if any(flag for flag, _, _ in votes) else None
-        rec.update(step=self.step, loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
-                   samples=n * len(allr), **plan.layout(self.par),
-                   sample_ids=[[int(v) for v in row[2:2 + n]] for row in allr],
-                   bad_samples=int(allr[:, 2 + n].sum()), log_s=time.perf_counter() - t0, world=self.world)
+        rec.update(step=self.step, samples=n * len(replicas), **plan.layout(self.par),
+                   sample_ids=[[int(v) for v in every[r][:n]] for r in replicas],
+                   bad_samples=int(sum(every[r][n] for r in replicas)), log_s=time.perf_counter() - t0,
+                   world=self.world)
+        rec["_device"] = (every_dev, replicas)
         return rec
+
+    def _write_record(self, rec: dict) -> None:
+        """A step's record into metrics.jsonl, one step late (LateWriter): its device values are read
+        on the host now, when the next step is queued and this one's kernels are done (no stall)."""
+        every_dev, replicas = rec.pop("_device")
+        every_dev = every_dev.cpu()
+        allr = every_dev[replicas]
+        norm = rec.pop("_grad_norm", None)
+        rec.update(loss=float(allr[:, 0].mean()), flow_loss=float(allr[:, 1].mean()),
+                   grad_norm=None if norm is None else float(norm),
+                   nonfinite_skip=NanGuard.reason(rec["nonfinite_skip"], bool(every_dev[:, 2].max() > 0)))
+        self.metrics.write(rec)
 
     def save(self, final: bool = False) -> str | None:
         self.tracker.on_save(self.ckpt.writer.last_s)  # the trackers' rows up to here reach disk first

@@ -1,31 +1,36 @@
-"""`make gpu-check`: everything only a GPU can check, in one run (its time on one H200 is
-unmeasured: no GPU has run it yet; the Makefile target installs the CUDA torch first).
+"""`make gpu-check` / `bash infra/gpu/check.sh`: everything only a GPU can check, in one run with a
+deadline (default 420 s, so that with the offline install of check.sh it ends inside 8 minutes on one
+H200; estimated, not yet measured: no GPU has run it).
 
-    loongforge bench gpu-check [--out results/gpu] [--steps 20] [--test-timeout 360] [--jobs 4] [--deadline 540]
+    loongforge bench gpu-check [--out results/gpu] [--shards DIR] [--steps 20] [--jobs 4] [--deadline 420]
 
-1. every CUDA-only test (`pytest -m gpu --collect-only`: the marker, not a list, so new GPU tests
-   join), each in its own pytest process with its own budget (`--test-timeout`; the tests start
-   training subprocesses with 240-300 s timeouts) and its own junit file, so a test that hangs or
-   is killed costs only its own result. A skipped test is a failure (on a GPU box "needs CUDA"
-   means the check did not check), except the flash-attn tests when flash-attn is not installed
-   (no wheel for this torch): reported in `skipped_parts`, not silently;
-2. a 20-step `tiny` and a 20-step `small` run on one GPU with --profile-steps, each followed by
-   `loongforge profile --json` (trace-based breakdown: exposed comm, launch overhead, ...); and
-   `tiny` with --zero 3 --grad-compression topk (hybrid sharding: the compressor's DP sync over a
-   1-rank NCCL group, each step, counted as group "dp" in the metrics);
-3. the `tiny` run again with --cuda-graphs (train/kernels/graphs.py): GPU idle inside the step (no kernel
-   on any stream, data wait excluded: the trace's launch overhead) before/after, in `launch_overhead`;
-4. writes OUT/gpu-check-<date>.json after every part (so a run cut short still leaves what it
-   did: tests, every breakdown, the GPU, torch, CUDA) and OUT/gpu-check-<date>.txt (the profile
-   tables). A part not started before `--deadline` seconds is "not run", a failure. Exit 0 only
-   if every part that must run ran and passed.
+Two parts, each with a share of the deadline (BUDGET); a part ends at its share or at the deadline,
+whichever is first, and every process it starts gets at most the time its part has left, so the
+parts can never add up to more than the whole. Time a part leaves unused goes to the next.
+1. runs (first, on an idle GPU: they are measurements): a 20-step `tiny` and `small` run with
+   --profile-steps, each followed by `loongforge profile --json`; `tiny` with --cuda-graphs (GPU
+   idle inside the step before/after, `launch_overhead`) and with --zero 3 --grad-compression topk
+   (hybrid sharding: the compressor's DP sync over a 1-rank NCCL group, counted as group "dp");
+   they read the shard root of --shards (made by `make gpu-bundle`: no Beam or PyAV needed here)
+   or one written on the spot;
+2. tests: every CUDA-only test (`pytest -m gpu --collect-only` of the files that use the marker, so
+   new tests join, and no file that needs the preprocess extras is imported),
+   one pytest process per test file (a file's tests share its imports and fixtures: one NCCL
+   group, one compile of each shape), `--jobs` files at a time, each test with its own pytest-timeout.
+   A skipped GPU test is a failure, except the flash-attn tests when flash-attn does not import
+   here (`skipped_parts`). A test of a process that died is "error"; one never started is "not run".
+Every process shares one inductor/Triton cache (CACHE_DIR), so what `tiny` compiled in part 1 is
+not compiled again, and a rerun on the same machine compiles nothing it compiled before.
+Writes OUT/gpu-check-<date>.json after every part (what ran, passed, failed and was not reached; the
+GPU, torch, CUDA) and OUT/gpu-check-<date>.txt (summary and profile tables). Exit 0 only if every
+part ran and passed.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -44,6 +49,18 @@ from loongforge.train.parallel.engine import fused_adam_prebuilt
 REPO = str(SOURCE_CHECKOUT)
 RECIPES = ("tiny", "small")
 TOPK = ("--zero", "3", "--grad-compression", "topk")  # train/parallel/compression.py on NCCL
+BUDGET = {"runs": 0.45, "tests": 0.55}  # shares of --deadline, in the order the parts run (estimates: no GPU run yet)
+SHARD_LENGTHS = (64,) * 4
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "loongforge-gpu-check-cache")
+# Files whose tests launch training processes: started first, so the long ones do not start last.
+SLOW_FIRST = ("test_ckpt_resilience", "test_deepspeed", "test_first_gpu_run", "test_precision")
+
+
+def compile_cache_env(cache_dir: str = CACHE_DIR) -> dict:
+    """One inductor and Triton cache for every process of the check (and its reruns on the machine)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> tuple[int, str, float]:
@@ -51,17 +68,40 @@ def _run(cmd: list[str], timeout: float, **kw) -> tuple[int, str, float]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("DS_ACCELERATOR", None)  # a CPU override would hide the GPU
     try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, timeout), **kw)
         return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
         return 124, out + f"\n[gpu-check] timed out after {timeout:.0f} s", time.monotonic() - t0
 
 
+class Part:
+    """A part's time: it ends at `end` (monotonic), never past the whole check's deadline."""
+
+    def __init__(self, name: str, end: float):
+        self.name, self.end = name, end
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def timeout(self, cap: float) -> float:
+        return max(0.0, min(cap, self.left()))
+
+
+def plan_parts(t0: float, deadline: float) -> dict[str, Part]:
+    """Each part's end: its share after the previous parts' shares, capped by the deadline."""
+    parts, at = {}, t0
+    for name, share in BUDGET.items():
+        at += share * deadline
+        parts[name] = Part(name, min(at, t0 + deadline))
+    return parts
+
+
 def environment() -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+           "python": sys.version.split()[0]}
     if env["cuda_available"]:
         env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                    capability=".".join(map(str, torch.cuda.get_device_capability(0))))
@@ -72,40 +112,81 @@ FLASH_SKIP = re.compile(r"flash.?attn", re.I)  # the one skip allowed: flash-att
 
 
 def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Importable, not merely present: a flash-attn wheel built for another torch is found on the path
+    (find_spec) but fails to import (undefined symbols in its CUDA extension), so its tests skip; that
+    skip is allowed only when flash-attn cannot be used here, which is what this must then say."""
+    try:
+        importlib.import_module("flash_attn")  # optional extra loongforge[gpu]
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def gpu_test_files(root: str = os.path.join(REPO, "tests")) -> list[str]:
+    """The test files that use the gpu marker. Collecting the whole suite would import every test
+    module, and those of preprocess (Beam, PyAV) cannot import on a GPU box that carries neither."""
+    out = []
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(files):
+            if f.startswith("test_") and f.endswith(".py"):
+                with open(os.path.join(d, f)) as fh:
+                    if "mark.gpu" in fh.read():
+                        out.append(os.path.relpath(os.path.join(d, f), REPO))
+    return out
 
 
 def collect_gpu_tests() -> tuple[list[str], str]:
     code, log, _ = _run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
-                         "no:cacheprovider", "tests"], 300)
+                         "no:cacheprovider", *gpu_test_files()], 300)
     ids = [line.strip() for line in log.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
     return ids, ("" if code == 0 else log[-4000:])
 
 
-def run_test(node: str, out_dir: str, timeout: float) -> dict:
-    """One GPU test in its own pytest process: pytest-timeout fails it at `timeout` (the junit is
-    still written); the process is killed 60 s later if even that hangs."""
-    junit = os.path.join(out_dir, "junit-" + re.sub(r"[^\w.-]+", "_", node)[-150:] + ".xml")
-    code, log, took = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout:.0f}",
-                            f"--junitxml={junit}", node], timeout + 60)
-    res = {"name": node, "exit_code": code, "seconds": round(took, 1), "result": "killed" if code == 124 else "error"}
+def groups_of(ids: list[str]) -> list[tuple[str, list[str]]]:
+    """The tests by file, in collection order, the files that launch training first."""
+    files: dict[str, list[str]] = {}
+    for node in ids:
+        files.setdefault(node.split("::", 1)[0], []).append(node)
+    slow = lambda f: not any(s in f for s in SLOW_FIRST)  # noqa: E731
+    return sorted(files.items(), key=lambda kv: slow(kv[0]))
+
+
+def run_group(path: str, nodes: list[str], out_dir: str, timeout: float, test_timeout: float) -> list[dict]:
+    """One pytest process for `nodes` (one file): pytest-timeout fails a test at `test_timeout` (the
+    junit is still written); the process is killed at `timeout`. A node with no junit record is
+    "error" if the process ended, "killed" if it was killed."""
+    junit = os.path.join(out_dir, "junit-" + re.sub(r"[^\w.-]+", "_", path)[-150:] + ".xml")
+    code, log, took = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"--timeout={max(1.0, min(test_timeout, timeout)):.0f}", f"--junitxml={junit}", *nodes],
+                           timeout)
+    seen: dict[str, dict] = {}
     if os.path.exists(junit):
-        case = next(ET.parse(junit).getroot().iter("testcase"), None)
-        if case is not None:
+        for case in ET.parse(junit).getroot().iter("testcase"):
             verdict = next((ch for ch in case if ch.tag in ("failure", "error", "skipped")), None)
-            res["result"] = "passed" if verdict is None else verdict.tag
+            res = {"result": "passed" if verdict is None else verdict.tag, "seconds": float(case.get("time") or 0)}
             if verdict is not None:
                 res["message"] = (verdict.get("message") or "")[:500]
+            seen[case.get("name")] = res
         os.unlink(junit)
-    if res["result"] not in ("passed", "skipped"):
-        res["log_tail"] = log[-4000:]
-    return res
+    out = []
+    for node in nodes:
+        res = {"name": node, **seen.get(node.split("::")[-1], {"result": "killed" if code == 124 else "error"})}
+        if res["result"] not in ("passed", "skipped"):
+            res["log_tail"] = log[-3000:]
+        out.append(res)
+    return out
+
+
+def run_test(node: str, out_dir: str, timeout: float) -> dict:
+    """One test in its own process (a group of one), with `timeout` for the test and the process."""
+    return run_group(node.split("::", 1)[0], [node], out_dir, timeout + 60, timeout)[0]
 
 
 def judge_tests(cases: list[dict], collect_error: str, flash: bool) -> dict:
     """The test part's verdict: every collected test passed; the only allowed skip is flash-attn's
-    when it is not installed; nothing collected, or everything skipped, is a failure."""
-    counts = {k: sum(c["result"] == k for c in cases) for k in ("passed", "failure", "error", "skipped", "killed")}
+    when it does not import here; nothing collected, or everything skipped, is a failure."""
+    counts = {k: sum(c["result"] == k for c in cases)
+              for k in ("passed", "failure", "error", "skipped", "killed", "not run")}
     allowed = [c["name"] for c in cases if c["result"] == "skipped" and not flash
                and FLASH_SKIP.search(c.get("message", "") + c["name"])]
     bad = [c["name"] for c in cases if c["result"] != "passed" and c["name"] not in allowed]
@@ -115,30 +196,38 @@ def judge_tests(cases: list[dict], collect_error: str, flash: bool) -> dict:
             **({"collect_error": collect_error} if collect_error else {})}
 
 
-def gpu_tests(out_dir: str, test_timeout: float, deadline: float, save, jobs: int = 1) -> dict:
-    """The GPU tests, `jobs` at a time (each is a process that mostly waits on its training
-    subprocess; one H200 holds several), in collection order; the report is saved after each."""
+def gpu_tests(out_dir: str, test_timeout: float, part: Part, save, jobs: int = 1) -> dict:
+    """The GPU tests, a file per process, `jobs` files at a time; the report is saved after each file.
+    A file not started with a minute left in the part is "not run"."""
     ids, collect_error = collect_gpu_tests()
     flash, cases, lock = flash_attn_installed(), {}, threading.Lock()
 
-    def one(node: str) -> None:
-        left = deadline - time.monotonic()
-        if left < 60:
-            res = {"name": node, "result": "not run", "message": "gpu-check deadline reached"}
+    def one(group: tuple[str, list[str]]) -> None:
+        path, nodes = group
+        if part.left() < 60:
+            res = [{"name": n, "result": "not run", "message": "gpu-check: the tests' time was used up"}
+                   for n in nodes]
         else:
-            res = run_test(node, out_dir, min(test_timeout, left))
+            res = run_group(path, nodes, out_dir, part.timeout(float("inf")), test_timeout)
         with lock:
-            cases[node] = res
+            cases.update((r["name"], r) for r in res)
             save(judge_tests([cases[n] for n in ids if n in cases], collect_error, flash))
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        list(pool.map(one, ids))
+        list(pool.map(one, groups_of(ids)))
     return judge_tests([cases[n] for n in ids], collect_error, flash)
+
+
+def write_shards(root: str) -> list[str]:
+    """The shard root of the training runs (also written ahead by `make gpu-bundle`); returns its flags."""
+    return synthetic_train_root(root, SHARD_LENGTHS, height=96, width=96, shard_size=1 << 22)
 
 
 def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, device: str = "cuda",
               extra: tuple[str, ...] = (), data_flags: tuple[str, ...] = ()) -> dict:
-    label = recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
+    """One training run and its profile, all within `timeout` seconds."""
+    end = time.monotonic() + timeout
+    label = _label(recipe, extra)
     run_dir = os.path.join(work, label)
     a, b = max(1, steps // 4), max(2, steps // 4 + 3)  # past warm-up (and graph recording), 3 traced steps
     code, log, took = _run([sys.executable, "-m", "loongforge.train", "--data", data, "--run-dir", run_dir,
@@ -148,8 +237,10 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
     res = {"recipe": label, "exit_code": code, "seconds": round(took, 1), "profile_steps": [a, b]}
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
-    pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"], 120)
-    tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"], 120)
+    pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"],
+                          min(120.0, end - time.monotonic()))
+    tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"],
+                           min(120.0, end - time.monotonic()))
     with open(os.path.join(run_dir, "ds_config.json")) as f:
         optimizer = json.load(f)["optimizer"]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -199,14 +290,17 @@ def launch_overhead(eager: dict, graphed: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=os.path.join(str(RESULTS_DIR), "gpu"))
+    p.add_argument("--shards", default=None,
+                   help="the runs' shard root (the GPU bundle's); default: written into a temporary folder")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip-tests", action="store_true",
                    help="only the training runs (for debugging them: the check then fails, its tests did not run)")
-    p.add_argument("--test-timeout", type=float, default=360, help="seconds per GPU test (default 360)")
-    p.add_argument("--jobs", type=int, default=4, help="GPU tests run at once (default 4; 1 for a small GPU)")
-    p.add_argument("--run-timeout", type=float, default=240, help="seconds per training run (default 240)")
-    p.add_argument("--deadline", type=float, default=540,
-                   help="seconds after which no new part starts; those not started fail (default 540)")
+    p.add_argument("--test-timeout", type=float, default=240, help="seconds per GPU test (default 240)")
+    p.add_argument("--jobs", type=int, default=4, help="test files run at once (default 4; 1 for a small GPU)")
+    p.add_argument("--run-timeout", type=float, default=120, help="seconds per training run at most (default 120)")
+    p.add_argument("--deadline", type=float, default=420,
+                   help="seconds for the whole check; parts share it (BUDGET) and never run past it (default 420)")
+    p.add_argument("--cache-dir", default=CACHE_DIR, help="the inductor/Triton cache every process shares")
 
 
 class Report:
@@ -227,19 +321,22 @@ class Report:
         os.replace(tmp, self.base + ".json")
 
 
-def _runs(report: Report, a: argparse.Namespace, deadline: float) -> None:
-    plan = [(r, a.steps, ()) for r in RECIPES]
-    plan += [("tiny", a.steps, ("--cuda-graphs",)), ("tiny", min(a.steps, 10), TOPK)]
+def _label(recipe: str, extra: tuple[str, ...]) -> str:
+    return recipe + "".join("+" + x[2:] if x.startswith("--") else "=" + x for x in extra)
+
+
+def _runs(report: Report, a: argparse.Namespace, part: Part) -> None:
+    plan = [("tiny", a.steps, ()), ("small", a.steps, ()), ("tiny", a.steps, ("--cuda-graphs",)),
+            ("tiny", min(a.steps, 10), TOPK)]
     with tempfile.TemporaryDirectory(prefix="loongforge-gpu-check-") as work:
-        data = os.path.join(work, "shards")
-        flags = tuple(synthetic_train_root(data, (64,) * 4, height=96, width=96, shard_size=1 << 22))
+        data = a.shards or os.path.join(work, "shards")
+        flags = tuple(write_shards(data))  # a root already there (the bundle's) is read as it is
         for recipe, steps, extra in plan:
-            if deadline - time.monotonic() < 30:
-                label = recipe + "".join("+" + x[2:] for x in extra if x.startswith("--"))
-                report.data["runs"].append({"recipe": label, "ok": False, "problems": ["not run: deadline reached"]})
+            if part.left() < 30:
+                report.data["runs"].append({"recipe": _label(recipe, extra), "ok": False, "not_run": True,
+                                            "problems": ["not run: the runs' time was used up"]})
             else:
-                left = deadline - time.monotonic() + a.run_timeout / 2  # a started run may finish past it
-                report.data["runs"].append(train_run(recipe, data, work, steps, min(a.run_timeout, left),
+                report.data["runs"].append(train_run(recipe, data, work, steps, part.timeout(a.run_timeout),
                                                      extra=extra, data_flags=flags))
             report.save()
     runs = report.data["runs"]
@@ -250,20 +347,23 @@ def handle(a: argparse.Namespace) -> int:
     env = environment()
     if not env["cuda_available"]:
         print(f"gpu-check: torch {env['torch']} sees no CUDA device (torch.version.cuda={env['cuda']}). On a GPU "
-              "box: `make gpu-check` installs the CUDA build (see README, GPU check).", file=sys.stderr)
+              "box: `bash infra/gpu/check.sh` (offline, the image's torch) or `make gpu-check` (README, GPU "
+              "check).", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
+    os.environ.update(compile_cache_env(a.cache_dir))  # inherited by every process below
     report = Report(a.out, env)
-    deadline = report.t0 + a.deadline
+    parts = plan_parts(report.t0, a.deadline)
+    report.data["budget_s"] = {"deadline": a.deadline, **{n: round(p.end - report.t0, 1) for n, p in parts.items()}}
     try:
+        report.save()
+        _runs(report, a, parts["runs"])
         report.save()
         if a.skip_tests:
             report.data["tests"] = {"ok": False, "skipped_by_flag": True}
         else:
-            report.data["tests"] = gpu_tests(a.out, a.test_timeout, deadline,
+            report.data["tests"] = gpu_tests(a.out, a.test_timeout, parts["tests"],
                                              lambda part: (report.data.update(tests=part), report.save()), a.jobs)
-        report.save()
-        _runs(report, a, deadline)
         d = report.data
         d["ok"] = d["tests"]["ok"] and all(r["ok"] for r in d["runs"]) and d["launch_overhead"]["ok"]
         d["finished"] = True
@@ -273,24 +373,45 @@ def handle(a: argparse.Namespace) -> int:
     return 0 if report.data["ok"] else 1
 
 
+def tally(d: dict) -> dict:
+    """ran / passed / failed / not reached, of the tests and of the runs."""
+    cases = (d.get("tests") or {}).get("cases", [])
+    runs = d.get("runs", [])
+    not_run = [c for c in cases if c["result"] == "not run"]
+    return {"tests": {"collected": len(cases), "ran": len(cases) - len(not_run),
+                      "passed": sum(c["result"] == "passed" for c in cases),
+                      "failed": sum(c["result"] not in ("passed", "not run") for c in cases),
+                      "not_reached": len(not_run)},
+            "runs": {"planned": len(runs), "ran": sum(not r.get("not_run") for r in runs),
+                     "passed": sum(bool(r["ok"]) for r in runs),
+                     "failed": sum(not r["ok"] and not r.get("not_run") for r in runs),
+                     "not_reached": sum(bool(r.get("not_run")) for r in runs)}}
+
+
 def _print_summary(report: Report) -> None:
     d = report.data
-    with open(report.base + ".txt", "w") as f:
-        f.write("\n\n".join(f"== {r['recipe']} ==\n{r.get('table') or r.get('log_tail', '')}" for r in d["runs"]))
+    d["tally"] = tally(d)
+    report.save()
+    lines = []
     for r in d["runs"]:
-        print(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r.get('seconds')} s {r.get('problems') or ''}")
-        print(r.get("table") or r.get("log_tail", ""))
-    lo = d["launch_overhead"]
-    if lo["ok"]:
-        print("launch overhead (GPU idle in the step, not data wait), tiny, ms/step: eager "
-              f"{lo['eager']['launch_overhead_s'] * 1e3:.2f} of {lo['eager']['step_s'] * 1e3:.2f}, --cuda-graphs "
-              f"{lo['cuda_graphs']['launch_overhead_s'] * 1e3:.2f} of {lo['cuda_graphs']['step_s'] * 1e3:.2f}")
-    t = d["tests"]
-    counts = {k: t.get(k) for k in ("tests", "passed", "failure", "error", "skipped", "killed")}
-    print(f"gpu tests: {'ok' if t['ok'] else 'FAILED'} {json.dumps(counts)}")
+        lines.append(f"== {r['recipe']}: {'ok' if r['ok'] else 'FAILED'} in {r.get('seconds')} s {r.get('problems') or ''}")
+        lines.append(r.get("table") or r.get("log_tail", ""))
+    lo = d.get("launch_overhead") or {}
+    if lo.get("ok"):
+        lines.append("launch overhead (GPU idle in the step, not data wait), tiny, ms/step: eager "
+                     f"{lo['eager']['launch_overhead_s'] * 1e3:.2f} of {lo['eager']['step_s'] * 1e3:.2f}, --cuda-graphs "
+                     f"{lo['cuda_graphs']['launch_overhead_s'] * 1e3:.2f} of {lo['cuda_graphs']['step_s'] * 1e3:.2f}")
+    t = d.get("tests") or {}
     for c in t.get("cases", []):
         if c["name"] in t.get("not_ok", []):
-            print(f"  {c['result']}: {c['name']} {c.get('message', '')}\n{c.get('log_tail', '')[-1500:]}")
+            lines.append(f"  {c['result']}: {c['name']} {c.get('message', '')}\n{c.get('log_tail', '')[-1500:]}")
     for part in t.get("skipped_parts", []):
-        print(f"  skipped (explicitly): {part}")
-    print(f"gpu-check {'passed' if d['ok'] else 'FAILED'} in {d['seconds']} s: {report.base}.json, {report.base}.txt")
+        lines.append(f"  skipped (explicitly): {part}")
+    for what, n in d["tally"].items():
+        lines.append(f"gpu-check {what}: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in n.items()))
+    lines.append(f"gpu-check {'passed' if d['ok'] else 'FAILED'} in {d['seconds']} s (deadline "
+                 f"{d['budget_s']['deadline']:.0f} s): {report.base}.json, {report.base}.txt")
+    text = "\n".join(lines)
+    with open(report.base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(text)

@@ -166,3 +166,25 @@ def test_gpu_run_times_with_events_and_profiles_from_kernels(train_root, tmp_pat
     b = json.loads(prof.stdout)
     assert b["traces"][0]["kind"] == "gpu" and len(b["traces"][0]["launch_overhead_s"]) == 3
     assert sum(b["percent"].values()) == pytest.approx(100.0, abs=0.5)
+
+
+@pytest.mark.slow
+def test_the_step_reads_nothing_back_from_the_device(train_root, tmp_path):
+    """No host read of a tensor (.item(), .cpu(), .tolist(), bool(), float(), ...) in the project's code
+    while a step runs: on CUDA each waits for the GPU, so the host cannot queue the next step while this
+    one computes (the step timer's own promise). The NaN guard's flag stays on the device (DeepSpeed's
+    gradient check skips the step), the losses are read with the log record one step late. A real run
+    with ZeRO-2 (DeepSpeed's ZeRO optimizer checks the gradients), NaN injected at step 2."""
+    root, _ = train_root
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_sync_probe.py")
+    report, run_dir = tmp_path / "reads.json", tmp_path / "run"
+    env = dict(os.environ, LOONGFORGE_INJECT_NAN="2")
+    proc = launch([sys.executable, probe, str(report), "--data", root, "--run-dir", str(run_dir), "--steps", "4",
+                   "--batch-size", "8", "--recipe", "tiny", "--zero", "2", "--workers", "0",
+                   "--no-ds-breakdown", "--device", "cpu"], cwd=str(tmp_path), env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reads = json.loads(report.read_text())
+    assert reads["in_step"] == [], "host reads inside the step:\n" + "\n".join(sorted(set(reads["in_step"])))
+    assert reads["in_log"] > 0  # the losses are read, with the log record
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert [r["nonfinite_skip"] for r in rows] == [None, None, "loss", None]

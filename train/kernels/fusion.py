@@ -8,11 +8,14 @@ compiled, not its `__call__`: module hooks (DeepSpeed's) stay outside the
 compiled region, and activation checkpointing (checkpointing.py, applied after this)
 wraps the compiled forward.
 
-Policy: on by default only on CUDA with ZeRO < 3. On CPU inductor would need a
-C++ toolchain and a long compile for no measured gain here; under ZeRO-3 the
-parameters are gathered by hooks on the Linear submodules inside the block,
-which break the graph at every layer (use DeepSpeed's own engine.compile
-there, not wired yet). `--fuse on` forces it, `--fuse off` disables it.
+Policy: on by default only on CUDA with ZeRO < 3 and no tensor or sequence
+parallelism. On CPU inductor would need a C++ toolchain and a long compile for
+no measured gain here; under ZeRO-3 the parameters are gathered by hooks on the
+Linear submodules inside the block, which break the graph at every layer (use
+DeepSpeed's own engine.compile there, not wired yet); under TP or SP the blocks
+hold collectives (the row-parallel all-reduce, the Ulysses all-to-alls), which
+break the graph too and recompile per layout. `--fuse on` forces it (preflight
+refuses it with TP or SP), `--fuse off` disables it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ log = logging.getLogger(__name__)
 _EAGER = "_loongforge_eager_forward"
 
 
-def fusion_wanted(mode: str, device: torch.device, zero_stage: int) -> bool:
+def fusion_wanted(mode: str, device: torch.device, zero_stage: int, *, model_parallel: int) -> bool:
+    """`model_parallel`: tp x sp of the run (1 without tensor or sequence parallelism)."""
     if mode == "on":
         return True
     if mode == "off":
         return False
-    return device.type == "cuda" and zero_stage < 3
+    return device.type == "cuda" and zero_stage < 3 and model_parallel == 1
 
 
 def apply_fusion(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = None,

@@ -14,7 +14,7 @@ Per bucket (gradients flattened in order into buckets of `bucket_bytes`):
     acc = grad + residual                         (error feedback; residual = 0 without)
     keep the k largest |acc|; residual = acc with those k zeroed
     all-gather [values | int32 indices] as bytes  one collective per bucket
-    grad = scatter-add of every rank's (index, value) / W
+    grad = scatter-add of each rank's (index, value), rank by rank, / W
 The cost model (bytes each rank sends, ring algorithms, W = group size):
     dense all-reduce   2 (W-1)/W * n * e
     sparse all-gather  (W-1) * k * (e + 4)
@@ -153,9 +153,15 @@ class TopKCompressor:
         self.sent_bytes += (self.world - 1) * msg.numel()
         recv = recv.view(self.world, -1)
         nv = k * acc.element_size()
-        all_vals = recv[:, :nv].contiguous().view(acc.dtype).reshape(-1)
-        all_idx = recv[:, nv:].contiguous().view(torch.int32).reshape(-1).long()
-        out = torch.zeros_like(acc).index_add_(0, all_idx, all_vals)
+        all_vals = recv[:, :nv].contiguous().view(acc.dtype)
+        all_idx = recv[:, nv:].contiguous().view(torch.int32).long()
+        # NOTE: one replica at a time, in rank order. Its k indices are distinct, so each index_add_ has
+        # no two writes to one element; one index_add_ over every replica's (index, value) pairs would
+        # sum the duplicates with CUDA atomics in an order that differs between processes, and each DP
+        # replica would decode a slightly different gradient: ZeRO partitions that drift apart.
+        out = torch.zeros_like(acc)
+        for r in range(self.world):
+            out.index_add_(0, all_idx[r], all_vals[r])
         return out.div_(self.world)
 
     def describe(self) -> str:

@@ -80,7 +80,8 @@ def ds_config(cfg: TrainConfig, *, world: int, device: torch.device) -> dict:
             "contiguous_gradients": True, "allgather_bucket_size": p.reduce_bucket_size}
     if p.zero_stage == 3:
         zero.pop("allgather_bucket_size")
-        zero.update({"stage3_prefetch_bucket_size": p.reduce_bucket_size, "stage3_param_persistence_threshold": 0})
+        # stage3_param_persistence_threshold is set from the built model (zero.keep_vectors_gathered).
+        zero.update({"stage3_prefetch_bucket_size": p.reduce_bucket_size})
         if p.zero3_leaf_blocks:  # one gather and one hook pair per block instead of per sub-layer
             zero["leaf_module"] = {"classes": list(LEAF_BLOCKS)}
     conf = {

@@ -49,7 +49,8 @@ from loongforge.train.parallel.plan import ParallelState, is_hybrid
 from loongforge.train.parallel.sequence_parallel import SequenceParallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
-from loongforge.train.parallel.zero import CompressedDPSync, partition_zero3, zero_loss_scale
+from loongforge.train.parallel.zero import (CompressedDPSync, keep_vectors_gathered, partition_zero3,
+                                            zero_loss_scale)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def parallelize(build: Callable[[], nn.Module], cfg: TrainConfig, state: Paralle
         apply_sp(model, state, conf)  # 2
         policies = apply_memory_policies(model, cfg, device)  # 3-5
     if (hybrid or build_full) and conf["zero_optimization"]["stage"] == 3:  # 6
-        partition_zero3(model, state)  # over the shard group, never the pure DP group
+        partition_zero3(model, state, conf)  # over the shard group, never the pure DP group
+    keep_vectors_gathered(conf, model)  # ZeRO-3: norms and biases persist
     # The optimizer (and ZeRO's gradient and optimizer-state partitions) hold the trainable parameters
     # only: a fine-tune that freezes the vision tower and most of the LLM keeps no state for them.
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -155,7 +157,7 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
         fused = apply_fusion(model, **graphs.compile_options(m.fuse))
         graphs.own_grads(model)
         log.info("cuda graphs: torch.compile(%s) of %d block forwards", graphs.compile_options(m.fuse), len(fused))
-    elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage):
+    elif fusion_wanted(m.fuse, device, cfg.parallel.zero_stage, model_parallel=cfg.parallel.tp * cfg.parallel.sp):
         fused = apply_fusion(model)
         log.info("fusion: torch.compile of %d block forwards", len(fused))
     ckpt = apply_ac(model, m.ac_every)

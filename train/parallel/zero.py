@@ -40,11 +40,43 @@ def zero_loss_scale(zero_config: dict, state) -> float:
     return float(state.size("sp"))
 
 
-def partition_zero3(model, state) -> None:
-    """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp)."""
+def partition_zero3(model, state, conf: dict) -> None:
+    """Partition an already built (TP-swapped) model for ZeRO-3 over the shard group (sp_dp, or sp),
+    its parameters in the engine's dtype (`conf`: the DeepSpeed config the engine is built from)."""
     import deepspeed  # heavy; only the paths that build an engine import it
 
+    dtype = engine_dtype(conf)
+    # NOTE: deepspeed.initialize casts the parameters to bf16 only for a model that was not ZeRO-Init'ed
+    # (DeepSpeed 0.19.8, engine._cast_module_mixed_precision), and zero.Init(module=...) partitions each
+    # parameter in the dtype it has: without this cast a TP/SP/hybrid run trains its fp32 weights (no
+    # bf16 GEMMs, twice the memory, flash-attn refused), silently. Parameters only, as the engine casts.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(), mpu=state)
+
+
+def keep_vectors_gathered(conf: dict, model) -> None:
+    """ZeRO-3's persistence threshold (parameters of at most this many elements stay gathered between
+    uses), set to the model's largest 1-D parameter: every norm weight and bias persists, at a few KB
+    each, instead of one all-gather and one free per tensor, per layer, per step (a threshold of 0);
+    the weight matrices, each larger than any vector of the model, stay partitioned. Applied when
+    deepspeed.initialize reads the config; partitioned (zero.Init) parameters report ds_numel/ds_shape."""
+    zero = conf["zero_optimization"]
+    if zero.get("stage") != 3:
+        return
+    vectors = [int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()
+               if len(getattr(p, "ds_shape", p.shape)) == 1]
+    zero["stage3_param_persistence_threshold"] = max(vectors, default=0)
+
+
+def engine_dtype(conf: dict) -> torch.dtype:
+    """The dtype DeepSpeed trains the module's parameters in, from its config."""
+    if conf.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if conf.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def compressed_dp_sync(model, compressor, *, dense: bool = False) -> None:

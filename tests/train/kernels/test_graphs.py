@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.train.n16 import build, make_inputs, to  # noqa: E402
+from tests.train.n16 import build, make_inputs  # noqa: E402
 from tests.train.kernels.test_fusion import BLOCKS  # noqa: E402
 
 from loongforge.shared.errors import ConfigError  # noqa: E402
@@ -98,16 +98,16 @@ def test_policies_compile_blocks_mark_steps_and_own_accumulated_grads(monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs():
+def test_gpu_graphed_blocks_match_eager_with_accumulation_and_record_graphs(train_root):
     from torch._dynamo.utils import counters
+
+    from tests.train.gpu_model import model_and_inputs
 
     torch._dynamo.reset()
     counters.clear()
     cfg = TrainConfig(data=DataConfig(root="unused"), run=RunConfig(run_dir="unused"),
                       parallel=ParallelConfig(zero_stage=1), memory=MemoryConfig(cuda_graphs=True))
-    ref = build().cuda()
-    inputs, noise, u = make_inputs(0)
-    args = (to(inputs, "cuda"), noise.cuda(), u.cuda())
+    ref, args = model_and_inputs(train_root[0], "tiny", device="cuda", batch_size=4)
     m = copy.deepcopy(ref)
     pol = apply_memory_policies(m, cfg, GPU)
     for step in range(4):  # recording (first steps), then replays; 2 micro-steps each

@@ -181,3 +181,45 @@ def test_residuals_written_from_a_gpu_load_on_the_host(tmp_path, monkeypatch):
     sync.load(tag_dir)
     (got,) = sync.compressor.residuals
     assert got.device.type == "cpu" and torch.equal(got, res)
+
+
+def test_sparse_decode_is_bit_identical_whatever_order_duplicates_are_summed_in(monkeypatch):
+    """Every DP replica must decode the same gradient, bit for bit, or their ZeRO partitions drift apart
+    (nothing re-syncs them). The replicas' top-k indices overlap; on CUDA, index_add_ sums duplicate
+    indices with atomics, in an order that differs between processes. Here index_add_ sums duplicates
+    in a fresh random order on each call (what atomics may do): the decode must not change, and must
+    equal the replicas' contributions added in rank order."""
+    world, n, k = 4, 600, 240
+    g = torch.Generator().manual_seed(0)
+    mags = 10.0 ** torch.randint(-4, 4, (world, n), generator=g).float()  # sums that rounding reorders
+    accs = torch.randn(world, n, generator=g) * mags
+    idx = [a.abs().topk(k, sorted=False).indices.to(torch.int32) for a in accs]
+    msgs = [torch.cat([a[i.long()].view(torch.uint8), i.view(torch.uint8)]) for a, i in zip(accs, idx)]
+    assert len(set.intersection(*(set(i.tolist()) for i in idx))) > 0  # duplicates across replicas
+
+    def gather(recv, msg, group):  # the all-gather of the k (value, index) pairs of every replica
+        recv.view(world, -1).copy_(torch.stack(msgs))
+
+    orders = torch.Generator().manual_seed(1)
+
+    def atomic_index_add_(self, dim, index, source):  # duplicates summed in an arbitrary order
+        perm = torch.randperm(index.numel(), generator=orders)
+        return self.index_put_((index[perm],), source[perm], accumulate=True)
+
+    monkeypatch.setattr(comm, "all_gather_into_tensor", gather)
+    monkeypatch.setattr(torch.Tensor, "index_add_", atomic_index_add_)
+    decoded = []
+    for rank in range(world):  # each replica decodes the same message set
+        comp = TopKCompressor.__new__(TopKCompressor)
+        comp.cfg, comp.group, comp.world, comp.sent_bytes = CompressionConfig(error_feedback=False), None, world, 0.0
+        monkeypatch.setattr(comm, "all_gather_into_tensor",
+                            lambda recv, msg, group, r=rank: (torch.equal(msg, msgs[r]) or pytest.fail("msg")) and
+                            gather(recv, msg, group))
+        for _ in range(3):  # and the same replica on another day
+            decoded.append(comp._sparse(accs[rank].clone(), k, 0))
+    want = torch.zeros(n)
+    for a, i in zip(accs, idx):
+        want[i.long()] += a[i.long()]  # distinct indices within one replica: no duplicate in one add
+    want /= world
+    for d in decoded:
+        assert torch.equal(d, want)

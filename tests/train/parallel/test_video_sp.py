@@ -117,11 +117,11 @@ def _zero3_worker(rank: int, world: int, tp: int, sp: int) -> None:
     ref, model = _models(state)
     zero = {"stage": 3}
     apply_video_sequence_parallel(model, SequenceParallel(state), zero_divisor=zero_loss_scale(zero, state))
-    partition_zero3(model, state)
     d, per = state.size("dp"), B // state.size("dp")
     conf = {"train_batch_size": B, "train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1e6, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30}
+    partition_zero3(model, state, conf)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=conf, mpu=state)
     lo = state.rank_in("dp") * per
