@@ -23,7 +23,9 @@ import threading
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
-LAUNCHERS = (b"torchrun", b"torch.distributed.run", b"deepspeed", b"loongforge")  # argv words of a launcher
+# argv words of a launcher; loongforge.train.resilience.elastic.agent is the supervisor's torchrun (elastic/agent.py)
+LAUNCHERS = (b"torchrun", b"torch.distributed.run", b"deepspeed", b"loongforge",
+             b"loongforge.train.resilience.elastic.agent")
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:

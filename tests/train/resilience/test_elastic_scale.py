@@ -1,5 +1,5 @@
 """The elastic supervisor end to end under ZeRO-2, down and back up: 2 ranks -> a rank lost -> 1 rank ->
-capacity returns -> 2 ranks. Each rank-count change converts the checkpoint (elastic_reshard), so every
+capacity returns -> 2 ranks. Each rank-count change converts the checkpoint (elastic/reshard.py), so every
 step's loss equals an uninterrupted 2-rank run's: data order, noise and Adam state all continue."""
 
 import json
