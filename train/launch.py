@@ -124,13 +124,13 @@ def _stopped(exc: BaseException, args: argparse.Namespace, trainer) -> int:
     rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
     step = trainer.step if trainer is not None else None
     latest = read_pointer(ckpt_root(args.run_dir))
-    if isinstance(exc, Preempted):  # steps counted from 1, as the console's step lines count them
+    when = "during start-up" if step is None else f"at step {step}"  # steps done: the console's last "step N"
+    if isinstance(exc, Preempted):
         code, what = EXIT_PREEMPTED, f"stopped by SIGTERM after step {exc.step}: checkpoint {exc.tag} written"
     elif isinstance(exc, Interrupted):
-        code, what = EXIT_INTERRUPTED, f"interrupted (SIGINT) at step {step}; last checkpoint {latest or 'none'}"
+        code, what = EXIT_INTERRUPTED, f"interrupted (SIGINT) {when}; last checkpoint {latest or 'none'}"
     else:
-        code, what = EXIT_TERMINATED, f"terminated (SIGTERM: {exc.why}) at step {step}; last checkpoint " \
-            f"{latest or 'none'}"
+        code, what = EXIT_TERMINATED, f"terminated (SIGTERM: {exc.why}) {when}; last checkpoint {latest or 'none'}"
     if rank == 0:
         if supervised():
             record_stop(args.run_dir, code=code, step=step, latest=latest, why=what)

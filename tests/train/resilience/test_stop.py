@@ -111,6 +111,32 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_which_save_and_it_exits_85(
     assert time.monotonic() - t0 < 200
 
 
+def test_sigterm_to_the_supervisor_before_any_step_is_one_line_without_a_checkpoint(train_root, tmp_path):
+    """SIGTERM while the ranks still start: the supervisor does not promise a checkpoint ("no rank has
+    finished a step yet"), torchrun's ChildFailedError stays in the node's log, and the one line says that
+    nothing was saved and how to resume; exit 143."""
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    proc = _popen(_supervised(root, run_dir), str(tmp_path))
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(
+                os.path.join(run_dir, "metrics.jsonl")):  # the supervisor's launch record: the ranks start now
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 143, err[-4000:]
+    assert "no rank has finished a step yet" in err and "finish their step" not in err, err[-4000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-4000:]
+    (line,) = _lines(err)
+    assert "SIGTERM" in line and "last checkpoint none" in line and line.endswith("--resume"), line
+
+
 @pytest.mark.full  # a second supervised launch; the plain-rank Ctrl-C test covers the rank's side
 def test_ctrl_c_to_the_supervisor_is_one_line_and_130(train_root, tmp_path):
     root, _ = train_root
