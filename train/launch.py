@@ -59,7 +59,7 @@ def run_args(args: argparse.Namespace) -> int:
         stop.tearing_down()  # the launcher stops the survivors of a failure: its SIGTERM must not cut this short
         if stop.requested:  # a SIGTERM, then a collective failed: a peer is gone (the launcher stops us)
             stopped = Terminated("a peer left before the checkpoint")
-        elif peer_gone(exc):
+        elif trainer is not None and peer_gone(exc):  # after start-up: a start-up failure is shown as it is
             code = _peer_gone(args, exc)
         else:
             traceback.print_exc()

@@ -7,10 +7,12 @@ os._exit(code): a launch returns the run's real exit code, reliably. The watchdo
 same way when a peer fails, without waiting for a main thread that may be blocked in a collective.
 Which signal raises what, and when a checkpoint is written first: stop.py.
 
-A failure that is only the echo of a peer's (a collective that fails because a peer process or node
-is gone: gloo's "Connection reset by peer", a DistNetworkError) is `peer_gone`: the rank leaves with
-EXIT_PEER_FAULT, its traceback goes to the node's debug log (`debug_log`), and the console gets one
-WARNING line, or nothing under the elastic supervisor, which names the rank that failed and why.
+A failure in the step loop that is only the echo of a peer's (a collective that fails because a peer
+process or node is gone: gloo's "Connection reset by peer", a DistNetworkError) is `peer_gone`
+(launch.py asks only once the trainer is built: a start-up failure, a port in use, is shown as it
+is): the rank leaves with EXIT_PEER_FAULT, its traceback goes to the node's debug log (`debug_log`),
+and the console gets one WARNING line, or nothing under the elastic supervisor, which names the rank
+that failed and why.
 """
 
 from __future__ import annotations
