@@ -328,3 +328,29 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
     assert cs["skipped_ids"] == cs["expected_skipped_ids"] == [15, 16] and cs["skip_events"] >= 2, cs
     assert "blocks one by one from origin" in cs["action"] and "other 9 trained delivered" in cs["action"], cs
     assert "(2 skipped by policy)" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
+
+
+def test_steps_redone_reads_the_console_steps_counted_from_1():
+    """The console prints "step N/T" (N steps done); the old parser wanted a bare integer and never matched,
+    so every row said 0 steps redone."""
+    from loongforge.benchmarks.faults.run import steps_redone
+
+    log = "\n".join(["x INFO elastic: launching 2 ranks", *[f"step {n:6d}/12  loss 1.0" for n in range(1, 8)],
+                     "x INFO elastic: launching 1 ranks", "x INFO trainer: resumed from step00000006_w1z2t1 at step 6 "
+                     "(loader epoch 0, consumed 48)", "step      7/12  loss 1.0"])
+    assert steps_redone(log) == 1
+
+
+# The two rows of the suite that this issue added; make test covers their product behaviour
+# (test_rundir.py's refusals on every launcher path, test_multinode.py's node loss). `make faults` runs them.
+@pytest.mark.full
+def test_fault_suite_overwrite_and_node_loss_rows(tmp_path):
+    from loongforge.benchmarks.faults import run as faults
+
+    doc = faults.run_suite(["overwrite_refused", "node_loss"], steps=10, work=tmp_path, baseline=False)
+    rows = {r["fault"]: r for r in doc["rows"]}
+    ow, nl = rows["overwrite_refused"], rows["node_loss"]
+    assert ow["recovered"] and ow["unchanged"] and set(ow["tries"]) == {"elastic", "plain rank"}, ow
+    assert nl["recovered"] and nl["relaunches"] == 1 and "node a named it in one line" in nl["action"], nl
+    for r in (ow, nl):
+        assert (r["samples_lost"], r["samples_duplicated"]) == (0, 0), r
