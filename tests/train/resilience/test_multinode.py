@@ -6,7 +6,6 @@ next checkpoint, the final state equal to an uninterrupted 2-rank run's."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
