@@ -46,7 +46,8 @@ def _train_with_29500_taken(script: str, pre: list[str], train_root, tmp_path, e
 
 
 def test_the_torchrun_script_trains_while_another_job_holds_29500(train_root, tmp_path):
-    _train_with_29500_taken("launch_torchrun.sh", [], train_root, tmp_path)
+    """Also with MASTER_PORT=29500 left in the environment (a one-node launch does not need it)."""
+    _train_with_29500_taken("launch_torchrun.sh", [], train_root, tmp_path, env={"MASTER_PORT": "29500"})
 
 
 # The torchrun script above covers a one-node launch that picks its port; this is the deepspeed launcher's.
