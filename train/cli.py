@@ -11,6 +11,7 @@ from loongforge.shared.errors import CheckpointError, UsageError
 from loongforge.train.ckpt.cli import register as register_ckpt
 from loongforge.train.flags import add_train_args
 from loongforge.train.resilience.rundir import refuse_over_checkpoints
+from loongforge.train.resilience.runlock import joins_live_run
 from loongforge.train.tune.cli import register as register_tune
 
 
@@ -67,15 +68,16 @@ def register(subparsers) -> None:
 
 
 def _train(args) -> int:
-    from loongforge.train.launch import run_args
-    from loongforge.train.resilience.exits import exit_now
-
+    # A fresh run over checkpoints: exit 2 now, before the trainer's or the supervisor's imports (seconds);
+    # a node joining a live multi-node run follows it (the supervisor checks again, under the run lock).
+    if not (args.elastic and joins_live_run(args.run_dir, args.nodes)):
+        refuse_over_checkpoints(args.run_dir, resume=args.resume, overwrite=args.overwrite)
     if args.elastic:  # this process only supervises; the ranks are torchrun's children
         from loongforge.train.resilience.elastic.cli import supervise
 
         return supervise(args, getattr(args, "raw_argv", None) or sys.argv[1:])
-    # A fresh run over checkpoints: exit 2 now, before the trainer's imports (seconds).
-    refuse_over_checkpoints(args.run_dir, resume=args.resume, overwrite=args.overwrite)
+    from loongforge.train.launch import run_args
+    from loongforge.train.resilience.exits import exit_now
 
     # Never returns: os._exit after teardown (gloo can abort in interpreter shutdown).
     exit_now(run_args(args))

@@ -97,6 +97,11 @@ def is_held(run_dir: str) -> bool:
     return False
 
 
+def joins_live_run(run_dir: str, nodes: int) -> bool:
+    """An elastic supervisor of a `nodes`-node run finds a live multi-node leader to follow (nodes.py)."""
+    return nodes > 1 and is_held(run_dir) and int(holder(run_dir).get("nodes", 1)) > 1
+
+
 def holder(run_dir: str) -> dict:
     """The last holder recorded in the lock file (the live one while it is locked)."""
     try:

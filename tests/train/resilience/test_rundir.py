@@ -70,6 +70,9 @@ def test_every_launcher_refuses_to_train_over_checkpoints_with_one_line(train_ro
         assert _snapshot(run_dir) == before, name  # nothing written, nothing moved, no process group
 
 
+# make test: test_ports.py's torchrun-script launch moves a finished run aside with --overwrite; this is
+# the plain rank's path and the new run's first rows.
+@pytest.mark.full
 def test_overwrite_moves_the_old_run_aside_and_trains_afresh(train_root, tmp_path):
     root, _ = train_root
     run_dir = tmp_path / "run"

@@ -68,7 +68,7 @@ from loongforge.train.resilience.elastic.nodes import Board
 from loongforge.train.resilience.exits import (DEBUG_LOG_ENV, NODE_ENV, PLANNED_WORLD_ENV, RESUME_ENV,
                                                SUPERVISOR_ENV)
 from loongforge.train.resilience.rundir import claim_fresh, latest_pointer, refuse_over_checkpoints
-from loongforge.train.resilience.runlock import LOCK_OWNER_ENV, RunLock, describe, holder, is_held
+from loongforge.train.resilience.runlock import LOCK_OWNER_ENV, RunLock, describe, holder, joins_live_run
 from loongforge.train.resilience.threads import launch_env
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ class Supervisor:
         self.busy, self.ready_after, self.leaving = False, None, False
         # Read-only first: a refused fresh run leaves nothing behind (no lock file, no node registry). A node
         # joining a live multi-node run follows it: nothing fresh about that.
-        joining = self.nodes > 1 and is_held(self.run_dir) and int(holder(self.run_dir).get("nodes", 1)) > 1
-        if not joining:
+        if not joins_live_run(self.run_dir, self.nodes):
             refuse_over_checkpoints(self.run_dir, resume=args.resume, overwrite=args.overwrite)
         self.lock = RunLock(self.run_dir, extra={"nodes": self.nodes})
         if not self.lock.try_acquire():
