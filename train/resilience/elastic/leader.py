@@ -3,7 +3,7 @@
     at the start, wait (at most --rdzv-timeout-s, one line) for --nodes nodes to join
     loop:
       plan: the live nodes that are ready (not in a launch, not leaving), this one first, each with the
-            ranks it offers (less the ranks the last fault's watchdog named), at most --max-ranks in
+            ranks it offers (at most its last launch's less the ranks the watchdog named), at most --max-ranks in
             all and a multiple of tp x sp; below --min-ranks: give up
       convert the checkpoint for the plan's world (reshard.py), then publish the plan (nodes.py)
       launch this node's part; its launcher hosts the attempt's c10d rendezvous store. Meanwhile: more
@@ -41,9 +41,10 @@ class Leader:
         self.unreported = unreported  # (plan, t0, this node's result) of the old leader's last attempt
         self.session = f"{sup.node_id}-{os.getpid()}-{int(time.time())}"
         self.attempt = 0
-        self.penalty: dict[str, int] = {}  # node -> ranks the last fault's watchdog named (left out once)
+        self.caps: dict[str, int] = {}  # node -> at most this many ranks next time: its ranks less those the
+        # last fault's watchdog named (a node's capacity file may say the same already: never both)
         self.reason = "took the lead: the previous leader is gone" if takeover else "start"
-        self.scaling, self.start_latest, self.stopping_early = False, None, False
+        self.scaling, self.start_latest, self.stopping_early, self.growth_said = False, None, False, None
 
     def run(self) -> int:
         s = self.sup
@@ -95,8 +96,8 @@ class Leader:
 
     def _plan(self) -> dict:
         s = self.sup
-        offers = [(node, n - self.penalty.get(node, 0)) for node, n in self._offers()]
-        self.penalty = {}
+        offers = [(node, min(n, self.caps.get(node, n))) for node, n in self._offers()]
+        self.caps = {}
         split = split_ranks(offers, max_ranks=s.max_ranks, group=s.group)
         world = sum(n for _, n in split)
         if world < s.min_ranks or not split or split[0][0] != s.node_id:
@@ -135,11 +136,13 @@ class Leader:
         nodes = {n["id"]: n["nproc"] for n in plan["nodes"]}
         s.event("launch", ranks=plan["world"], grad_accum=plan["grad_accum"], reason=plan["reason"],
                 latest=plan["latest"], nodes=nodes, attempt=self.attempt)
-        where = "" if s.nodes == 1 else f" on {len(nodes)} node(s): {', '.join(f'{k} {v}' for k, v in nodes.items())}"
+        where = "" if s.nodes == 1 else f" on {len(nodes)} node(s): {', '.join(f'{k} {v}' for k, v in nodes.items())}" \
+            f" (rendezvous at {plan['rdzv']}: every node joins within {s.rdzv_timeout_s:.0f} s, --rdzv-timeout-s)"
         log.info("elastic: launching %d ranks%s (grad accum %d, global batch %d, from the last checkpoint if any): %s",
                  plan["world"], where, plan["grad_accum"], s.batch, plan["reason"])
         t0 = time.time()
         self.scaling, self.start_latest, self.stopping_early = False, plan["latest"], False
+        self.growth_said = None
         s.busy = True
         s.board.publish(s.state())
         rc, mine = s.launch(plan, lambda proc: self._watch(plan, proc))
@@ -157,6 +160,9 @@ class Leader:
             self.stopping_early = True
             s.stop_launch_early(proc, f"node {', '.join(gone)} is gone")
         more = self._more_ranks(plan)
+        if more and more != self.growth_said:
+            log.info("elastic: %s: taking it in at the next checkpoint of this launch", more)
+            self.growth_said = more
         latest = latest_pointer(s.run_dir)
         if not self.scaling and more and latest not in (None, self.start_latest) and tag_step(latest) < s.steps:
             log.info("elastic: %s and checkpoint %s published: stopping the launch to scale up (the ranks write a "
@@ -252,7 +258,8 @@ class Leader:
                              f"{'within %g s' % s.budget.window_s if s.budget.window_s else 'over the run'}, "
                              "--max-restarts / --restart-window); resume with --resume")
         s.say(f"fault in attempt {plan['attempt']}: {fault.why}{also}; relaunching ({s.budget.describe()})")
-        self.penalty = fault.drop
+        ran = {n["id"]: n["nproc"] for n in plan["nodes"]}
+        self.caps = {node: max(0, ran.get(node, 0) - k) for node, k in fault.drop.items()}
         self.reason = f"fault: {fault.why}"
 
     def _stopped(self, t0: float) -> int:
