@@ -237,10 +237,12 @@ class Supervisor:
         # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
         self._proc = proc = subprocess.Popen(cmd, start_new_session=True, env=env,
                                              preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
+        ranks: dict[int, int] = {}  # pid -> start ticks of every rank seen: they may outlive a killed launcher
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 self._kill_if_overdue()
+                ranks.update((pid, st[1]) for pid in owner.rank_pids(proc.pid) if (st := owner.proc_stat(pid)))
                 watch(proc)
         except BaseException:
             self._kill_launch()
@@ -248,7 +250,25 @@ class Supervisor:
             raise
         finally:
             self._proc = None
+        self._wait_for_ranks(ranks)
         return proc.returncode, self._result(result_path, proc)
+
+    def _wait_for_ranks(self, ranks: dict[int, int]) -> None:
+        """A launcher that was killed leaves its ranks stopping on their own (PDEATHSIG: they may write a
+        checkpoint): the attempt is over only when they are gone, or their records and `latest` could
+        change under the next one. Bounded: the ranks' grace period plus KILL_AFTER_S, then SIGKILL."""
+        def alive():
+            return [pid for pid, start in ranks.items() if (st := owner.proc_stat(pid)) and st[1] == start
+                    and owner.proc_state(pid) not in ("Z", None)]
+        left, t0, said = alive(), time.monotonic(), False
+        while left and time.monotonic() - t0 < self.grace_s + KILL_AFTER_S:
+            if not said and time.monotonic() - t0 > 2:
+                log.info("elastic: waiting up to %.0f s for the ranks of the ended launch (pids %s) to stop",
+                         self.grace_s + KILL_AFTER_S, " ".join(map(str, left)))
+                said = True
+            time.sleep(0.2)
+            left = alive()
+        owner.signal_all(left, signal.SIGKILL)
 
     def _result(self, path: str, proc: subprocess.Popen) -> dict:
         try:
