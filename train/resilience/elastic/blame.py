@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from loongforge.train.resilience.exits import EXIT_PEER_FAULT
 
-WATCHDOG_KINDS = {"dead": "no heartbeat", "hang": "hung", "launcher": "launcher gone", "startup": "start-up"}
+WATCHDOG_PREFIX = {"hang": "hung: "}  # the other kinds' `why` says what happened already
 
 
 @dataclass
@@ -60,8 +60,8 @@ def name_fault(plan: dict, results: dict[str, dict | None], lost: list[str], rec
         node = rec.get("node") or (None if rank is None else _node_of(rank, failures))
         who = f"rank {rank} on node {node or rec.get('host', '?')}" if rank is not None else \
             f"node {node or rec.get('host', '?')}"
-        label = WATCHDOG_KINDS.get(rec.get("kind"), rec.get("kind"))
-        return Fault(rec.get("kind", "unknown"), f"{who}: {label}: {rec.get('why', '')} (watchdog of rank "
+        prefix = WATCHDOG_PREFIX.get(rec.get("kind"), "")
+        return Fault(rec.get("kind", "unknown"), f"{who}: {prefix}{rec.get('why', '')} (watchdog of rank "
                      f"{rec.get('detected_by')})", node=node, rank=rank, drop=drop, collateral=collateral)
     by_signal = [(node, f) for node, f in failures if f.get("signal")]
     own = [(node, f) for node, f in failures if not f.get("signal") and f["exitcode"] != EXIT_PEER_FAULT]
