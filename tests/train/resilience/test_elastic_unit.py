@@ -168,3 +168,25 @@ def test_the_fault_is_named_by_its_cause_never_by_a_collateral_rank():
     f = name_fault(plan, {"a": {"rc": 3, "failures": [], "error": "rendezvous: RendezvousTimeoutError: x"},
                           "b": None}, [], [])
     assert f.kind == "rendezvous" and f.node == "a"
+
+
+def test_torchrun_options_the_supervisor_sets_itself_are_refused(tmp_path, monkeypatch):
+    """--nnodes & co. behind the supervisor's back made it convert the checkpoint for its own rank count while
+    the launch ran another world, then wait in a rendezvous that could not complete."""
+    from loongforge.shared.errors import UsageError
+
+    monkeypatch.setenv("LOONGFORGE_TORCHRUN_ARGS", "--nnodes 2 --node_rank 1 --master_addr h --master_port 29500")
+    with pytest.raises(UsageError, match="--nodes, --nproc-per-node and --node-addr on every node"):
+        _supervisor(tmp_path)
+
+
+def test_a_rank_whose_world_is_not_the_planned_one_refuses_before_loading(monkeypatch):
+    from loongforge.shared.errors import UsageError
+    from loongforge.train.launch import _check_planned_world
+
+    monkeypatch.setenv("LOONGFORGE_PLANNED_WORLD", "2")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UsageError, match="this launch has 1 ranks but the elastic supervisor planned 2"):
+        _check_planned_world()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _check_planned_world()
