@@ -28,8 +28,9 @@ connections) and the node count fixed for the attempt:
   in once the attempt publishes its next checkpoint (`latest` moves): the leader stops the attempt
   (SIGTERM to its ranks: every rank finishes the step in flight and a checkpoint is written, stop.py)
   and relaunches bigger from it;
-* a node whose supervisor gets SIGTERM (preempted) or SIGINT leaves: every rank stops after the step
-  (with a checkpoint on SIGTERM) and the run goes on on the other nodes, spending no budget;
+* a follower whose supervisor gets SIGTERM (its node preempted) or SIGINT leaves: every rank stops
+  after the step (with a checkpoint on SIGTERM) and the run goes on on the other nodes, spending no
+  budget. The leader's SIGTERM or SIGINT stops the run on every node (each exits with the same code);
 * the supervisor owns its launch: torchrun dies with it (PR_SET_PDEATHSIG, whatever kills it) and the
   ranks with torchrun (owner.py); its SIGINT/SIGTERM go to the ranks themselves, which stop as stop.py
   says and record how in metrics.jsonl; the leader prints the one line and exits 130 / 85 / 143
