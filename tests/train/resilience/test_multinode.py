@@ -174,3 +174,37 @@ def test_a_node_lost_and_returned_ends_where_the_uninterrupted_run_ends(train_ro
     assert mine.keys() == theirs.keys()
     for k in mine:
         assert (mine[k] - theirs[k]).abs().max() <= 1e-4 * max(1.0, theirs[k].abs().max()), k
+
+
+# make test covers a node that dies (the first test); this is one that is asked to leave (~1 min).
+@pytest.mark.full
+def test_a_follower_preempted_leaves_and_the_run_goes_on_without_a_fault(train_root, tmp_path):
+    """SIGTERM to node b's supervisor (its node preempted): every rank finishes the step and a checkpoint is
+    written; b exits 85 with one line saying the others go on; a relaunches alone from that checkpoint with
+    no fault record and no restart spent, and finishes."""
+    root, index = train_root
+    run_dir = str(tmp_path / "run")
+    steps = 20
+    args = ["--data", root, "--steps", str(steps), "--save-every", "50", "--zero", "0", *COMMON]
+    a = _leading(Node("a", tmp_path, run_dir, args), run_dir)
+    b = Node("b", tmp_path, run_dir, args)
+    try:
+        _wait(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(_steps(run_dir)) >= 5, [a, b])
+        b.proc.send_signal(15)
+        rc_b = b.proc.wait(timeout=200)
+        rc = a.proc.wait(timeout=400)
+    finally:
+        for n in (a, b):
+            if n.proc.poll() is None:
+                _kill_tree(n.proc.pid)
+    assert (rc, rc_b) == (0, 85), a.err()[-3000:] + b.err()[-3000:]
+    (line,) = [ln for ln in b.err().splitlines() if ln.startswith("loongforge train:")]
+    assert "node b left the run on SIGTERM (stopped by SIGTERM after step" in line and "the other nodes go on" in line
+    assert not _events(run_dir, "fault") and "loongforge train: fault" not in a.err()
+    (left,) = _events(run_dir, "elastic", "node_left")
+    launches = _events(run_dir, "elastic", "launch")
+    assert left["nodes"] == ["b"] and [e["nodes"] for e in launches] == [{"a": 1, "b": 1}, {"a": 1}]
+    stopped_at = int(launches[1]["latest"][4:12])
+    got = _steps(run_dir)
+    assert [r["step"] for r in got] == list(range(steps)) and got[stopped_at]["world"] == 1
+    assert [sorted(i for ids in r["sample_ids"] for i in ids) for r in got] == _global_order(index, steps, 8)
