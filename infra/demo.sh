@@ -8,7 +8,9 @@
 #     zstd blocks, every timestep a sample; shared/FORMAT.md)
 #   3 inspect and hash-verify the shards
 #   4 start a private Redis and the cache daemon
-#   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache
+#   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache, launched by the elastic
+#     supervisor (`loongforge train --elastic`: torchrun on a free port, one line for a fault or a
+#     Ctrl-C instead of launcher tracebacks; train/resilience/elastic/)
 #   6 print the step-time breakdown and write the chart; open-loop eval on held-out episodes
 #   7 shut everything down (also on failure or Ctrl-C)
 set -euo pipefail
@@ -59,9 +61,10 @@ if [ "$GPUS" -gt 0 ] && python -c 'import torch, sys; sys.exit(not torch.cuda.is
 else
   export DS_ACCELERATOR=cpu                 # gloo ranks on the CPU
 fi
-LAUNCH=(deepspeed --num_gpus "$RANKS")
+# The supervisor picks a free port for each launch: another job on torchrun's or DeepSpeed's default
+# port (29500) does not stop the demo.
 step "5/6 train tiny recipe, $RANKS ranks, $STEPS steps (${DS_ACCELERATOR:-cuda})"
-"${LAUNCH[@]}" "$(python -c 'import loongforge.train.launch as m; print(m.__file__)')" \
+loongforge train --elastic --min-ranks "$RANKS" --max-ranks "$RANKS" \
   --data "$OUT/shards" --run-dir "$OUT/run" --recipe tiny --steps "$STEPS" \
   --cache-socket "$SOCK" --workers 1 --no-ds-breakdown --eval-every $(( STEPS < 100 ? STEPS : 100 )) --log-every 50
 

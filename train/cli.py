@@ -10,6 +10,8 @@ import sys
 from loongforge.shared.errors import CheckpointError, UsageError
 from loongforge.train.ckpt.cli import register as register_ckpt
 from loongforge.train.flags import add_train_args
+from loongforge.train.resilience.rundir import refuse_over_checkpoints
+from loongforge.train.resilience.runlock import joins_live_run
 from loongforge.train.tune.cli import register as register_tune
 
 
@@ -17,15 +19,29 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a VLA model with DeepSpeed (run under torchrun/deepspeed "
                                             "for several ranks: python -m loongforge.train ...)")
     add_train_args(p)
-    el = p.add_argument_group("elastic (train/resilience/elastic.py): a supervisor relaunches torchrun on the surviving ranks")
+    el = p.add_argument_group("elastic (train/resilience/elastic/): one supervisor per node relaunches torchrun on "
+                              "the ranks and nodes that are left, and scales back up")
     el.add_argument("--elastic", action="store_true", help="supervise the launch: on a fault relaunch from the last "
                     "checkpoint on the surviving ranks (same global batch), scale up when capacity returns")
     el.add_argument("--min-ranks", type=int, default=1, help="fewer ranks than this: stop instead of relaunching")
-    el.add_argument("--max-ranks", type=int, default=None, help="ranks to start with and scale back up to "
-                    "(default: --min-ranks)")
-    el.add_argument("--capacity-file", default=None, help="file holding the ranks available now (one machine: the "
-                    "simulated capacity; absent = --max-ranks)")
-    el.add_argument("--max-restarts", type=int, default=3, help="relaunches after faults before giving up")
+    el.add_argument("--max-ranks", type=int, default=None, help="ranks to start with and scale back up to, over all "
+                    "nodes (default: --min-ranks)")
+    el.add_argument("--capacity-file", default=None, help="file holding the ranks this node can run now (absent = "
+                    "--nproc-per-node)")
+    el.add_argument("--max-restarts", type=int, default=3, help="relaunches after faults allowed within any "
+                    "--restart-window (torchelastic's max_restarts, replenished)")
+    el.add_argument("--restart-window", type=float, default=3600.0, help="seconds: a fault older than this no longer "
+                    "counts against --max-restarts (0: over the whole run, torchelastic's count)")
+    el.add_argument("--nodes", type=int, default=1, help="nodes of the run: start one supervisor per node, each with "
+                    "the same command and run dir (shared filesystem); the first to take the run lock leads")
+    el.add_argument("--nproc-per-node", type=int, default=None, help="ranks this node runs at most (default: "
+                    "--max-ranks on one node, --max-ranks / --nodes on several)")
+    el.add_argument("--node-id", default=None, help="this node's name in the run (default: the hostname; give one "
+                    "per supervisor when several share a host)")
+    el.add_argument("--node-addr", default=None, help="address the other nodes reach this node at, for the "
+                    "rendezvous store it hosts when it leads (default: 127.0.0.1 on one node, else the FQDN)")
+    el.add_argument("--rdzv-timeout-s", type=float, default=300.0, help="bound of every wait for other nodes: to "
+                    "join, to end an attempt, to be taken into a launch (one line says what is awaited)")
     p.set_defaults(func=_train)
     q = subparsers.add_parser("profile", help="step-time breakdown table + chart of a run directory")
     q.add_argument("run_dir", metavar="RUN_DIR")
@@ -61,13 +77,16 @@ def register(subparsers) -> None:
 
 
 def _train(args) -> int:
-    from loongforge.train.launch import run_args
-    from loongforge.train.resilience.exits import exit_now
-
+    # A fresh run over checkpoints: exit 2 now, before the trainer's or the supervisor's imports (seconds);
+    # a node joining a live multi-node run follows it (the supervisor checks again, under the run lock).
+    if not (args.elastic and joins_live_run(args.run_dir, args.nodes)):
+        refuse_over_checkpoints(args.run_dir, resume=args.resume, overwrite=args.overwrite)
     if args.elastic:  # this process only supervises; the ranks are torchrun's children
-        from loongforge.train.resilience.elastic import supervise
+        from loongforge.train.resilience.elastic.cli import supervise
 
         return supervise(args, getattr(args, "raw_argv", None) or sys.argv[1:])
+    from loongforge.train.launch import run_args
+    from loongforge.train.resilience.exits import exit_now
 
     # Never returns: os._exit after teardown (gloo can abort in interpreter shutdown).
     exit_now(run_args(args))

@@ -189,6 +189,7 @@ class RunConfig:
     steps: int = 10
     save_every: int = 0  # 0 = only at the end
     resume: bool = False
+    overwrite: bool = False  # a fresh run on a run dir holding checkpoints: move them aside (resilience/rundir.py)
     log_every: int = 1
     profile_steps: tuple[int, int] | None = None  # [a, b) steps traced with torch.profiler
     device: str = "auto"  # auto = cuda if available else cpu
@@ -203,6 +204,7 @@ class RunConfig:
 
     def __post_init__(self):
         _need(bool(self.run_dir), "run.run_dir", "give --run-dir")
+        _need(not (self.resume and self.overwrite), "run.overwrite", "give --resume or --overwrite, not both")
         _need(self.save_busy in ("wait", "skip"), "run.save_busy", "use wait or skip (--save-busy)")
         _need(self.keep_last >= 0, "run.keep_last", "must be >= 0 (0 keeps every checkpoint)")
         _need(self.save_mbps >= 0, "run.save_mbps", "must be >= 0 (0 = no cap)")

@@ -101,7 +101,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-socket", default=_default(DataConfig, "cache_socket"), help="cache daemon unix socket "
                    "(reads go through the cache)")
     p.add_argument("--cache-tcp", default=_default(DataConfig, "cache_tcp"), help="cache daemon HOST:PORT")
-    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present")
+    fresh = p.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if present "
+                       "(without it a run dir holding checkpoints is refused, exit 2)")
+    fresh.add_argument("--overwrite", action="store_true", help="start afresh on a run dir that holds checkpoints: "
+                       "the old run is moved aside to RUN_DIR.replaced-TIME, never deleted")
     p.add_argument("--save-every", type=int, default=_default(RunConfig, "save_every"), help="checkpoint every N "
                    "steps (0 = only at the end)")
     p.add_argument("--sync-save", action="store_true", help="write checkpoints in the step loop (default: snapshot "
@@ -250,6 +254,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                             fp8_warmup_mode=a.fp8_warmup_mode, fp8_recipe=a.fp8_recipe,
                             fp8_min_features=a.fp8_min_features, fuse=a.fuse, cuda_graphs=a.cuda_graphs),
         run=RunConfig(run_dir=a.run_dir, steps=a.steps, save_every=a.save_every, resume=a.resume,
+                      overwrite=a.overwrite,
                       log_every=a.log_every, profile_steps=a.profile_steps, device=a.device,
                       eval_every=a.eval_every, save_async=not a.sync_save, save_busy=a.save_busy,
                       keep_last=a.keep_last, save_mbps=a.save_mbps, full_every=a.full_every,

@@ -13,16 +13,19 @@ import signal
 import sys
 import traceback
 
-from loongforge.shared.errors import ConfigError, LoongForgeError
+from loongforge.shared.errors import ConfigError, LoongForgeError, UsageError
 from loongforge.train.ckpt.files import ckpt_root, read_pointer
 from loongforge.train.flags import add_train_args, config_from_args
 from loongforge.train.parallel.engine import shutdown
 from loongforge.train.preflight import preflight
 from loongforge.train.resilience import owner
-from loongforge.train.resilience.exits import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TERMINATED,
-                                               Interrupted, Preempted, Terminated, exit_now, resume_command,
-                                               supervised)
+from loongforge.train.resilience.exits import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_PEER_FAULT, EXIT_PREEMPTED,
+                                               EXIT_TERMINATED, PLANNED_WORLD_ENV, RESUME_ENV, SUPERVISOR_ENV,
+                                               Interrupted, Preempted, Terminated, debug_log, exit_now, peer_gone,
+                                               resume_command, supervised, supervisor_alive)
+from loongforge.train.resilience.rundir import refuse_over_checkpoints
 from loongforge.train.resilience.stop import StopSignals, record_stop
+from loongforge.train.resilience.threads import pin_threads
 from loongforge.train.trainer import Trainer
 
 log = logging.getLogger("loongforge.train")
@@ -31,8 +34,14 @@ log = logging.getLogger("loongforge.train")
 def run_args(args: argparse.Namespace) -> int:
     """Build, run, close. Returns an exit code; never raises past here."""
     logging.getLogger("DeepSpeed").setLevel(args.ds_log_level.upper())
+    try:  # before any process group: a fresh run over checkpoints, a world the supervisor did not plan
+        refuse_over_checkpoints(args.run_dir, resume=args.resume, overwrite=args.overwrite)
+        _check_planned_world()
+    except ConfigError as exc:
+        return _config_error(args, exc)
     if args.check_config:
         return check_config(args)
+    pin_threads()
     _own_by_launcher()
     stop = StopSignals(save_on_term=not args.no_save_on_term, grace_s=args.term_grace_s).install()
     trainer, code, stopped = None, 0, None
@@ -42,19 +51,21 @@ def run_args(args: argparse.Namespace) -> int:
     except (Preempted, Terminated, Interrupted) as exc:
         stopped = exc
     except ConfigError as exc:
-        print(f"loongforge train: config error: {exc}", file=sys.stderr)
-        _record_config_error(args, exc)
-        code = EXIT_CONFIG
+        code = _config_error(args, exc)
     except LoongForgeError as exc:
         print(f"loongforge train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         code = 1
-    except BaseException:  # noqa: BLE001 - print it, still tear the process group down
+    except BaseException as exc:  # noqa: BLE001 - report it, still tear the process group down
+        stop.tearing_down()  # the launcher stops the survivors of a failure: its SIGTERM must not cut this short
         if stop.requested:  # a SIGTERM, then a collective failed: a peer is gone (the launcher stops us)
             stopped = Terminated("a peer left before the checkpoint")
+        elif trainer is not None and peer_gone(exc):  # after start-up: a start-up failure is shown as it is
+            code = _peer_gone(args, exc)
         else:
             traceback.print_exc()
             code = 1
     finally:
+        stop.tearing_down()
         if trainer is not None:
             trainer.close()  # after it, `latest` is final: no save is in flight
         try:
@@ -63,6 +74,37 @@ def run_args(args: argparse.Namespace) -> int:
             log.warning("process group teardown: %s", exc)
         stop.finish()
     return _stopped(stopped, args, trainer) if stopped is not None else code
+
+
+def _config_error(args: argparse.Namespace, exc: ConfigError) -> int:
+    """One line (rank 0 only when every rank finds the same: the run dir, the planned world), exit 2."""
+    if os.environ.get("RANK", "0") == "0" or not isinstance(exc, UsageError):
+        print(f"loongforge train: config error: {exc}", file=sys.stderr)
+    _record_config_error(args, exc)
+    return EXIT_CONFIG
+
+
+def _check_planned_world() -> None:
+    """Under the elastic supervisor the checkpoint was converted for the world it planned: a launch that
+    came up with another world (a torchrun option slipped in) must not load it under the wrong label."""
+    planned, world = os.environ.get(PLANNED_WORLD_ENV), os.environ.get("WORLD_SIZE", "1")
+    if planned and planned != world:
+        raise UsageError(f"this launch has {world} ranks but the elastic supervisor planned {planned} (and "
+                         "converted the checkpoint for them): multi-node runs take --nodes, not torchrun options "
+                         "in LOONGFORGE_TORCHRUN_ARGS")
+
+
+def _peer_gone(args: argparse.Namespace, exc: BaseException) -> int:
+    """A collective failed because a peer is gone: the traceback to the node's log, one WARNING (none under
+    the supervisor: it names the rank that failed), exit 75."""
+    where = debug_log(args.run_dir, "a peer is gone; this rank's traceback:\n" +
+                      "".join(traceback.format_exception(exc)))
+    if not supervised():
+        last = " ".join(str(exc).split())[:160]
+        log.warning("rank %s: a peer is gone (%s: %s); leaving with exit %d (the launcher names the rank that "
+                    "failed first; this traceback: %s)", os.environ.get("RANK", "0"), type(exc).__name__, last,
+                    EXIT_PEER_FAULT, where)
+    return EXIT_PEER_FAULT
 
 
 def _own_by_launcher() -> None:
@@ -82,18 +124,21 @@ def _stopped(exc: BaseException, args: argparse.Namespace, trainer) -> int:
     rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
     step = trainer.step if trainer is not None else None
     latest = read_pointer(ckpt_root(args.run_dir))
+    when = "during start-up" if step is None else f"at step {step}"  # steps done: the console's last "step N"
     if isinstance(exc, Preempted):
-        code, what = EXIT_PREEMPTED, f"stopped by SIGTERM after step {exc.step - 1}: checkpoint {exc.tag} written"
+        code, what = EXIT_PREEMPTED, f"stopped by SIGTERM after step {exc.step}: checkpoint {exc.tag} written"
     elif isinstance(exc, Interrupted):
-        code, what = EXIT_INTERRUPTED, f"interrupted (SIGINT) at step {step}; last checkpoint {latest or 'none'}"
+        code, what = EXIT_INTERRUPTED, f"interrupted (SIGINT) {when}; last checkpoint {latest or 'none'}"
     else:
-        code, what = EXIT_TERMINATED, f"terminated (SIGTERM: {exc.why}) at step {step}; last checkpoint " \
-            f"{latest or 'none'}"
+        code, what = EXIT_TERMINATED, f"terminated (SIGTERM: {exc.why}) {when}; last checkpoint {latest or 'none'}"
     if rank == 0:
         if supervised():
             record_stop(args.run_dir, code=code, step=step, latest=latest, why=what)
-        else:
+        if not supervised():
             print(f"loongforge train: {what}; resume: {resume_command()}", file=sys.stderr, flush=True)
+        elif not supervisor_alive():  # it was killed: nobody else will say how to go on
+            print(f"loongforge train: {what} (the elastic supervisor, pid {os.environ[SUPERVISOR_ENV]}, is gone); "
+                  f"resume: {os.environ.get(RESUME_ENV) or resume_command()}", file=sys.stderr, flush=True)
     return 0 if supervised() else code
 
 
@@ -104,7 +149,8 @@ def _record_config_error(args: argparse.Namespace, exc: ConfigError) -> None:
 
 
 def check_config(args: argparse.Namespace) -> int:
-    """`--check-config`: the rank's preflight, alone, in the calling process (exit 0 or 2)."""
+    """`--check-config`: the rank's preflight, alone, in the calling process (exit 0 or 2); the run-dir
+    check (a fresh run over checkpoints) ran before it in run_args."""
     try:
         checked = preflight(config_from_args(args))
     except ConfigError as exc:

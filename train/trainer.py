@@ -34,7 +34,7 @@ from loongforge.train.parallel.parallelize import parallelize
 from loongforge.train.preflight import preflight
 from loongforge.train.resilience.exits import Preempted, Terminated
 from loongforge.train.resilience.nan_guard import NanGuard
-from loongforge.train.resilience.runlock import acquire_for_rank
+from loongforge.train.resilience.rundir import claim_for_rank
 from loongforge.train.resilience.startup import StartupWatch, clear_stale_build_locks
 from loongforge.train.resilience.stop import StopSignals, stop_decision
 from loongforge.train.resilience.watchdog import Watchdog
@@ -54,8 +54,10 @@ class Trainer:
         self.index, self.plan = checked.index, checked.model
         self.model_cfg = self.plan.model
         self.init_dtypes: dict[str, str] = {}  # what --init-from's files stored: export writes them back so
-        # One live run per run dir (exit 2 naming the holder); rank 0 holds it unless a supervisor does.
-        self.run_lock = acquire_for_rank(cfg.run.run_dir, int(os.environ.get("RANK", "0")))
+        # One live run per run dir (exit 2 naming the holder); rank 0 holds it unless a supervisor does,
+        # and never trains over checkpoints without --resume or --overwrite (exit 2).
+        self.run_lock = claim_for_rank(cfg.run.run_dir, int(os.environ.get("RANK", "0")), resume=cfg.run.resume,
+                                       overwrite=cfg.run.overwrite)
         clear_stale_build_locks()  # a killed launch's DeepSpeed op build lock would block this one forever
         self.startup.enter("init_distributed", f"rendezvous of {os.environ.get('WORLD_SIZE', '1')} ranks at "
                            f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')} "

@@ -220,7 +220,7 @@ def annotate_corrupt_checkpoint(row: dict, run, setup: Setup) -> None:
             problems.append(f"the record does not name {info['corrupt_file']}: {rec['rejected']}")
         if loaded_step >= int(tag[4:]):
             problems.append(f"loaded {loaded}, not a checkpoint before {tag}")
-        # The supervisor may first convert it to the new rank count (elastic_reshard: stepNNNNNNNN_wWzZtT).
+        # The supervisor may first convert it to the new rank count (resilience/elastic/reshard.py: stepNNNNNNNN_wWzZtT).
         if not re.search(rf"resumed from {loaded}(_w\w+)? at step {loaded_step}\b", log):
             problems.append(f"no 'resumed from {loaded}[_wWzZtT] at step {loaded_step}' line in the log")
         conv = [e for e in run.rows() if e.get("event") == "elastic" and e.get("action") == "reshard"

@@ -9,6 +9,9 @@ that says what only this fault can: the second launch's refusal, the orphans lef
 * sigterm_preemption: SIGTERM the supervisor (a scheduler's preemption): the ranks finish the step, write a
   checkpoint and the supervisor exits 85; `--resume` continues from that step, none redone.
 * kill_during_startup: SIGKILL the whole run while its ranks start (before the first step), then `--resume`.
+* overwrite_refused: once the run has finished, the same command again without --resume, through the
+  elastic supervisor and as a plain rank: each must exit 2 with one line naming the latest checkpoint,
+  --resume and --overwrite, and leave every file of the finished run as it was (train/resilience/rundir.py).
 A run stopped on purpose is resumed by `Run.relaunch()`: the row's exit is the resumed run's.
 """
 
@@ -18,7 +21,10 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
+
+from loongforge.train.resilience.elastic.supervisor import strip_flags
 
 GONE_WITHIN_S = 30.0
 
@@ -184,3 +190,47 @@ def _latest(run_dir: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+# -- a fresh launch on a finished run's dir ------------------------------------------------------------------
+def f_overwrite_refused(run):
+    """Both refusals after the run ends: the supervisor (the run's own command) and a plain rank."""
+    rc = run.proc.wait(timeout=900)
+    before = _files(run.run_dir)
+    plain = [sys.executable, "-m", "loongforge.train", *strip_flags(run.args[run.args.index("--data"):])]
+    t = time.time()
+    tries = {}
+    for name, cmd in (("elastic", run.args), ("plain rank", plain)):
+        t0 = time.time()
+        out = subprocess.run(cmd, env=run.env, capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in out.stderr.splitlines() if "already holds a run" in ln]
+        tries[name] = {"exit": out.returncode, "lines": len(lines), "said": lines[0] if lines else out.stderr[-300:],
+                       "seconds": round(time.time() - t0, 1)}
+    run.note = {"run_exit": rc, "tries": tries, "unchanged": _files(run.run_dir) == before}
+    run.detected_t = time.time()
+    return t
+
+
+def annotate_overwrite_refused(row: dict, run, setup) -> None:
+    n = getattr(run, "note", {})
+    tries = n.get("tries", {})
+    refused = bool(tries) and all(x["exit"] == 2 and x["lines"] == 1 and "--overwrite" in x["said"]
+                                  for x in tries.values())
+    row.update(n)
+    row["detected_after_s"] = max((x["seconds"] for x in tries.values()), default=None)
+    row["action"] = ("fresh launch on the finished run's dir refused on every path tried ("
+                     + ", ".join(f"{k}: exit {v['exit']} in {v['seconds']} s" for k, v in tries.items())
+                     + f"), one line naming the latest checkpoint; run dir unchanged: {n.get('unchanged')}"
+                     if refused else f"NOT refused: {tries}")
+    row["recovered"] = bool(row["recovered"] and refused and n.get("unchanged"))
+
+
+def _files(run_dir: str) -> dict:
+    out = {}
+    for dirpath, _, names in os.walk(run_dir):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                out[os.path.relpath(path, run_dir)] = (st.st_size, st.st_mtime_ns)
+    return out

@@ -5,8 +5,9 @@ elastic supervisor, and a table of what happened.
     make faults
 
 The faults around a run (a second launch on its run dir, the supervisor SIGKILLed,
-SIGTERM preemption, a kill during start-up) are in faults/owner.py; a run they stop
-on purpose is resumed with --resume, and its row reports the resumed run.
+SIGTERM preemption, a kill during start-up, a fresh launch over a finished run) are in
+faults/owner.py; a run they stop on purpose is resumed with --resume, and its row reports
+the resumed run. The loss of a whole node (two supervisors, one rank each) is in faults/nodes.py.
 
 Every run is `loongforge train --elastic --min-ranks 1 --max-ranks 2` (tiny
 recipe, global batch 8, checkpoint every 2 steps) on a synthetic shard root (faults/data.py), read
@@ -46,6 +47,7 @@ from pathlib import Path
 from loongforge.benchmarks.faults import data as fd
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.benchmarks.faults import env as fe
+from loongforge.benchmarks.faults import nodes as fn
 from loongforge.benchmarks.faults import owner as fo
 from loongforge.benchmarks.harness.daemon import CacheDaemon
 
@@ -203,6 +205,8 @@ FAULTS.update({  # faults/owner.py: around the run (a second launch, the supervi
     "supervisor_sigkill": (fo.f_supervisor_sigkill, ("--workers", "2"), {}, False),
     "sigterm_preemption": (fo.f_sigterm_preemption, (), {}, False),
     "kill_during_startup": (fo.f_kill_during_startup, (), {}, False),
+    "overwrite_refused": (fo.f_overwrite_refused, (), {}, False),
+    "node_loss": (fn.f_node_loss, fn.node_args("a"), {}, False),  # faults/nodes.py: 2 supervisors x 1 rank
 })
 STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
           "redis_sigkill": (fe.prepare_redis, fe.annotate_redis),
@@ -212,7 +216,9 @@ STAGED = {"corrupt_checkpoint": (None, fe.annotate_corrupt_checkpoint),
           "second_launch_live_run_dir": (None, fo.annotate_second_launch),
           "supervisor_sigkill": (None, fo.annotate_supervisor_sigkill),
           "sigterm_preemption": (None, fo.annotate_sigterm_preemption),
-          "kill_during_startup": (None, fo.annotate_kill_during_startup)}
+          "kill_during_startup": (None, fo.annotate_kill_during_startup),
+          "overwrite_refused": (None, fo.annotate_overwrite_refused),
+          "node_loss": (None, fn.annotate_node_loss)}
 
 
 def _ppid(pid: int) -> int:
@@ -237,7 +243,7 @@ def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, e
     if faults or el_faults:
         detected_t = min(e["t"] for e in faults + el_faults)
         who = faults[0] if faults else None
-        action = (f"watchdog: rank {who['rank']} {who['kind']} ({who['why']}); " if who else "launch ended; ") + \
+        action = (f"{_by(who)}: rank {who['rank']} {who['kind']} ({who['why']}); " if who else "launch ended; ") + \
             f"relaunched on {launches[-1]['ranks']} rank(s), grad accum {launches[-1]['grad_accum']}, " \
             f"from {launches[-1].get('latest')}"
     elif skips:  # checked before the update of the step that produced it: detection is in that step
@@ -265,19 +271,24 @@ def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, e
             "t_inject": round(t_inject, 2), "wall_s": round(run.wall_s, 1)}
 
 
+def _by(rec: dict) -> str:
+    return "watchdog" if isinstance(rec.get("detected_by"), int) else "supervisor"
+
+
 def steps_redone(log: str) -> int:
-    """Per relaunch: the last step the previous attempt printed (rank 0's console lines; metrics.jsonl rows after
-    the checkpoint are truncated on resume) + 1 - the step it resumed at (its "resumed from TAG at step K" line,
-    which names the checkpoint really loaded, e.g. the fallback of a corrupt `latest`)."""
-    last, prev_last, redone = -1, None, 0
+    """Per relaunch: the steps the previous attempt finished (rank 0's console lines "step N/T", N counted
+    from 1; metrics.jsonl rows after the checkpoint are truncated on resume) - the steps done at the
+    checkpoint it resumed (its "resumed from TAG at step K" line, which names the checkpoint really loaded,
+    e.g. the fallback of a corrupt `latest`)."""
+    done, prev_done, redone = 0, None, 0
     for line in log.splitlines():
         if "elastic: launching" in line:
-            prev_last, last = last, -1
-        elif line.startswith("step ") and line.split()[1].isdigit():
-            last = int(line.split()[1])
-        elif "resumed from step" in line and prev_last is not None and " at step " in line:
-            redone += max(0, prev_last + 1 - int(line.split(" at step ")[1].split()[0]))
-            prev_last = None  # one resume line per attempt (every rank logs it)
+            prev_done, done = done, 0
+        elif line.startswith("step ") and line.split()[1].split("/")[0].isdigit():
+            done = int(line.split()[1].split("/")[0])
+        elif "resumed from step" in line and prev_done is not None and " at step " in line:
+            redone += max(0, prev_done - int(line.split(" at step ")[1].split()[0]))
+            prev_done = None  # one resume line per attempt (every rank logs it)
     return redone
 
 

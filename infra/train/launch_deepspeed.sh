@@ -18,6 +18,12 @@ while [ $# -gt 0 ]; do
 done
 ARGS=()
 [ -n "$HOSTFILE" ] && ARGS+=(--hostfile "$HOSTFILE")
+# One node: a free port, not DeepSpeed's fixed 29500 (another job there, or a MASTER_PORT left in the
+# environment, would stop this one). With a hostfile every node must agree on one: MASTER_PORT, default 29500.
+if [ -z "$HOSTFILE" ]; then
+  MASTER_PORT=$("${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+ARGS+=(--master_port "${MASTER_PORT:-29500}")
 [ -n "$GPUS" ] && ARGS+=(--num_gpus "$GPUS")
 if [ -z "$GPUS" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}   # CPU/gloo: DeepSpeed cannot detect a device count

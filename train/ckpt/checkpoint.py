@@ -123,7 +123,7 @@ def check_layout(doc: dict, run_dir: str, tag: str, *, world: int, zero_stage: i
     """How to load a checkpoint on this layout: "same" (rank count and ZeRO stage unchanged: everything
     restored), "replicated" (ZeRO-0 on both sides, fp32: the optimizer state is whole in every copy, only the
     per-rank RNG is not restored), "module" (ZeRO-0/1/2 otherwise: weights kept, partitioned optimizer state
-    re-initialized; the elastic supervisor converts first, elastic_reshard)
+    re-initialized; the elastic supervisor converts first, resilience/elastic/reshard.py)
     or "universal" (ZeRO-3 on both sides, another rank count: converted with ds_to_universal, weights and Adam
     state kept). A change between ZeRO-3 and ZeRO-0/1/2 is refused here, before DeepSpeed fails deep inside
     with a bare AssertionError; the message names the `loongforge ckpt reshard` command that converts it.

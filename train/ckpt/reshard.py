@@ -12,7 +12,7 @@
          (ZeRO-0 target: turned back into ordinary ZeRO-0 files, reshard_zero0.py)
       -> top-k residuals (--grad-compression topk) by the rule in reshard_topk.py
       -> new tag `stepNNNNNNNN_wWzZtT` (sidecar + manifest), `latest` moved to it LAST
-         (the elastic supervisor moves it itself, after verifying the tag: elastic_reshard).
+         (the elastic supervisor moves it itself, after verifying the tag: resilience/elastic/reshard.py).
 
 The trainer (checkpoint.load) sees `resharded` in the sidecar and loads each rank's
 `universal_tpXX/` through DeepSpeed's load_universal path, which cuts the per-rank shards

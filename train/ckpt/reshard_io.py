@@ -95,7 +95,7 @@ def target_meta(meta: dict, target) -> dict:
 def publish(root: str, out_dir: str, tag: str, doc: dict, *, move_latest: bool = True) -> None:
     """Sidecar and manifest into out_dir, move it to root/tag, then `latest` (last, atomically): a crash
     before that leaves the previous `latest` in place. move_latest=False: the caller verifies the new tag
-    first and moves `latest` itself (elastic_reshard)."""
+    first and moves `latest` itself (resilience/elastic/reshard.py)."""
     with open(os.path.join(out_dir, SIDECAR), "w") as f:
         json.dump(doc, f, indent=2, sort_keys=True)
     files = {}

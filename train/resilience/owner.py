@@ -23,7 +23,9 @@ import threading
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
-LAUNCHERS = (b"torchrun", b"torch.distributed.run", b"deepspeed", b"loongforge")  # argv words of a launcher
+# argv words of a launcher; loongforge.train.resilience.elastic.agent is the supervisor's torchrun (elastic/agent.py)
+LAUNCHERS = (b"torchrun", b"torch.distributed.run", b"deepspeed", b"loongforge",
+             b"loongforge.train.resilience.elastic.agent")
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -44,6 +46,15 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
     except OSError:
         return None
     return int(fields[1]), int(fields[19])
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, T, Z...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def cmdline(pid: int) -> list[bytes]:

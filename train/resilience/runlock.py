@@ -1,7 +1,8 @@
 """One live run per run directory: an advisory lock on RUN_DIR/run.lock for the run's lifetime.
 
-Who holds it: the elastic supervisor (for all its launches), else rank 0 of a launch (before its
-process group; the other ranks then fail with the launch when rank 0 exits 2). A second launch on
+Who holds it: the elastic supervisor (for all its launches; across nodes, the leader: nodes.py),
+else rank 0 of a launch (before its process group; the other ranks then fail with the launch when
+rank 0 exits 2). A second launch on
 a locked run dir exits 2 naming the holder (host, pid, start time, command): two runs writing one
 `latest` would mix their checkpoints. The supervisor's ranks see its pid in LOCK_OWNER_ENV and do
 not lock again.
@@ -31,16 +32,30 @@ from datetime import datetime, timezone
 from loongforge.shared.errors import UsageError
 
 LOCK_FILE = "run.lock"
-LOCK_OWNER_ENV = "LOONGFORGE_RUN_LOCK_OWNER"  # pid of the process that holds the lock for this launch
+LOCK_OWNER_ENV = "LOONGFORGE_RUN_LOCK_OWNER"  # "PID@HOST" of the process that holds the lock for this launch
 
 
 class RunLock:
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, extra: dict | None = None):
         self.run_dir, self.path = run_dir, os.path.join(run_dir, LOCK_FILE)
+        self.extra = extra or {}  # more about the holder, in the lock file (the elastic leader: its nodes)
         self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def acquire(self) -> "RunLock":
         """Take the lock or raise UsageError naming its holder (exit 2)."""
+        if not self.try_acquire():
+            raise UsageError(f"--run-dir {self.run_dir} is in use by a live run ({describe(holder(self.run_dir))}); "
+                             "stop that run first, or give another --run-dir")
+        return self
+
+    def try_acquire(self) -> bool:
+        """Take the lock if nobody holds it (True), else False."""
+        if self._fd is not None:
+            return True
         os.makedirs(self.run_dir, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children (O_CLOEXEC)
         try:
@@ -49,21 +64,42 @@ class RunLock:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise UsageError(f"--run-dir {self.run_dir} is in use by a live run ({describe(holder(self.run_dir))}); "
-                             "stop that run first, or give another --run-dir") from None
+            return False
         doc = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-               "command": shlex.join(sys.argv)}
+               "command": shlex.join(sys.argv), **self.extra}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(doc) + "\n").encode(), 0)
         os.fsync(fd)
         self._fd = fd
-        return self
+        return True
 
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the last fd drops the flock
             self._fd = None
+
+
+def is_held(run_dir: str) -> bool:
+    """Someone holds the run dir's lock now (tested without creating the lock file)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
+
+
+def joins_live_run(run_dir: str, nodes: int) -> bool:
+    """An elastic supervisor of a `nodes`-node run finds a live multi-node leader to follow (nodes.py)."""
+    return nodes > 1 and is_held(run_dir) and int(holder(run_dir).get("nodes", 1)) > 1
 
 
 def holder(run_dir: str) -> dict:
@@ -83,12 +119,18 @@ def describe(doc: dict) -> str:
 
 
 def acquire_for_rank(run_dir: str, rank: int) -> RunLock | None:
-    """Rank 0 locks the run dir unless the supervisor that started it holds the lock already."""
+    """Rank 0 locks the run dir unless the supervisor that started it (or, across nodes, the leader its
+    supervisor follows: LOCK_OWNER_ENV = "PID@HOST") holds the lock already."""
     if rank != 0:
         return None
     owner = os.environ.get(LOCK_OWNER_ENV)
-    if owner and str(holder(run_dir).get("pid")) == owner and _pid_alive(int(owner)):
-        return None
+    if owner:
+        pid, _, host = owner.partition("@")
+        doc = holder(run_dir)
+        same = str(doc.get("pid")) == pid and (not host or doc.get("host") == host)
+        local = not host or host == socket.gethostname()  # a pid on another host cannot be probed from here
+        if same and (not local or _pid_alive(int(pid))):
+            return None
     return RunLock(run_dir).acquire()
 
 

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from loongforge.train.resilience.exits import EXIT_PEER_FAULT, bounded, exit_now
+from loongforge.train.resilience.exits import EXIT_PEER_FAULT, bounded, debug_log, exit_now, node_id, supervised
 
 log = logging.getLogger(__name__)
 NETWORK_FS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "gpfs", "beegfs", "glusterfs", "9p",
@@ -141,10 +141,14 @@ class StartupWatch:
         took = time.monotonic() - self._t0
         why = f"no first step within {self.timeout_s:.0f} s (--startup-timeout-s): stuck in phase {self.phase!r}" + \
             (f" ({self.detail})" if self.detail else "")
-        log.error("start-up: rank %d: %s; ending this rank (exit %d)", self.rank, why, EXIT_PEER_FAULT)
+        line = f"start-up: rank {self.rank}: {why}; ending this rank (exit {EXIT_PEER_FAULT})"
+        if supervised():
+            debug_log(self.run_dir, line)  # the supervisor prints the fault's one line
+        else:
+            log.error("%s", line)
         rec = {"v": 1, "event": "fault", "kind": "startup", "rank": None, "host": socket.gethostname(),
-               "why": why, "phase": self.phase, "detected_by": self.rank, "detected_after_s": round(took, 2),
-               "t": time.time()}
+               "node": node_id(), "why": why, "phase": self.phase, "detected_by": self.rank,
+               "detected_after_s": round(took, 2), "t": time.time()}
         if self.rank == 0:
             with contextlib.suppress(OSError):
                 os.makedirs(self.run_dir, exist_ok=True)

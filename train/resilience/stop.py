@@ -13,6 +13,10 @@
   only by a complete save, so a cut one leaves the previous checkpoint).
 * SIGTERM outside the step loop (start-up, resume, the final save) or with --no-save-on-term:
   `Terminated` at once, exit 143.
+* SIGTERM while the rank is tearing down after a failure (an exception raised in the step loop is
+  being handled, or launch.py called `tearing_down()`): ignored. It is the launcher stopping the
+  survivors of a peer's failure; raising here would replace that failure with a misleading
+  "Terminated" and cut the teardown short.
 After the first signal SIGTERM is ignored: launchers follow a Ctrl-C with a TERM, which must not
 cut the teardown short.
 """
@@ -25,6 +29,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -40,7 +45,8 @@ class StopSignals:
 
     def __init__(self, *, save_on_term: bool = True, grace_s: float = 60.0):
         self.save_on_term, self.grace_s = save_on_term, grace_s
-        self.armed = False  # in the step loop: a SIGTERM is handled after the step in flight
+        self._armed = False  # in the step loop: a SIGTERM is handled after the step in flight
+        self._looped = False  # the step loop has started (a failure after it is torn down, not terminated)
         self.term_at: float | None = None  # monotonic time of the SIGTERM being handled
         self.closers: list = []  # what the grace timer closes when it expires
         self.on_request: list = []  # called once when a SIGTERM is noted (the watchdog stops judging)
@@ -62,6 +68,15 @@ class StopSignals:
         return self
 
     @property
+    def armed(self) -> bool:
+        return self._armed
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        self._armed = value
+        self._looped = self._looped or value
+
+    @property
     def requested(self) -> bool:
         return self.term_at is not None
 
@@ -80,7 +95,14 @@ class StopSignals:
         _ignore(signal.SIGTERM, signal.SIGINT)
         raise Interrupted()
 
+    def tearing_down(self) -> None:
+        """The rank is leaving (launch.py, after the run ended either way): a SIGTERM now is ignored."""
+        _ignore(signal.SIGTERM)
+
     def _on_term(self, signum, frame):
+        if self._looped and not self.armed and sys.exc_info()[1] is not None:
+            log.debug("SIGTERM while tearing down after %r: ignored", sys.exc_info()[1])
+            return
         if not (self.armed and self.save_on_term):
             _ignore(signal.SIGTERM, signal.SIGINT)
             raise Terminated("stopped at once, --no-save-on-term" if not self.save_on_term else

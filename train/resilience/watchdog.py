@@ -13,12 +13,13 @@ process group's own store traffic. No Redis needed; a launch always has one.
 Test hook: LOONGFORGE_INJECT_HANG="S@R" blocks rank R at the start of step S
 (phase "data", as a deadlocked loader would), its heartbeats still beating.
 
-Keys: loongforge/hb/<restart>/<rank> = JSON {seq, step, phase, host, pid, done}.
+Keys: loongforge/hb/<restart>/<rank> = JSON {seq, step, phase, host, node, pid, done}.
 Staleness is judged on this host's monotonic clock (when a peer's seq or step
 last CHANGED), never by comparing wall clocks of two hosts.
 
-On a fault: one ERROR line and one metrics.jsonl record (written by the lowest
-healthy rank: {"event": "fault", kind, rank, host, why, ...}), a stopped peer on
+On a fault: one ERROR line (under the elastic supervisor, which prints the one line
+of the fault, the node's log file instead) and one metrics.jsonl record (written by
+the first rank to claim it: {"event": "fault", kind, rank, host, node, why, ...}), a stopped peer on
 this host is fenced (SIGKILL: a SIGSTOPped rank never handles the launcher's
 SIGTERM, so the launch would wait for its kill timeout), the loader is closed,
 the process group aborted where the backend can (NCCL), and the rank leaves with
@@ -46,7 +47,7 @@ from datetime import timedelta
 
 import torch
 
-from loongforge.train.resilience.exits import EXIT_PEER_FAULT, bounded, exit_now
+from loongforge.train.resilience.exits import EXIT_PEER_FAULT, bounded, debug_log, exit_now, node_id, supervised
 from loongforge.train.resilience.nan_guard import parse_injection
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Watchdog:
         self.heartbeat_s, self.hang_timeout_s = heartbeat_s, hang_timeout_s
         self.closers = list(closers)
         self.step, self.phase, self.done = 0, "start", False
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid, self.node = socket.gethostname(), os.getpid(), node_id()
         self._store, self._seq = store, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,8 +130,8 @@ class Watchdog:
 
     def _beat(self) -> None:
         self._seq += 1
-        doc = {"seq": self._seq, "step": self.step, "phase": self.phase, "host": self.host, "pid": self.pid,
-               "done": self.done}
+        doc = {"seq": self._seq, "step": self.step, "phase": self.phase, "host": self.host, "node": self.node,
+               "pid": self.pid, "done": self.done}
         self._store.set(self._key(self.rank), json.dumps(doc))
 
     def _check(self, now: float):
@@ -156,7 +157,8 @@ class Watchdog:
     def _hang(self, now: float):
         """A step that stopped advancing. Every rank of a stuck collective stalls together; the one to
         name is a rank outside the collective (waiting for data) if any, else the lowest step."""
-        me = {"step": self.step, "phase": self.phase, "host": self.host, "pid": self.pid, "done": self.done}
+        me = {"step": self.step, "phase": self.phase, "host": self.host, "node": self.node, "pid": self.pid,
+              "done": self.done}
         self._peers.setdefault(self.rank, {"seq": 0, "step": -1, "seen": now, "moved": now})
         mine = self._peers[self.rank]
         if mine["step"] != self.step:
@@ -196,12 +198,16 @@ class Watchdog:
         host = doc.get("host", "?")
         who = f"the launcher of {host}" if rank is None else f"rank {rank} on {host}"
         state = {"dead": "is dead or stopped", "launcher": "is dead or stopped"}.get(kind, "is hung")
-        log.error("watchdog: %s %s: %s (at step %s); rank %d ends with exit %d so the launch can restart%s", who,
-                  state, why, doc.get("step"), self.rank, EXIT_PEER_FAULT, "" if rank is None else " without it")
+        line = (f"watchdog: {who} {state}: {why} (at step {doc.get('step')}); rank {self.rank} ends with exit "
+                f"{EXIT_PEER_FAULT} so the launch can restart{'' if rank is None else ' without it'}")
+        if supervised():
+            debug_log(self.run_dir, line)  # the supervisor prints the fault's one line
+        else:
+            log.error("%s", line)
         if self._first_to_report():  # one record per fault, from whichever rank's watchdog fired first
-            record = {"v": 1, "event": "fault", "kind": kind, "rank": rank, "host": host, "why": why,
-                      "at_step": doc.get("step"), "detected_by": self.rank, "detected_after_s": round(after_s, 2),
-                      "t": time.time()}
+            record = {"v": 1, "event": "fault", "kind": kind, "rank": rank, "host": host, "node": doc.get("node"),
+                      "why": why, "at_step": doc.get("step"), "detected_by": self.rank,
+                      "detected_after_s": round(after_s, 2), "t": time.time()}
             with contextlib.suppress(OSError), open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()

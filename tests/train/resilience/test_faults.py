@@ -169,10 +169,12 @@ def _global_order(index, steps, batch, seed=1, window=8, run=4):
 def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
     """`loongforge train --elastic --min-ranks 1 --max-ranks 2`, ZeRO-2: rank 1 blocks at the start of step 7
     (test hook, so the fault point is exact) and is SIGKILLed; the supervisor converts the step-4 checkpoint
-    to 1 rank (elastic_reshard: the partitioned Adam moments kept) and relaunches on 1 rank with grad accum 2
+    to 1 rank (elastic/reshard.py: the partitioned Adam moments kept) and relaunches on 1 rank with grad accum 2
     (same global batch 8). The redone steps 4 and 5 repeat the 2-rank run's losses (step 5's depends on the
     Adam moments of step 4's update: a re-initialized optimizer misses it), and the samples of every step are
-    exactly that step's slice of the global order: none lost, none twice."""
+    exactly that step's slice of the global order: none lost, none twice. The console says so in one line
+    naming rank 1 and SIGKILL (no launcher or collateral traceback: rank 0's gloo error goes to the node's
+    log), and a fault record is written."""
     import signal
     import subprocess
 
@@ -219,6 +221,14 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     conv = [e for e in events if e["action"] == "reshard"]
     assert len(conv) == 1 and conv[0]["ok"] and conv[0]["from_tag"] == "step00000004", conv
     assert conv[0]["tag"] == "step00000004_w1z2t1" and "Adam moments and step kept" in err
+    faults = [ln for ln in err.splitlines() if ln.startswith("loongforge train: fault")]
+    assert len(faults) == 1 and "rank 1 on node" in faults[0] and "killed by SIGKILL" in faults[0], err[-4000:]
+    for noise in ("Traceback", "ChildFailedError", "remote worker hanging", "Terminated"):
+        assert noise not in err, (noise, err[-4000:])
+    (rec,) = [r for r in rows if r.get("event") == "fault"]
+    assert (rec["kind"], rec["rank"], rec["detected_by"]) == ("signal", 1, "supervisor"), rec
+    logs = "".join(open(os.path.join(run_dir, "logs", f)).read() for f in os.listdir(os.path.join(run_dir, "logs")))
+    assert "a peer is gone; this rank's traceback" in logs and "ChildFailedError" in logs  # kept, off the console
 
 
 # The bench harness on one row (~12 s); make test keeps the product behaviour it measures
@@ -285,7 +295,7 @@ def test_corrupt_checkpoint_row_fails_without_a_fallback_record(tmp_path):
     rows.append({"event": "ckpt_fallback", "latest": "step00000006", "loaded": "step00000004", "t": 3.0,
                  "rejected": [f"step00000006: {setup.info['corrupt_file']}: sha256 ..."]})
     rows.append({"event": "elastic", "action": "reshard", "from_tag": "step00000004", "to": "world=1,zero=2,tp=1",
-                 "ok": True, "t": 2.0})  # the supervisor converted the fallback to 1 rank first (elastic_reshard)
+                 "ok": True, "t": 2.0})  # the supervisor converted the fallback to 1 rank first (elastic/reshard.py)
     log.write_text("resumed from step00000004_w1z2t1 at step 4 (loader epoch 0)\n")
     row = {"recovered": True, "t_inject": 0.0, "action": "relaunched"}
     fe.annotate_corrupt_checkpoint(row, run, setup)
@@ -318,3 +328,29 @@ def test_staged_faults(tmp_path):  # short: the cache socket lives under tmp_pat
     assert cs["skipped_ids"] == cs["expected_skipped_ids"] == [15, 16] and cs["skip_events"] >= 2, cs
     assert "blocks one by one from origin" in cs["action"] and "other 9 trained delivered" in cs["action"], cs
     assert "(2 skipped by policy)" in faults.markdown_table(doc).split("| corrupt_shard_at_origin |")[1].split("\n")[0]
+
+
+def test_steps_redone_reads_the_console_steps_counted_from_1():
+    """The console prints "step N/T" (N steps done); the old parser wanted a bare integer and never matched,
+    so every row said 0 steps redone."""
+    from loongforge.benchmarks.faults.run import steps_redone
+
+    log = "\n".join(["x INFO elastic: launching 2 ranks", *[f"step {n:6d}/12  loss 1.0" for n in range(1, 8)],
+                     "x INFO elastic: launching 1 ranks", "x INFO trainer: resumed from step00000006_w1z2t1 at step 6 "
+                     "(loader epoch 0, consumed 48)", "step      7/12  loss 1.0"])
+    assert steps_redone(log) == 1
+
+
+# The two rows of the suite that this issue added; make test covers their product behaviour
+# (test_rundir.py's refusals on every launcher path, test_multinode.py's node loss). `make faults` runs them.
+@pytest.mark.full
+def test_fault_suite_overwrite_and_node_loss_rows(tmp_path):
+    from loongforge.benchmarks.faults import run as faults
+
+    doc = faults.run_suite(["overwrite_refused", "node_loss"], steps=10, work=tmp_path, baseline=False)
+    rows = {r["fault"]: r for r in doc["rows"]}
+    ow, nl = rows["overwrite_refused"], rows["node_loss"]
+    assert ow["recovered"] and ow["unchanged"] and set(ow["tries"]) == {"elastic", "plain rank"}, ow
+    assert nl["recovered"] and nl["relaunches"] == 1 and "node a named it in one line" in nl["action"], nl
+    for r in (ow, nl):
+        assert (r["samples_lost"], r["samples_duplicated"]) == (0, 0), r

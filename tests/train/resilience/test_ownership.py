@@ -185,7 +185,7 @@ def test_a_dead_agent_store_is_the_launchers_fault_not_rank_0s(tmp_path, monkeyp
 # -- the elastic supervisor checks its rank counts against tp x sp before any launch ----------------------
 
 def test_elastic_rank_counts_that_do_not_fit_tp_are_a_usage_error_up_front(tmp_path):
-    from loongforge.train.resilience.elastic import Supervisor
+    from loongforge.train.resilience.elastic.supervisor import Supervisor
 
     args = types.SimpleNamespace(batch_plan=None, min_ranks=1, max_ranks=2, tp=2, sp=1, zero=2, batch_size=8,
                                  grad_accum=1, grad_compression="none", capacity_file=None, max_restarts=3,

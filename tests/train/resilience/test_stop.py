@@ -26,15 +26,16 @@ def _lines(err: str, prefix: str = "loongforge train:") -> list[str]:
 
 def test_sigterm_writes_a_checkpoint_at_the_step_and_the_resume_is_exact(train_root, zero3_run, tmp_path):
     """Rank 1 alone gets SIGTERM as step 1 starts (a real signal, LOONGFORGE_INJECT_TERM): both ranks finish
-    step 1, write step00000002 and exit 85 (torchrun: 1). The resume trains steps 2 and 3 with the very losses
-    of the uninterrupted run (zero3_run, same arguments), and no step is trained twice."""
+    step 1, write step00000002 and exit 85 (torchrun: 1); the line counts steps from 1 as the console's step
+    lines do ("step 2/4" was the last one). The resume trains steps 2 and 3 with the very losses of the
+    uninterrupted run (zero3_run, same arguments), and no step is trained twice."""
     root, _ = train_root
     run_dir = str(tmp_path / "run")
     args = ["--data", root, "--run-dir", run_dir, *ZERO3_RUN_ARGS, "--save-every", "0"]
     stopped = torchrun(2, args, cwd=str(tmp_path), timeout=400, env=dict(os.environ, LOONGFORGE_INJECT_TERM="1@1"))
     assert "failed (exitcode: 85)" in stopped.stderr, stopped.stderr[-4000:]
     mine = _lines(stopped.stderr)
-    assert len(mine) == 1 and "stopped by SIGTERM after step 1: checkpoint step00000002 written" in mine[0], mine
+    assert len(mine) == 1 and "stopped by SIGTERM after step 2: checkpoint step00000002 written" in mine[0], mine
     assert mine[0].endswith("--save-every 0 --resume") and " torchrun --nproc_per_node 2 -m loongforge.train " \
         in f" {mine[0].split('resume: ')[1]}"
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -110,6 +111,32 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_which_save_and_it_exits_85(
     assert time.monotonic() - t0 < 200
 
 
+def test_sigterm_to_the_supervisor_before_any_step_is_one_line_without_a_checkpoint(train_root, tmp_path):
+    """SIGTERM while the ranks still start: the supervisor does not promise a checkpoint ("no rank has
+    finished a step yet"), torchrun's ChildFailedError stays in the node's log, and the one line says that
+    nothing was saved and how to resume; exit 143."""
+    root, _ = train_root
+    run_dir = str(tmp_path / "run")
+    proc = _popen(_supervised(root, run_dir), str(tmp_path))
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(
+                os.path.join(run_dir, "metrics.jsonl")):  # the supervisor's launch record: the ranks start now
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 143, err[-4000:]
+    assert "no rank has finished a step yet" in err and "finish their step" not in err, err[-4000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-4000:]
+    (line,) = _lines(err)
+    assert "SIGTERM" in line and "last checkpoint none" in line and line.endswith("--resume"), line
+
+
 @pytest.mark.full  # a second supervised launch; the plain-rank Ctrl-C test covers the rank's side
 def test_ctrl_c_to_the_supervisor_is_one_line_and_130(train_root, tmp_path):
     root, _ = train_root
@@ -152,7 +179,9 @@ def _shm_mapped(pids) -> set[str]:
 
 def test_sigkill_of_the_supervisor_takes_every_rank_and_worker_with_it(train_root, tmp_path):
     """Whatever kills the supervisor (here SIGKILL: no handler runs), torchrun, both ranks and their decode
-    workers are gone within seconds and leave no /dev/shm segment; the run dir's lock is free again."""
+    workers are gone within seconds and leave no /dev/shm segment; the run dir's lock is free again. The
+    ranks save on the way out, and rank 0, seeing its supervisor gone, prints the one line with the
+    supervisor's resume command; torchrun's SignalException stays in the node's log."""
     from loongforge.train.resilience.runlock import RunLock
 
     root, _ = train_root
@@ -165,11 +194,11 @@ def test_sigkill_of_the_supervisor_takes_every_rank_and_worker_with_it(train_roo
         shm = _shm_mapped(pids)
         assert len(pids) >= 6 and shm, (pids, shm)  # supervisor, torchrun, 2 ranks, their workers
         os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
         deadline = time.monotonic() + 20
         while _run_pids(run_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = _run_pids(run_dir)
+        _, err = proc.communicate(timeout=30)  # the ranks hold the pipe until they are gone
     finally:
         _kill_tree(proc.pid)
         for pid in _run_pids(run_dir):
@@ -178,6 +207,11 @@ def test_sigkill_of_the_supervisor_takes_every_rank_and_worker_with_it(train_roo
     assert not left, [open(f"/proc/{p}/cmdline", "rb").read()[:200] for p in left]
     assert not [n for n in shm if os.path.exists(n)], shm
     RunLock(run_dir).acquire().release()
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    (line,) = _lines(err)
+    latest = open(os.path.join(run_dir, "checkpoints", "latest")).read()
+    assert f"checkpoint {latest} written (the elastic supervisor, pid {proc.pid}, is gone)" in line, line
+    assert "resume: loongforge train --elastic --min-ranks 2" in line and line.endswith("--resume"), line
 
 
 def test_a_failed_final_checkpoint_exits_1_naming_the_last_good_one(train_root, tmp_path, tiny_disk):

@@ -6,7 +6,7 @@ on another rank count, the last verified checkpoint is converted to the new layo
           moments by DP rank; loaded as they are on another rank count they would be dropped
           (checkpoint.check_layout "module"): convert. ZeRO-3 -> ZeRO-3 is converted by the trainer
           itself (ckpt/universal.py); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
-      child process `python -m loongforge.train.resilience.elastic_reshard RUN TAG LAYOUT`:
+      child process `python -m loongforge.train.resilience.elastic.reshard RUN TAG LAYOUT`:
           reshard(tag -> new tag `stepNNNNNNNN_wWzZtT`, `latest` NOT moved)
           verify the new tag against its manifest
           move `latest` to it (atomic rename, last)
@@ -93,7 +93,7 @@ def _remove_debris(root: str) -> None:
 
 def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
     """'' on success, else the reason (the child's last stderr line)."""
-    cmd = [sys.executable, "-m", "loongforge.train.resilience.elastic_reshard", run_dir, tag, layout]
+    cmd = [sys.executable, "-m", "loongforge.train.resilience.elastic.reshard", run_dir, tag, layout]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,1 @@
+"""The elastic supervisor (`loongforge train --elastic`): supervisor.py explains it."""
