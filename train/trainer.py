@@ -6,6 +6,7 @@ steps -> final checkpoint -> close, with every resource closed on every exit pat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -48,6 +49,19 @@ class Trainer:
         self.stop = stop or StopSignals(save_on_term=False)  # launch.py installs the real one
         # Start-up is bounded: no first step within --startup-timeout-s ends the rank naming the phase.
         self.startup = StartupWatch(cfg.faults.startup_timeout_s, run_dir=cfg.run.run_dir).start()
+        self.run_lock = None
+        try:
+            self._setup(cfg)
+        except BaseException:
+            # A failed construction (a config error, a peer gone) must not leave the start-up watch armed:
+            # it would end the calling process at the timeout, long after (a notebook, a test process).
+            self.startup.done()
+            for closer in [*self.startup.closers, lambda: self.run_lock and self.run_lock.release()]:
+                with contextlib.suppress(Exception):
+                    closer()
+            raise
+
+    def _setup(self, cfg: TrainConfig) -> None:
         self.device = pick_device(cfg.run.device)
         self.startup.enter("preflight", f"reading the shard index under {cfg.data.root}")
         checked = preflight(cfg)  # config errors fail here, before any process group (exit code 2)

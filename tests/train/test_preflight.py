@@ -4,6 +4,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -54,6 +55,12 @@ def test_config_error_before_init_distributed(bad, field, train_root, tmp_path, 
     assert no_process_group == []
     err = capsys.readouterr().err
     assert f"config error: {field}" in err and len(err.strip().splitlines()) == 1, err
+    # The failed Trainer left no start-up watch armed: at --startup-timeout-s it would have ended this
+    # process (a test run, a notebook) with exit 75, long after the error.
+    for t in threading.enumerate():
+        if t.name == "loongforge-startup-watch":
+            t.join(timeout=5)
+            assert not t.is_alive()
 
 
 def test_a_format_1_root_is_a_config_error_naming_the_converter(train_root, tmp_path, monkeypatch,
