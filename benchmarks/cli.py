@@ -18,6 +18,8 @@ BENCHMARKS = {
     "ablation": ("loongforge.benchmarks.ablation.cli", "each optimization's gain and the cumulative ladder, "
                                                        "with the step breakdown per row"),
     "faults": ("loongforge.benchmarks.faults.run", "fault injection against a real 2-rank elastic run"),
+    "memory": ("loongforge.benchmarks.micro.memory", "GPU memory per rank of the released N1.6 by layout "
+                                                      "(model states exact, activations from a full-size forward)"),
     "ckpt": ("loongforge.benchmarks.micro.ckpt", "checkpoint stall: no saves vs synchronous vs asynchronous"),
     "storage": ("loongforge.benchmarks.micro.storage", "bytes and decode CPU of the shard root vs the source mp4"),
     "index-scale": ("loongforge.benchmarks.micro.index_scale", "opening and looking up the index at 100 M samples"),

@@ -69,8 +69,11 @@ def test_zero3_rows_fetch_blocks_whole_through_the_trainer_flag():
     import torch
 
     from loongforge.train.parallel.engine import ds_config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2EncoderLayer
+
     from loongforge.train.flags import add_train_args, config_from_args
-    from loongforge.train.model.layers import HeadBlock, TrunkBlock
+    from loongforge.train.model.dit import BasicTransformerBlock
 
     rows = {r.id: r for r in ladder(Plan(ranks=4, cuda=False, sp_accepted=True))}
     p = argparse.ArgumentParser()
@@ -82,7 +85,8 @@ def test_zero3_rows_fetch_blocks_whole_through_the_trainer_flag():
         conf = ds_config(config_from_args(p.parse_args(argv)), world=2, device=torch.device("cpu"))
         leaves[rid] = conf["zero_optimization"].get("leaf_module")
     assert leaves["C3"] is None and leaves["0"] is None  # ZeRO-2 rows
-    names = {f"{c.__module__}.{c.__qualname__}" for c in (TrunkBlock, HeadBlock)}  # how DeepSpeed matches
+    names = {f"{c.__module__}.{c.__qualname__}" for c in (Siglip2EncoderLayer, Qwen3DecoderLayer,
+                                                          BasicTransformerBlock)}  # how DeepSpeed matches
     assert set(leaves["C4"]["classes"]) == names and set(leaves["A5"]["classes"]) == names
 
 

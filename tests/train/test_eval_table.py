@@ -1,6 +1,6 @@
 """The eval table's parts on hand-made data: the ridge-from-state baseline and the discrete-valued
 groups (fitted from training-episode arrays), the policy variants per chunk (1 sample, K-sample
-mean, discrete head, snapped, hybrid), the table and the per-group plot. Narrow fakes of the
+mean, snapped), the table and the per-group plot. Narrow fakes of the
 model and the episode store: the arithmetic is what is checked; the real run is in
 test_train_split_eval.py and test_fit.py."""
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loongforge.shared.errors import ConfigError, UsageError
+from loongforge.train.data.batch import Norm
 from loongforge.train.data.samples import DeltaSpec
 from loongforge.train.eval.baselines import DEFAULT_DISCRETE_MODE, MAX_LEVELS, fit_reference, group_modes
 from loongforge.train.eval.openloop import check_request, errors, evaluate_episode, format_table
@@ -21,10 +22,14 @@ GROUPS = {"arm": (0, 2), "hand": (2, 3)}
 
 
 def _data(episodes, *, val=(), modality=None, horizon=2):
-    """A TrainingData stand-in: per-episode state/action arrays, unit normalisation."""
+    """A TrainingData stand-in: per-episode state/action arrays, N1.6's min/max normalisation over the
+    training episodes (as preprocess records it)."""
     ds = SimpleNamespace(val_mask=np.array([i in val for i in range(len(episodes))]),
                          read_arrays=lambda r: episodes[r])
-    info = SimpleNamespace(stats={}, state_dim=episodes[0]["state"].shape[1],
+    train = [e for i, e in enumerate(episodes) if i not in val]
+    stats = {k: {"min": np.concatenate([e[k] for e in train]).min(0).tolist(),
+                 "max": np.concatenate([e[k] for e in train]).max(0).tolist()} for k in ("state", "action")}
+    info = SimpleNamespace(stats=stats, state_dim=episodes[0]["state"].shape[1],
                            action_dim=episodes[0]["action"].shape[1], modality=modality or {})
     return SimpleNamespace(ds=ds, dataset=info, deltas=DeltaSpec(action_horizon=horizon))
 
@@ -41,12 +46,14 @@ def test_ridge_recovers_a_linear_state_to_action_map_and_finds_the_binary_group(
     eps = [_episode(rng) for _ in range(4)]
     # a held-out episode whose actions break the map: it must not enter the fit
     eps.append({"state": eps[0]["state"], "action": eps[0]["action"] + 100.0})
-    ref = fit_reference(_data(eps, val=(4,)), GROUPS)
+    data = _data(eps, val=(4,))
+    ref = fit_reference(data, GROUPS)
     assert ref.samples == 4 * 40 and ref.discrete_groups == ("hand",)
     assert ref.levels[2].tolist() == [-1.5, 1.5] and 0 not in ref.levels
     state = eps[1]["state"][:5]
-    chunk = ref.ridge(state)  # (5, H=2, 3): row 0 of the chunk is the action at t
-    np.testing.assert_allclose(chunk[:, 0, :2], eps[1]["action"][:5, :2], atol=0.02)
+    norm = Norm.from_dataset(data.dataset)  # the ridge works in normalised units, as the model does
+    chunk = norm.unaction(ref.ridge(norm.state(state)))  # (5, H=2, 3): row 0 of the chunk is the action at t
+    np.testing.assert_allclose(chunk[:, 0, :2], eps[1]["action"][:5, :2], atol=0.05)  # ridge's shrinkage
     assert ref.snap(np.array([[0.3, 0.3, 0.2], [0.0, 0.0, -9.0]]), [2])[:, 2].tolist() == [1.5, -1.5]
 
 
@@ -60,18 +67,9 @@ def test_modality_json_declares_a_group_discrete_or_continuous():
     assert fit_reference(_data(many), GROUPS).discrete_groups == ("hand",)
 
 
-class _Model:
-    """Flow output = seed (so the K-sample mean is the mean of the seeds), discrete head = 7."""
-
-    def predict_action(self, batch, steps, seed):
-        return torch.full(batch["action"].shape, float(seed))
-
-    def predict_discrete(self, batch):
-        return torch.full(batch["action"].shape, 7.0)
-
-    @staticmethod
-    def current_state(batch):
-        return batch["state"][:, -1]
+def _sample(batch, steps, seed):
+    """A policy's one flow sample in dataset units: the seed (so the K-sample mean is the mean of the seeds)."""
+    return np.full(batch["action"].shape, float(seed), np.float32)
 
 
 def test_every_variant_per_chunk():
@@ -81,22 +79,19 @@ def test_every_variant_per_chunk():
     batch = {"action": actions, "action_valid": torch.ones(2, 2, dtype=torch.bool),
              "state": torch.tensor(rng.normal(size=(2, 1, 3)), dtype=torch.float32),
              "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
-    norm = SimpleNamespace(action_mean=np.zeros(3, np.float32), action_std=np.ones(3, np.float32))
-    policy = SimpleNamespace(norm=norm, model=_Model(), unnormalize=lambda a: a.float().numpy(),
+    norm = SimpleNamespace(unaction=lambda a: np.asarray(a, np.float32))  # batches already in dataset units
+    policy = SimpleNamespace(norm=norm, sample=_sample, unnormalize=lambda a: np.asarray(a, np.float32),
                              index=SimpleNamespace(dataset=SimpleNamespace(action_dim=3)))
-    traj = evaluate_episode(policy, SimpleNamespace(batches=[batch]), seed=3, samples=4, discrete=True, ref=ref,
-                            discrete_dims=[2])
+    traj = evaluate_episode(policy, SimpleNamespace(batches=[batch]), seed=3, samples=4, ref=ref, discrete_dims=[2])
     assert np.all(traj["policy"] == 3.0) and np.all(traj["policy_k"] == 4.5)  # mean of seeds 3..6
-    assert np.all(traj["discrete"] == 7.0)
-    assert np.all(traj["hybrid"][:, :2] == 3.0) and np.all(traj["hybrid"][:, 2] == 1.5)  # head's 7 -> level 1.5
-    assert np.all(traj["snap"][:, :2] == 3.0) and np.all(traj["snap"][:, 2] == 1.5)
+    assert np.all(traj["snap"][:, :2] == 4.5) and np.all(traj["snap"][:, 2] == 1.5)  # the K-mean, hand snapped
     want = ref.ridge(batch["state"][:, -1].numpy()).reshape(-1, 3)
     np.testing.assert_allclose(traj["ridge"], want, rtol=1e-6)
     table = format_table({"overall": errors(traj, GROUPS), "discrete_groups": ["hand"], "samples": 4})
     head, arm, hand = table.splitlines()[:3]
-    assert head.split() == ["MSE", "1", "sample", "4-mean", "discrete", "snap", "hybrid", "ridge", "mean",
-                            "repeat-last"]
+    assert head.split() == ["MSE", "1", "sample", "4-mean", "snap", "ridge", "mean", "repeat-last"]
     assert arm.startswith("arm ") and hand.startswith("hand *") and "discrete-valued" in table
+    assert "default: the 4-sample mean" in table
 
 
 def test_plot_shows_the_worst_dims_labelled_by_group(tmp_path):
@@ -129,11 +124,10 @@ def test_policy_takes_each_discrete_group_as_its_mode_asks():
     index = SimpleNamespace(dataset=SimpleNamespace(modality={"action": {"arm": {"start": 0, "end": 2},
                                                                          "hand": {"start": 2, "end": 3}}},
                                                     action_dim=3))
-    me = SimpleNamespace(reference=ref, index=index, model=_Model(), unnormalize=lambda a: a.float().numpy())
-    batch = {"action": torch.zeros(1, 2, 3)}
+    me = SimpleNamespace(reference=ref, index=index)
     flow = np.full((1, 2, 3), 0.4, np.float32)
-    assert Policy.apply_modes(me, flow, batch, "flow").tolist() == flow.tolist()
-    snapped = Policy.apply_modes(me, flow, batch, "snap")
+    assert Policy.apply_modes(me, flow, "flow").tolist() == flow.tolist()
+    snapped = Policy.apply_modes(me, flow, "snap")
     assert np.all(snapped[..., :2] == np.float32(0.4)) and np.all(snapped[..., 2] == 1.5)
-    head = Policy.apply_modes(me, flow, batch, {"hand": "head"})
-    assert np.all(head[..., :2] == np.float32(0.4)) and np.all(head[..., 2] == 1.5)  # the head's 7, snapped
+    with pytest.raises(ConfigError, match="use one of"):
+        group_modes(ref, {"hand": "head"})  # no discrete head in N1.6

@@ -13,12 +13,9 @@ def test_repeat_last_holds_the_last_action_never_the_state():
     actions = torch.tensor([[[1.0, 1.0], [2.0, 2.0]], [[3.0, 3.0], [4.0, 4.0]]])
     batch = {"action": actions, "action_valid": torch.ones(2, 2, dtype=torch.bool),
              "state": torch.full((2, 1, 2), -50.0), "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
-    model = SimpleNamespace(predict_action=lambda b, steps, seed: torch.zeros_like(b["action"]),
-                            current_state=lambda b: b["state"][:, -1])
-    norm = SimpleNamespace(action_mean=np.zeros(2, np.float32), action_std=np.ones(2, np.float32),
-                           state_mean=np.zeros(2, np.float32), state_std=np.ones(2, np.float32))
-    policy = SimpleNamespace(norm=norm, model=model, unnormalize=lambda a: a.numpy(),
-                             unnormalize_state=lambda s: s.numpy(),
+    norm = SimpleNamespace(unaction=lambda a: np.asarray(a, np.float32))  # identity: values in dataset units
+    policy = SimpleNamespace(norm=norm, sample=lambda b, steps, seed: np.zeros(b["action"].shape, np.float32),
+                             unnormalize=lambda a: np.asarray(a),
                              index=SimpleNamespace(dataset=SimpleNamespace(state_dim=2, action_dim=2)))
     traj = evaluate_episode(policy, SimpleNamespace(batches=[batch]))
     # first chunk: the command in effect at the start (action 0); second: the last action before it

@@ -78,25 +78,27 @@ class Norm:
     min/max, clip_outliers): x -> 2 (x - min) / (max - min) - 1, clipped to [-1, 1]; a dimension whose
     min and max agree maps to 0. `un*` map back, clipping first, as the reference's decode_action."""
 
-    state_min: np.ndarray
-    state_max: np.ndarray
-    action_min: np.ndarray
-    action_max: np.ndarray
+    state_min: np.ndarray | None  # None: the root recorded no min/max for it (values pass as they are)
+    state_max: np.ndarray | None
+    action_min: np.ndarray | None
+    action_max: np.ndarray | None
 
     @classmethod
     def from_dataset(cls, ds) -> "Norm":
         """From a DatasetInfo (shared/index.py): the training episodes' min/max preprocess recorded."""
         st = ds.stats
 
-        def pick(kind, key, dim, default):
+        def pick(kind, key, dim):
             vals = st.get(kind, {}).get(key)
-            return np.asarray(vals if vals is not None and len(vals) == dim else [default] * dim, np.float32)
+            return np.asarray(vals, np.float32) if vals is not None and len(vals) == dim else None
 
-        return cls(pick("state", "min", ds.state_dim, -1.0), pick("state", "max", ds.state_dim, 1.0),
-                   pick("action", "min", ds.action_dim, -1.0), pick("action", "max", ds.action_dim, 1.0))
+        return cls(pick("state", "min", ds.state_dim), pick("state", "max", ds.state_dim),
+                   pick("action", "min", ds.action_dim), pick("action", "max", ds.action_dim))
 
     @staticmethod
     def _to(x, lo, hi):
+        if lo is None or hi is None:
+            return np.asarray(x, np.float32)
         span = hi - lo
         live = ~np.isclose(hi, lo)
         out = np.where(live, 2.0 * (np.asarray(x, np.float32) - lo) / np.where(live, span, 1.0) - 1.0, 0.0)
@@ -104,6 +106,8 @@ class Norm:
 
     @staticmethod
     def _from(x, lo, hi):
+        if lo is None or hi is None:
+            return np.asarray(x, np.float32)
         return ((np.clip(np.asarray(x, np.float32), -1.0, 1.0) + 1.0) / 2.0 * (hi - lo) + lo).astype(np.float32)
 
     def state(self, x):

@@ -73,8 +73,8 @@ def load_for_policy(root: str, sidecar: dict, action_horizon: int) -> TrainingDa
     return _training_data(root, deltas, open_root(root))
 
 
-def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device, prompts,
-                image_mean: float, image_std: float) -> BlockLoader:
+def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device, prompts=None,
+                image_mean: float = 0.5, image_std: float = 0.5) -> BlockLoader:
     return BlockLoader(d.root, dataset=data.ds, batch_size=batch_size, num_workers=d.num_workers, seed=d.seed,
                        rank=rank, world=world, device=device, deltas=data.deltas, stride=d.sample_stride,
                        block_run=d.block_run, block_window=d.block_window, block_cache_mb=d.block_cache_mb,

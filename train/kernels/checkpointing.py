@@ -94,10 +94,15 @@ def checkpointed(model: nn.Module) -> list[nn.Module]:
 def _checkpoint_forward(mod: nn.Module, probe: SavedBytesProbe | None) -> None:
     inner = mod.forward  # class forward (or fusion's compiled one); the block's hooks stay on its __call__
     was_override = "forward" in mod.__dict__
+    trains = any(p.requires_grad for p in mod.parameters())
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)  # eval/no_grad: nothing is saved, nothing to recompute
+        if not trains and not any(t.requires_grad for t in _tensors((args, kwargs))):
+            # A frozen block on frozen inputs (N1.6's fine-tune: the vision tower, the LLM's lower
+            # layers): autograd saves nothing there, but a checkpoint would keep its inputs alive.
+            return inner(*args, **kwargs)
         if probe is not None:
             return probe.run(inner, args, kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)

@@ -133,12 +133,13 @@ def test_layout_parse():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_rules_match_the_trainers_module_swap(tp):
-    """split_tp cuts exactly the shards apply_tensor_parallel gives TP rank t (qkv per head, fc1 rows,
-    proj/fc2 columns, the rest replicated), and merge_tp inverts it bit for bit."""
+    """split_tp cuts exactly the shards apply_tensor_parallel gives TP rank t (column-parallel rows by head,
+    row-parallel columns, the rest replicated), and merge_tp inverts it bit for bit, on N1.6 (small: every
+    tower's heads split 4 ways)."""
     from loongforge.train.ckpt.reshard import full_shapes, local_shape, merge_tp, split_tp, tp_kinds
-    from loongforge.train.model.model import VLAModel
-    from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
-    from loongforge.train.model.recipes import tiny
+    from loongforge.train.model.model import Gr00tN1d6
+    from loongforge.train.parallel.tensor_parallel import TP_PLAN, apply_tensor_parallel, tp_modules
+    from loongforge.train.recipes import small
 
     class _Rank:  # the three things apply_tensor_parallel asks of the parallel state
         def __init__(self, t):
@@ -154,12 +155,15 @@ def test_tp_rules_match_the_trainers_module_swap(tp):
             return self.t
 
     torch.manual_seed(0)
-    cfg = tiny(state_dim=6, action_dim=4, cameras=2, max_frames=2, image_size=(16, 16), max_text_tokens=8)
-    full_model = VLAModel(cfg)
+    cfg = small().model
+    full_model = Gr00tN1d6(cfg)
     full = {n: p.detach().clone() for n, p in full_model.named_parameters()}
-    kinds = tp_kinds({"model": dataclasses.asdict(cfg)})
-    assert full_shapes({"model": dataclasses.asdict(cfg)}) == {n: v.shape for n, v in full.items()}
-    assert set(kinds.values()) == {"qkv", "col", "row"} and len(kinds) == 6 * cfg.depth
+    kinds = tp_kinds({"model": cfg.to_dict()})
+    assert full_shapes({"model": cfg.to_dict()}) == {n: v.shape for n, v in full.items()}
+    split = sum(1 + (kind == "col") for _, m in tp_modules(full_model) for _, kind in TP_PLAN[type(m).__name__]
+                if kind != "sum")  # a weight each, and the column-parallel biases (every planned linear has one
+    # but Qwen3's, which have none)
+    assert set(kinds.values()) == {"col", "row"} and len(kinds) <= split
     shards = []
     for t in range(tp):
         m = copy.deepcopy(full_model)

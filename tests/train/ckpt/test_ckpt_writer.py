@@ -107,11 +107,12 @@ def test_noise_is_a_function_of_the_sample_not_of_its_batch():
     from loongforge.train.model.noise import noise_for
 
     cpu = torch.device("cpu")
-    n4, u4 = noise_for(7, 1, [10, 11, 12, 13], (4, 3, 2), cpu)
-    n2, u2 = noise_for(7, 1, [12, 10], (2, 3, 2), cpu)  # other batch, other order, other rank
+    n4, u4, c4 = noise_for(7, 1, [10, 11, 12, 13], (4, 3, 2), cpu)
+    n2, u2, c2 = noise_for(7, 1, [12, 10], (2, 3, 2), cpu)  # other batch, other order, other rank
     assert torch.equal(n2[0], n4[2]) and torch.equal(n2[1], n4[0]) and u2[0] == u4[2] and u2[1] == u4[0]
+    assert torch.equal(c2[0], c4[2]) and torch.equal(c2[1], c4[0])  # the image crop follows the sample too
     assert ((0 <= u4) & (u4 < 1)).all() and not torch.equal(n4[0], n4[1])
-    n_next, _ = noise_for(7, 2, [10], (1, 3, 2), cpu)  # the next epoch draws anew
+    n_next, _, _ = noise_for(7, 2, [10], (1, 3, 2), cpu)  # the next epoch draws anew
     assert not torch.equal(n_next[0], n4[0])
 
 

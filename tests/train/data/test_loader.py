@@ -199,11 +199,12 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
     """A batch whose samples run past their episode's end: the loss takes no gradient from the
     predictions at padded rows (action_valid False) and does from the real ones. As in GR00T, padded
     rows (repeats of the last row) are still part of the action head's input sequence; only the loss
-    masks them. The model is built from the root as the trainer does."""
+    masks them. The model and its inputs are built from the root as the trainer builds them."""
     from loongforge.train.config import DataConfig, RunConfig, TrainConfig
+    from loongforge.train.data.processor import Processor
     from loongforge.train.data.training_data import load_training_data
-    from loongforge.train.model.model import VLAModel
-    from loongforge.train.model.build import model_config
+    from loongforge.train.model.build import build_model
+    from loongforge.train.recipes import plan_model
 
     root = str(tmp_path)
     make_synthetic_root(root, lengths=(3, 2), height=16, width=16)
@@ -211,20 +212,23 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
                       run=RunConfig(run_dir=str(tmp_path / "run")))
     data = load_training_data(cfg.data)
     assert data.max_frames == 1 and data.dataset.action_horizon == 4
+    plan = plan_model(cfg, data)
     torch.manual_seed(0)
-    model = VLAModel(model_config(cfg, data))
-    with BlockLoader(root, dataset=data.ds, batch_size=4, deltas=data.deltas, max_steps=1) as loader:
+    model = build_model(plan.model)
+    with BlockLoader(root, dataset=data.ds, batch_size=4, deltas=data.deltas, max_steps=1,
+                     prompts=plan.prompts) as loader:
         batch = next(iter(loader))
     batch.pop("meta")
     valid = batch["action_valid"]
     assert (~valid).any() and valid.any()
     grads = {}
-    model.velocity = _grad_tap(model.velocity, grads, "velocity")
-    model.bin_logits = _grad_tap(model.bin_logits, grads, "logits")
-    model(batch, torch.randn(batch["action"].shape), torch.rand(4))["loss"].backward()
-    for name in ("velocity", "logits"):
-        per_row = grads[name].abs().flatten(2).sum(-1)  # (B, H)
-        assert (per_row[~valid] == 0).all() and (per_row[valid] > 0).all(), name
+    model.action_head.velocity = _grad_tap(model.action_head.velocity, grads, "velocity")
+    proc = Processor(plan.processor, max_state_dim=plan.model.max_state_dim,
+                     max_action_dim=plan.model.max_action_dim, embodiment_id=plan.embodiment_id)
+    noise = torch.randn(4, 4, plan.model.max_action_dim)
+    model(proc(batch), noise, torch.rand(4))["loss"].backward()
+    per_row = grads["velocity"].abs().sum(-1)  # (B, H)
+    assert (per_row[~valid] == 0).all() and (per_row[valid] > 0).all()
 
 
 def _grad_tap(fn, grads, name):

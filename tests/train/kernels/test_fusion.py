@@ -34,15 +34,13 @@ def test_auto_fusion_is_off_under_tensor_or_sequence_parallel(tp, sp, fused):
     all-reduce and the Ulysses all-to-alls: graph breaks, and a recompile per layout. Checked
     through parallelize's policy step on a CUDA device name (compiling is lazy: nothing runs)."""
     from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-    from loongforge.train.model import recipes
-    from loongforge.train.model.build import build_model
     from loongforge.train.parallel.parallelize import apply_memory_policies
 
     cfg = TrainConfig(data=DataConfig(root="/x", global_batch_size=8), run=RunConfig(run_dir="/r"),
                       parallel=ParallelConfig(zero_stage=2, tp=tp, sp=sp))
     assert cfg.memory.fuse == "auto"
     torch._dynamo.reset()
-    policies = apply_memory_policies(build_model(recipes.tiny()), cfg, torch.device("cuda", 0))
+    policies = apply_memory_policies(build(), cfg, torch.device("cuda", 0))
     assert bool(policies.fused) == fused, policies.fused
 
 

@@ -1,6 +1,6 @@
 """Where a step's time goes when a peer rank is late with its batch.
 
-The trainer's rows all-reduce (`Trainer._loss_rows`, every DP rank's valid action rows) is the first
+The trainer's rows all-reduce (`Trainer._loss_denominator`, every DP rank's valid action rows) is the first
 collective of a step: a rank whose batch came early waits there for the slowest rank's batch. That
 wait is data wait (the step cannot start before every rank has its data); it goes through no
 deepspeed.comm timer, so outside the data phase it read as launch/dispatch overhead (the ablation's
@@ -45,7 +45,8 @@ def _trainer() -> SimpleNamespace:
         policies=SimpleNamespace(on_step=lambda step: None, before_forward=lambda: None),
         watchdog=SimpleNamespace(phase=None), step_comm=SimpleNamespace(begin=lambda: None, end=lambda: {}),
         nan_guard=SimpleNamespace(observe=lambda step, loss: loss, step=lambda step: None, skipped=0),
-        dp_sync=None, device=torch.device("cpu"), step=0)
+        dp_sync=None, device=torch.device("cpu"), step=0, model_cfg=SimpleNamespace(max_action_dim=3),
+        processor=lambda batch, crop: batch)
     phases = []
 
     def late_peer_rows(batches):  # the all-reduce, waiting for a peer whose batch is 0.3 s late
@@ -53,7 +54,7 @@ def _trainer() -> SimpleNamespace:
         time.sleep(PEER_LATE_S)
         return torch.tensor(1.0)
 
-    tr._loss_rows = late_peer_rows
+    tr._loss_denominator = late_peer_rows
     tr._gather = lambda rec, losses, ids: rec
     tr.phases_at_rows = phases
     return tr
