@@ -31,7 +31,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.model import mask as masks
-from loongforge.train.model.mask import Causal, Keys
+from loongforge.train.model.mask import Causal
 
 log = logging.getLogger(__name__)
 

@@ -3,12 +3,12 @@ DeepSpeed), on real gloo processes: the single-process loss and gathered gradien
 (fp32) over several SGD steps. The batch is what the processor hands the model: left-padded chat
 prompts of different lengths with 3 images x 6 image tokens each (18 image tokens per row: the
 LLM's video span pads at S = 4), 84 x 56 images (24 patches, the image batch pads when a replica's
-images do not split S ways: DP 2 x SP 4), state, action and a partial action mask. 8-process layouts: `make parallel-full`."""
+images do not split S ways: DP 2 x SP 4), state, action and a partial action mask. 8-process layouts: `make parallel-full`. Through DeepSpeed's
+ZeRO-3 with the plan's mpu: test_zero.py."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -19,7 +19,6 @@ from loongforge.train.parallel import comm, plan
 from loongforge.train.parallel.sequence_parallel import SequenceParallel
 from loongforge.train.parallel.tensor_parallel import apply_tensor_parallel
 from loongforge.train.parallel.video_sp import apply_video_sequence_parallel
-from loongforge.train.parallel.zero import partition_zero3, zero_loss_scale
 from tests.train.n16 import CFG, make_inputs
 from tests.train.parallel.dist_helpers import gather_tp_tensor, run_ranks
 
@@ -108,40 +107,6 @@ def _check_counts(counter, tp: int, sp: int) -> None:
     assert "dp" not in groups  # gradient sync is outside the counted region
 
 
-def _zero3_worker(rank: int, world: int, tp: int, sp: int) -> None:
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    state = plan.initialize(plan.ParallelPlan(tp=tp, sp=sp), verbose=False)
-    ref, model = _models(state)
-    zero = {"stage": 3}
-    apply_video_sequence_parallel(model, SequenceParallel(state), zero_divisor=zero_loss_scale(zero, state))
-    d, per = state.size("dp"), B // state.size("dp")
-    conf = {"train_batch_size": B, "train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1e6, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 1 << 30}
-    partition_zero3(model, state, conf)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                      config=conf, mpu=state)
-    lo = state.rank_in("dp") * per
-    for step in range(2):
-        inputs, noise, u = make_inputs(step)
-        ref.zero_grad()
-        total = inputs["action_mask"].sum()
-        ref_loss = ref(inputs, noise, u, total)["loss"]
-        ref_loss.backward()
-        loss = engine(_rows(inputs, lo, lo + per), noise[lo:lo + per], u[lo:lo + per], total / d)["loss"]
-        engine.backward(loss)
-        _check_grads(model.named_parameters(), ref, safe_get_full_grad, state.group("tp"), step)
-        engine.step()
-        with torch.no_grad():
-            for p in ref.parameters():
-                if p.grad is not None:
-                    p -= LR * p.grad
-    plan.destroy()
-
-
 def test_split_reorders_and_pads_image_tokens():
     """Image tokens first (per row: left padding moves them), padded to a multiple of S, rest replicated;
     merge restores the original order."""
@@ -173,12 +138,6 @@ FULL = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 2, 2), (1, 4, 2)]
 @pytest.mark.parametrize("tp,sp,dp", FAST)
 def test_n16_layout_matches_single_process(tp, sp, dp):
     run_ranks(_layout_worker, tp * sp * dp, tp, sp)
-
-
-@pytest.mark.slow
-@pytest.mark.full  # ~1 min on 4 DeepSpeed ranks; the trainer test covers ZeRO-3 x SP 2 in make test
-def test_n16_zero3_tp2_sp2_matches_single_process():
-    run_ranks(_zero3_worker, 4, 2, 2, timeout=400)
 
 
 @pytest.mark.slow
