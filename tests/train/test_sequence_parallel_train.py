@@ -44,15 +44,19 @@ def test_sp2_matches_one_rank(sp_run, train_root, tmp_path):
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     m = json.load(open(os.path.join(run_dir, "checkpoints", "step00000004", "loongforge.json")))
     assert m["parallel"] == {"tp": 1, "sp": 2}
-    n_video = m["model"]["cameras"] * m["model"]["max_frames"] * m["model"]["vision_tokens"]
+    # image tokens per sample in the LLM: 2 cameras x 1 frame x (56 px / 14 per patch x 0.5 unshuffle)^2
+    per_image = (m["processor"]["image_edge"] // m["model"]["vision"]["patch_size"]
+                 * m["model"]["downsample_ratio"]) ** 2
+    n_video = 2 * len(m["data"]["video_deltas"]) * int(per_image)
     for a, b in zip(want, got, strict=True):
         assert b["sp"] == 2 and b["world"] == 2 and b["samples"] == 8
         assert b["sample_ids"] == a["sample_ids"]  # both SP ranks read the replica's batch; one row logged
         for key in ("loss", "flow_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (b["step"], key)
         sp = b["comm_groups"]["sp"]
-        # at least the merge's all-gather of the (B, Nv, d) video tokens: the rest is Ulysses
-        assert sp["payload_bytes"] >= 8 * n_video * m["model"]["dim"] * 4, sp
+        # at least the merge's all-gather of the (B, Nv, d) image tokens at the LLM's width: the rest
+        # is Ulysses
+        assert sp["payload_bytes"] >= 8 * n_video * m["model"]["text"]["hidden_size"] * 4, sp
 
 
 @pytest.mark.slow

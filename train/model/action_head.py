@@ -75,6 +75,16 @@ def flow_time(u: torch.Tensor, cfg: GrootConfig) -> torch.Tensor:
     return (1.0 - s) * cfg.noise_s
 
 
+class PositionEmbedding(nn.Embedding):
+    """The action horizon's learned positions, N(0, 0.02) from the start. The draw lives in the
+    module's own reset_parameters: under deepspeed.zero.Init a module's parameters are partitioned as
+    its __init__ returns, so a parent re-initialising a child's weight afterwards writes into an empty
+    partition and a 1-rank ZeRO-3 run would start from other weights than a ZeRO-0 run."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class ActionHead(nn.Module):
     def __init__(self, cfg: GrootConfig):
         super().__init__()
@@ -85,9 +95,7 @@ class ActionHead(nn.Module):
         self.action_encoder = MultiEmbodimentActionEncoder(cfg.max_action_dim, w, e)
         self.action_decoder = CategorySpecificMLP(e, cfg.hidden_size, cfg.hidden_size, cfg.max_action_dim)
         self.vlln = nn.LayerNorm(cfg.backbone_embedding_dim) if cfg.use_vlln else nn.Identity()
-        self.position_embedding = nn.Embedding(cfg.max_seq_len, w) if cfg.add_pos_embed else None
-        if self.position_embedding is not None:
-            nn.init.normal_(self.position_embedding.weight, std=0.02)
+        self.position_embedding = PositionEmbedding(cfg.max_seq_len, w) if cfg.add_pos_embed else None
 
     def bucket(self, t: torch.Tensor) -> torch.Tensor:
         return (t * self.cfg.num_timestep_buckets).long()
