@@ -63,13 +63,16 @@ def compile_cache_env(cache_dir: str = CACHE_DIR) -> dict:
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
-def _run(cmd: list[str], timeout: float, **kw) -> tuple[int, str, float]:
+def _run(cmd: list[str], timeout: float, stdout_only: bool = False, **kw) -> tuple[int, str, float]:
+    """(exit code, stdout + stderr, seconds); `stdout_only` for a command whose stdout is a document
+    (its log lines go to stderr and must not be parsed with it)."""
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("DS_ACCELERATOR", None)  # a CPU override would hide the GPU
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, timeout), **kw)
-        return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+        out = p.stdout if stdout_only and p.returncode == 0 else p.stdout + p.stderr
+        return p.returncode, out, time.monotonic() - t0
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
         return 124, out + f"\n[gpu-check] timed out after {timeout:.0f} s", time.monotonic() - t0
@@ -238,7 +241,7 @@ def train_run(recipe: str, data: str, work: str, steps: int, timeout: float, dev
     if code != 0:
         return {**res, "ok": False, "log_tail": log[-4000:]}
     pcode, pout, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--json", "--no-chart"],
-                          min(120.0, end - time.monotonic()))
+                          min(120.0, end - time.monotonic()), stdout_only=True)
     tcode, table, _ = _run([sys.executable, "-m", "loongforge", "profile", run_dir, "--no-chart"],
                            min(120.0, end - time.monotonic()))
     with open(os.path.join(run_dir, "ds_config.json")) as f:
