@@ -103,15 +103,21 @@ def test_layout_checks_for_sp():
     from types import SimpleNamespace
 
     from loongforge.shared.errors import ConfigError
-    from loongforge.train.config import MemoryConfig, ModelConfig, ParallelConfig
-    from loongforge.train.parallel.plan import check_layout
+    import dataclasses
 
+    from loongforge.train.config import MemoryConfig, ParallelConfig
+    from loongforge.train.parallel.plan import check_layout
+    from loongforge.train.recipes import recipe
+
+    tiny = recipe("tiny").model  # 8 LLM query heads, 4 KV heads
     cfg = SimpleNamespace(parallel=ParallelConfig(sp=2), memory=MemoryConfig())
-    assert check_layout(cfg, 4, ModelConfig(heads=4)) == 2
-    with pytest.raises(ConfigError, match="heads"):
-        check_layout(cfg, 4, ModelConfig(dim=48, heads=3))
+    assert check_layout(cfg, 4, tiny) == 2
+    three_kv = dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, num_key_value_heads=3,
+                                                                  num_attention_heads=6))
+    with pytest.raises(ConfigError, match="KV heads"):
+        check_layout(cfg, 4, three_kv)
     with pytest.raises(ConfigError, match="world size 3"):
-        check_layout(cfg, 3, ModelConfig(heads=4))
+        check_layout(cfg, 3, tiny)
     for mem in (MemoryConfig(cuda_graphs=True), MemoryConfig(fp8=True)):
         with pytest.raises(ConfigError, match="sequence parallel"):
-            check_layout(SimpleNamespace(parallel=ParallelConfig(sp=2), memory=mem), 2, ModelConfig(heads=4))
+            check_layout(SimpleNamespace(parallel=ParallelConfig(sp=2), memory=mem), 2, tiny)

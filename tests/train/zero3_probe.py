@@ -9,17 +9,17 @@ import torch
 
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-from loongforge.train.model import recipes
 from loongforge.train.model.build import build_model
 from loongforge.train.parallel import engine, plan
 from loongforge.train.parallel.parallelize import parallelize
+from loongforge.train.recipes import plan_model
 
 
 def main(root: str, out_dir: str) -> None:
     rank, world = engine.init_distributed(torch.device("cpu"), 120.0)
     cfg = TrainConfig(data=DataConfig(root=root, global_batch_size=8), run=RunConfig(run_dir=out_dir),
                       parallel=ParallelConfig(zero_stage=3, precision="fp32"), recipe="small")
-    model_cfg = recipes.resolve("small", load_training_data(cfg.data), max_text_tokens=32, max_frames=2)
+    model_cfg = plan_model(cfg, load_training_data(cfg.data)).model
     built = parallelize(lambda: build_model(model_cfg), cfg, plan.initialize(plan.plan_of(cfg), verbose=False),
                         device=torch.device("cpu"))
     model = built.engine.module

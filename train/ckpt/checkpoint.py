@@ -16,7 +16,7 @@ import shutil
 import torch
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.train.ckpt import delta as ckpt_delta, universal as ckpt_universal
+from loongforge.train.ckpt import delta as ckpt_delta, reshard_frozen, universal as ckpt_universal
 from loongforge.train.ckpt.async_writer import DeltaPolicy, SaveJob, SnapshotEngine, Writer, prune_before_write
 from loongforge.train.ckpt.files import (CHECKPOINT_VERSION, SIDECAR, ckpt_root, read_pointer, read_sidecar, tag_for,
                                          verify_manifest, weights_only_loads)
@@ -194,7 +194,7 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
         load_tag = ckpt_delta.restore_deltas(run_dir, tag, bases, rank=rank, device=device or torch.device("cpu"))
     rdir = load_tag_dir(doc, load_tag, rank)
     if rdir is not None:  # written by `loongforge ckpt reshard`: per-TP-rank universal folders
-        return _load_resharded(engine, run_dir, tag, doc, rdir, world=world, zero_stage=zero_stage)
+        return _load_resharded(engine, run_dir, tag, doc, rdir, rank=rank, world=world, zero_stage=zero_stage)
     how = check_layout(doc, run_dir, tag, world=world, zero_stage=zero_stage)
     if how == "universal":
         src = os.path.join(ckpt_root(run_dir), load_tag)
@@ -232,7 +232,8 @@ def load(engine, run_dir: str, tag: str, *, rank: int, world: int, zero_stage: i
     return doc
 
 
-def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, world: int, zero_stage: int) -> dict:
+def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, rank: int, world: int,
+                    zero_stage: int) -> dict:
     """A resharded tag holds, per target TP rank, a universal folder that DeepSpeed cuts into any DP
     degree and ZeRO stage 1-3 itself; the TP degree was checked before (check_resume_layout)."""
     if zero_stage == 0:
@@ -243,8 +244,13 @@ def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, wor
     path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")
+    from loongforge.train.ckpt.reshard import split_tp, tp_kinds  # the converter's TP rules
+
+    kinds, tp = tp_kinds(doc), int(doc.get("parallel", {}).get("tp", 1))
+    frozen = reshard_frozen.restore(engine, os.path.join(ckpt_root(run_dir), tag, reshard_frozen.FROZEN_FILE),
+                                    lambda full, name: split_tp(full, kinds.get(name), rank % tp, tp))
     src = doc["resharded"]["from"]
     log.info("resumed %s (resharded from %s: %d ranks, ZeRO-%d, tp=%d) on %d ranks with ZeRO-%d: fp32 weights, "
-             "Adam moments and step kept", tag, doc["resharded"]["from_tag"], src["world"], src["zero_stage"],
-             src["tp"], world, zero_stage)
+             "Adam moments and step kept, %d frozen parameters restored", tag, doc["resharded"]["from_tag"],
+             src["world"], src["zero_stage"], src["tp"], world, zero_stage, frozen)
     return doc

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from loongforge.shared.errors import CheckpointError, UsageError
-from loongforge.train.ckpt import reshard_topk, reshard_zero0, universal as ckpt_universal
+from loongforge.train.ckpt import reshard_frozen, reshard_topk, reshard_zero0, universal as ckpt_universal
 from loongforge.train.ckpt.delta import materialize
 from loongforge.train.ckpt.files import ckpt_root, latest_tag, load_trusted, read_sidecar, tag_for, verify_manifest
 from loongforge.train.ckpt.reshard_io import (META_NAMES, RESHARD_VERSION, load_tag_dir, publish, read_step,
@@ -149,6 +149,12 @@ def source_layout(doc: dict) -> Layout:
 def full_shapes(doc: dict) -> dict[str, torch.Size]:
     """Every parameter's full (TP-1) shape, from the model the sidecar describes, on the meta device."""
     return {n: p.shape for n, p in _meta_model(doc).named_parameters()}
+
+
+def trained_names(doc: dict) -> list[str]:
+    """The parameters the optimizer holds (requires_grad under the sidecar's tune switches), in
+    model.parameters() order; the rest are frozen (reshard_frozen.py)."""
+    return [n for n, p in _meta_model(doc).named_parameters() if p.requires_grad]
 
 
 def _meta_model(doc: dict):
@@ -272,11 +278,11 @@ def _param_names(udir: str) -> list[str]:
 def _write_target(src_udirs: list[str], out_dirs: list[str], doc: dict, *, step: int, target: Layout) -> int:
     """Stream parameter by parameter: merge the source TP shards, split for the target, write. Returns the
     number of parameters. ZeRO-3's universal files are flat: every part is viewed in its TP-local shape."""
-    kinds, shapes = tp_kinds(doc), full_shapes(doc)
+    kinds, shapes, trained = tp_kinds(doc), full_shapes(doc), set(trained_names(doc))
     names = _param_names(src_udirs[0])
-    if set(names) != set(shapes):
-        raise CheckpointError(f"the checkpoint's parameters differ from the model its sidecar describes "
-                              f"({sorted(set(names) ^ set(shapes))[:5]}...): not a checkpoint of this model")
+    if set(names) != trained:
+        raise CheckpointError(f"the checkpoint's trained parameters differ from the model its sidecar describes "
+                              f"({sorted(set(names) ^ trained)[:5]}...): not a checkpoint of this model")
     for other in src_udirs[1:]:
         if _param_names(other) != names:
             raise CheckpointError(f"TP ranks of the source hold different parameter sets ({other})")
@@ -311,24 +317,33 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
     os.makedirs(work)
     try:
         src = _full_source(run_dir, tag, doc, work)
+        kinds, shapes, trained = tp_kinds(doc), full_shapes(doc), trained_names(doc)
+        frozen_names = [n for n in shapes if n not in set(trained)]
         if doc.get("resharded", {}).get("dir"):  # resharded again before any save: universal per TP rank already
             udirs = [os.path.join(root, load_tag_dir(doc, tag, t)) for t in range(src_layout.tp)]
+            frozen = _previous_frozen(os.path.join(root, tag), frozen_names)
             src = udirs[0]
-        elif src_layout.zero == 0 and reshard_zero0.is_plain(src):
-            udirs = reshard_zero0.universal_from_zero0(src, work, src_layout.tp)
         else:
-            udirs = _universal_per_tp(src, work, src_layout.tp)
+            frozen = reshard_frozen.collect(src, frozen_names, src_layout.tp,
+                                            lambda parts, n: merge_tp(parts, kinds.get(n), n))
+            if src_layout.zero == 0 and reshard_zero0.is_plain(src):
+                udirs = reshard_zero0.universal_from_zero0(src, work, src_layout.tp, trained)
+            else:
+                udirs = _universal_per_tp(src, work, src_layout.tp)
         out_tag_dir = os.path.join(work, "out")
         out_dirs = [os.path.join(out_tag_dir, f"universal_tp{t:02d}") for t in range(to.tp)]
+        if frozen:
+            torch.save(frozen, os.path.join(out_tag_dir if os.path.isdir(out_tag_dir) else _mkdir(out_tag_dir),
+                                            reshard_frozen.FROZEN_FILE))
         meta = source_meta(src)
         step = read_step(udirs[0], meta)
         n = _write_target(udirs, out_dirs, doc, step=step, target=to)
         src_optim = load_trusted(os.path.join(udirs[0], "zero", "optimizer_state.pt"))
         if to.zero == 0:  # ordinary ZeRO-0 files: DeepSpeed's universal loader does not fill a torch optimizer
-            names = list(full_shapes(doc))
             for t, out in enumerate(out_dirs):
+                mine = {n: split_tp(v, kinds.get(n), t, to.tp) for n, v in frozen.items()}
                 reshard_zero0.to_zero0_files(out_tag_dir, out, t, target_meta(meta, to), src_optim, step=step,
-                                                  names=names)
+                                             names=trained, frozen=mine)
         else:
             optim = target_optimizer_state(src_optim, meta, step=step, target=to)
             for t, out in enumerate(out_dirs):
@@ -340,6 +355,7 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
             topk = reshard_topk.carry(os.path.join(root, tag), out_tag_dir, src_layout, to)
         new_doc = {**doc, "world": to.world, "zero_stage": to.zero, "parallel": {"tp": to.tp, "sp": to.sp},
                    "resharded": {"version": RESHARD_VERSION, "from_tag": tag, "step": step, "parameters": n,
+                                 "frozen_parameters": len(frozen),
                                  "from": {"world": src_layout.world, "zero_stage": src_layout.zero,
                                           "tp": src_layout.tp, "sp": src_layout.sp},
                                  "dir": None if to.zero == 0 else "universal_tp{tp:02d}",
@@ -351,6 +367,21 @@ def reshard(run_dir: str, to: Layout, *, tag: str | None = None, move_latest: bo
              "master weights and Adam moments, step %d%s", tag, src_layout.world, src_layout.zero, src_layout.tp,
              new_tag, to.world, to.zero, to.tp, n, step, "; `latest` now names it" if move_latest else "")
     return new_tag
+
+
+def _mkdir(path: str) -> str:
+    os.makedirs(path)
+    return path
+
+
+def _previous_frozen(tag_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """A resharded source's frozen parameters (its frozen.pt)."""
+    path = os.path.join(tag_dir, reshard_frozen.FROZEN_FILE)
+    frozen = load_trusted(path) if os.path.exists(path) else {}
+    if set(frozen) != set(names):
+        raise CheckpointError(f"{tag_dir}: {reshard_frozen.FROZEN_FILE} holds {len(frozen)} frozen parameters, the "
+                              f"model has {len(names)}; reshard from the checkpoint it was made from")
+    return frozen
 
 
 def _full_source(run_dir: str, tag: str, doc: dict, work: str) -> str:

@@ -35,8 +35,9 @@ def is_plain(src: str) -> bool:
     return not any(n.startswith("zero_pp_rank_") for n in os.listdir(src))
 
 
-def universal_from_zero0(src: str, work: str, tp: int) -> list[str]:
-    """One universal folder per source TP rank, from its model-states file."""
+def universal_from_zero0(src: str, work: str, tp: int, trained: list[str]) -> list[str]:
+    """One universal folder per source TP rank, from its model-states file; `trained`: the names of the
+    parameters the optimizer holds, in model.parameters() order (the frozen ones: reshard_frozen.py)."""
     out = []
     for t in range(tp):
         states = load_trusted(os.path.join(src, MODEL_STATES.format(tp=t)))
@@ -44,12 +45,12 @@ def universal_from_zero0(src: str, work: str, tp: int) -> list[str]:
         if not module or not optim or "param_groups" not in optim:
             raise CheckpointError(f"{src}: {MODEL_STATES.format(tp=t)} holds no module and torch optimizer state; "
                                   "not a ZeRO-0 checkpoint of a plain (fp32) optimizer")
-        names, groups = list(module), optim["param_groups"]
+        names, groups = [n for n in trained if n in module], optim["param_groups"]
         index = [i for g in groups for i in g["params"]]
         if len(groups) != 1 or len(index) != len(names):
             raise CheckpointError(f"{src}: the torch optimizer has {len(groups)} param groups over {len(index)} "
-                                  f"parameters, the module {len(names)}: expected one group over every parameter "
-                                  "(engine.py passes model.parameters())")
+                                  f"parameters, the module {len(names)} trained ones: expected one group over "
+                                  "every trained parameter (parallelize.py passes them)")
         udir = os.path.join(work, f"universal_src_tp{t:02d}")
         # One step for all: a parameter that never had a gradient has no torch state (Adam's zeros, below).
         step = max((int(st["step"]) for st in optim["state"].values() if "step" in st), default=0)
@@ -70,10 +71,10 @@ def universal_from_zero0(src: str, work: str, tp: int) -> list[str]:
 
 
 def to_zero0_files(tag_dir: str, udir: str, t: int, meta: dict, optim: dict, *, step: int,
-                   names: list[str]) -> None:
+                   names: list[str], frozen: dict[str, torch.Tensor]) -> None:
     """Target TP rank t's universal folder `udir` (inside tag_dir) -> tag_dir/mp_rank_{t}_model_states.pt
-    with the module (fp32) and the torch AdamW state dict (indexed in `names` order: model.parameters() of
-    the target model); the folder is removed."""
+    with the module (fp32; `frozen`: this TP rank's frozen parameters) and the torch AdamW state dict
+    (indexed in `names` order: the trained parameters of the target model); the folder is removed."""
     zero = os.path.join(udir, "zero")
     missing = [n for n in names if not os.path.isdir(os.path.join(zero, n))]
     if missing:
@@ -86,7 +87,7 @@ def to_zero0_files(tag_dir: str, udir: str, t: int, meta: dict, optim: dict, *, 
         p = load_trusted(os.path.join(zero, name, f"{key}.pt"))
         return p["param"] if isinstance(p, dict) else p
 
-    module = {name: part(name, "fp32") for name in names}
+    module = {**{name: part(name, "fp32") for name in names}, **frozen}
     state = {i: {"step": torch.tensor(float(step)), "exp_avg": part(name, "exp_avg"),
                  "exp_avg_sq": part(name, "exp_avg_sq")} for i, name in enumerate(names)}
     group = {k: v for k, v in groups[0].items() if k != "params"}

@@ -19,7 +19,7 @@ from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _
 from loongforge.shared.errors import CheckpointError, ConfigError  # noqa: E402
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
-          "--no-ds-breakdown", "--workers", "1"]
+          "--no-ds-breakdown", "--workers", "1", "--dit-dropout", "0"]  # dropout masks follow the rank layout
 
 
 def _reshard(run_dir, to, tag, cwd):
@@ -228,3 +228,16 @@ def test_reshard_cli_refuses_an_unsplittable_batch_and_hints_grad_accum(zero3_ru
     ok = launch([*cmd, "world=1,zero=2"], cwd=str(tmp_path), timeout=400)
     _ok(ok)
     assert "1 rank(s): --zero 2 --tp 1 --batch-size 8 --grad-accum 2 --resume" in ok.stdout, ok.stdout
+    # The parameters the optimizer never held (the vision pooling head N1.6 never calls; a fine-tune's frozen
+    # tower) are carried too: frozen.pt holds what DeepSpeed's own consolidation reads from the source.
+    from loongforge.train.ckpt.weights import load_weights
+
+    root = os.path.join(run, "checkpoints")
+    new = open(os.path.join(root, "latest")).read().strip()
+    frozen = torch.load(os.path.join(root, new, "frozen.pt"), weights_only=True)
+    src = load_weights(run, "step00000004", 3)
+    head = {n for n in src if ".vision_model.head." in n}
+    assert head and set(frozen) == head
+    for n in head:
+        assert torch.equal(frozen[n].float(), src[n].float()), n
+    assert json.load(open(os.path.join(root, new, "loongforge.json")))["resharded"]["frozen_parameters"] == len(head)

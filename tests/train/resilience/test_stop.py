@@ -220,13 +220,13 @@ def test_a_failed_final_checkpoint_exits_1_naming_the_last_good_one(train_root, 
     naming step00000002 as the last good checkpoint."""
     import torch
 
-    from loongforge.train.model import recipes
+    from loongforge.train.recipes import recipe
     from loongforge.train.model.build import build_model
     from loongforge.train.model.model import count_parameters
 
     root, index = train_root
     with torch.device("meta"):
-        params = count_parameters(build_model(recipes.resolve("tiny", index, max_text_tokens=32, max_frames=2)))
+        params = count_parameters(build_model(recipe("tiny").model))
     ckpt = 17 * params + (200 << 10)  # as in test_disk_full_during_save_training_continues
     subprocess.run(["mount", "-o", f"remount,size={int(1.5 * ckpt) >> 10}k", str(tiny_disk)], check=True)
     run_dir = tmp_path / "run"
