@@ -4,7 +4,7 @@
 # Examples:
 #   DS_ACCELERATOR=cpu infra/train/launch_deepspeed.sh --gpus 2 -- --data shards --run-dir runs/a --recipe tiny
 #   infra/train/launch_deepspeed.sh --hostfile infra/train/hostfile -- --data s3://b/shards --run-dir /shared/runs/b \
-#       --recipe 1.6b --zero 3 --batch-size 256 --workers 6 --cache-socket /run/loongforge/cache.sock
+#       --recipe gr00t-n1.6 --zero 3 --batch-size 256 --workers 6 --cache-socket /run/loongforge/cache.sock
 # The batch size is GLOBAL (all ranks); it must divide by ranks x --grad-accum.
 set -euo pipefail
 HOSTFILE=""; GPUS=""
