@@ -41,7 +41,8 @@ LAYERS: dict[str, list] = {
 # What a function may import locally, and why: third-party packages, by their top-level name.
 OPTIONAL = {
     "torch": "heavy (seconds to import): kept out of command registration and torch-free helpers",
-    "transformers": "heavy (seconds to import): only a run that brings a tokenizer loads its AutoTokenizer",
+    "transformers": "heavy (seconds to import): the model's SigLIP2 / Qwen3 modules and a run's tokenizer "
+                    "(model/, data/prompt.py), never the cache or preprocess",
     "deepspeed": "heavy (seconds, plus its accelerator probe): only the paths that build or read an engine pay it",
     "torchao": "optional extra loongforge[fp8]: only --fp8 needs it",
     "flash_attn": "optional extra loongforge[gpu], CUDA only",

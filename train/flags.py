@@ -41,8 +41,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
     p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
-    p.add_argument("--recipe", default=_default(TrainConfig, "recipe"), help="GR00T N1.6 at a size: tiny | small | "
-                   "gr00t-n1.6 (the released architecture, 2.96 B parameters); ignored with --init-from")
+    p.add_argument("--recipe", default=None, help="GR00T N1.6 at a size: tiny (default) | small | gr00t-n1.6 (the "
+                   "released architecture, 2.96 B parameters); with --init-from the checkpoint's config.json decides "
+                   "(recorded as gr00t-n1.6, whose peak lr, 1e-4, is the default)")
     p.add_argument("--init-from", default=None, metavar="DIR", help="fine-tune an Isaac-GR00T N1.6 checkpoint "
                    "directory (config.json + model*.safetensors; its tokenizer files, or --tokenizer); never a "
                    "download")
@@ -228,9 +229,19 @@ def _compress_ratio(a: argparse.Namespace) -> float:
     return a.compress_ratio
 
 
+def _recipe(a: argparse.Namespace) -> str:
+    """--recipe, or with --init-from gr00t-n1.6 (the checkpoint's architecture; Isaac-GR00T's fine-tune lr)."""
+    if getattr(a, "init_from", None) is None:
+        return a.recipe or _default(TrainConfig, "recipe")
+    if a.recipe not in (None, "gr00t-n1.6"):
+        raise ConfigError(f"--recipe {a.recipe} with --init-from: the checkpoint's config.json decides the "
+                          "architecture; drop --recipe")
+    return "gr00t-n1.6"
+
+
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        recipe=a.recipe,
+        recipe=_recipe(a),
         data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
                         bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
@@ -241,7 +252,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                           tune_top_llm_layers=a.tune_top_llm_layers, tune_projector=a.tune_projector,
                           tune_diffusion_model=a.tune_diffusion_model, tune_vlln=a.tune_vlln,
                           dit_dropout=a.dit_dropout),
-        optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(a.recipe, _default(OptimConfig, "lr")),
+        optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(_recipe(a), _default(OptimConfig, "lr")),
                           lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps, warmup_ratio=a.warmup_ratio,
                           min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip),
         parallel=ParallelConfig(zero_stage=a.zero, grad_accum=a.grad_accum, reduce_bucket_size=a.reduce_bucket_size,

@@ -152,14 +152,15 @@ def check_config(args: argparse.Namespace) -> int:
     """`--check-config`: the rank's preflight, alone, in the calling process (exit 0 or 2); the run-dir
     check (a fresh run over checkpoints) ran before it in run_args."""
     try:
-        checked = preflight(config_from_args(args))
+        cfg = config_from_args(args)
+        checked = preflight(cfg)
     except ConfigError as exc:
         print(f"loongforge train: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except LoongForgeError as exc:
         print(f"loongforge train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(f"loongforge train: config ok: recipe {args.recipe}, {checked.world} ranks, micro batch "
+    print(f"loongforge train: config ok: recipe {cfg.recipe}, {checked.world} ranks, micro batch "
           f"{checked.ds_config['train_micro_batch_size_per_gpu']}, {checked.index.num_samples} samples")
     return 0
 

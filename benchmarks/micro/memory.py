@@ -1,7 +1,7 @@
 """`loongforge bench memory`: GPU memory per rank of GR00T N1.6 (the released 2.96 B architecture by
 default) by parallel layout, from the real model, without a GPU.
 
-  loongforge bench memory [--recipe gr00t-n1.6] [--micro-batch 8] [--images 2] [--ac-every 0 4 1]
+  loongforge bench memory [--recipe gr00t-n1.6] [--micro-batch 8] [--images 2] [--ac-every 0 1]
 
 Model states, per rank, exactly from the model's parameter table (built on the meta device) and the
 plan's rules: every parameter in bf16 (DeepSpeed's bf16 mode); for each trainable parameter a bf16

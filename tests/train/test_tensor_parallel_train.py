@@ -150,3 +150,25 @@ def test_resume_refuses_another_layout():
         check_resume_layout({}, state, "step00000002")  # written before --tp existed: TP 1
     with pytest.raises(CheckpointError, match="another rank count.*loongforge ckpt reshard RUN --to world=2,zero=2,tp=2"):
         check_resume_layout({"parallel": {"tp": 2, "sp": 1}, "world": 4}, state, "step00000002", world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp_run", [3], ids=["zero3"], indirect=True)
+def test_tp_checkpoint_exports_after_a_reshard_to_tp1(tp_run, train_root, tmp_path):
+    """Export reads whole tensors: a TP-2 checkpoint is refused with the converting command, which then
+    gives a ZeRO-0 TP-1 copy that exports with the reference's tensor names."""
+    _, run_dir, _ = tp_run
+    root, _ = train_root
+    run = str(tmp_path / "run")
+    shutil.copytree(run_dir, run)
+    export = [sys.executable, "-m", "loongforge", "export", run, str(tmp_path / "out"), "--data", root]
+    bad = launch(export, cwd=str(tmp_path), timeout=180)
+    assert bad.returncode != 0 and "tensor-parallel shards" in bad.stderr, bad.stderr[-2000:]
+    cmd = bad.stderr.split("first: ", 1)[1].split()  # loongforge ckpt reshard RUN --tag T --to world=1,zero=0,tp=1
+    _ok(launch([sys.executable, "-m", "loongforge", *cmd[1:]], cwd=str(tmp_path), timeout=400))
+    _ok(launch(export, cwd=str(tmp_path), timeout=180))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "backbone.model.language_model.model.layers.0.self_attn.q_proj.weight" in names

@@ -17,8 +17,15 @@ from loongforge.train.ckpt import files as ckpt_files
 
 
 def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """fp32 state dict of the model from a DeepSpeed checkpoint directory."""
+    """fp32 state dict of the model from a DeepSpeed checkpoint directory (one TP rank's files: a
+    tensor-parallel or universal-format checkpoint is refused with the converting command)."""
     tag_dir = os.path.join(ckpt_files.ckpt_root(run_dir), tag)
+    doc = ckpt_files.read_sidecar(run_dir, tag)
+    tp = int(doc.get("parallel", {}).get("tp", 1))
+    if tp > 1 or (doc.get("resharded") or {}).get("dir"):
+        why = f"holds {tp} tensor-parallel shards" if tp > 1 else "is in DeepSpeed's universal format (resharded)"
+        raise CheckpointError(f"checkpoint {tag} {why}; make a whole-model copy first: loongforge ckpt reshard "
+                              f"{run_dir} --tag {tag} --to world=1,zero=0,tp=1")
     with ckpt_files.weights_only_loads():
         if zero_stage == 0:
             path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")

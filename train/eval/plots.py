@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 # Drawn beside the truth and the one-sample policy when the trajectory has them.
-LINES = (("policy_k", "K-sample mean", "tab:blue", "-"), ("discrete", "discrete head", "tab:green", ":"),
-         ("ridge", "ridge(state)", "tab:purple", "--"), ("repeat_last", "repeat-last", "tab:gray", "--"))
+LINES = (("policy_k", "K-sample mean", "tab:blue", "-"), ("ridge", "ridge(state)", "tab:purple", "--"),
+         ("repeat_last", "repeat-last", "tab:gray", "--"))
 
 
 def worst_dims(traj: dict[str, np.ndarray], groups: dict[str, tuple[int, int]], max_dims: int) -> list[tuple]:

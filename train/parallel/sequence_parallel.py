@@ -17,10 +17,11 @@ The attention (`SequenceParallel.attention(inner)`, a drop-in for a site's bound
                  heads); the rest: all-gather heads (backward keeps my heads)
 
 Grouped KV heads (Qwen3: 16 query, 8 KV heads) split the same way, so tp x sp must divide the KV
-heads. Why Ulysses and not an all-gather of K/V: (4 Nv/S + Nr) d (S-1)/S bytes per rank and layer
-against 2 Nv d (S-1)/S, and O(Nv/S) activation memory instead of O(Nv): 0.51x the bytes at S = 4
-for this token mix (Nr << Nv). Its all-to-all is latency-bound across nodes: the plan keeps SP
-inside a node.
+heads. Ulysses against an all-gather of K/V: with N1.6's grouped KV heads (K and V each half of Q's
+width) Ulysses moves about 3/S + Nr/Nv times the bytes of the K/V all-gather (parallel/README.md has
+the derivation): more below S = 8 (1.22x at S = 4 for 2 images, 0.84x at S = 8). What it buys is
+O(Nv/S) activation memory instead of O(Nv) in every LLM layer. Its all-to-all is latency-bound
+across nodes: the plan keeps SP inside a node.
 
 Replicated tokens and gradients. Every SP rank computes the rest in full, so its contribution to a
 parameter's gradient would be counted S times when ZeRO sums over the SP group. The hooks of
