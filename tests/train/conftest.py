@@ -50,7 +50,7 @@ def zero3_run(train_root, tmp_path_factory):
 
 
 ZERO3_RUN_ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
-                  "--no-ds-breakdown", "--steps", "4", "--zero", "3", "--save-every", "2"]
+                  "--no-ds-breakdown", "--steps", "4", "--zero", "3", "--save-every", "2", "--dit-dropout", "0"]
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from tests.train.train_launch import torchrun  # noqa: E402
 from loongforge.shared.errors import ConfigError  # noqa: E402
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
-          "--steps", "4", "--zero", "3", "--no-ds-breakdown"]
+          "--steps", "4", "--zero", "3", "--no-ds-breakdown", "--dit-dropout", "0"]
 
 
 def _metrics(run_dir):

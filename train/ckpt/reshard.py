@@ -279,13 +279,16 @@ def _write_target(src_udirs: list[str], out_dirs: list[str], doc: dict, *, step:
     """Stream parameter by parameter: merge the source TP shards, split for the target, write. Returns the
     number of parameters. ZeRO-3's universal files are flat: every part is viewed in its TP-local shape."""
     kinds, shapes, trained = tp_kinds(doc), full_shapes(doc), set(trained_names(doc))
-    names = _param_names(src_udirs[0])
-    if set(names) != trained:
+    found = _param_names(src_udirs[0])
+    # ds_to_universal writes a ZeRO-1/2 source's frozen parameters too (weights only): they travel in frozen.pt
+    if not trained <= set(found) <= set(shapes):
         raise CheckpointError(f"the checkpoint's trained parameters differ from the model its sidecar describes "
-                              f"({sorted(set(names) ^ trained)[:5]}...): not a checkpoint of this model")
+                              f"({sorted((set(found) - set(shapes)) | (trained - set(found)))[:5]}...): not a "
+                              "checkpoint of this model")
     for other in src_udirs[1:]:
-        if _param_names(other) != names:
+        if _param_names(other) != found:
             raise CheckpointError(f"TP ranks of the source hold different parameter sets ({other})")
+    names = [n for n in found if n in trained]
     step_t = torch.tensor(float(step))
     for name in names:
         for state in STATES:
