@@ -109,7 +109,8 @@ def _sum_grad(norm: nn.Module, group) -> None:
     rank's gradient covers its heads, the true one is their sum (transformers' tp_plan calls it
     replicated_with_grad_allreduce). The module and its parameter stay as they are; the gradient is
     all-reduced over the TP group as autograd produces it."""
-    norm.weight.register_hook(lambda g: all_reduce_grad(g, group))
+    if norm.weight.requires_grad:  # a frozen layer's norm has no gradient to sum
+        norm.weight.register_hook(lambda g: all_reduce_grad(g, group))
 
 
 def _swap(parent: nn.Module, path: str, kind: str, rank: int, world: int, group) -> None:
@@ -128,6 +129,8 @@ def _swap(parent: nn.Module, path: str, kind: str, rank: int, world: int, group)
                           f"{'output' if kind == 'col' else 'input'} features, not divisible by tp")
     idx = chunk_index(n, rank, world)
     new = ColumnParallelLinear(lin, idx, group, copy_input=False) if kind == "col" else RowParallelLinear(lin, idx, group)
+    for name, p in new.named_parameters():  # a frozen linear stays frozen (a fine-tune's LLM, the unused head)
+        p.requires_grad_(getattr(lin, name).requires_grad)
     if leaf.isdigit():
         parent[int(leaf)] = new
     else:

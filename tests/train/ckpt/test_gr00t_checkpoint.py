@@ -97,7 +97,14 @@ def test_a_checkpoint_that_does_not_match_is_one_error(fixture, tmp_path):
 @pytest.mark.parametrize("case", ["missing", "no-tokenizer"])
 def test_init_from_errors_are_one_line_exit_2(fixture, train_root, tmp_path, case):
     root, _ = train_root
-    src = str(tmp_path / "nope") if case == "missing" else str(fixture)
+    src = tmp_path / "ckpt"
+    if case == "no-tokenizer":  # the reference's reduced checkpoint (Qwen3-style vocabulary), no tokenizer files
+        src.mkdir()
+        config = json.loads((fixture / "config.json").read_text())
+        config["eagle_config"] = json.loads((fixture / "eagle_config_reduced.json").read_text())
+        (src / "config.json").write_text(json.dumps(config))
+        os.symlink(fixture / "model.safetensors", src / "model.safetensors")
+    src = str(src)
     proc = launch([sys.executable, "-m", "loongforge", "train", "--data", root, "--run-dir", str(tmp_path / "run"),
                    "--init-from", src, "--steps", "1"], cwd=str(tmp_path), timeout=180)
     err = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]  # the launch's log lines
