@@ -8,9 +8,12 @@
 
 and the order table: batch diversity of the block order against a uniform random permutation (the
 order users run today), and the block decodes per sample a worker's LRU leaves (simulated for rank
-0 of 8, worker 0 of 4); and what locating a sample costs at fleet scale.
+0 of 8, worker 0 of 4); and what locating a sample costs at fleet scale; and the output table: the
+whole loader (BlockLoader, CPU) at 0/1/2 workers, NV12 and float RGB out, with and without recycled
+output buffers (HostPool), samples/s and samples per CPU-second of the process tree.
 
-    loongforge bench block-loader --episodes 8      # ~10 min on a loaded 2-core VM
+    loongforge bench block-loader --episodes 8      # ~12 min on a loaded 2-core VM
+    loongforge bench block-loader --tables output   # the output A/B alone (B=16 root), ~3 min
 
 Every figure of one run is measured in that run on the same frames, one process, one core;
 report the ratios with the load average beside them. Writes results/block-loader-<time>-<host>.json.
@@ -26,8 +29,10 @@ from collections import OrderedDict
 
 import numpy as np
 
+from loongforge.benchmarks.harness.cores import CpuMeter
 from loongforge.benchmarks.harness.dataset import (BlockFiller, DeltaSpec, RootWriter, SampleTable, batch_diversity,
-                                                   block_sequence, decode_block, open_root, rank_slice)
+                                                   block_loader, block_sequence, decode_block, open_root, rank_slice)
+from loongforge.benchmarks.harness.measure import time_pass
 from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.shared.index import CameraInfo, DatasetInfo
 from loongforge.train.data.batch import BatchLayout
@@ -183,44 +188,96 @@ def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
             "us_per_id_batch64": batch64 * 1e6, "table_bytes": table.ends.nbytes + table.starts.nbytes}
 
 
+def output_row(root: str, batch: int, batches: int, workers: int, rgb: bool, recycle: bool) -> dict:
+    """The whole loader on CPU (rank 0 of 1, K=1, H=16, default order and cache): NV12 or float RGB out,
+    recycled output buffers or a fresh one per batch; timed once every worker is up (`wait_ready`)."""
+    loader = block_loader(root, batch_size=batch, num_workers=workers, rgb=rgb, recycle_buffers=recycle,
+                          deltas=DeltaSpec(video=(0,), action_horizon=HORIZON))
+    try:
+        p = time_pass(iter(loader), warmup=1, timed=batches, meter=CpuMeter(), ready=loader.wait_ready)
+    finally:
+        loader.close()
+    return {"samples_per_s": p.samples_per_s, "samples_per_cpu_s": p.samples_per_cpu_s}
+
+
 CONFIGS = [(f"B={b} {name}", b, run, cache) for b in (4, 8, 16, 32)
            for name, run, cache in (("run=4, 1 worker (256 MiB LRU)", 4, None),
                                     ("run=4, fleet (reuse within batch)", 4, 2), ("run=1, fleet (random order)", 1, 2))]
+TABLES = ("body", "order", "output")
 
 
-def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int) -> dict:
+def output_configs(workers: tuple[int, ...]) -> list[tuple[str, int, bool, bool]]:
+    return [(f"W={w} {'float RGB' if rgb else 'NV12'} {'recycled' if recycle else 'fresh'}", w, rgb, recycle)
+            for w in workers for rgb in (False, True) for recycle in (True, False)]
+
+
+def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int, tables: tuple[str, ...] = TABLES,
+        workers: tuple[int, ...] = (0, 1, 2), loader_batches: int = 60) -> dict:
     eps = gr00t_episodes(work, episodes)
     res = {"episodes": episodes, "frames": sum(len(f) for f, _ in eps), "loadavg": os.getloadavg(), "batch": batch,
-           "window": 65536}
+           "window": 65536, "tables": list(tables)}
     roots = {}
-    for block in (4, 8, 16, 32):
+    for block in (4, 8, 16, 32) if "body" in tables else (16,):
         roots[block] = os.path.join(work, f"b{block}")
         write_root(roots[block], eps, block)
     runs: dict[str, list] = {}
+    outputs: dict[str, list] = {}
     for _ in range(rounds):  # interleaved: load drifts on a shared machine, ratios stay comparable
-        for name, block, order_run, cache in CONFIGS:
-            runs.setdefault(name, []).append(worker_row(roots[block], batch, max_batches, order_run, 65536, cache))
-        runs.setdefault("zstd limit (B=16 blocks from RAM)", []).append(zstd_limit(roots[16]))
-    res["rows"] = {name: {k: float(np.median([r[k] for r in rows])) for k in rows[0]} for name, rows in runs.items()}
-    res["order"] = order_table()
-    res["locate"] = locate_cost()
+        if "body" in tables:
+            for name, block, order_run, cache in CONFIGS:
+                runs.setdefault(name, []).append(worker_row(roots[block], batch, max_batches, order_run, 65536, cache))
+            runs.setdefault("zstd limit (B=16 blocks from RAM)", []).append(zstd_limit(roots[16]))
+        if "output" in tables:
+            for name, w, rgb, recycle in output_configs(workers):
+                outputs.setdefault(name, []).append(output_row(roots[16], batch, loader_batches, w, rgb, recycle))
+    res["rows"] = {name: _medians(rows) for name, rows in runs.items()}
+    res["output"] = {name: _medians(rows) for name, rows in outputs.items()}
+    res["output_workers"], res["loader_batches"] = list(workers), loader_batches
+    if "order" in tables:
+        res["order"] = order_table()
+        res["locate"] = locate_cost()
     res["loadavg_end"] = os.getloadavg()
     return res
 
 
+def output_markdown(res: dict) -> list[str]:
+    """One row per (workers, output): recycled against fresh output buffers, side by side."""
+    lines = ["| workers | output | samples/s recycled | samples/s fresh | recycled / fresh | samples/CPU-s "
+             "recycled | samples/CPU-s fresh |", "|---|---|---|---|---|---|---|"]
+    got = res.get("output", {})
+    for w in res.get("output_workers", ()):
+        for out in ("NV12", "float RGB"):
+            a, b = got.get(f"W={w} {out} recycled"), got.get(f"W={w} {out} fresh")
+            if a and b:
+                lines.append(f"| {w} | {out} | {a['samples_per_s']:,.0f} | {b['samples_per_s']:,.0f} | "
+                             f"{a['samples_per_s'] / b['samples_per_s']:.2f} | {a['samples_per_cpu_s']:,.0f} | "
+                             f"{b['samples_per_cpu_s']:,.0f} |")
+    return lines
+
+
+def _medians(rows: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+
+
 def markdown(res: dict) -> str:
-    lines = ["| worker body | samples/s | CPU us/sample | block decodes/sample |", "|---|---|---|---|"]
-    for name, r in res["rows"].items():
-        if "samples_per_s" in r:
-            lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['cpu_us_per_sample']:.0f} | "
-                         f"{r['block_decodes_per_sample']:.3f} |")
-        else:
-            lines.append(f"| {name} | {r['frames_per_s']:,.0f} frames/s | - | - |")
-    lines += ["", "| order | distinct episodes | distinct blocks | same-episode pairs | decodes/sample (sim.) |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {d['order']} | {d['distinct_episodes']:.2f} | {d['distinct_blocks']:.2f} | "
-              f"{d['same_episode_pairs']:.3f} | {d['decodes_per_sample']:.3f} |" for d in res["order"]]
-    return "\n".join(lines)
+    tables = []
+    if res["rows"]:
+        lines = ["| worker body | samples/s | CPU us/sample | block decodes/sample |", "|---|---|---|---|"]
+        for name, r in res["rows"].items():
+            if "samples_per_s" in r:
+                lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r['cpu_us_per_sample']:.0f} | "
+                             f"{r['block_decodes_per_sample']:.3f} |")
+            else:
+                lines.append(f"| {name} | {r['frames_per_s']:,.0f} frames/s | - | - |")
+        tables.append(lines)
+    if res.get("order"):
+        tables.append(["| order | distinct episodes | distinct blocks | same-episode pairs | decodes/sample (sim.) |",
+                       "|---|---|---|---|---|"] +
+                      [f"| {d['order']} | {d['distinct_episodes']:.2f} | {d['distinct_blocks']:.2f} | "
+                       f"{d['same_episode_pairs']:.3f} | {d['decodes_per_sample']:.3f} |" for d in res["order"]])
+    if res["output"]:
+        tables.append(output_markdown(res))
+    return "\n\n".join("\n".join(lines) for lines in tables)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -228,13 +285,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="per-rank micro batch")
     p.add_argument("--max-batches", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of each is reported")
+    p.add_argument("--tables", default=",".join(TABLES),
+                   help="comma-separated, of body (the worker body per block size), order (the order and "
+                        "locate tables), output (the whole loader: NV12/RGB out, recycled/fresh buffers)")
+    p.add_argument("--workers", default="0,1,2", help="decode worker counts of the output table")
+    p.add_argument("--loader-batches", type=int, default=60, help="timed batches per pass of the output table")
     p.add_argument("--workdir", help="where the data is generated (default: a temp dir, removed)")
     p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
 
 
 def handle(args: argparse.Namespace) -> int:
+    tables = tuple(t for t in args.tables.split(",") if t)
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise SystemExit(f"--tables: unknown {sorted(unknown)}; choose from {', '.join(TABLES)}")
     with tempfile.TemporaryDirectory(prefix="block-loader-", dir=args.workdir) as work:
-        res = run(work, args.episodes, args.batch, args.max_batches, args.rounds)
+        res = run(work, args.episodes, args.batch, args.max_batches, args.rounds, tables,
+                  tuple(int(w) for w in args.workers.split(",")), args.loader_batches)
     print(markdown(res))
     write_timestamped(args.out, "block-loader", res)
     return 0

@@ -1,7 +1,10 @@
 """The block-loader benchmark's order table (benchmarks/loader/block_loader.py) on a small table: the
-counted columns it reports follow the order's design (decodes per sample ~ 1/run at fleet scale)."""
+counted columns it reports follow the order's design (decodes per sample ~ 1/run at fleet scale); its
+output table runs the loader each way it compares."""
 
-from loongforge.benchmarks.loader.block_loader import locate_cost, order_table
+from loongforge.benchmarks.harness.dataset import make_synthetic_root
+from loongforge.benchmarks.loader.block_loader import (locate_cost, order_table, output_configs, output_markdown,
+                                                       output_row)
 
 
 def test_order_table_counts_follow_the_run_length():
@@ -18,3 +21,12 @@ def test_order_table_counts_follow_the_run_length():
 def test_locate_cost_reports_per_id_costs():
     out = locate_cost(episodes=1000, samples=6400)
     assert out["samples"] > 1000 * 150 and out["us_per_id_batch64"] > 0 and out["searchsorted_us_per_id"] > 0
+
+
+def test_output_table_times_each_output_with_and_without_recycled_buffers(tmp_path):
+    make_synthetic_root(str(tmp_path), lengths=(20, 30), height=8, width=8, block_size=4)
+    got = {name: output_row(str(tmp_path), 4, 3, w, rgb, recycle) for name, w, rgb, recycle in output_configs((0,))}
+    # samples/CPU-s may read 0 here: a few ms of CPU, read at the clock tick of psutil
+    assert len(got) == 4 and all(r["samples_per_s"] > 0 and r["samples_per_cpu_s"] >= 0 for r in got.values())
+    lines = output_markdown({"output": got, "output_workers": [0]})
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["NV12", "float RGB"]

@@ -34,7 +34,7 @@ from loongforge.shared.index import FORMAT_VERSION  # of the shard root, in the 
 from loongforge.train.data import order
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.fill import FillerSpec
-from loongforge.train.data.prefetch import Prefetcher, resolve_device
+from loongforge.train.data.prefetch import HostPool, Prefetcher, resolve_device
 from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import DeltaSpec, SampleTable
 from loongforge.train.data.sources import SourceSpec, close_source, make_source
@@ -62,7 +62,8 @@ class BlockLoader:
                  max_text_tokens: int = 32, bad_samples: str = "skip", prefetch: int = 2,
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
                  image_mean: float = 0.5, image_std: float = 0.5, train_only: bool = True,
-                 source: SourceSpec | None = None, drop_last: bool = True, prompts: PromptTable | None = None):
+                 source: SourceSpec | None = None, drop_last: bool = True, prompts: PromptTable | None = None,
+                 recycle_buffers: bool = True):
         self.ds = dataset if dataset is not None else open_root(root)
         self.prompts = prompts  # the model's prompt per task (the trainer's); None = the task text's bytes
         info = self.ds.info
@@ -93,6 +94,7 @@ class BlockLoader:
                                timeout_s=timeout_s, start_method=start_method)
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.rgb = rgb
+        self.recycle = recycle_buffers  # False: a fresh CPU output buffer per batch (the benchmark's A/B baseline)
         self.epoch, self.consumed, self.steps_done, self.dropped = 0, 0, 0, 0
         self._orders: dict[int, order.EpochOrder] = {}  # this epoch and, near its end, the next
         self._pool: DecodePool | None = None
@@ -193,9 +195,13 @@ class BlockLoader:
             if self._announcer is None:
                 close_source(cand)
         self._announced_epoch, self._announced_next = -1, -1
-        plans, pool = self.plans(), self._pool
+        plans, pool, layout = self.plans(), self._pool, self.layout
         inflight: list[tuple[int, dict]] = []
         counter = iter(range(1 << 62))
+        host = HostPool.for_prefetch(self.prefetch, self.recycle)
+        # Inline decode on CPU fills each batch straight into recycled output memory, handed out as it is;
+        # workers fill shared-memory slots, which the prefetcher copies out before releasing them.
+        direct = self.num_workers == 0 and self.device.type == "cpu"
 
         def pull():
             while pool.free_slots > 1 or (pool.free_slots and not inflight):
@@ -209,12 +215,17 @@ class BlockLoader:
             if not inflight:
                 raise StopIteration
             seq, meta = inflight.pop(0)
-            slot, arrays = pool.get(seq)
+            if direct:
+                buf = host.take((layout.nbytes,), torch.uint8, "batch")
+                slot, arrays = pool.get(seq, out=buf.numpy())
+                arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}  # views of buf: kept alive
+            else:
+                slot, arrays = pool.get(seq)
             meta["bad_samples"] = pool.bad_samples
             return meta, arrays, lambda: pool.release(slot)
 
         self._prefetcher = Prefetcher(pull, device=self.device, rgb=self.rgb, depth=self.prefetch,
-                                      timeout_s=self._pool_args["timeout_s"] * 2, **self._conv)
+                                      timeout_s=self._pool_args["timeout_s"] * 2, host=host, **self._conv)
 
     def __iter__(self):
         self._start()

@@ -13,6 +13,9 @@ each batch onto the device:
         outside the pool references its memory (HostPool), so a caller that keeps
         a batch never sees it overwritten, and steady state allocates nothing
         (a fresh float batch per step costs its page faults: ~12 B per pixel).
+        A pull() that filled the batch straight into such a buffer (inline decode:
+        the loader passes its pool in as `host`) returns torch tensors, which are
+        handed out as they are: NV12 out then copies nothing.
 depth=0 runs everything synchronously in the caller (debugging, num_workers=0).
 """
 
@@ -66,7 +69,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class Prefetcher:
     def __init__(self, pull: Callable[[], tuple[dict, dict[str, np.ndarray], Callable[[], None]]], *,
                  device: torch.device, matrix: str, color_range: str, mean: float, std: float,
-                 rgb: bool = True, depth: int = 2, timeout_s: float = 300.0):
+                 rgb: bool = True, depth: int = 2, timeout_s: float = 300.0, host: HostPool | None = None):
         self.pull, self.device, self.depth, self.timeout_s = pull, resolve_device(device), depth, timeout_s
         self.conv = dict(matrix=matrix, color_range=color_range, mean=mean, std=std)
         self.rgb = rgb
@@ -75,7 +78,7 @@ class Prefetcher:
         # depth+2 pinned sets: `depth` queued, one being consumed, one being filled.
         self._pinned: list[dict[str, torch.Tensor]] = [{} for _ in range(depth + 2)] if self.cuda else []
         self._set_events = [None] * len(self._pinned)
-        self._host = HostPool(per_shape=depth + 3)
+        self._host = host if host is not None else HostPool.for_prefetch(depth)
         self._next_set = 0
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -123,15 +126,24 @@ class Prefetcher:
         return nv12_to_input(t, **self.conv) if self.rgb and name.startswith("frames.") else t
 
     def _stage_cpu(self, meta, arrays) -> Staged:
+        """numpy arrays view a ring slot and are copied out; torch tensors are already the
+        consumer's memory (filled in place) and pass as they are, unless converted to RGB."""
         out = {}
         for name, arr in arrays.items():
-            t = torch.from_numpy(arr)
+            owned = isinstance(arr, torch.Tensor)
+            t = arr if owned else torch.from_numpy(arr)
             if self.rgb and name.startswith("frames."):
                 rows, w = t.shape[-2:]
                 shape = (*t.shape[:-2], 3, rows * 2 // 3, w)
-                out[name] = nv12_to_input(t, **self.conv, out=self._host.take(shape, torch.float32)).view(shape)
+                out[name] = nv12_to_input(t, **self.conv, out=self._host.take(shape, torch.float32, name)).view(shape)
+            elif owned:
+                out[name] = t
             else:
-                out[name] = self._host.take(t.shape, t.dtype).copy_(t)
+                dst = self._host.take(t.shape, t.dtype, name)
+                # NOTE: numpy, not Tensor.copy_: torch's copy is an OpenMP parallel region whose barrier waits
+                # for pool threads the decode workers keep off the cores (several times slower on a busy machine).
+                np.copyto(dst.numpy(), arr)
+                out[name] = dst
         return Staged(_nest(out), meta)
 
     def _stage_cuda(self, meta, arrays) -> Staged:
@@ -214,26 +226,34 @@ class HostPool:
     A buffer is free again when no tensor outside the pool shares its storage: the consumer
     dropped the batch and autograd released what it saved. The check is the storage's use
     count (torch._C._storage_Use_Count; without it every take allocates, as before).
-    `per_shape` buffers at most per (shape, dtype): when all are held, a fresh buffer takes the
-    place of the longest-held one, which stays with its consumer (kept batches leave the pool
-    instead of filling it)."""
+    `per_key` buffers at most per (name, shape, dtype), so a bound on the batches in flight is one
+    on the buffers, whatever fields share a shape (two cameras, state and action): when all are
+    held, a fresh buffer takes the place of the longest-held one, which stays with its consumer
+    (kept batches leave the pool instead of filling it)."""
 
-    def __init__(self, per_shape: int):
-        self.per_shape = per_shape
+    def __init__(self, per_key: int):
+        self.per_key = per_key  # 0: nothing is recycled, every take allocates (a benchmark's baseline)
         self._bufs: dict[tuple, list[torch.Tensor]] = {}
         self.allocated = 0  # buffers made (pooled or not): a test and a benchmark read it
 
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+    @classmethod
+    def for_prefetch(cls, depth: int, recycle: bool = True) -> "HostPool":
+        """Sized for a Prefetcher of `depth`: `depth` batches queued, one with the consumer, one
+        being staged, one staged and waiting for room in the queue."""
+        return cls(per_key=depth + 3 if recycle else 0)
+
+    def take(self, shape, dtype: torch.dtype, name: str = "") -> torch.Tensor:
+        """A buffer for field `name` of a batch: one per name per batch."""
         shape = tuple(shape)
-        bufs = self._bufs.setdefault((shape, dtype), [])
+        bufs = self._bufs.setdefault((name, shape, dtype), [])
         for buf in bufs:
             if _unshared(buf):
                 return buf.view(shape)
         self.allocated += 1
         buf = torch.empty(shape, dtype=dtype)
-        if _USE_COUNT is None:
+        if _USE_COUNT is None or self.per_key == 0:
             return buf
-        if len(bufs) >= self.per_shape:
+        if len(bufs) >= self.per_key:
             bufs.pop(0)  # the longest-held buffer stays with its consumer, out of the pool
         bufs.append(buf)
         return buf.view(shape)

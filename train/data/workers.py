@@ -192,17 +192,22 @@ class DecodePool:
         else:
             self._tasks.put(task)
 
-    def get(self, seq: int) -> tuple[int, dict[str, np.ndarray]]:
-        """Wait for batch `seq`; returns (slot, arrays viewing the slot). Call release(slot) after use."""
+    def get(self, seq: int, out=None) -> tuple[int, dict[str, np.ndarray]]:
+        """Wait for batch `seq`; returns (slot, arrays viewing the slot). Call release(slot) after use.
+        `out` (inline only): a writable buffer of `layout.nbytes` filled instead of the slot, so the
+        caller's own output memory receives the batch with no copy out of the ring."""
         if self.num_workers == 0:
             _, slot, items = self._pending.pop(seq)
-            arrays = self.layout.views(self._bufs[slot])
+            arrays = self.layout.views(self._bufs[slot] if out is None else out)
             try:
                 bad, reasons = self._filler.fill(arrays, items, self.policy)
             except BaseException:
                 self._free.append(slot)
                 raise
-            return self._finish(slot, bad, reasons, 0, self._filler.counters())
+            self._finish(slot, bad, reasons, 0, self._filler.counters())
+            return slot, arrays
+        if out is not None:
+            raise ValueError("get(out=...) fills inline only: workers write into their shared-memory slots")
         deadline = time.monotonic() + self.timeout_s
         # Checked on every call, not only on a timeout: the surviving workers would otherwise
         # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).

@@ -67,6 +67,32 @@ def test_batches_hold_the_gr00t_sample_semantics(small_root):
     assert len(ids) == len(set(ids)) == 44  # one epoch (46 samples, tail of 2 dropped), each once
 
 
+@pytest.mark.parametrize("rgb", [False, True])
+def test_inline_batches_fill_recycled_memory_and_kept_ones_stay_intact(small_root, rgb):
+    """Inline decode fills each batch straight into recycled output memory (NV12 out: no copy at all);
+    a batch the consumer keeps is never refilled, and the dropped ones are reused."""
+    root, _ = small_root
+    kw = dict(deltas=DeltaSpec(video=(-3, 0), action_horizon=4), max_steps=30, rgb=rgb)
+    with BlockLoader(root, batch_size=4, recycle_buffers=False, **kw) as fresh:
+        want = list(fresh)
+    kept = {}
+    with BlockLoader(root, batch_size=4, **kw) as loader:
+        for i, batch in enumerate(loader):
+            if not rgb:  # every field within the one buffer the batch was decoded into
+                ptrs = [t.data_ptr() for t in (*batch["frames"].values(), batch["state"], batch["sample_ids"])]
+                assert max(ptrs) - min(ptrs) < loader.layout.nbytes
+            if i % 5 == 0:
+                kept[i] = batch
+        allocated = loader._prefetcher._host.allocated
+    keys = 1 if not rgb else 3  # the batch buffer, and one float RGB buffer per camera
+    assert allocated <= keys * (loader.prefetch + 3 + len(kept)), allocated
+    for i, batch in kept.items():
+        for name in ("state", "action", "action_valid", "sample_ids", "task_tokens"):
+            assert torch.equal(batch[name], want[i][name]), (i, name)
+        for slot in ("front", "wrist"):
+            assert torch.equal(batch["frames"][slot], want[i]["frames"][slot]), (i, slot)
+
+
 @pytest.mark.slow
 def test_workers_0_1_2_give_identical_batches_and_count_cache_hits(small_root):
     root, written = small_root

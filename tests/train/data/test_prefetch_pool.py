@@ -24,7 +24,7 @@ def _pull(n: int, seed: int = 0):
 
 
 def test_pool_reuses_a_buffer_only_when_nothing_outside_holds_it():
-    pool = HostPool(per_shape=3)
+    pool = HostPool(per_key=3)
     a = pool.take((4, 5), torch.float32)
     b = pool.take((4, 5), torch.float32)
     assert a.data_ptr() != b.data_ptr()
@@ -63,3 +63,35 @@ def test_out_buffer_matches_a_fresh_conversion():
     got = nv12_to_input(nv12, out=out, **CONV)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got, nv12_to_input(nv12, **CONV))
+
+
+def test_fields_of_one_shape_are_pooled_per_name():
+    pool = HostPool(per_key=2)  # two batches in flight, each with two same-shaped cameras
+    held = []
+    for _ in range(10):
+        held.append([pool.take((4, 5), torch.uint8, name) for name in ("front", "wrist")])
+        if len(held) > 1:
+            held.pop(0)
+    assert pool.allocated == 4  # a pool keyed by shape alone would keep 2 buffers for 4 and allocate every time
+
+
+def test_no_recycling_allocates_every_take():
+    pool = HostPool(per_key=0)
+    for _ in range(3):
+        pool.take((4, 5), torch.float32, "x")
+    assert pool.allocated == 3
+
+
+def test_tensors_from_pull_pass_as_they_are_and_ring_views_are_copied():
+    ring = {"frames.cam": np.arange(2 * 12 * 8, dtype=np.uint8).reshape(2, 1, 12, 8)}
+    owned = {"state": torch.ones(2, 3)}
+
+    def pull():
+        return {"seq": 0}, {**ring, **owned}, lambda: None
+
+    pf = Prefetcher(pull, device=torch.device("cpu"), rgb=False, depth=0, **CONV)
+    staged = next(pf)
+    assert staged.tensors["state"] is owned["state"]  # filled in place by the caller: no copy
+    frames = staged.tensors["frames"]["cam"]
+    assert frames.data_ptr() != ring["frames.cam"].ctypes.data  # a ring slot is reused once released
+    assert torch.equal(frames, torch.from_numpy(ring["frames.cam"]))
