@@ -15,7 +15,7 @@
 #   7 shut everything down (also on failure or Ctrl-C)
 set -euo pipefail
 OUT=${DEMO_OUT:-demo-out}
-STEPS=${DEMO_STEPS:-300}  # tiny recipe: ~0.15 s a step on 2 CPU cores; ~200+ steps beat the baselines
+STEPS=${DEMO_STEPS:-480}  # tiny N1.6: ~0.2 s a step on 2 CPU cores; 480 steps beat the baselines (test_learning.py)
 RANKS=${DEMO_RANKS:-2}
 rm -rf "$OUT"; mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

@@ -22,8 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.train_launch import VENV_BIN, launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
-STEPS = 240  # val MSE 0.046 vs 0.207 (mean) and 0.345 (repeat-last) at 240 steps (tiny: lr 3e-3, cosine); ~1 min idle
-BAR = 0.5  # the policy's MSE must be below BAR x the better baseline's
+# N1.6 tiny (lr 1e-3, cosine), 2 ranks x batch 4, held-out MSE of the 8-sample mean (what predict_action
+# gives) after 480 steps: 0.094 (seed 0), 0.110 (seed 1) vs 0.205 (mean), 0.345 (repeat-last), 0.168 (ridge
+# from the state); 240 steps: 0.172; lr 3e-3: 0.228 at 240, 0.182 at 600 steps; lr 2e-3: 0.184 at 480.
+STEPS = 480
+BAR = 0.65  # the policy's MSE must be below BAR x the better trivial baseline's, and below ridge(state)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_policy_beats_baselines_and_untrained_model(trained, learn_root, tmp_pat
     assert set(summary["groups"]) == {"arm", "gripper"}  # modality.json's action groups
     mse = {m: summary["overall"][m]["mse"]["all"] for m in ("policy", "policy_k", "ridge", "mean", "repeat_last")}
     print(f"learning check after {STEPS} steps, val MSE (dataset units): {mse}")
-    assert mse["policy"] < BAR * min(mse["mean"], mse["repeat_last"]), mse
+    assert mse["policy_k"] < BAR * min(mse["mean"], mse["repeat_last"]) and mse["policy_k"] < mse["ridge"], mse
 
     # The same bar for an untrained model of the same recipe: it must not pass.
     from loongforge.train.eval.openloop import run_eval
@@ -116,8 +119,8 @@ def test_policy_beats_baselines_and_untrained_model(trained, learn_root, tmp_pat
     torch.manual_seed(0)
     fresh = Policy(build_model(trained_policy.cfg), index, trained_policy.processor.cfg,
                    embodiment_id=trained_policy.processor.embodiment_id)
-    base = run_eval(fresh, root, str(tmp_path / "fresh"), plots=False)["overall"]
-    assert base["policy"]["mse"]["all"] > BAR * min(mse["mean"], mse["repeat_last"])
+    base = run_eval(fresh, root, str(tmp_path / "fresh"), plots=False, samples=8)["overall"]
+    assert base["policy_k"]["mse"]["all"] > BAR * min(mse["mean"], mse["repeat_last"])
 
 
 def test_policy_takes_raw_observations(trained, learn_root):
