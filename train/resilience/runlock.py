@@ -82,8 +82,13 @@ class RunLock:
 
 def is_held(run_dir: str) -> bool:
     """Someone holds the run dir's lock now (tested without creating the lock file)."""
+    return lock_file_held(os.path.join(run_dir, LOCK_FILE))
+
+
+def lock_file_held(path: str) -> bool:
+    """Someone holds an flock on `path` now (False when the file does not exist; never creates it)."""
     try:
-        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return False
     try:

@@ -34,6 +34,7 @@ import time
 
 from loongforge.shared.errors import UsageError
 from loongforge.shared.storage import write_bytes_atomic
+from loongforge.train.resilience.runlock import lock_file_held
 
 PLAN_STATES = ("launch", "finished", "stopped", "gave_up")
 
@@ -84,19 +85,7 @@ class Board:
         """Its supervisor holds its lock (this node: True while joined)."""
         if node_id == self.node_id:
             return self._fd is not None
-        try:
-            fd = os.open(self._lock_path(node_id), os.O_RDWR)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return True
-            raise
-        finally:
-            os.close(fd)  # also drops the lock just taken
-        return False
+        return lock_file_held(self._lock_path(node_id))
 
     def node(self, node_id: str) -> dict | None:
         return _read_json(self._state_path(node_id))
