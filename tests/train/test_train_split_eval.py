@@ -79,8 +79,8 @@ def test_open_loop_eval_of_the_held_out_episode(split_run, tmp_path):
     ep = summary["episodes"]["4"]
     assert ep["chunks"] == 3 and ep["steps"] == LENGTHS[4]  # t = 0, 4, 8 of 9 frames; padded rows dropped
     assert np.isfinite(summary["overall"]["policy"]["mse"]["all"])
-    # one sample, the mean of --samples 8, the discrete head and the ridge fitted on the training episodes
-    assert {"policy", "policy_k", "discrete", "ridge", "mean", "repeat_last"} <= set(summary["overall"])
+    # one sample, the mean of --samples 8 and the ridge fitted on the training episodes
+    assert {"policy", "policy_k", "ridge", "mean", "repeat_last"} <= set(summary["overall"])
     assert summary["samples"] == 8 and summary["ridge_samples"] == sum(LENGTHS) - LENGTHS[4]
     assert os.path.exists(os.path.join(out, "episode_000004.png"))
 

@@ -17,6 +17,7 @@ import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import delta as ckpt_delta, reshard_frozen, universal as ckpt_universal
+from loongforge.train.ckpt.reshard import split_tp, tp_kinds
 from loongforge.train.ckpt.async_writer import DeltaPolicy, SaveJob, SnapshotEngine, Writer, prune_before_write
 from loongforge.train.ckpt.files import (CHECKPOINT_VERSION, SIDECAR, ckpt_root, read_pointer, read_sidecar, tag_for,
                                          verify_manifest, weights_only_loads)
@@ -244,8 +245,6 @@ def _load_resharded(engine, run_dir: str, tag: str, doc: dict, rdir: str, *, ran
     path, _ = ckpt_universal.load_universal(engine, ckpt_root(run_dir), rdir)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the resharded checkpoint {rdir} under {ckpt_root(run_dir)}")
-    from loongforge.train.ckpt.reshard import split_tp, tp_kinds  # the converter's TP rules
-
     kinds, tp = tp_kinds(doc), int(doc.get("parallel", {}).get("tp", 1))
     frozen = reshard_frozen.restore(engine, os.path.join(ckpt_root(run_dir), tag, reshard_frozen.FROZEN_FILE),
                                     lambda full, name: split_tp(full, kinds.get(name), rank % tp, tp))

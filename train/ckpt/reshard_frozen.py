@@ -16,6 +16,7 @@ pooling head never trains. Their values live elsewhere in a DeepSpeed checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -79,8 +80,6 @@ def restore(engine, path: str, split) -> int:
 
         ctx = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
     else:
-        import contextlib
-
         ctx = contextlib.nullcontext()
     with torch.no_grad(), ctx:
         for n, p in params.items():

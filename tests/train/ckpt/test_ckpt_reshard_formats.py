@@ -40,13 +40,14 @@ def test_zero0_files_round_trip_through_the_universal_form(tmp_path):
     src.mkdir()
     torch.save({"module": model.state_dict(), "optimizer": opt.state_dict(), "ds_version": "0.19.8",
                 "global_steps": 3}, src / "mp_rank_00_model_states.pt")
-    [udir] = universal_from_zero0(str(src), str(tmp_path / "work"), 1)
+    names = [n for n, _ in model.named_parameters()]
+    [udir] = universal_from_zero0(str(src), str(tmp_path / "work"), 1, names)
     assert float(torch.load(os.path.join(udir, "zero", "c.weight", "step.pt"))) == 3.0
     out = tmp_path / "out"
     shutil.copytree(udir, out / "universal_tp00")
     optim = torch.load(os.path.join(udir, "zero", "optimizer_state.pt"), weights_only=False)
-    names = [n for n, _ in model.named_parameters()]
-    to_zero0_files(str(out), str(out / "universal_tp00"), 0, {"ds_version": "0.19.8"}, optim, step=3, names=names)
+    to_zero0_files(str(out), str(out / "universal_tp00"), 0, {"ds_version": "0.19.8"}, optim, step=3, names=names,
+                   frozen={})
     assert sorted(os.listdir(out)) == ["mp_rank_00_model_states.pt"]
     got = torch.load(out / "mp_rank_00_model_states.pt", weights_only=True)
     for name, value in model.state_dict().items():
