@@ -44,6 +44,7 @@ def quick_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the bench harness end to end (80 s of set-up); `make bench-quick` runs it
 def test_quick_bench_writes_a_complete_result(quick_run):
     check_complete_result(*quick_run[:2], FAST_GOPS, FAST_WORKERS)
 
@@ -111,6 +112,7 @@ def check_complete_result(proc, out, gops, workers):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # shares the quick bench run above
 def test_baseline_and_shards_serve_the_same_samples(quick_run):
     """The baseline's window i is the shard root's sample i (same episode, t, frames shown, state and
     action rows), up to the NV12 round trip of the transcode."""

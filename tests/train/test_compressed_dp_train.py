@@ -109,6 +109,7 @@ def test_plain_zero3_gradient_traffic_is_reported_under_dp(zero3_run):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # top-k's own path is test_topk_sends_a_third_and_resumes_exactly; the warm-up is its schedule
 def test_dense_warmup_steps_then_top_k(train_root, zero3_run, tmp_path):
     """--compress-warmup-steps 2: steps 0-1 sync dense (the plain run's losses through step 2, whose
     forward sees their weights), then top-k (a third of the bytes)."""

@@ -305,6 +305,7 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
     assert steps == list(range(done + 3))  # the steps after the checkpoint were redone, none doubled
 
 
+@pytest.mark.full  # SIGTERM on every launch path is test_stop.py's
 def test_sigterm_tears_a_rank_down_cleanly(train_root, tmp_path):
     """SIGTERM with --no-save-on-term (a launcher stopping the survivors) closes the loader and exits
     143 with a resume hint; the decode workers do not outlive the rank. (The default, a checkpoint first

@@ -87,6 +87,7 @@ def test_two_data_parallel_ranks_equal_one(one_rank, train_root, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # grad accumulation's equivalence is also the elastic test's (2 ranks -> 1 rank x accum 2, losses equal)
 def test_grad_accum_equals_one_micro_batch(one_rank, train_root, tmp_path):
     root, _ = train_root
     run_dir = str(tmp_path / "accum2")

@@ -34,6 +34,8 @@ def tp_run(request, train_root, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp_run", [pytest.param(2, marks=pytest.mark.full), 3], ids=["zero2", "zero3"],
+                         indirect=True)  # make test: TP under ZeRO-3 (ZeRO-2's TP layout is the same swap)
 def test_tp2_matches_one_rank(tp_run, train_root, tmp_path):
     zero, run_dir, proc = tp_run
     root, _ = train_root

@@ -51,6 +51,7 @@ def test_two_ranks_train_on_the_training_episodes(split_run):
     assert "val_flow_loss" in rows[9] and np.isfinite(rows[9]["val_action_mse"])
 
 
+@pytest.mark.full  # exact resume is test_deepspeed.py::test_resume_is_exact; this adds deltas and a split
 def test_resume_with_deltas_and_split_is_exact(split_run, tmp_path):
     root, run_dir = split_run
     resumed = str(tmp_path / "resumed")

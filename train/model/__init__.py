@@ -1,23 +1,25 @@
 """The model: GR00T N1.6 (Eagle backbone + AlternateVLDiT action head), attention, masks, weights'
 names. Knows nothing of parallelism."""
 
-import logging as _logging
 
+def _import_transformers_without_torchao() -> None:
+    """transformers imports torchao (when installed: the [fp8] extra) for its own quantizers, which
+    LoongForge never uses (its FP8 path calls torchao itself, kernels/precision.py). That import costs
+    ~1 s in every process that builds the model (each rank, each CLI) and prints six warning lines
+    (CUDA kernels built for another Python, deprecated pytree registrations). transformers is told
+    torchao is absent while its modelling code imports; a transformers without that probe imports as
+    it is."""
+    import transformers.utils as tu
+    import transformers.utils.import_utils as iu
 
-def _import_transformers_quietly() -> None:
-    """transformers imports torchao (when installed, the [fp8] extra) for its quantizers, and torchao
-    warns at import about CUDA kernels built for another Python plus deprecated pytree registrations:
-    six lines on every command, even `ckpt reshard`'s one-line errors. Those two loggers are raised to
-    ERROR for this one import only; later torchao messages (the FP8 path's) are untouched."""
-    loggers = [_logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(_logging.ERROR)
+    probe = getattr(iu, "is_torchao_available", None)
+    if probe is not None:
+        iu.is_torchao_available = tu.is_torchao_available = lambda *a, **k: False
     try:
         import transformers.modeling_utils  # noqa: F401
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        if probe is not None:
+            iu.is_torchao_available = tu.is_torchao_available = probe
 
 
-_import_transformers_quietly()
+_import_transformers_without_torchao()

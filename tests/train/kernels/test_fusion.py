@@ -102,6 +102,7 @@ def test_gpu_inductor_equivalence_and_kernel_time(train_root):
 
 
 @torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+@pytest.mark.full  # CPU torch.compile (19 s); test_fused_equals_eager_and_composes_with_ac stays
 def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batches(monkeypatch):
     """8 batches whose prompts are padded differently (flash-attn's packed token total and max_seqlen
     change every batch), blocks fused with aot_eager, flash-attn replaced by the CPU stand-in of
@@ -132,6 +133,7 @@ def test_flash_under_fusion_compiles_each_block_variant_once_over_varying_batche
 
 
 @torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+@pytest.mark.full  # CPU torch.compile (30 s); fusion is on by default on CUDA only: gpu-check runs it
 def test_prompt_and_image_counts_under_fusion_stop_recompiling():
     """Batches cycling twice through 4 shapes (longer prompts and more images per sample: the frame count of
     a run with history). With dynamic=False each shape was a graph per block variant against one

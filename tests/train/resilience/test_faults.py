@@ -74,6 +74,7 @@ def test_nan_loss_on_one_rank_skips_the_step_on_both_and_never_reaches_the_weigh
     assert any(not torch.equal(w4[k], w6[k]) for k in w4)  # and training went on after them
 
 
+@pytest.mark.full  # the NaN guard's skip is test_nan_loss_on_one_rank_skips_the_step_on_both; these are its other policies
 def test_nan_policy_fail_and_max_consecutive_end_the_run(train_root, tmp_path):
     from tests.train.train_launch import launch
 

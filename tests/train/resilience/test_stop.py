@@ -243,6 +243,7 @@ def test_a_failed_final_checkpoint_exits_1_naming_the_last_good_one(train_root, 
     assert "the last good checkpoint is step00000002 (`latest`)" in line and "--resume" in line, line
 
 
+@pytest.mark.full  # a variant of test_sigterm_writes_a_checkpoint_at_the_step_and_the_resume_is_exact
 def test_sigterm_skips_a_checkpoint_that_would_not_fit_the_grace_period(train_root, tmp_path):
     """Saves throttled to take seconds, a 1 s grace period: the SIGTERM checkpoint cannot fit, so the rank says
     so in one WARNING, leaves `latest` on the last periodic save and exits 143 within the grace period. (The
