@@ -5,7 +5,6 @@ against the trainer's own TP module swap, and the layout parser."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil

@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.parallel import comm, plan
-from loongforge.train.parallel.sequence_parallel import SequenceParallel
-from tests.train.parallel.dist_helpers import make_batch, run_ranks, sdpa
+from loongforge.train.parallel import plan
+from tests.train.parallel.dist_helpers import run_ranks
 
 
 def test_placement_tp_innermost_then_sp_then_dp():
