@@ -119,10 +119,12 @@ def _check_default_compression_bytes(engine, model, state) -> None:
     assert compressor.sent_bytes <= compressor.dense_equivalent / 3 + 1e-6
 
 
-# ZeRO-2 (sum over SP already, scale 1) runs in `make parallel-full`: 4 DeepSpeed ranks cost
-# minutes on the 2-core CI box, and ZeRO-3 + hybrid cover the plan's mpu in `make test`.
+# ZeRO-2 (sum over SP already, scale 1) runs in `make parallel-full`; ZeRO-3 and hybrid over TP 2 x SP 2
+# (4 DeepSpeed ranks, ~50 s on the 2-core CI box) in `make test-full`. make test keeps the trainer's own
+# TP 2 + ZeRO-3 (test_tensor_parallel_train.py) and SP 2 + ZeRO-3 (test_sequence_parallel_train.py) runs.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.parallel_full), 3, pytest.param("hybrid", marks=pytest.mark.full)])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.parallel_full), pytest.param(3, marks=pytest.mark.full),
+                                   pytest.param("hybrid", marks=pytest.mark.full)])
 def test_zero_with_tp_sp_matches_single_process(stage):
     tp, sp = (1, 2) if stage == "hybrid" else (2, 2)  # hybrid: 2 SP x 2 DP replicas
     run_ranks(_zero_worker, 4, tp, sp, stage, timeout=400)

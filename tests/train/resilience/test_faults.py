@@ -17,6 +17,7 @@ from loongforge.benchmarks.faults.data import flip_byte  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.full  # the fallback itself is test_ckpt_writer.py::test_resume_falls_back_past_a_corrupt_and_a_missing_file; this adds the elastic relaunch around it
 def test_corrupt_latest_falls_back_to_the_previous_checkpoint(train_root, tmp_path):
     """keep-last 1 still keeps step 2 as the fallback; a flipped byte in rank 1's optimizer partition of
     step 4 is named in a WARNING and the run resumes from step 2 (steps 2, 3 redone, none doubled)."""
