@@ -9,6 +9,8 @@ every batch and the allocator and kernels settle after the first step.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,22 +56,26 @@ class BatchLayout:
             ("sample_ids", (b,), np.dtype(np.int64)),
         ]
 
-    @staticmethod
-    def _region(shape, dtype) -> int:
-        return (int(np.prod(shape)) * dtype.itemsize + 63) // 64 * 64  # 64-byte aligned fields
-
     @property
     def nbytes(self) -> int:
-        return sum(self._region(s, d) for _, s, d in self.fields())
+        return _placement(self)[1]
 
     def views(self, buf) -> dict[str, np.ndarray]:
         """The batch's arrays over `buf` (at least `nbytes`), each contiguous."""
-        out, pos = {}, 0
-        for name, shape, dtype in self.fields():
-            count = int(np.prod(shape))
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).reshape(shape)
-            pos += self._region(shape, dtype)
-        return out
+        return {name: np.frombuffer(buf, dtype=dtype, count=count, offset=pos).reshape(shape)
+                for name, shape, dtype, count, pos in _placement(self)[0]}
+
+
+@functools.lru_cache(maxsize=64)
+def _placement(layout: BatchLayout) -> tuple[tuple, int]:
+    """((name, shape, dtype, count, byte offset) per field, total bytes): fields 64-byte aligned.
+    Computed once per layout: views() runs for every batch."""
+    out, pos = [], 0
+    for name, shape, dtype in layout.fields():
+        count = math.prod(shape)
+        out.append((name, shape, dtype, count, pos))
+        pos += (count * dtype.itemsize + 63) // 64 * 64
+    return tuple(out), pos
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ episodes' arrays (a few KB each), and reports the cache counters with every batc
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from loongforge.shared.errors import FormatError
 from loongforge.train.data.batch import BatchLayout, Norm, encode_text, fill_rows
 from loongforge.train.data.block_cache import BlockCache
 from loongforge.train.data.prompt import PromptTable
-from loongforge.train.data.samples import DeltaSpec, action_rows, gather_actions, state_indices, video_indices
+from loongforge.train.data.samples import DeltaSpec
 from loongforge.train.data.sources import SourceSpec, make_source
 
 EPISODE_ARRAYS_KEPT = 64  # episodes whose arrays a worker keeps: a window touches few, each is small
@@ -59,11 +60,17 @@ class BlockFiller:
         self.norm = Norm.from_dataset(info)
         self.tasks = {str(k): v for k, v in (info.tasks or {}).items()}
         self.cache = BlockCache(cache_bytes)
-        self._arrays: OrderedDict[int, dict] = OrderedDict()
+        self._arrays: OrderedDict[int, _Episode] = OrderedDict()
+        self._prompt_rows: dict = {}  # task -> (ids, mask)
+        self.block_size = int(ds.block_size)
+        self._video = tuple(int(d) for d in deltas.video)
+        self._state = tuple(int(d) for d in deltas.state_deltas)
+        self._state_is_video = self._state == self._video
         self.samples = 0
+        self.fill_cpu_s = 0.0  # CPU seconds of this thread in fill(): the benchmark's account of where time goes
 
     def counters(self) -> dict:
-        return {**self.cache.counters(), "samples": self.samples}
+        return {**self.cache.counters(), "samples": self.samples, "fill_cpu_s": self.fill_cpu_s}
 
     def close(self) -> None:
         self.cache.clear()
@@ -78,19 +85,19 @@ class BlockFiller:
             self._fill_row(arrays, row, int(item[1]), int(item[2]))
             self.samples += 1
 
-        bad, reasons = fill_rows(arrays, items, policy, fill_row, lambda item: f"episode {item[1]}, t {item[2]}")
+        c0 = time.thread_time()
+        try:
+            bad, reasons = fill_rows(arrays, items, policy, fill_row, lambda item: f"episode {item[1]}, t {item[2]}")
+        finally:
+            self.fill_cpu_s += time.thread_time() - c0
         self.samples += bad  # every row counts, a masked-out one too
         return bad, reasons
 
-    def _episode(self, episode: int) -> dict:
+    def _episode(self, episode: int) -> "_Episode":
         got = self._arrays.get(episode)
         if got is None:
-            got = self.ds.read_arrays(episode)
-            length = int(self.ds.episode_lengths[episode])
-            for name in ("state", "action"):
-                if got[name].shape[0] != length:
-                    raise FormatError(f"episode {episode}: {name} has {got[name].shape[0]} rows, the index says "
-                                      f"{length} frames")
+            got = _Episode(self.ds.read_arrays(episode), int(self.ds.episode_lengths[episode]), episode, self.layout,
+                           self.norm, self.deltas)
             self._arrays[episode] = got
             if len(self._arrays) > EPISODE_ARRAYS_KEPT:
                 self._arrays.popitem(last=False)
@@ -98,38 +105,80 @@ class BlockFiller:
             self._arrays.move_to_end(episode)
         return got
 
+    def _tokens(self, task: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, mask) of a task's prompt, made once per task (a batch row copies them)."""
+        got = self._prompt_rows.get(task)
+        if got is None:
+            if self.prompts is not None:
+                r = self.prompts.row(task)
+                got = (self.prompts.ids[r], self.prompts.mask[r])
+            else:
+                got = encode_text(self.tasks.get(str(task), "") if task is not None else "", self.layout.text_len)
+            self._prompt_rows[task] = got
+        return got
+
     def _fill_row(self, arrays, row: int, episode: int, t: int) -> None:
-        lay, spec = self.layout, self.deltas
-        length = int(self.ds.episode_lengths[episode])
-        frames = video_indices(t, length, spec)
-        for slot in lay.slots:
+        # Per row: plain-int index arithmetic and one numpy copy per field. The episode's arrays were
+        # normalized once when it was read (_Episode), so a row is slices of them (samples.py's semantics).
+        ep = self._episode(episode)
+        n, bs, cache, read = ep.length, self.block_size, self.cache, self.ds.read_block
+        last = n - 1
+        frames = [0 if t + d < 0 else (last if t + d > last else t + d) for d in self._video]
+        for slot in self.layout.slots:
             dst = arrays[f"frames.{slot}"][row]
-            for k, f in enumerate(frames.tolist()):
-                b, i = self.ds.block_of(f)
-                block = self.cache.get((episode, slot, b), lambda e=episode, s=slot, bb=b: self.ds.read_block(e, s, bb))
+            for k, f in enumerate(frames):
+                b, i = divmod(f, bs)
+                block = cache.get((episode, slot, b), lambda e=episode, s=slot, bb=b: read(e, s, bb))
                 if i >= len(block):
                     raise FormatError(f"episode {episode}/{slot}: block {b} has {len(block)} frames, frame {f} needed")
                 dst[k] = block[i]
-        ep = self._episode(episode)
-        state = ep["state"][state_indices(t, length, spec)]
-        action, valid = gather_actions(ep["action"], t, spec)
-        known = ep.get("action_known")  # roots converted from format 1: rows whose action it never stored
-        if known is not None:
-            valid &= np.asarray(known, bool)[action_rows(t, length, spec)[0]]
-        if state.shape[1] != lay.state_dim or action.shape[1] != lay.action_dim:
-            raise FormatError(f"episode {episode}: state {state.shape} / action {action.shape} do not match the "
-                              f"index dims ({lay.state_dim}, {lay.action_dim})")
-        arrays["state"][row] = self.norm.state(state)
-        arrays["action"][row] = self.norm.action(action)
-        arrays["action_valid"][row] = valid
-        arrays["frame_mask"][row] = True
-        task_index = ep.get("task_index")
-        task = int(task_index[min(t, length - 1)]) if task_index is not None else None
-        if self.prompts is not None:
-            r = self.prompts.row(task)
-            arrays["task_tokens"][row] = self.prompts.ids[r]
-            arrays["task_mask"][row] = self.prompts.mask[r]
+        if self._state_is_video:
+            arrays["state"][row] = ep.state[frames]
         else:
-            ids, mask = encode_text(self.tasks.get(str(task), "") if task is not None else "", lay.text_len)
-            arrays["task_tokens"][row] = ids
-            arrays["task_mask"][row] = mask
+            arrays["state"][row] = ep.state[[0 if t + d < 0 else (last if t + d > last else t + d)
+                                             for d in self._state]]
+        h = self.layout.horizon
+        if t + h <= n:  # the whole chunk inside the episode: one slice
+            arrays["action"][row] = ep.action[t:t + h]
+            arrays["action_valid"][row] = True if ep.known is None else ep.known[t:t + h]
+        else:
+            inside = n - t
+            out, valid = arrays["action"][row], arrays["action_valid"][row]
+            out[:inside] = ep.action[t:]
+            out[inside:] = ep.action[last] if ep.pad is None else ep.pad
+            valid[:inside] = True if ep.known is None else ep.known[t:]
+            valid[inside:] = False
+        arrays["frame_mask"][row] = True
+        ids, mask = self._tokens(ep.task(t))
+        arrays["task_tokens"][row] = ids
+        arrays["task_mask"][row] = mask
+
+
+class _Episode:
+    """One episode's arrays as a batch row needs them: state and action normalized once (Norm is
+    elementwise, so normalizing the episode then slicing equals slicing then normalizing), checked
+    against the index's length and the layout's dims once, the action pad row for action_pad="zero"."""
+
+    __slots__ = ("length", "state", "action", "known", "pad", "_task")
+
+    def __init__(self, arrays: dict, length: int, episode: int, layout: BatchLayout, norm: Norm, deltas: DeltaSpec):
+        for name in ("state", "action"):
+            if arrays[name].shape[0] != length:
+                raise FormatError(f"episode {episode}: {name} has {arrays[name].shape[0]} rows, the index says "
+                                  f"{length} frames")
+        state, action = arrays["state"], arrays["action"]
+        if state.ndim != 2 or action.ndim != 2 or state.shape[1] != layout.state_dim or \
+                action.shape[1] != layout.action_dim:
+            raise FormatError(f"episode {episode}: state {state.shape[1:]} / action {action.shape[1:]} do not match "
+                              f"the index dims ({layout.state_dim}, {layout.action_dim})")
+        self.length = length
+        self.state = np.ascontiguousarray(norm.state(state))
+        self.action = np.ascontiguousarray(norm.action(action))
+        # action_pad="zero": the raw rows past the end are zeros, normalized as every other row (samples.py)
+        self.pad = norm.action(np.zeros(layout.action_dim, np.float32)) if deltas.action_pad == "zero" else None
+        known = arrays.get("action_known")  # roots converted from format 1: rows whose action it never stored
+        self.known = None if known is None else np.asarray(known, bool)
+        self._task = arrays.get("task_index")
+
+    def task(self, t: int) -> int | None:
+        return None if self._task is None else int(self._task[min(t, self.length - 1)])

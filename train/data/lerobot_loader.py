@@ -27,6 +27,7 @@ import torch
 from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import ConfigError, DataWorkerError, LoongForgeError
 from loongforge.train.data.lerobot_items import ItemPlan, ItemReader, PyAVRGB, query
+from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.loader import DEFAULT_CACHE_MB, BlockLoader
 from loongforge.train.data.sources import SourceSpec, make_source
 
@@ -43,21 +44,8 @@ class FieldLayout:
     def fields(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         return [(n, s, np.dtype(d)) for n, s, d in self.specs]
 
-    @staticmethod
-    def _region(shape, dtype) -> int:
-        return (int(np.prod(shape)) * dtype.itemsize + 63) // 64 * 64
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._region(s, d) for _, s, d in self.fields())
-
-    def views(self, buf) -> dict[str, np.ndarray]:
-        out, pos = {}, 0
-        for name, shape, dtype in self.fields():
-            count = int(np.prod(shape))
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).reshape(shape)
-            pos += self._region(shape, dtype)
-        return out
+    nbytes = BatchLayout.nbytes  # the same placement of fields (batch.py)
+    views = BatchLayout.views
 
 
 def item_layout(plan: ItemPlan, batch: int) -> FieldLayout:
