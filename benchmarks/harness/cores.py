@@ -72,6 +72,7 @@ class CpuMeter:
         self.extra_pids = tuple(p for p in extra_pids if p)
         self._start: dict[int, float] = {}
         self.cpu_s = 0.0
+        self.own_s = 0.0  # of cpu_s: this process alone (the rest is its descendants and extra_pids)
 
     def _snapshot(self) -> dict[int, float]:
         import psutil
@@ -98,4 +99,6 @@ class CpuMeter:
     def stop(self) -> float:
         end = self._snapshot()
         self.cpu_s = sum(v - self._start.get(pid, 0.0) for pid, v in end.items())
+        me = os.getpid()
+        self.own_s = end.get(me, 0.0) - self._start.get(me, 0.0)
         return self.cpu_s

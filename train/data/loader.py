@@ -34,7 +34,7 @@ from loongforge.shared.index import FORMAT_VERSION  # of the shard root, in the 
 from loongforge.train.data import order
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.fill import FillerSpec
-from loongforge.train.data.prefetch import HostPool, Prefetcher, resolve_device
+from loongforge.train.data.prefetch import HostPool, Prefetcher, SlotLender, resolve_device
 from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import DeltaSpec, SampleTable
 from loongforge.train.data.sources import SourceSpec, close_source, make_source
@@ -46,6 +46,7 @@ ANNOUNCE_BATCHES = 8  # global batches before an epoch's end at which the next e
 DEFAULT_RUN = 4  # samples of one block kept together (measured: benchmarks/README.md, "Format 2: loader row and block order")
 DEFAULT_WINDOW = 65536  # samples; the shuffle buffer of runs (benchmarks/README.md, same section)
 DEFAULT_CACHE_MB = 256
+LEND_EXTRA = 2  # slots lent beyond the prefetch queue's: the batch with the consumer and the one being staged
 
 
 def train_episodes(ds: Dataset) -> np.ndarray | None:
@@ -90,7 +91,12 @@ class BlockLoader:
             raise ConfigError(f"data.block_cache_mb: {block_cache_mb}, must be >= 0 (0 = no cache)")
         self.filler_spec = self._filler(root, per_rank, max_text_tokens, int(block_cache_mb * (1 << 20)))
         self.layout = self.filler_spec.layout
-        self._pool_args = dict(num_workers=num_workers, slots=max(2, num_workers * 2 + 1), policy=bad_samples,
+        # NV12 out on CPU from workers: batches are lent out of the ring (no copy), at most LEND_SLOTS at once,
+        # each with a slot of its own beside the 2W+1 the workers cycle through.
+        self.lend = num_workers > 0 and not rgb and recycle_buffers and self.device.type == "cpu" and \
+            SlotLender.available()
+        slots = max(2, num_workers * 2 + 1) + (prefetch + LEND_EXTRA if self.lend else 0)
+        self._pool_args = dict(num_workers=num_workers, slots=slots, policy=bad_samples,
                                timeout_s=timeout_s, start_method=start_method)
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.rgb = rgb
@@ -98,6 +104,7 @@ class BlockLoader:
         self.epoch, self.consumed, self.steps_done, self.dropped = 0, 0, 0, 0
         self._orders: dict[int, order.EpochOrder] = {}  # this epoch and, near its end, the next
         self._pool: DecodePool | None = None
+        self._lender: SlotLender | None = None
         self._prefetcher: Prefetcher | None = None
         self._announcer = None
         self._announced_epoch, self._announced_next = -1, -1
@@ -202,8 +209,11 @@ class BlockLoader:
         # Inline decode on CPU fills each batch straight into recycled output memory, handed out as it is;
         # workers fill shared-memory slots, which the prefetcher copies out before releasing them.
         direct = self.num_workers == 0 and self.device.type == "cpu"
+        lender = self._lender = SlotLender(pool, self.prefetch + LEND_EXTRA) if self.lend else None
 
         def pull():
+            if lender is not None:
+                lender.reclaim()
             while pool.free_slots > 1 or (pool.free_slots and not inflight):
                 nxt = next(plans, None)
                 if nxt is None:
@@ -221,6 +231,10 @@ class BlockLoader:
                 arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}  # views of buf: kept alive
             else:
                 slot, arrays = pool.get(seq)
+                lent = lender.lend(slot) if lender is not None else None
+                if lent is not None:  # tensors over the slot, handed out as they are; reclaim() frees it
+                    meta["bad_samples"] = pool.bad_samples
+                    return meta, lent, lambda: None
             meta["bad_samples"] = pool.bad_samples
             return meta, arrays, lambda: pool.release(slot)
 
@@ -313,6 +327,9 @@ class BlockLoader:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        if self._lender is not None:
+            self._lender.close()
+            self._lender = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

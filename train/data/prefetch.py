@@ -259,6 +259,61 @@ class HostPool:
         return buf.view(shape)
 
 
+class SlotLender:
+    """Lends a decode slot's fields to the consumer as tensors over the shared memory the worker wrote
+    (NV12 out on CPU: no copy out of the ring), and gives the slot back to the pool once nothing outside
+    holds them (the storage use count, as HostPool). At most `limit` slots are out at once; past that
+    (a consumer keeping batches), lend() returns None and the caller copies the batch out instead, so a
+    kept batch never starves the workers of slots. The pool's ring is sized with `limit` extra slots."""
+
+    def __init__(self, pool, limit: int):
+        self.pool, self.limit = pool, limit
+        # slot -> (uint8 tensor over the slot, typed views of it, fields, the storage's use count at rest):
+        # made once per slot, so a loan is one as_strided per field (~1 us each)
+        self._slots: dict[int, tuple] = {}
+        self._out: set[int] = set()
+        self.lent = 0  # batches handed out without a copy (a test and the benchmark read it)
+
+    @staticmethod
+    def available() -> bool:
+        return _USE_COUNT is not None
+
+    def reclaim(self) -> None:
+        for slot in [s for s in self._out if _USE_COUNT(self._slots[s][0].untyped_storage()._cdata) ==
+                     self._slots[s][3]]:
+            self._out.discard(slot)
+            self.pool.release(slot)
+
+    def lend(self, slot: int) -> dict[str, torch.Tensor] | None:
+        """The batch in `slot` as tensors viewing it, or None when `limit` slots are already out."""
+        self.reclaim()
+        if _USE_COUNT is None or len(self._out) >= self.limit:
+            return None
+        made = self._slots.get(slot) or self._make(slot)
+        self._out.add(slot)
+        self.lent += 1
+        return {name: typed.as_strided(shape, stride, offset) for name, typed, shape, stride, offset in made[2]}
+
+    def _make(self, slot: int) -> tuple:
+        buf = self.pool.buffer(slot)
+        # Through numpy, not torch.frombuffer: the array holds a buffer export of the shared memory for as
+        # long as any lent tensor lives, so the pool's close() cannot unmap a batch its consumer still holds.
+        base = torch.from_numpy(np.frombuffer(buf, np.uint8))
+        typed, fields = {}, []
+        for name, arr in self.pool.layout.views(buf).items():
+            dtype, size = _TORCH_DTYPES[arr.dtype.str], arr.itemsize
+            if dtype not in typed:
+                typed[dtype] = base[: base.numel() // size * size].view(dtype)
+            offset = arr.ctypes.data - base.data_ptr()  # fields are 64-byte aligned (batch.py)
+            fields.append((name, typed[dtype], arr.shape, tuple(x // size for x in arr.strides), offset // size))
+        made = self._slots[slot] = (base, typed, fields, _USE_COUNT(base.untyped_storage()._cdata))
+        return made
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._out.clear()
+
+
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 

@@ -115,6 +115,7 @@ class DecodePool:
         self._unlinker: threading.Thread | None = None
         self._procs = []
         self._closing = threading.Event()  # set by interrupt(): a blocked get() raises within POLL_S
+        self._alive_at = -POLL_S  # when get() last checked the workers' liveness
         if num_workers == 0:
             self._bufs = [np.empty(self.layout.nbytes, np.uint8) for _ in range(slots)]
             self._filler = filler_spec.open()
@@ -186,7 +187,7 @@ class DecodePool:
         if not self._free:
             raise DataWorkerError("no free batch slot: release() consumed batches before submitting more")
         slot = self._free.pop()
-        task = (seq, slot, [tuple(int(v) for v in it) for it in items])
+        task = (seq, slot, items)  # plain ints (the loader's plans: ndarray.tolist()): pickled small
         if self.num_workers == 0:
             self._pending[seq] = task
         else:
@@ -208,10 +209,13 @@ class DecodePool:
             return slot, arrays
         if out is not None:
             raise ValueError("get(out=...) fills inline only: workers write into their shared-memory slots")
-        deadline = time.monotonic() + self.timeout_s
-        # Checked on every call, not only on a timeout: the surviving workers would otherwise
-        # absorb a dead one's share and the death would go unnoticed (a silent capacity loss).
-        self._check_alive()
+        now = time.monotonic()
+        deadline = now + self.timeout_s
+        # Checked on every call (at most once per POLL_S: a waitpid per worker), not only on a timeout: the
+        # surviving workers would otherwise absorb a dead one's share and the death would go unnoticed.
+        if now - self._alive_at >= POLL_S:
+            self._check_alive()
+            self._alive_at = now
         while seq not in self._done:
             if self._closing.is_set():
                 raise PoolClosedError("decode pool is closing")
@@ -253,6 +257,10 @@ class DecodePool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def buffer(self, slot: int):
+        """The slot's bytes (shared memory with workers): what SlotLender lends without a copy."""
+        return self._bufs[slot]
+
     def interrupt(self) -> None:
         """Make a get() blocked in another thread raise PoolClosedError within POLL_S (close() first step)."""
         self._closing.set()
@@ -280,10 +288,7 @@ class DecodePool:
         self._procs = []
         self._bufs = []
         for shm in self._shms:
-            try:
-                shm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping dies with the process
+            _close_or_leave(shm)
         if self._unlinker is not None:
             self._unlinker.join(timeout=1.0)  # _closing is set: it leaves within POLL_S
         self._unlink_names()
@@ -292,6 +297,17 @@ class DecodePool:
             for q in (self._tasks, self._results):
                 q.cancel_join_thread()
                 q.close()
+
+
+def _close_or_leave(shm: SharedMemory) -> None:
+    """Close a slot, or, while a consumer still holds a batch lent out of it (SlotLender: a numpy export
+    of the mapping), leave the mapping to that batch: it is unmapped when the last tensor over it goes.
+    Dropping our references also keeps SharedMemory.__del__ from retrying the close at exit and printing
+    a BufferError."""
+    try:
+        shm.close()
+    except BufferError:
+        shm._buf = shm._mmap = None  # noqa: SLF001 - the export keeps the memoryview and mmap alive
 
 
 class BadSamples:

@@ -13,7 +13,7 @@ from loongforge.shared import color
 from loongforge.shared.dataset import open_root
 from loongforge.shared.errors import CheckpointError, DataWorkerError
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.loader import LEND_EXTRA, BlockLoader
 from loongforge.train.data.samples import DeltaSpec
 
 LENGTHS = (9, 5, 12, 3, 7, 10)
@@ -94,6 +94,42 @@ def test_inline_batches_fill_recycled_memory_and_kept_ones_stay_intact(small_roo
 
 
 @pytest.mark.slow
+def test_worker_batches_are_lent_out_of_the_ring_and_kept_ones_stay_intact(small_root):
+    """NV12 out from workers on CPU: a batch is the shared-memory slot the worker filled (no copy), and the
+    slot returns to the ring once the consumer drops it. A consumer that keeps more batches than the lending
+    limit gets copies from then on, so the workers never run out of slots and no kept batch is overwritten."""
+    root, _ = small_root
+    kw = dict(deltas=DeltaSpec(video=(-3, 0), action_horizon=4), max_steps=40)
+    with _loader(root, **kw) as inline:
+        want = [{k: (v.clone() if k != "frames" else {s: f.clone() for s, f in v.items()}) for k, v in b.items()
+                 if k != "meta"} for b in inline]
+    kept = {}
+    with _loader(root, num_workers=1, **kw) as loader:
+        assert loader.lend
+        it = iter(loader)
+        first = next(it)
+        slots = [loader._pool.buffer(i) for i in range(loader._pool_args["slots"])]
+        spans = [(np.frombuffer(b, np.uint8).ctypes.data, len(b)) for b in slots]
+        kept[0] = first
+        for i in range(1, 40):  # next(), not a for loop over the loader: iter() would restart the pipeline
+            batch = next(it)
+            ptr = batch["frames"]["front"].data_ptr()
+            if i % 4 == 0:
+                kept[i] = batch  # 10 kept: more than the lending limit
+            elif i < 4:  # fewer than the limit out whatever the prefetch thread staged ahead: lent, in a ring slot
+                assert any(lo <= ptr < lo + n for lo, n in spans), i
+        lent = loader._lender.lent
+    # more lent than the limit (prefetch 2 + LEND_EXTRA) out at once: dropped batches went back to the ring;
+    # once the kept ones held the limit, every batch after that was copied out
+    assert len(kept) > 2 + LEND_EXTRA and 2 + LEND_EXTRA < lent < 40
+    for i, batch in kept.items():
+        for name in ("state", "action", "action_valid", "sample_ids", "task_tokens"):
+            assert torch.equal(batch[name], want[i][name]), (i, name)
+        for slot in ("front", "wrist"):
+            assert torch.equal(batch["frames"][slot], want[i]["frames"][slot]), (i, slot)
+
+
+@pytest.mark.slow
 def test_workers_0_1_2_give_identical_batches_and_count_cache_hits(small_root):
     root, written = small_root
     spec = DeltaSpec(video=(0,), action_horizon=3)
@@ -104,8 +140,9 @@ def test_workers_0_1_2_give_identical_batches_and_count_cache_hits(small_root):
             it = iter(loader)
             got = [next(it)]
             # The bench opens its timed window here: every worker past start-up, and it is told how
-            # many batches may already sit decoded ahead (ring slots + prefetch queue) to skip.
-            assert loader.wait_ready(60) == (2 * workers + 1 + 2 if workers else 2)
+            # many batches may already sit decoded ahead (ring slots + prefetch queue) to skip. NV12 out with
+            # workers lends batches out of the ring: prefetch + LEND_EXTRA more slots.
+            assert loader.wait_ready(60) == (2 * workers + 1 + (2 + LEND_EXTRA) + 2 if workers else 2)
             assert workers == 0 or loader._pool.workers_ready == workers
             got += [next(it) for _ in range(9)]  # not list(it): iter() would restart the pipeline
             with pytest.raises(StopIteration):
