@@ -17,8 +17,10 @@ and action (B, H, Da) float32 normalized with the index's min/max (N1.6's: [-1, 
 action_valid (B, H) (False past the episode end: the loss ignores those rows), frame_mask (B, K)
 (False only for a bad sample), task_tokens / task_mask (B, L): the model's prompt ids, left-padded,
 and their mask (`prompts`, the trainer's; without one, the task text's bytes), sample_valid (B,) (False = bad
-sample masked out), sample_ids (B,) global sample numbers. Tensors are fresh (never views
-of the shared-memory ring); on CUDA they are ordered on the current stream.
+sample masked out), sample_ids (B,) global sample numbers. On CUDA tensors are fresh and ordered on the
+current stream. On CPU they are recycled memory (prefetch.HostPool) or, NV12 out from workers, the
+shared-memory slot the worker filled, lent without a copy (prefetch.SlotLender); either is reused only
+once nothing holds the batch any more, so a batch the caller keeps is never overwritten.
 """
 
 from __future__ import annotations

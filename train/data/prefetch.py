@@ -15,7 +15,9 @@ each batch onto the device:
         (a fresh float batch per step costs its page faults: ~12 B per pixel).
         A pull() that filled the batch straight into such a buffer (inline decode:
         the loader passes its pool in as `host`) returns torch tensors, which are
-        handed out as they are: NV12 out then copies nothing.
+        handed out as they are: NV12 out then copies nothing. With decode workers,
+        NV12 out is lent straight out of the worker's shared-memory slot (SlotLender,
+        the same storage-use-count check), also with no copy.
 depth=0 runs everything synchronously in the caller (debugging, num_workers=0).
 """
 
