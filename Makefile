@@ -30,10 +30,10 @@ redis:
 demo: setup
 	PATH=$(BIN):$$PATH bash infra/demo.sh
 
-# `make test` keeps CI under 20 minutes on 2 cores: tests marked `full` (longer variants of
-# behaviours the fast subset covers) run in `make test-full`.
+# `make test` keeps pytest under 15 minutes on 2 cores: tests marked `full` (longer variants of
+# behaviours the fast subset covers) run in `make test-full`. The 25 slowest are listed at the end.
 test: setup
-	$(BIN)/python -m pytest -m "not full" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not full" --durations=25 $(PYTEST_ARGS)
 
 test-full: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -193,37 +193,41 @@ def locate_cost(episodes: int = 1_000_000, samples: int = 200_000) -> dict:
 
 
 def output_row(root: str, batch: int, batches: int, workers: int, rgb: bool, recycle: bool,
-               warmup: int = 1) -> dict:
+               warmup: int = 1, cache_mb: float = 256) -> dict:
     """The whole loader on CPU (rank 0 of 1, K=1, H=16, default order and cache): NV12 or float RGB out,
     recycled output buffers or a fresh one per batch; timed once every worker is up (`wait_ready`).
     The CPU account per sample: the main process (order, IPC, staging, conversion) and, for workers, their
     fill (BlockFiller.fill: block decode + copies, its own thread's CPU) and the rest of each worker (task
     and result messages, its loop); inline, the fill runs in the main process's prefetch thread."""
     loader = block_loader(root, batch_size=batch, num_workers=workers, rgb=rgb, recycle_buffers=recycle,
-                          deltas=DeltaSpec(video=(0,), action_horizon=HORIZON))
+                          deltas=DeltaSpec(video=(0,), action_horizon=HORIZON), block_cache_mb=cache_mb)
     meter = CpuMeter()
-    fill0 = [0.0]
+    at_start = {}
 
     def ready():
         settle = loader.wait_ready()
         for _ in range(settle):
             next(it)
-        fill0[0] = loader.cache_counters().get("fill_cpu_s", 0.0)  # as of the batches received so far
+        at_start.update(loader.cache_counters())  # as of the batches received so far
         return 0
 
     try:
         it = iter(loader)
         p = time_pass(it, warmup=warmup, timed=batches, meter=meter, ready=ready)
-        fill = loader.cache_counters().get("fill_cpu_s", 0.0) - fill0[0]
+        end = loader.cache_counters()
         lent = loader._lender.lent if loader._lender is not None else 0
+        block = loader.block_size
     finally:
         loader.close()
     n = max(1, p.samples)
+    fill = end.get("fill_cpu_s", 0.0) - at_start.get("fill_cpu_s", 0.0)
     main_us, tree_us, fill_us = meter.own_s / n * 1e6, meter.cpu_s / n * 1e6, fill / n * 1e6
     return {"samples_per_s": p.samples_per_s, "samples_per_cpu_s": p.samples_per_cpu_s, "main_us": main_us,
             "workers_fill_us": fill_us if workers else 0.0,
             "workers_other_us": max(0.0, tree_us - main_us - fill_us) if workers else 0.0,
-            "inline_fill_us": 0.0 if workers else fill_us, "lent_batches": lent}
+            "inline_fill_us": 0.0 if workers else fill_us, "lent_batches": lent,
+            # frames zstd-decompressed per sample delivered: block misses (decodes) x frames per block
+            "decoded_frames_per_sample": (end.get("misses", 0) - at_start.get("misses", 0)) * block / n}
 
 
 def limits(root: str, batch: int = 32, seconds: float = 1.0) -> dict:
@@ -307,7 +311,8 @@ GOAL_ROWS = ((0, False), (0, True), (2, False), (2, True))  # (workers, float RG
 GOALS = {250: (400, 300), 2: (40, 30)}  # GOP -> (NV12, float RGB) goal ratios over on-the-fly decode
 
 
-def goals_table(work: str, gops: tuple[int, ...], episodes: int, batch: int, batches: int) -> list[dict]:
+def goals_table(work: str, gops: tuple[int, ...], episodes: int, batch: int, batches: int,
+                cache_mb: float = 256) -> list[dict]:
     """Per source GOP: GR00T-like camera footage (256x256 H.264, 20 fps, one camera, 44-D), the on-the-fly
     baseline on its mp4s, and the loader on the shards made from them (K=1, H=16, every timestep a sample)."""
     rows = []
@@ -318,7 +323,8 @@ def goals_table(work: str, gops: tuple[int, ...], episodes: int, batch: int, bat
         row = {"gop": gop, "frames": sum(len(f) for f, _ in eps), "loadavg": os.getloadavg(),
                "baseline": baseline_rate(os.path.join(work, f"lerobot-g{gop}"), eps)}
         for w, rgb in GOAL_ROWS:
-            row[f"W={w} {'float RGB' if rgb else 'NV12'}"] = output_row(root, batch, batches, w, rgb, True, warmup=20)
+            row[f"W={w} {'float RGB' if rgb else 'NV12'}"] = output_row(root, batch, batches, w, rgb, True, warmup=20,
+                                                                        cache_mb=cache_mb)
         rows.append(row)
         shutil.rmtree(root)
     return rows
@@ -356,8 +362,9 @@ def output_configs(workers: tuple[int, ...]) -> list[tuple[str, int, bool, bool]
 
 def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int, tables: tuple[str, ...] = TABLES,
         workers: tuple[int, ...] = (0, 1, 2), loader_batches: int = 300, camera_episodes: int = 16,
-        gops: tuple[int, ...] = (250, 20, 2)) -> dict:
-    res = {"episodes": episodes, "loadavg": os.getloadavg(), "batch": batch, "window": 65536, "tables": list(tables)}
+        gops: tuple[int, ...] = (250, 20, 2), cache_mb: float = 256) -> dict:
+    res = {"episodes": episodes, "loadavg": os.getloadavg(), "batch": batch, "window": 65536, "tables": list(tables),
+           "block_cache_mb": cache_mb}
     roots = {}
     if "body" in tables:
         eps = gr00t_episodes(work, episodes)
@@ -383,7 +390,7 @@ def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int, tab
             caps.append(limits(roots["output"], batch))
             for name, w, rgb, recycle in output_configs(workers):
                 outputs.setdefault(name, []).append(output_row(roots["output"], batch, loader_batches, w, rgb,
-                                                               recycle, warmup=20))
+                                                               recycle, warmup=20, cache_mb=cache_mb))
     res["rows"] = {name: _medians(rows) for name, rows in runs.items()}
     res["output"] = {name: _medians(rows) for name, rows in outputs.items()}
     res["limits"] = _medians(caps) if caps else {}
@@ -392,7 +399,7 @@ def run(work: str, episodes: int, batch: int, max_batches: int, rounds: int, tab
         res["order"] = order_table()
         res["locate"] = locate_cost()
     if "goals" in tables:
-        res["goals"] = goals_table(work, gops, camera_episodes, batch, loader_batches)
+        res["goals"] = goals_table(work, gops, camera_episodes, batch, loader_batches, cache_mb)
     res["loadavg_end"] = os.getloadavg()
     return res
 
@@ -405,8 +412,9 @@ def output_markdown(res: dict) -> list[str]:
     nv12_cap = min([lim[k] for k in ("zstd_frames_per_s", "memcpy_frames_per_s") if k in lim], default=0)
     rgb_cap = min([nv12_cap, lim.get("conversion_frames_per_s", nv12_cap)]) if nv12_cap else 0
     lines = ["| workers | output | samples/s recycled | samples/s fresh | recycled / fresh | samples/CPU-s recycled | "
-             "per CPU-s vs inline | vs slowest limit | main us/sample | workers' fill us/sample | workers' other "
-             "us/sample | inline fill us/sample |", "|---" * 12 + "|"]
+             "per CPU-s vs inline | vs slowest limit | frames decompressed / sample | at the limits' cost | "
+             "main us/sample | workers' fill us/sample | workers' other us/sample | inline fill us/sample |",
+             "|---" * 14 + "|"]
     got = res.get("output", {})
     for w in res.get("output_workers", ()):
         for out in ("NV12", "float RGB"):
@@ -420,13 +428,25 @@ def output_markdown(res: dict) -> list[str]:
             vs = f"{a['samples_per_cpu_s'] / cap:.2f}" if cap else "-"
             lines.append(f"| {w} | {out} | {a['samples_per_s']:,.0f} | {b['samples_per_s']:,.0f} | "
                          f"{a['samples_per_s'] / b['samples_per_s']:.2f} | {a['samples_per_cpu_s']:,.0f} | {per:.2f} | "
-                         f"{vs} | {a.get('main_us', 0):.1f} | {a.get('workers_fill_us', 0):.1f} | "
+                         f"{vs} | {a.get('decoded_frames_per_sample', 0):.2f} | {_at_limits(a, lim, out)} | "
+                         f"{a.get('main_us', 0):.1f} | {a.get('workers_fill_us', 0):.1f} | "
                          f"{a.get('workers_other_us', 0):.1f} | {a.get('inline_fill_us', 0):.1f} |")
     if lim:
         lines.append("")
         lines.append("Per-core limits, same root, same run (frames/s): " + ", ".join(
             f"{k.replace('_frames_per_s', '')} {v:,.0f}" for k, v in lim.items()))
     return lines
+
+
+def _at_limits(row: dict, lim: dict, out: str) -> str:
+    """The row's own work at the per-core limits (its decompressed frames at zstd speed, one frame's copy,
+    float RGB: one conversion) as a share of its measured CPU per sample: 1.00 = nothing but that work."""
+    if not lim or not row.get("samples_per_cpu_s"):
+        return "-"
+    need = row.get("decoded_frames_per_sample", 0) / lim["zstd_frames_per_s"] + 1 / lim["memcpy_frames_per_s"]
+    if out != "NV12":
+        need += 1 / lim["conversion_frames_per_s"]
+    return f"{need * row['samples_per_cpu_s']:.2f}"
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -471,6 +491,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--camera-episodes", type=int, default=16, help="episodes of GR00T-like camera footage for the "
                    "output and goals tables (16: ~3,600 frames, more than a worker's 256 MiB block cache holds)")
     p.add_argument("--gops", default="250,20,2", help="source GOPs of the goals table")
+    p.add_argument("--block-cache-mb", type=float, default=256, help="each decode worker's block cache in the "
+                   "output and goals tables (the loader's default: 256)")
     p.add_argument("--workdir", help="where the data is generated (default: a temp dir, removed)")
     p.add_argument("--out", default=str(RESULTS_DIR), help=f"results folder (default {RESULTS_DIR})")
 
@@ -483,7 +505,7 @@ def handle(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="block-loader-", dir=args.workdir) as work:
         res = run(work, args.episodes, args.batch, args.max_batches, args.rounds, tables,
                   tuple(int(w) for w in args.workers.split(",")), args.loader_batches, args.camera_episodes,
-                  tuple(int(g) for g in args.gops.split(",")))
+                  tuple(int(g) for g in args.gops.split(",")), args.block_cache_mb)
     print(markdown(res))
     write_timestamped(args.out, "block-loader", res)
     return 0
