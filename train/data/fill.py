@@ -63,6 +63,7 @@ class BlockFiller:
         self._arrays: OrderedDict[int, _Episode] = OrderedDict()
         self._prompt_rows: dict = {}  # task -> (ids, mask)
         self.block_size = int(ds.block_size)
+        self._block_shape = (self.block_size, layout.height * 3 // 2, layout.width)  # a decoded block, full length
         self._video = tuple(int(d) for d in deltas.video)
         self._state = tuple(int(d) for d in deltas.state_deltas)
         self._state_is_video = self._state == self._video
@@ -128,7 +129,8 @@ class BlockFiller:
             dst = arrays[f"frames.{slot}"][row]
             for k, f in enumerate(frames):
                 b, i = divmod(f, bs)
-                block = cache.get((episode, slot, b), lambda e=episode, s=slot, bb=b: read(e, s, bb))
+                block = cache.get((episode, slot, b),
+                                  lambda e=episode, s=slot, bb=b: read(e, s, bb, out=cache.spare(self._block_shape)))
                 if i >= len(block):
                     raise FormatError(f"episode {episode}/{slot}: block {b} has {len(block)} frames, frame {f} needed")
                 dst[k] = block[i]

@@ -98,8 +98,11 @@ class BlockLoader:
         self.lend = num_workers > 0 and not rgb and recycle_buffers and self.device.type == "cpu" and \
             SlotLender.available()
         slots = max(2, num_workers * 2 + 1) + (prefetch + LEND_EXTRA if self.lend else 0)
-        self._pool_args = dict(num_workers=num_workers, slots=slots, policy=bad_samples,
-                               timeout_s=timeout_s, start_method=start_method)
+        # The workers' block caches in (episode, block) keys of every camera: what block affinity models.
+        key_bytes = self.block_size * len(info.slots) * info.height * 3 // 2 * info.width
+        self._pool_args = dict(num_workers=num_workers, slots=slots, policy=bad_samples, timeout_s=timeout_s,
+                               start_method=start_method,
+                               affinity_blocks=int(block_cache_mb * (1 << 20)) // max(1, key_bytes))
         self._conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=image_mean, std=image_std)
         self.rgb = rgb
         self.recycle = recycle_buffers  # False: a fresh CPU output buffer per batch (the benchmark's A/B baseline)
@@ -204,7 +207,7 @@ class BlockLoader:
             if self._announcer is None:
                 close_source(cand)
         self._announced_epoch, self._announced_next = -1, -1
-        plans, pool, layout = self.plans(), self._pool, self.layout
+        plans, pool, layout, bs = self.plans(), self._pool, self.layout, self.block_size
         inflight: list[tuple[int, dict]] = []
         counter = iter(range(1 << 62))
         host = HostPool.for_prefetch(self.prefetch, self.recycle)
@@ -222,7 +225,7 @@ class BlockLoader:
                     break
                 meta, items = nxt
                 seq = next(counter)
-                pool.submit(seq, items)
+                pool.submit(seq, items, {(e, t // bs) for _, e, t in items} if pool.num_workers else ())
                 inflight.append((seq, meta))
             if not inflight:
                 raise StopIteration

@@ -27,14 +27,15 @@ def root(tmp_path_factory):
                                   DeltaSpec(video=(-2, 0), state=(-1, 0), action_horizon=6, action_pad="zero"),
                                   DeltaSpec(video=(-1, 0, 2), action_horizon=3),  # a future frame: clamped at the end
                                   DeltaSpec(video=(0,), action_horizon=16)])
-def test_every_row_equals_the_per_row_reference(root, spec):
+@pytest.mark.parametrize("cache_bytes", [1 << 20, 800])  # 800: two 4-frame 8x8 blocks, evicted and reused
+def test_every_row_equals_the_per_row_reference(root, spec, cache_bytes):
     path, written = root
     ds = open_root(path)
     rng = np.random.default_rng(0)
     norm = Norm(rng.normal(size=5).astype(np.float32) - 2, rng.normal(size=5).astype(np.float32) + 2,
                 np.array([-1, 0, 3], np.float32), np.array([1, 0, 5], np.float32))  # dim 1: min == max -> 0
     layout = BatchLayout(1, ("front", "wrist"), 8, 8, spec.frames, 5, 3, spec.action_horizon, 16)
-    filler = BlockFiller(ds, spec, layout, 1 << 20)
+    filler = BlockFiller(ds, spec, layout, cache_bytes)
     filler.norm = norm  # before any episode is read: its arrays are normalized with this one
     arrays = layout.views(bytearray(layout.nbytes))
     for e, n in enumerate(LENGTHS):
@@ -53,6 +54,7 @@ def test_every_row_equals_the_per_row_reference(root, spec):
             np.testing.assert_array_equal(arrays["task_mask"][0], mask)
             assert arrays["frame_mask"][0].all() and arrays["sample_valid"][0]
     assert filler.counters()["samples"] == sum(LENGTHS) and filler.counters()["fill_cpu_s"] > 0
+    assert (filler.cache.evictions > 0) == (cache_bytes < 1000)
 
 
 def test_an_episode_whose_arrays_disagree_with_the_index_is_a_bad_sample_every_time(root):
