@@ -28,7 +28,8 @@ BENCHMARKS = {
     "checksum-cost": ("loongforge.benchmarks.micro.checksum_cost", "what the per-block xxh3 check costs a worker"),
     "gpu-check": ("loongforge.benchmarks.micro.gpu_check", "everything only a GPU can check, in one short run"),
     "block-loader": ("loongforge.benchmarks.loader.block_loader", "the decode worker's body per block size, "
-                                                                  "and the block order's diversity"),
+                                                                  "the block order's diversity, the loader's CPU "
+                                                                  "account and its goals against on-the-fly decode"),
     "cache": ("loongforge.benchmarks.loader.cache", "cache hit rate, RAM-tier bandwidth, cold-miss latency"),
     "preprocess": ("loongforge.benchmarks.loader.preprocess", "preprocess throughput against PyAV decoding"),
     "lerobot-baseline": ("loongforge.benchmarks.loader.lerobot_baseline", "the LeRobotDataset-compatible adapter's "

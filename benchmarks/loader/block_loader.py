@@ -10,13 +10,18 @@ and the order table: batch diversity of the block order against a uniform random
 order users run today), and the block decodes per sample a worker's LRU leaves (simulated for rank
 0 of 8, worker 0 of 4); and what locating a sample costs at fleet scale; and the output table: the
 whole loader (BlockLoader, CPU) at 0/1/2 workers, NV12 and float RGB out, with and without recycled
-output buffers (HostPool), samples/s and samples per CPU-second of the process tree.
+output buffers, on GR00T-like camera footage larger than a worker's block cache: samples/s, samples
+per CPU-second of the process tree against the inline loader's and against per-core limits measured
+in the same run (zstd, memcpy, NV12 -> RGB), frames decompressed per sample, and the CPU per sample by
+process (main, workers' fill, workers' rest); and the goals table: the loader against on-the-fly PyAV
+decode of each sample's frame, per source GOP (250, 20, 2).
 
-    loongforge bench block-loader --episodes 8      # ~12 min on a loaded 2-core VM
-    loongforge bench block-loader --tables output   # the output A/B alone (B=16 root), ~3 min
+    loongforge bench block-loader --episodes 8                # every table, ~15 min on a 2-core VM
+    loongforge bench block-loader --tables output,goals       # the loader's account and goals, ~5 min
+    loongforge bench block-loader --tables output,goals --block-cache-mb 1024   # footage inside the cache
 
-Every figure of one run is measured in that run on the same frames, one process, one core;
-report the ratios with the load average beside them. Writes results/block-loader-<time>-<host>.json.
+Every figure of one run is measured in that run on the same frames; report the ratios with the load
+average beside them. Writes results/block-loader-<time>-<host>.json.
 """
 
 from __future__ import annotations
@@ -114,15 +119,15 @@ def _rows(arrays, n):
     return {k: v[:n] for k, v in arrays.items()}
 
 
-def zstd_limit(root: str) -> dict:
+def zstd_limit(root: str, camera: str = CAM) -> dict:
     """Decompress every block of a B=16 root from RAM (bytes read first): the ceiling."""
     ds = open_root(root)
     blobs = []
     for e in range(ds.num_episodes):
         for b in range(ds.num_blocks(e)):
-            name, off, length, n, _ = ds.block_entry(e, CAM, b)
+            name, off, length, n, _ = ds.block_entry(e, camera, b)
             blobs.append((bytes(ds.source.read_range(name, off, length)), n))
-    out = np.empty((ds.block_size, 384, 256), np.uint8)
+    out = np.empty((ds.block_size, *ds.frame_shape(camera)), np.uint8)
     t0, frames = time.perf_counter(), 0
     for blob, n in blobs:
         decode_block(blob, out[:n], "zstd limit", ds.block_codec)
@@ -230,7 +235,7 @@ def output_row(root: str, batch: int, batches: int, workers: int, rgb: bool, rec
             "decoded_frames_per_sample": (end.get("misses", 0) - at_start.get("misses", 0)) * block / n}
 
 
-def limits(root: str, batch: int = 32, seconds: float = 1.0) -> dict:
+def limits(root: str, batch: int = 32, seconds: float = 1.0, camera: str = CAM) -> dict:
     """What one core does at best, on the same root in the same run, frames/s: zstd decompression of its
     blocks from RAM (the bytes read first), a frame's copy (memcpy: decoded frames, more of them than the
     L3 holds, into a ring of batch buffers, as a fill does), and NV12 -> normalized float RGB of a batch
@@ -241,12 +246,12 @@ def limits(root: str, batch: int = 32, seconds: float = 1.0) -> dict:
 
     from loongforge.train.data.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
 
-    out = {"zstd_frames_per_s": zstd_limit(root)["frames_per_s"]}
+    out = {"zstd_frames_per_s": zstd_limit(root, camera)["frames_per_s"]}
     ds = open_root(root)
     frames = []
     for e in range(ds.num_episodes):
         for b in range(ds.num_blocks(e)):
-            frames.extend(ds.read_block(e, CAM, b))
+            frames.extend(ds.read_block(e, camera, b))
             if len(frames) >= 2048:  # 2048 x 96 KiB: 6x the L3 of the machine this was written on
                 break
         if len(frames) >= 2048:
@@ -261,7 +266,7 @@ def limits(root: str, batch: int = 32, seconds: float = 1.0) -> dict:
     out["memcpy_frames_per_s"] = n / (time.perf_counter() - t0)
     info = ds.info
     src = torch.from_numpy(np.stack(frames[:batch]))[:, None]  # (B, 1, 3h/2, w) as the loader's field
-    dst = torch.empty(batch * 3 * 256 * 256, dtype=torch.float32)
+    dst = torch.empty(src.numel() * 2, dtype=torch.float32)  # (B, 1, 3, h, w) float from (B, 1, 3h/2, w)
     got = {}
 
     def convert():

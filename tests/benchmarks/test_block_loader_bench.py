@@ -3,8 +3,8 @@ counted columns it reports follow the order's design (decodes per sample ~ 1/run
 output table runs the loader each way it compares."""
 
 from loongforge.benchmarks.harness.dataset import make_synthetic_root
-from loongforge.benchmarks.loader.block_loader import (locate_cost, order_table, output_configs, output_markdown,
-                                                       output_row)
+from loongforge.benchmarks.loader.block_loader import (goals_markdown, limits, locate_cost, order_table,
+                                                       output_configs, output_markdown, output_row)
 
 
 def test_order_table_counts_follow_the_run_length():
@@ -30,3 +30,18 @@ def test_output_table_times_each_output_with_and_without_recycled_buffers(tmp_pa
     assert len(got) == 4 and all(r["samples_per_s"] > 0 and r["samples_per_cpu_s"] >= 0 for r in got.values())
     lines = output_markdown({"output": got, "output_workers": [0]})
     assert [line.split(" | ")[1] for line in lines[2:]] == ["NV12", "float RGB"]
+
+
+def test_limits_and_the_goal_verdicts(tmp_path):
+    make_synthetic_root(str(tmp_path), lengths=(20, 30), height=8, width=8, block_size=4)
+    got = limits(str(tmp_path), batch=4, seconds=0.05, camera="front")
+    assert set(got) == {"zstd_frames_per_s", "memcpy_frames_per_s", "conversion_frames_per_s"}
+    assert all(v > 0 for v in got.values())
+    row = {"samples_per_s": 1000.0}
+    rows = [{"gop": 250, "baseline": {"samples_per_s": 2.0}, "W=0 NV12": row, "W=0 float RGB": row,
+             "W=2 NV12": {"samples_per_s": 900.0}, "W=2 float RGB": row},
+            {"gop": 2, "baseline": {"samples_per_s": 40.0}, "W=0 NV12": row, "W=0 float RGB": row,
+             "W=2 NV12": row, "W=2 float RGB": row}]
+    lines = goals_markdown(rows)
+    assert "NV12 >= 400x: met; float RGB >= 300x: met; 2 workers >= 0: MISSED" in lines[2]  # 500x; 900 < 1000
+    assert "NV12 >= 40x: MISSED; float RGB >= 30x: MISSED; 2 workers >= 0: met" in lines[3]  # 25x
