@@ -30,6 +30,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 
@@ -43,6 +44,7 @@ from loongforge.benchmarks.harness.report import RESULTS_DIR, write_timestamped
 from loongforge.benchmarks.loader.baseline import LeRobotVideoDataset, Window
 from loongforge.shared.index import CameraInfo, DatasetInfo
 from loongforge.train.data.batch import BatchLayout
+from loongforge.train.data.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
 from loongforge.preprocess.stages.decode import decode_nv12
 from loongforge.preprocess.samples.dataset import DATA_PATH, VIDEO_PATH, generate_dataset
 
@@ -240,11 +242,7 @@ def limits(root: str, batch: int = 32, seconds: float = 1.0, camera: str = CAM) 
     blocks from RAM (the bytes read first), a frame's copy (memcpy: decoded frames, more of them than the
     L3 holds, into a ring of batch buffers, as a fill does), and NV12 -> normalized float RGB of a batch
     into a recycled buffer (the prefetch thread's pass, serial as it runs it)."""
-    import threading
-
     import torch
-
-    from loongforge.train.data.colorspace import nv12_to_input, serial_cpu_ops_in_this_thread
 
     out = {"zstd_frames_per_s": zstd_limit(root, camera)["frames_per_s"]}
     ds = open_root(root)

@@ -50,6 +50,7 @@ def topk_run(train_root, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # ~22 s: make test keeps test_topk_sends_a_third_and_resumes_exactly on the same code path
 def test_ratio_one_equals_plain_zero3(train_root, zero3_run, tmp_path):
     root, _ = train_root
     # zero3_run (tests/train/conftest.py) is this file's COMMON run plain (plus checkpoints, which

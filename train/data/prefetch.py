@@ -103,6 +103,9 @@ class Prefetcher:
                     self._put(_END)
                     return
                 self._put(staged)
+                # Not held while the next batch is staged: its buffers go back to the pool once the consumer
+                # drops it (HostPool.for_prefetch counts no reference of this thread's).
+                staged = None
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Failure(exc))
 

@@ -168,6 +168,7 @@ def _global_order(index, steps, batch, seed=1, window=8, run=4):
     return out
 
 
+@pytest.mark.full  # ~65 s: `make faults` runs it; make test keeps elastic node loss (test_multinode.py) and elastic_unit
 def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once(train_root, tmp_path):
     """`loongforge train --elastic --min-ranks 1 --max-ranks 2`, ZeRO-2: rank 1 blocks at the start of step 7
     (test hook, so the fault point is exact) and is SIGKILLed; the supervisor converts the step-4 checkpoint
