@@ -250,9 +250,10 @@ class HostPool:
     def take(self, shape, dtype: torch.dtype, name: str = "") -> torch.Tensor:
         """A buffer for field `name` of a batch: one per name per batch."""
         shape = tuple(shape)
-        bufs = self._bufs.setdefault((name, shape, dtype), [])
-        for buf in bufs:
+        bufs = self._bufs.setdefault((name, shape, dtype), [])  # in the order they were last handed out
+        for i, buf in enumerate(bufs):
             if _unshared(buf):
+                bufs.append(bufs.pop(i))  # so bufs[0] is always the longest-held one
                 return buf.view(shape)
         self.allocated += 1
         buf = torch.empty(shape, dtype=dtype)

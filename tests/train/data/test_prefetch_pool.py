@@ -95,3 +95,19 @@ def test_tensors_from_pull_pass_as_they_are_and_ring_views_are_copied():
     frames = staged.tensors["frames"]["cam"]
     assert frames.data_ptr() != ring["frames.cam"].ctypes.data  # a ring slot is reused once released
     assert torch.equal(frames, torch.from_numpy(ring["frames.cam"]))
+
+
+def test_the_buffer_that_leaves_a_full_pool_is_the_longest_held_not_the_first_made():
+    """A kept batch's buffer leaves the pool, not one that is back in a moment: bufs[0] must be the buffer
+    handed out longest ago, whatever order they were made in (CI under load caught the first-made rule)."""
+    pool = HostPool(per_key=2)
+    first = pool.take((4,), torch.float32, "x")
+    kept = pool.take((4,), torch.float32, "x")  # held from here on
+    del first
+    again = pool.take((4,), torch.float32, "x")  # the first buffer, handed out again: now the most recent
+    extra = pool.take((4,), torch.float32, "x")  # both held: a new buffer; `kept`'s leaves the pool
+    del again, extra
+    for _ in range(3):  # two batches in flight at once: both pooled buffers are free, nothing is made
+        a, b = pool.take((4,), torch.float32, "x"), pool.take((4,), torch.float32, "x")
+        del a, b
+    assert pool.allocated == 3 and kept.numel() == 4
