@@ -7,8 +7,8 @@ decode worker owns one cache (no sharing, no locks); the counters travel back wi
 every batch so the trainer can log the hit rate.
 
 Evicted blocks are kept (a few) as the memory the next decode writes into (`spare`):
-a fresh 1.5 MiB array per decode costs its page faults (~15 per sample at B=16,
-run 4, measured in a decode worker), as much as a fifth of the decode itself.
+a fresh 1.5 MiB array per decode costs its page faults (measured once over 300 batches
+of 32 on bench block-loader's output root: 7.2 per sample inline before, 0.3 after).
 """
 
 from __future__ import annotations

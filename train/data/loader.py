@@ -93,7 +93,7 @@ class BlockLoader:
             raise ConfigError(f"data.block_cache_mb: {block_cache_mb}, must be >= 0 (0 = no cache)")
         self.filler_spec = self._filler(root, per_rank, max_text_tokens, int(block_cache_mb * (1 << 20)))
         self.layout = self.filler_spec.layout
-        # NV12 out on CPU from workers: batches are lent out of the ring (no copy), at most LEND_SLOTS at once,
+        # NV12 out on CPU from workers: batches are lent out of the ring (no copy), at most prefetch + LEND_EXTRA at once,
         # each with a slot of its own beside the 2W+1 the workers cycle through.
         self.lend = num_workers > 0 and not rgb and recycle_buffers and self.device.type == "cpu" and \
             SlotLender.available()

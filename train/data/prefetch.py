@@ -274,8 +274,8 @@ class SlotLender:
 
     def __init__(self, pool, limit: int):
         self.pool, self.limit = pool, limit
-        # slot -> (uint8 tensor over the slot, typed views of it, fields, the storage's use count at rest):
-        # made once per slot, so a loan is one as_strided per field (~1 us each)
+        # slot -> (uint8 tensor over the slot, its fields as (name, typed view of it, shape, stride, offset),
+        # the storage's use count at rest): made once per slot, so a loan is one as_strided per field
         self._slots: dict[int, tuple] = {}
         self._out: set[int] = set()
         self.lent = 0  # batches handed out without a copy (a test and the benchmark read it)
@@ -286,7 +286,7 @@ class SlotLender:
 
     def reclaim(self) -> None:
         for slot in [s for s in self._out if _USE_COUNT(self._slots[s][0].untyped_storage()._cdata) ==
-                     self._slots[s][3]]:
+                     self._slots[s][2]]:
             self._out.discard(slot)
             self.pool.release(slot)
 
@@ -298,7 +298,7 @@ class SlotLender:
         made = self._slots.get(slot) or self._make(slot)
         self._out.add(slot)
         self.lent += 1
-        return {name: typed.as_strided(shape, stride, offset) for name, typed, shape, stride, offset in made[2]}
+        return {name: typed.as_strided(shape, stride, offset) for name, typed, shape, stride, offset in made[1]}
 
     def _make(self, slot: int) -> tuple:
         buf = self.pool.buffer(slot)
@@ -312,7 +312,7 @@ class SlotLender:
                 typed[dtype] = base[: base.numel() // size * size].view(dtype)
             offset = arr.ctypes.data - base.data_ptr()  # fields are 64-byte aligned (batch.py)
             fields.append((name, typed[dtype], arr.shape, tuple(x // size for x in arr.strides), offset // size))
-        made = self._slots[slot] = (base, typed, fields, _USE_COUNT(base.untyped_storage()._cdata))
+        made = self._slots[slot] = (base, fields, _USE_COUNT(base.untyped_storage()._cdata))
         return made
 
     def close(self) -> None:
