@@ -11,5 +11,5 @@ shards + global index, as an Apache Beam job. One folder per concern:
 Entry points other services use:
     loongforge.preprocess.pipeline.run_job(PreprocessConfig, beam_args, RunnerConfig) -> summary dict
     loongforge.preprocess.samples.dataset.generate_dataset(root, ...) -> Path
-    loongforge.preprocess.report.summarize(shard_root) -> summary dict
+    loongforge.shared.summary.summarize(shard_root) -> summary dict
 """

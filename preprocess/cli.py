@@ -36,12 +36,6 @@ def register(subparsers) -> None:
                    help="Beam pipeline options after `--`, passed through unchanged")
     p.set_defaults(func=_preprocess)
 
-    i = subparsers.add_parser("inspect", help="summarise (and verify) a shard root")
-    i.add_argument("root", metavar="SHARDS", help="shard root (path or URL)")
-    i.add_argument("--verify", action="store_true", help="hash-check every shard (exit 1 if any fails)")
-    i.add_argument("--json", action="store_true", help="print a JSON object")
-    i.set_defaults(func=_inspect)
-
     c = subparsers.add_parser("convert", help="rewrite a root of the retired format 1 as format 2",
                               description="Rewrite a format-1 shard root (per-sample windows, retired) as format 2 "
                               "(frame blocks + memory-mapped index, shared/FORMAT.md), the only format LoongForge "
@@ -105,7 +99,7 @@ def _quiet_beam() -> None:
 def _preprocess(args: argparse.Namespace) -> int:
     from loongforge.preprocess.config import config_from_args
     from loongforge.preprocess.pipeline import run_job
-    from loongforge.preprocess.report import format_summary
+    from loongforge.shared.summary import format_summary
     from loongforge.preprocess.runner.choice import runner_from_args
 
     _quiet_beam()
@@ -121,20 +115,6 @@ def _preprocess(args: argparse.Namespace) -> int:
               "failed.jsonl lists what failed", file=sys.stderr)
         return EXIT_FAILED_RECORDS
     return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from loongforge.preprocess.report import format_summary, summarize
-    from loongforge.shared.dataset import open_root
-
-    summary = summarize(args.root)
-    rc = 0
-    if args.verify:
-        bad = open_root(args.root).verify()
-        summary["verified"], summary["bad_shards"] = not bad, bad
-        rc = 1 if bad else 0
-    print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
-    return rc
 
 
 def _convert(args: argparse.Namespace) -> int:

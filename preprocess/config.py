@@ -72,6 +72,10 @@ class PreprocessConfig:
     # tolerance is clamped to the nearest frame of its episode, skipped, or fails the episode.
     timestamp_tolerance_s: float = DEFAULT_TIMESTAMP_TOLERANCE_S
     frame_mismatch: str = "clamp"
+    # The GR00T N1.6 embodiment the data trains (shared/embodiment.py): a registered tag, or any tag with the
+    # user's modality config file; "" = new_embodiment with a config derived from the dataset's modality.json.
+    embodiment_tag: str = ""
+    modality_config: str = ""
 
     def __post_init__(self):
         if not isinstance(self.action_horizon, int) or self.action_horizon < 1:
@@ -139,6 +143,8 @@ class PreprocessConfig:
             out["timestamp_tolerance_s"] = self.timestamp_tolerance_s
         if self.frame_mismatch != "clamp":
             out["frame_mismatch"] = self.frame_mismatch
+        if self.embodiment_tag:  # absent = the derived config (dataset.embodiment records what was used)
+            out["embodiment_tag"] = self.embodiment_tag
         return out
 
     @classmethod
@@ -204,6 +210,14 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frame-mismatch", choices=FRAME_MISMATCH_CHOICES, default="clamp",
                         help="a row with no frame within the tolerance: clamp to the nearest frame of its episode "
                         "(default), skip the row, or fail the episode; counted per camera in the summary and index")
+    parser.add_argument("--embodiment-tag", default="", metavar="TAG",
+                        help="GR00T N1.6 embodiment of the data: a registered tag (oxe_droid, unitree_g1, libero_panda, "
+                        "oxe_widowx, oxe_google, behavior_r1_pro) takes its modality config; any tag with "
+                        "--modality-config; default: new_embodiment with a config derived from meta/modality.json "
+                        "(every key absolute, min/max)")
+    parser.add_argument("--modality-config", default="", metavar="FILE",
+                        help="the embodiment's modality config: Isaac-GR00T's JSON form (.json) or Python form (.py, "
+                        "as its --modality_config_path; read, never run)")
     parser.add_argument("--progress-s", type=float, default=10.0, metavar="S",
                         help="local runner: a progress line every S seconds (0 = off; 10)")
     for flag in RETIRED_FLAGS:
@@ -223,4 +237,6 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                             progress_s=args.progress_s, block_frames=args.block_frames,
                             block_codec=args.block_codec,
                             timestamp_tolerance_s=getattr(args, "timestamp_tolerance", DEFAULT_TIMESTAMP_TOLERANCE_S),
-                            frame_mismatch=getattr(args, "frame_mismatch", "clamp"))
+                            frame_mismatch=getattr(args, "frame_mismatch", "clamp"),
+                            embodiment_tag=getattr(args, "embodiment_tag", "") or "",
+                            modality_config=getattr(args, "modality_config", "") or "")

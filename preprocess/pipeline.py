@@ -40,8 +40,8 @@ from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta
 from loongforge.preprocess.stages.finalize import WRITTEN, FinalizeFn, JobResultsFn
 from loongforge.preprocess.runner.launch import Launch
 from loongforge.preprocess.stages.pack import STAGING_DIR, WriteShards
-from loongforge.preprocess.prepare import prepare_job, resolve_params
-from loongforge.preprocess.report import summarize
+from loongforge.preprocess.prepare import prepare_job, resolve_embodiment, resolve_params
+from loongforge.shared.summary import summarize
 from loongforge.preprocess.runner.choice import RunnerConfig, add_runner_arguments, runner_from_args
 from loongforge.shared import paths
 from loongforge.shared.errors import StorageError
@@ -50,12 +50,12 @@ log = logging.getLogger(__name__)
 
 
 def build_pipeline(p: beam.Pipeline, cfg: PreprocessConfig, meta: SourceMeta, episodes: list[EpisodeSpec],
-                   color: ColorTarget | None = None, progress_topic: str = ""):
+                   color: ColorTarget | None = None, progress_topic: str = "", embodiment=None):
     """The job's graph, for any runner: no tagged outputs (a stage emits (tag, value) pairs that
     a filter splits), no side inputs (finalize's one input is combined from every stage's output),
     no default for a global combine (an empty one has nothing to say). On the Dask runner only
     the last step's inputs run: every step here leads to WriteIndex."""
-    params = resolve_params(cfg, meta, color)
+    params = resolve_params(cfg, meta, color, embodiment or resolve_embodiment(cfg, meta))
     converted = (
         p
         | "ListEpisodes" >> beam.Create(episodes)
@@ -99,7 +99,7 @@ def run_job(cfg: PreprocessConfig, beam_args: list[str] | None = None, runner: R
                  [c.key for c in meta.cameras], color.matrix, color.range)
         t0 = time.perf_counter()
         p = beam.Pipeline(runner=launch.beam_runner, options=launch.options)
-        build_pipeline(p, cfg, meta, episodes, color, launch.progress_topic)
+        build_pipeline(p, cfg, meta, episodes, color, launch.progress_topic, job.embodiment)
         try:
             launch.run(p)
         except Exception as exc:

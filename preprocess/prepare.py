@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from loongforge.preprocess.stages.colorspace import ColorTarget, dataset_colors
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.stages.convert import ConvertParams
 from loongforge.preprocess.stages.discover import EpisodeSpec, SourceMeta, discover
+from loongforge.preprocess.stages.stats import EmbodimentSpec
 from loongforge.preprocess.stages.timing import FrameTiming
-from loongforge.shared.errors import ConfigError, SourceDataError
+from loongforge.shared import embodiment
+from loongforge.shared.errors import ConfigError, SourceDataError, UsageError
 from loongforge.shared.split import choose_val_episodes
 
 
@@ -22,6 +26,7 @@ class PreparedJob:
     meta: SourceMeta
     episodes: list[EpisodeSpec]
     color: ColorTarget
+    embodiment: EmbodimentSpec
 
 
 def prepare_job(cfg: PreprocessConfig) -> PreparedJob:
@@ -34,7 +39,31 @@ def prepare_job(cfg: PreprocessConfig) -> PreparedJob:
     camera_sizes(cfg, meta)  # an odd source size fails here, not in every worker
     has_video = any(c.kind == "video" for c in meta.cameras)
     color = dataset_colors(episodes, has_video, cfg.color_range, cfg.color_matrix)
-    return PreparedJob(cfg, meta, episodes, color)
+    return PreparedJob(cfg, meta, episodes, color, resolve_embodiment(cfg, meta))
+
+
+def resolve_embodiment(cfg: PreprocessConfig, meta: SourceMeta) -> EmbodimentSpec:
+    """The tag and modality config the job records, checked against the dataset (a usage error naming the
+    key and what the dataset has, before any work)."""
+    tag = cfg.embodiment_tag or "new_embodiment"
+    try:
+        if cfg.embodiment_tag or cfg.modality_config:
+            embodiment.projector_index(tag)  # an unknown tag: one line naming the known ones
+            config = embodiment.resolve_config(tag, cfg.modality_config or None)
+        else:
+            config = embodiment.derive_config(meta.modality, [c.slot for c in meta.cameras], cfg.action_horizon)
+        arrays = {c.name: c.array for c in meta.columns if c.array}
+        arrays.setdefault("observation.state", "state")
+        arrays.setdefault("action", "action")
+        dims = {c.array: max(1, int(np.prod(c.shape))) for c in meta.columns if c.array}
+        dims.update(state=meta.state_dim, action=meta.action_dim)
+        layout = embodiment.key_layout(config, meta.modality, arrays, dims, {c.key: c.slot for c in meta.cameras},
+                                       origin=cfg.input)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    floats = {c.name: c.array for c in meta.columns if c.dtype == "float32" and c.array}
+    return EmbodimentSpec(tag=tag, config=config, layout=layout, float_features=floats,
+                          registered=not cfg.modality_config and tag in embodiment.REGISTERED)
 
 
 def camera_sizes(cfg: PreprocessConfig, meta: SourceMeta) -> tuple[tuple[int, int], ...]:
@@ -49,11 +78,13 @@ def camera_sizes(cfg: PreprocessConfig, meta: SourceMeta) -> tuple[tuple[int, in
     return tuple((c.height, c.width) for c in meta.cameras)
 
 
-def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None) -> ConvertParams:
+def resolve_params(cfg: PreprocessConfig, meta: SourceMeta, color: ColorTarget | None = None,
+                   embodiment_spec: EmbodimentSpec | None = None) -> ConvertParams:
     sizes = camera_sizes(cfg, meta)
     height, width = sizes[0]
     return ConvertParams(output=cfg.output, height=height, width=width, resize_mode=cfg.resize_mode,
                          zstd_level=cfg.zstd_level, slots=tuple(c.slot for c in meta.cameras), color=color,
                          block_frames=cfg.block_frames, block_codec=cfg.block_codec,
                          sizes=sizes if len(set(sizes)) > 1 else (),
-                         timing=FrameTiming(cfg.timestamp_tolerance_s, cfg.frame_mismatch))
+                         timing=FrameTiming(cfg.timestamp_tolerance_s, cfg.frame_mismatch),
+                         embodiment=embodiment_spec)

@@ -83,6 +83,9 @@ class DatasetInfo:
     stats: dict = field(default_factory=dict)  # {"state"|"action": {"mean","std","min","max": [...]}}
     source: dict = field(default_factory=dict)  # uri, codebase_version, robot_type, fingerprint
     tasks: dict = field(default_factory=dict)  # task_index (str) -> instruction
+    # GR00T N1.6's embodiment of the data: tag, modality config, key layout, statistics (FORMAT.md); {} in
+    # roots written before it (readers derive an absolute min/max config from `modality` and `stats`)
+    embodiment: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.height <= 0 or self.width <= 0 or self.height % 2 or self.width % 2:
@@ -178,6 +181,8 @@ def dataset_doc(dataset: DatasetInfo) -> dict:
     """The manifest's `dataset` object: per-camera sizes only where set, so roots whose
     cameras share the dataset's size keep the bytes they had before per-camera sizes."""
     doc = asdict(dataset)
+    if not doc["embodiment"]:  # roots without one keep the bytes they had
+        del doc["embodiment"]
     for cam in doc["cameras"]:
         if not cam["height"]:
             del cam["height"], cam["width"]

@@ -11,8 +11,11 @@ writer; this is not it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from loongforge.shared import embodiment, statistics
 from loongforge.shared.index import CameraInfo, DatasetInfo
 from loongforge.shared.writer import RootWriter
 
@@ -44,6 +47,7 @@ def synthetic_dataset_info(height: int, width: int, cameras: tuple[str, ...], st
         cameras=tuple(CameraInfo(key=f"observation.images.{c}", slot=c, source_height=height, source_width=width,
                                  codec="synthetic") for c in cameras),
         state_dim=state_dim, action_dim=action_dim, action_horizon=action_horizon, frames_per_sample=1,
+        modality=embodiment.plain_modality(state_dim, action_dim, cameras),
         stats={"state": {"mean": [0.0] * state_dim, "std": [1.0] * state_dim},
                "action": {"mean": [0.0] * action_dim, "std": [1.0] * action_dim}},
         source={"uri": "synthetic"}, tasks={"0": "pick up the red cube", "1": "open the drawer"})
@@ -61,9 +65,27 @@ def make_synthetic_root(root: str, *, lengths: tuple[int, ...] = (23, 9, 40, 17)
     written = {}
     w = RootWriter(root, info, block_size=block_size, shard_size=shard_size, params={"synthetic": True},
                    created_by="loongforge.synthetic", block_codec=block_codec)
+    spec = synthetic_embodiment(info)
+    partials = []
     for ep, n in zip(ids, lengths):
         frames, arrays = synthetic_episode(ep, n, height, width, cameras, state_dim, action_dim, seed)
         w.add_episode(ep, frames, arrays)
         written[ep] = (frames, arrays)
+        if ep not in set(val_episodes):  # statistics of the training episodes, as preprocess takes them
+            partials.append(statistics.episode_partial(arrays, spec))
+    if partials:  # an empty root has nothing to take statistics from
+        w.dataset = dataclasses.replace(w.dataset, embodiment=statistics.embodiment_record(spec, partials))
     w.close(val_episodes=val_episodes)
     return written
+
+
+def synthetic_embodiment(info: DatasetInfo) -> statistics.EmbodimentSpec:
+    """new_embodiment over the root's one state and one action key, absolute (what preprocess derives)."""
+    config = embodiment.derive_config(info.modality, info.slots, info.action_horizon)
+    layout = embodiment.key_layout(config, info.modality, {"observation.state": "state", "action": "action",
+                                                           "task_index": "task_index"},
+                                   {"state": info.state_dim, "action": info.action_dim},
+                                   {c.key: c.slot for c in info.cameras}, origin="synthetic")
+    return statistics.EmbodimentSpec("new_embodiment", config, layout, {"observation.state": "state",
+                                                                        "action": "action", "timestamp": "timestamp"},
+                                     registered=False)

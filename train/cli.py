@@ -68,10 +68,31 @@ def register(subparsers) -> None:
     x.add_argument("run_dir", metavar="RUN", help="run directory (holds checkpoints/)")
     x.add_argument("out", metavar="OUT", help="new directory to write")
     x.add_argument("--format", default="gr00t", choices=("gr00t",), help="gr00t: what Isaac-GR00T's loader reads")
-    x.add_argument("--data", required=True, metavar="SHARDS", help="the shard root the run trained on (statistics, "
-                   "modality groups, cameras for the processor files)")
+    x.add_argument("--data", default=None, metavar="SHARDS", help="not needed: the run's N1.6 processor (modality "
+                   "configs, statistics) is in its checkpoint")
     x.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     x.set_defaults(func=_export)
+    i = subparsers.add_parser("inspect", help="summarise (and verify) a shard root, or write samples exactly as the "
+                                              "model receives them (--at E:F --npz OUT)")
+    i.add_argument("root", metavar="SHARDS", help="shard root (path or URL)")
+    i.add_argument("--verify", action="store_true", help="hash-check every shard (exit 1 if any fails)")
+    i.add_argument("--json", action="store_true", help="print a JSON object")
+    i.add_argument("--at", action="append", default=[], metavar="EPISODE:FRAME", help="a sample to write (source "
+                   "episode id and frame; repeat the flag for more)")
+    i.add_argument("--npz", default=None, metavar="OUT", help="where --at's samples go (numpy .npz, the names "
+                   "Isaac-GR00T's collator emits, and the raw arrays)")
+    i.add_argument("--train", action="store_true", help="training mode: the crop and colour jitter training draws "
+                   "for each sample at --seed (default: evaluation, centred crop)")
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--recipe", default="gr00t-n1.6", help="the model whose inputs to build (default: the released "
+                   "N1.6: 128-D state and action, 50 steps, 252-pixel images)")
+    i.add_argument("--init-from", default=None, metavar="DIR", help="a checkpoint's processor and statistics instead")
+    i.add_argument("--tokenizer", default=None, metavar="DIR", help="the tokenizer's files (Qwen3's for N1.6; "
+                   "default: bytes)")
+    i.add_argument("--run", default=None, metavar="RUN", help="a trained run's processor and tokenizer instead")
+    i.add_argument("--padding", default=None, metavar="S,A,H", help="pad state / action dims and action steps to "
+                   "these (default: with the gr00t-n1.6 recipe the released checkpoint's 128,128,50; else the model's)")
+    i.set_defaults(func=_inspect)
     register_tune(subparsers)
     register_ckpt(subparsers)
 
@@ -91,6 +112,42 @@ def _train(args) -> int:
     # Never returns: os._exit after teardown (gloo can abort in interpreter shutdown).
     exit_now(run_args(args))
     return 1  # unreachable
+
+
+def _inspect(args) -> int:
+    from loongforge.shared.dataset import open_root
+    from loongforge.shared.summary import format_summary, summarize
+
+    if args.at or args.npz:
+        import numpy as np
+
+        from loongforge.train.eval.inspect import parse_at, samples
+
+        if not (args.at and args.npz):
+            raise UsageError("inspect: --at EPISODE:FRAME and --npz OUT go together")
+        from loongforge.train.eval.inspect import RELEASED_PADDING
+
+        padding = RELEASED_PADDING if args.recipe == "gr00t-n1.6" and not (args.run or args.init_from) else None
+        if args.padding:
+            try:
+                padding = tuple(int(x) for x in args.padding.split(","))
+                assert len(padding) == 3
+            except (ValueError, AssertionError):
+                raise UsageError(f"--padding {args.padding!r}: three integers, e.g. 128,128,50") from None
+        out = samples(args.root, parse_at(args.at), train=args.train, seed=args.seed, recipe=args.recipe,
+                      init_from=args.init_from, tokenizer=args.tokenizer, run=args.run, padding=padding)
+        np.savez(args.npz, **out)
+        print(f"wrote {len(args.at)} sample(s) to {args.npz}: " + ", ".join(f"{k} {list(v.shape)}"
+                                                                         for k, v in out.items()))
+        return 0
+    summary = summarize(args.root)
+    rc = 0
+    if args.verify:
+        bad = open_root(args.root).verify()
+        summary["verified"], summary["bad_shards"] = not bad, bad
+        rc = 1 if bad else 0
+    print(json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary))
+    return rc
 
 
 def _export(args) -> int:

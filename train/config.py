@@ -41,10 +41,13 @@ class DataConfig:
     cache_socket: str | None = None
     cache_tcp: str | None = None
     # Samples are (episode, t) (train/data/samples.py), in a block-aware order (train/data/order.py).
-    video_deltas: tuple[int, ...] = (0,)  # frame offsets around t (GR00T: 0; history e.g. -6,-4,-2,0)
+    # Delta indices: () / 0 = the root's modality config (recorded by preprocess); flags override them
+    video_deltas: tuple[int, ...] = ()  # frame offsets around t (N1.6: 0; history e.g. -6,-4,-2,0)
     state_deltas: tuple[int, ...] = ()  # () = the video offsets
-    action_horizon: int = 0  # H action rows from t; 0 = what preprocess recorded
-    action_pad: str = "last"  # rows past the episode end: repeat the last (GR00T absolute) or "zero"
+    action_horizon: int = 0  # H action rows from t; 0 = the modality config's
+    # "none": a sample only where its whole chunk lies in the episode (N1.6); "last" / "zero": every timestep,
+    # the chunk past the end padded (and masked out of the loss)
+    action_pad: str = "none"
     sample_stride: int = 1  # every s-th timestep is a sample (GR00T: 1)
     block_run: int = 4  # samples of one frame block kept together in the order (decodes vs diversity)
     block_window: int = 65536  # samples; shuffle buffer of those runs
@@ -74,7 +77,7 @@ class ModelConfig:
     attention: str = "auto"  # auto | sdpa | flex | flash: train/model/attention.py (auto = sdpa on CPU)
     init_from: str | None = None  # an Isaac-GR00T N1.6 checkpoint directory (config.json + model*.safetensors)
     tokenizer: str | None = None  # directory of the tokenizer files; default: init_from's, else bytes
-    embodiment_tag: str = "new_embodiment"  # GR00T's embodiment tag (or projector index) of the data
+    embodiment_tag: str | None = None  # a check: the tag the data was preprocessed with (it decides)
     tune_llm: bool | None = None
     tune_visual: bool | None = None
     tune_top_llm_layers: int | None = None
@@ -82,12 +85,20 @@ class ModelConfig:
     tune_diffusion_model: bool | None = None
     tune_vlln: bool | None = None
     dit_dropout: float | None = None  # None = the architecture's (N1.6: 0.2)
+    state_dropout: float | None = None  # N1.6's state_dropout_prob; None = the model's (0)
+    color_jitter: tuple[float, ...] | None = None  # brightness, contrast, saturation, hue; None = the recipe's;
+    # () = no colour jitter
+    override_statistics: bool = False  # --init-from: the data's statistics even for the checkpoint's own tags
 
     def __post_init__(self):
         _need(self.attention in ATTENTION_BACKENDS, "model.attention", f"use one of {ATTENTION_BACKENDS}")
         _need(self.tune_top_llm_layers is None or self.tune_top_llm_layers >= 0, "model.tune_top_llm_layers",
               "must be >= 0")
         _need(self.dit_dropout is None or 0.0 <= self.dit_dropout < 1.0, "model.dit_dropout", "must be in [0, 1)")
+        _need(self.state_dropout is None or 0.0 <= self.state_dropout < 1.0, "model.state_dropout",
+              "must be in [0, 1)")
+        _need(self.color_jitter is None or len(self.color_jitter) in (0, 4), "model.color_jitter",
+              "four values (brightness,contrast,saturation,hue) or none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -38,6 +38,19 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"want comma-separated integers (e.g. -6,-4,-2,0), got {text!r}") from None
 
 
+def _jitter(text: str) -> tuple[float, ...]:
+    if text.strip().lower() in ("off", "none", "0"):
+        return ()
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 4 or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"want brightness,contrast,saturation,hue (e.g. 0.3,0.4,0.5,0.08) or off, "
+                                         f"got {text!r}")
+    return vals
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
     p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
@@ -49,8 +62,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "download")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="directory of the tokenizer files (default: "
                    "--init-from's; without one, bytes)")
-    p.add_argument("--embodiment-tag", default=_default(ModelConfig, "embodiment_tag"), help="GR00T's embodiment "
-                   "tag of the data (selects the per-embodiment encoders; a new robot: new_embodiment)")
+    p.add_argument("--embodiment-tag", default=None, help="a check: the GR00T embodiment tag the data must have (the "
+                   "tag, its modality config and statistics are chosen at `loongforge preprocess --embodiment-tag`)")
+    p.add_argument("--override-statistics", action="store_true", help="with --init-from: normalise every embodiment "
+                   "with the data's statistics (default, as N1.6: the checkpoint's own for the tags it has)")
+    p.add_argument("--state-dropout", type=float, default=None, help="N1.6's state_dropout_prob: the share of samples "
+                   "whose state tokens are replaced by a learned mask token in training (default: the model's, 0)")
+    p.add_argument("--color-jitter", type=_jitter, default=None, metavar="B,C,S,H", help="training colour jitter "
+                   "(brightness, contrast, saturation, hue; default the recipe's: N1.6's 0.3,0.4,0.5,0.08; 'off')")
     for name, what in (("llm", "the LLM (all its kept layers)"), ("visual", "the vision tower and mlp1"),
                        ("projector", "the state/action encoders and decoder"),
                        ("diffusion-model", "the DiT"), ("vlln", "the LayerNorm on the backbone features")):
@@ -87,10 +106,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="clip the global gradient norm to this (0 = off)")
     p.add_argument("--bad-samples", default=_default(DataConfig, "bad_samples"), choices=BAD_SAMPLE_POLICIES)
     p.add_argument("--video-deltas", type=_ints, default=_default(DataConfig, "video_deltas"),
-                   help="frame offsets around each sample's t, comma-separated (GR00T: 0; history: "
-                   "--video-deltas=-6,-4,-2,0)")
+                   help="frame offsets around each sample's t, comma-separated (default: the modality config's, "
+                   "N1.6: 0; history: --video-deltas=-6,-4,-2,0)")
     p.add_argument("--action-horizon", type=int, default=_default(DataConfig, "action_horizon"),
-                   help="action rows per sample (0 = the index's)")
+                   help="action rows per sample (0 = the modality config's; only for roots without relative actions)")
+    p.add_argument("--action-pad", default=_default(DataConfig, "action_pad"), choices=("none", "last", "zero"),
+                   help="none (N1.6): a sample only where its whole action chunk lies in the episode; last / zero: "
+                   "every timestep, the chunk past the end padded and masked out of the loss")
     p.add_argument("--sample-stride", type=int, default=_default(DataConfig, "sample_stride"),
                    help="every s-th timestep is a sample")
     p.add_argument("--block-run", type=int, default=_default(DataConfig, "block_run"), help="samples of one frame "
@@ -245,13 +267,15 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
                         bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
+                        action_pad=a.action_pad,
                         sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
                         block_cache_mb=a.block_cache_mb),
         model=ModelConfig(attention=a.attention, init_from=a.init_from, tokenizer=a.tokenizer,
                           embodiment_tag=a.embodiment_tag, tune_llm=a.tune_llm, tune_visual=a.tune_visual,
                           tune_top_llm_layers=a.tune_top_llm_layers, tune_projector=a.tune_projector,
                           tune_diffusion_model=a.tune_diffusion_model, tune_vlln=a.tune_vlln,
-                          dit_dropout=a.dit_dropout),
+                          dit_dropout=a.dit_dropout, state_dropout=a.state_dropout, color_jitter=a.color_jitter,
+                          override_statistics=a.override_statistics),
         optim=OptimConfig(lr=a.lr if a.lr is not None else RECIPE_LR.get(_recipe(a), _default(OptimConfig, "lr")),
                           lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps, warmup_ratio=a.warmup_ratio,
                           min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip),

@@ -21,17 +21,23 @@ architecture, image processing and fine-tuning switches (N1.6's: vision and the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.config import ModelConfig, TrainConfig
-from loongforge.train.data.processor import ProcessorConfig, processor_from_gr00t_json
+from loongforge.train.data.state_action import StateAction
+from loongforge.shared import embodiment as emb
+from loongforge.train.data.processor import Embodiment, Processor, ProcessorConfig, processor_from_gr00t_json
 from loongforge.train.data.prompt import (BYTE_IMAGE_TOKEN, BYTE_VOCAB, PromptTable, build_prompts, has_tokenizer,
                                           load_tokenizer)
-from loongforge.train.model.config import (EMBODIMENT_TAGS, DiTConfig, GrootConfig, TextConfig, VisionConfig,
-                                           read_gr00t_dir_config)
+from loongforge.train.model.config import DiTConfig, GrootConfig, TextConfig, VisionConfig, read_gr00t_dir_config
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,29 +91,25 @@ class ModelPlan:
     """What a run trains: recorded in every checkpoint's sidecar (`sidecar`), rebuilt by Policy."""
 
     model: GrootConfig
-    processor: ProcessorConfig
-    prompts: PromptTable
-    embodiment_id: int
+    processor: Processor  # N1.6's processor: image settings, per embodiment its config and statistics
+    prompts: tuple[PromptTable, ...]  # per root of the run's data
     tokenizer: str | None  # the directory of the tokenizer files; None = bytes
     init_from: str | None
 
+    @property
+    def embodiment_id(self) -> int:
+        """The projector of the run's (first) embodiment."""
+        return next(iter(self.processor.embodiments.values())).projector
+
     def sidecar(self) -> dict:
-        return {"model": self.model.to_dict(), "processor": self.processor.to_dict(),
-                "embodiment_id": self.embodiment_id, "tokenizer": self.tokenizer, "init_from": self.init_from}
+        return {"model": self.model.to_dict(), "processor": self.processor.cfg.to_dict(),
+                "gr00t_processor": self.processor.to_json(), "embodiment_id": self.embodiment_id,
+                "tokenizer": self.tokenizer, "init_from": self.init_from}
 
 
 def embodiment_id(tag: str, cfg: GrootConfig) -> int:
-    """A GR00T embodiment tag (or a projector index) -> the projector index, checked."""
-    if tag in EMBODIMENT_TAGS:
-        idx = EMBODIMENT_TAGS[tag]
-    elif tag.isdigit():
-        idx = int(tag)
-    else:
-        raise ConfigError(f"--embodiment-tag {tag!r}: use one of {', '.join(EMBODIMENT_TAGS)} or a projector "
-                          "index")
-    if idx >= cfg.max_num_embodiments:
-        raise ConfigError(f"--embodiment-tag {tag!r} is projector {idx}, the model has {cfg.max_num_embodiments}")
-    return idx
+    """A GR00T embodiment tag (or a projector index) -> the projector index, checked against the model."""
+    return emb.projector_index(tag, cfg.max_num_embodiments)
 
 
 def _switches(opts: ModelConfig) -> dict:
@@ -116,40 +118,70 @@ def _switches(opts: ModelConfig) -> dict:
     return {n: getattr(opts, n) for n in names if getattr(opts, n) is not None}
 
 
-def base_configs(cfg: TrainConfig) -> tuple[GrootConfig, ProcessorConfig]:
-    """The recipe's, or the --init-from checkpoint's (config.json, processor_config.json)."""
+def base_configs(cfg: TrainConfig) -> tuple[GrootConfig, ProcessorConfig, dict]:
+    """The recipe's, or the --init-from checkpoint's (config.json, processor_config.json, and its
+    statistics.json: {tag: statistics} the checkpoint was trained with, {} without one)."""
     src = cfg.model.init_from
     if src is None:
         r = recipe(cfg.recipe)
-        return r.model, r.processor
+        return r.model, r.processor, {}
     if not os.path.isdir(src):
         raise ConfigError(f"--init-from {src}: not a directory (give an Isaac-GR00T N1.6 checkpoint directory)")
     model = read_gr00t_dir_config(os.path.join(src, "config.json"))
-    proc_path = os.path.join(src, "processor_config.json")
-    proc = ProcessorConfig()
-    if os.path.exists(proc_path):
-        with open(proc_path, encoding="utf-8") as f:
-            proc = processor_from_gr00t_json(json.load(f))
-    return model, proc
+    proc, stats = ProcessorConfig(), {}
+    for name in ("processor_config.json", "statistics.json"):
+        path = os.path.join(src, name)
+        if os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    doc = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--init-from {src}: {name} is unreadable ({exc})") from None
+            if name == "statistics.json":
+                stats = doc if isinstance(doc, dict) else {}
+            else:
+                proc = processor_from_gr00t_json(doc)
+    return model, proc, stats
+
+
+def embodiments(data, model: GrootConfig, pretrained: dict, override: bool) -> dict[str, Embodiment]:
+    """The run's embodiments: per tag of its roots, the roots' statistics merged with their mixture weights,
+    unless the --init-from checkpoint has statistics for the tag: N1.6 keeps those (set_statistics with
+    override False) unless --override-statistics."""
+    merged, configs = data.embodiment_statistics(), data.configs()
+    out = {}
+    for tag, config in configs.items():
+        stats = merged[tag]
+        if tag in pretrained and not override:
+            stats = {k: pretrained[tag].get(k, {}) for k in ("state", "action", "relative_action")}
+            log.info("embodiment %s: the checkpoint's statistics (as N1.6 fine-tunes; --override-statistics takes "
+                     "the data's)", tag)
+        out[tag] = Embodiment(tag, embodiment_id(tag, model), config, stats)
+    return out
 
 
 def plan_model(cfg: TrainConfig, data, *, processor: ProcessorConfig | None = None) -> ModelPlan:
     """The run's model from the config and the data (a data.training_data.TrainingData); `processor`
     replaces the recipe's image processing (benchmarks that shrink the images)."""
     opts = cfg.model
-    model, proc = base_configs(cfg)
+    model, proc, pretrained = base_configs(cfg)
     proc = processor or proc
+    if opts.color_jitter is not None:
+        proc = dataclasses.replace(proc, color_jitter=opts.color_jitter or None)
     ds = data.dataset
     tok_dir = opts.tokenizer or (opts.init_from if has_tokenizer(opts.init_from) else None)
     tok = load_tokenizer(tok_dir, model.image_token_index)
     fields: dict = {**_switches(opts)}
     if opts.dit_dropout is not None:
         fields["dit"] = {"dropout": opts.dit_dropout}
+    if opts.state_dropout is not None:
+        fields["state_dropout_prob"] = opts.state_dropout
+    sizes = _data_sizes(data, proc)
     if opts.init_from is None:
         # From scratch: the vocabulary's image token, and room for the data's dims and horizon.
-        fields.update(image_token_index=tok.image_token_id, action_horizon=ds.action_horizon,
-                      max_state_dim=max(model.max_state_dim, ds.state_dim),
-                      max_action_dim=max(model.max_action_dim, ds.action_dim))
+        fields.update(image_token_index=tok.image_token_id, action_horizon=sizes["horizon"],
+                      max_state_dim=max(model.max_state_dim, sizes["state"]),
+                      max_action_dim=max(model.max_action_dim, sizes["action"]))
         if has_tokenizer(tok_dir):
             fields["text"] = {"vocab_size": max(model.text.vocab_size, len(tok.tok))}
     elif tok_dir is None and model.text.vocab_size != BYTE_VOCAB:
@@ -161,13 +193,24 @@ def plan_model(cfg: TrainConfig, data, *, processor: ProcessorConfig | None = No
     if tok.image_token_id != model.image_token_index:
         raise ConfigError(f"tokenizer {tok.name}: <IMG_CONTEXT> is token {tok.image_token_id}, the model's image "
                           f"token is {model.image_token_index}; use the checkpoint's own tokenizer")
-    if ds.state_dim > model.max_state_dim or ds.action_dim > model.max_action_dim:
-        raise ConfigError(f"the data has {ds.state_dim}-D state and {ds.action_dim}-D action; the model takes at "
-                          f"most {model.max_state_dim} / {model.max_action_dim} (max_state_dim / max_action_dim "
-                          "of the checkpoint): select the state/action columns it was trained on")
+    if opts.embodiment_tag is not None and {r.tag for r in data.roots} != {opts.embodiment_tag}:
+        raise ConfigError(f"--embodiment-tag {opts.embodiment_tag}: the data was preprocessed as "
+                          f"{sorted({r.tag for r in data.roots})}; the tag is chosen at `loongforge preprocess "
+                          "--embodiment-tag`")
+    try:
+        processor = Processor(proc, embodiments(data, model, pretrained, opts.override_statistics),
+                              max_state_dim=model.max_state_dim, max_action_dim=model.max_action_dim,
+                              max_action_horizon=model.action_horizon)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}: select the state/action keys the checkpoint was trained with") from None
     tokens = model.tokens_per_image(*proc.image_size)
-    images = len(ds.cameras) * data.max_frames
-    prompts = build_prompts(tok, ds.tasks or {}, images=images, tokens_per_image=tokens,
-                            vocab_size=model.text.vocab_size)
-    return ModelPlan(model=model, processor=proc, prompts=prompts, embodiment_id=embodiment_id(opts.embodiment_tag, model),
-                     tokenizer=tok_dir, init_from=opts.init_from)
+    prompts = tuple(build_prompts(tok, r.dataset.tasks or {}, images=len(r.cameras) * r.deltas.frames,
+                                  tokens_per_image=tokens, vocab_size=model.text.vocab_size) for r in data.roots)
+    return ModelPlan(model=model, processor=processor, prompts=prompts, tokenizer=tok_dir, init_from=opts.init_from)
+
+
+def _data_sizes(data, proc: ProcessorConfig) -> dict:
+    """The widest processed state and action and the longest horizon over the run's embodiments."""
+    sas = [StateAction(c, data.embodiment_statistics()[t], proc.options, tag=t) for t, c in data.configs().items()]
+    return {"state": max(sa.state_dim for sa in sas), "action": max(sa.action_dim for sa in sas),
+            "horizon": max(sa.horizon for sa in sas)}

@@ -20,7 +20,6 @@ from loongforge.train.ckpt import checkpoint, fallback as ckpt_fallback, files a
 from loongforge.train.config import TrainConfig
 from loongforge.train.ckpt.gr00t import load_gr00t_weights
 from loongforge.train.data import training_data
-from loongforge.train.data.processor import Processor
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
@@ -101,13 +100,13 @@ class Trainer:
         accum = cfg.parallel.grad_accum
         # samples are (episode, t), block-aware order, training episodes only (train/data/loader.py)
         self.startup.enter("loader", "starting the decode workers")
-        proc = self.plan.processor
-        self.processor = Processor(proc, max_state_dim=self.model_cfg.max_state_dim,
-                                   max_action_dim=self.model_cfg.max_action_dim, embodiment_id=self.plan.embodiment_id)
+        self.processor = self.plan.processor  # N1.6's processor: one per run, in every checkpoint's sidecar
+        proc = self.processor.cfg
+        self.root = self.index.roots[0]
         self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
                                                 rank=self.data_rank, world=self.data_world, device=self.device,
-                                                prompts=self.plan.prompts, image_mean=proc.image_mean,
-                                                image_std=proc.image_std)
+                                                processor=self.processor, prompts=self.plan.prompts[0],
+                                                image_mean=proc.image_mean, image_std=proc.image_std)
         self.startup.closers.insert(0, self.loader.close)
         self.valset = self._valset()
         f = cfg.faults
@@ -155,7 +154,7 @@ class Trainer:
         if not run.eval_every:
             return None
         ids = val_sample_ids(self.index, run.eval_samples, d.sample_stride)  # raises ConfigError without a split
-        return ValSet(self.index, ids, self.plan.prompts, self.processor, batch_size=8, device=self.device)
+        return ValSet(self.index, ids, self.plan.prompts[0], self.processor, batch_size=8, device=self.device)
 
     def _resume(self) -> None:
         # Rank 0 reads `latest` (falling back past a corrupt one) and every rank gets the tag by name.
@@ -247,11 +246,13 @@ class Trainer:
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
             b, h, _ = batch["action"].shape
-            noise, u, crop = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"],
-                                       (b, h, self.model_cfg.max_action_dim), self.device)
+            draws = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"],
+                              (b, self.model_cfg.action_horizon, self.model_cfg.max_action_dim), self.device)
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
             with timer.phase("forward"):
-                out = e(self.processor(batch, crop), noise, u, denom)
+                inputs = self.processor(batch, self.root.tag, self.root.cameras, draws.crop, draws.jitter)
+                inputs["state_dropout_u"] = draws.state_dropout
+                out = e(inputs, draws.noise, draws.u, denom)
                 out["loss"] = self.nan_guard.observe(self.step, out["loss"])
             with timer.phase("backward"):
                 e.backward(out["loss"])
@@ -343,7 +344,10 @@ class Trainer:
                                     # the sample shape Policy.load rebuilds (data/training_data.py)
                                     "video_deltas": list(self.cfg.data.video_deltas),
                                     "state_deltas": list(self.cfg.data.state_deltas),
-                                    "action_pad": self.cfg.data.action_pad}})
+                                    "action_horizon": self.cfg.data.action_horizon,
+                                    "action_pad": self.cfg.data.action_pad,
+                                    # the roots' camera slots per video key (observations keyed by slot)
+                                    "cameras": {r.tag: r.keys["video"] for r in self.index.roots}}})
         self.last_stall_s = time.perf_counter() - t0
         self.save_stall_s = [self.last_stall_s]  # what the step loop waited for; logged with the next step
         return tag

@@ -18,7 +18,7 @@ from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.runner.dask_job import DaskSession
 from loongforge.preprocess.stages.pack import METRICS_NS
 from loongforge.preprocess.runner.progress import EpisodeEvents, ProgressMonitor
-from loongforge.preprocess.report import output_counters
+from loongforge.shared.summary import output_counters
 from loongforge.preprocess.runner.choice import RunnerConfig, dask_partition_size
 from loongforge.shared.errors import ConfigError
 

@@ -31,7 +31,7 @@ from loongforge.preprocess.stages.episode import EpisodeTable, read_episode
 from loongforge.preprocess.stages.images import images_to_nv12
 from loongforge.preprocess.stages.pack import METRICS_NS, StagedEpisode, staging_path
 from loongforge.preprocess.runner.progress import report_episode
-from loongforge.preprocess.stages.stats import episode_moments
+from loongforge.preprocess.stages.stats import EmbodimentSpec, episode_moments
 from loongforge.preprocess.stages.timing import FrameTiming
 from loongforge.shared import storage
 from loongforge.shared.blocks import encode_episode
@@ -69,6 +69,7 @@ class ConvertParams:
     block_codec: str = "zstd"  # FORMAT.md "Block codec"
     sizes: tuple[tuple[int, int], ...] = ()  # per slot, its stored (height, width); () = all height x width
     timing: FrameTiming = FrameTiming()  # which frame a row shows (stages/timing.py)
+    embodiment: EmbodimentSpec | None = None  # the run's N1.6 embodiment: its statistics are taken per episode
 
     def size(self, camera: int) -> tuple[int, int]:
         return self.sizes[camera] if self.sizes else (self.height, self.width)
@@ -188,7 +189,7 @@ class ConvertEpisodeFn(beam.DoFn):
         log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
         report_episode(self.progress_topic, spec.index, ok=True)
-        yield STATS, episode_moments(spec.index, table.state, table.action)
+        yield STATS, episode_moments(spec.index, table.state, table.action, episode_arrays(table), p.embodiment)
         yield STAGED, StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
                                     source_bytes=source_bytes, videos=tuple(videos), timing=timing)
 

@@ -24,7 +24,7 @@ from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.stages.convert import FAILED, STAGED, STATS, ConvertParams
 from loongforge.preprocess.stages.discover import SourceMeta
 from loongforge.preprocess.stages.pack import STAGING_DIR, StagedEpisode
-from loongforge.preprocess.stages.stats import norm_stats
+from loongforge.preprocess.stages.stats import embodiment_record, norm_stats
 from loongforge.shared import paths, storage
 from loongforge.shared.index import TABLE_DIR, CameraInfo, DatasetInfo
 from loongforge.shared.split import choose_val_episodes, parse_val_spec
@@ -134,6 +134,11 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         log.warning("val_episodes %s hold every converted episode: normalisation stats fall back to all of "
                     "them, and nothing is left to train on", list(val_episodes))
         stats = norm_stats(moments)
+    record = {}
+    if params.embodiment is not None and moments:
+        used = {int(e) for e in (val_episodes if len(set(val_episodes) & set(moments)) < len(moments) else ())}
+        record = embodiment_record(params.embodiment, [moments[e] for e in sorted(moments)
+                                                       if int(e) not in used and "features" in moments[e]])
     cameras = _cameras(meta, params, staged)
     color = params.color or (ColorTarget(*staged[0].videos[0][4:6]) if staged and staged[0].videos else ColorTarget())
     state_dim = meta.state_dim or len(stats.get("state", {}).get("mean", ()))
@@ -156,7 +161,7 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         fps=meta.fps, height=params.height, width=params.width, cameras=cameras, color_matrix=color.matrix,
         color_range=color.range, state_dim=state_dim, action_dim=action_dim, action_horizon=cfg.action_horizon,
         frames_per_sample=1, state_names=meta.state_names, action_names=meta.action_names,
-        modality=meta.modality, stats=stats, source=source,
+        modality=meta.modality, stats=stats, source=source, embodiment=record,
         tasks={str(k): v for k, v in sorted(meta.tasks.items())})
     return dataset, val_episodes
 

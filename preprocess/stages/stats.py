@@ -1,5 +1,6 @@
-"""Normalisation statistics (mean/std/min/max of state and action over every
-frame of the TRAINING episodes), computed inside the pipeline.
+"""Normalisation statistics, computed inside the pipeline: mean/std/min/max of state and action over
+every frame of the TRAINING episodes (`dataset.stats`), and GR00T N1.6's statistics of the run's
+embodiment (`dataset.embodiment`: shared/statistics.py, the same numbers Isaac-GR00T computes).
 
 The convert stage emits one partial per converted episode (`episode_moments`);
 finalize collects them (finalize.JobResultsFn), decides the validation split and
@@ -18,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from loongforge.shared import statistics
+from loongforge.shared.statistics import EmbodimentSpec, embodiment_record  # noqa: F401 - the stage's API
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +55,14 @@ class Moments:
                 "max": list(self.max)}
 
 
-def episode_moments(episode: int, state: np.ndarray, action: np.ndarray) -> tuple[int, dict[str, Moments]]:
-    return episode, {"state": Moments.of(state), "action": Moments.of(action)}
+def episode_moments(episode: int, state: np.ndarray, action: np.ndarray, arrays: dict | None = None,
+                    spec: EmbodimentSpec | None = None) -> tuple[int, dict]:
+    """One episode's partial: Moments of state and action, and with an embodiment its float features'
+    rows and its relative-action chunks (N1.6's statistics need every value: quantiles)."""
+    out: dict = {"state": Moments.of(state), "action": Moments.of(action)}
+    if spec is not None and arrays is not None:
+        out.update(statistics.episode_partial(arrays, spec))
+    return episode, out
 
 
 def norm_stats(per_episode: dict, exclude=()) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from loongforge.preprocess.stages.decode import decode_nv12
 from loongforge.preprocess.stages.discover import discover
-from loongforge.preprocess.report import summarize
+from loongforge.shared.summary import summarize
 from loongforge.preprocess.samples.dataset import generate_preset
 from loongforge.shared import paths
 from loongforge.shared.dataset import open_root

@@ -41,10 +41,20 @@ class BatchLayout:
     action_dim: int
     horizon: int
     text_len: int
+    sizes: tuple[tuple[int, int], ...] = ()  # per slot its (h, w) when cameras differ; () = all height x width
+    raw_state_dim: int = 0  # > 0: the raw state and action ride along (evaluation, inspect), in key order
+    raw_action_dim: int = 0
+
+    def size(self, slot: int) -> tuple[int, int]:
+        return self.sizes[slot] if self.sizes else (self.height, self.width)
 
     def fields(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-        b, k, fr = self.batch, self.frames, (self.height * 3 // 2, self.width)
-        out = [(f"frames.{s}", (b, k, *fr), np.dtype(np.uint8)) for s in self.slots]
+        b, k = self.batch, self.frames
+        out = [(f"frames.{s}", (b, k, self.size(i)[0] * 3 // 2, self.size(i)[1]), np.dtype(np.uint8))
+               for i, s in enumerate(self.slots)]
+        if self.raw_state_dim:
+            out += [("raw_state", (b, k, self.raw_state_dim), np.dtype(np.float32)),
+                    ("raw_action", (b, self.horizon, self.raw_action_dim), np.dtype(np.float32))]
         return out + [
             ("state", (b, k, self.state_dim), np.dtype(np.float32)),
             ("action", (b, self.horizon, self.action_dim), np.dtype(np.float32)),
@@ -76,57 +86,6 @@ def _placement(layout: BatchLayout) -> tuple[tuple, int]:
         out.append((name, shape, dtype, count, pos))
         pos += (count * dtype.itemsize + 63) // 64 * 64
     return tuple(out), pos
-
-
-@dataclass(frozen=True, slots=True)
-class Norm:
-    """N1.6's normalisation of state and action (Isaac-GR00T's StateActionProcessor with its defaults:
-    min/max, clip_outliers): x -> 2 (x - min) / (max - min) - 1, clipped to [-1, 1]; a dimension whose
-    min and max agree maps to 0. `un*` map back, clipping first, as the reference's decode_action."""
-
-    state_min: np.ndarray | None  # None: the root recorded no min/max for it (values pass as they are)
-    state_max: np.ndarray | None
-    action_min: np.ndarray | None
-    action_max: np.ndarray | None
-
-    @classmethod
-    def from_dataset(cls, ds) -> "Norm":
-        """From a DatasetInfo (shared/index.py): the training episodes' min/max preprocess recorded."""
-        st = ds.stats
-
-        def pick(kind, key, dim):
-            vals = st.get(kind, {}).get(key)
-            return np.asarray(vals, np.float32) if vals is not None and len(vals) == dim else None
-
-        return cls(pick("state", "min", ds.state_dim), pick("state", "max", ds.state_dim),
-                   pick("action", "min", ds.action_dim), pick("action", "max", ds.action_dim))
-
-    @staticmethod
-    def _to(x, lo, hi):
-        if lo is None or hi is None:
-            return np.asarray(x, np.float32)
-        span = hi - lo
-        live = ~np.isclose(hi, lo)
-        out = np.where(live, 2.0 * (np.asarray(x, np.float32) - lo) / np.where(live, span, 1.0) - 1.0, 0.0)
-        return np.clip(out, -1.0, 1.0).astype(np.float32)
-
-    @staticmethod
-    def _from(x, lo, hi):
-        if lo is None or hi is None:
-            return np.asarray(x, np.float32)
-        return ((np.clip(np.asarray(x, np.float32), -1.0, 1.0) + 1.0) / 2.0 * (hi - lo) + lo).astype(np.float32)
-
-    def state(self, x):
-        return self._to(x, self.state_min, self.state_max)
-
-    def action(self, x):
-        return self._to(x, self.action_min, self.action_max)
-
-    def unstate(self, x):
-        return self._from(x, self.state_min, self.state_max)
-
-    def unaction(self, x):
-        return self._from(x, self.action_min, self.action_max)
 
 
 def fill_rows(arrays: dict[str, np.ndarray], items, policy: str, fill_row, where) -> tuple[int, list[str]]:

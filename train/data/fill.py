@@ -1,7 +1,8 @@
 """Filling one per-rank batch from a shard root, inside a decode worker.
 
 The batch layout (batch.py): frames.<slot> (B, K, 3h/2, w) uint8 NV12 with K the number
-of video delta indices, state (B, K, S), action (B, H, A), action_valid (B, H),
+of video delta indices, state (B, K, S) and action (B, H, A) as N1.6's processor makes them
+(state_action.py: per modality key, relative actions, normalised), action_valid (B, H),
 frame_mask (B, K) all True (clamping always yields a frame), task tokens, sample_valid.
 
 A worker opens the dataset itself (`open_root`: memory-mapped tables, nothing parsed per
@@ -19,11 +20,12 @@ import numpy as np
 
 from loongforge.shared.dataset import Dataset, open_root
 from loongforge.shared.errors import FormatError
-from loongforge.train.data.batch import BatchLayout, Norm, encode_text, fill_rows
+from loongforge.train.data.batch import BatchLayout, encode_text, fill_rows
 from loongforge.train.data.block_cache import BlockCache
 from loongforge.train.data.prompt import PromptTable
 from loongforge.train.data.samples import DeltaSpec
 from loongforge.train.data.sources import SourceSpec, make_source
+from loongforge.train.data.state_action import EpisodeRows, StateAction, root_embodiment
 
 EPISODE_ARRAYS_KEPT = 64  # episodes whose arrays a worker keeps: a window touches few, each is small
 
@@ -38,6 +40,8 @@ class FillerSpec:
     cache_bytes: int
     source: SourceSpec | None = None  # the cache daemon's client when set (shard-level reads)
     prompts: PromptTable | None = None  # the model's prompt per task (prompt.py); None = the task's bytes
+    state_action: StateAction | None = None  # the embodiment's processor (None: the root's own, processor.py)
+    keys: dict | None = None  # where its keys live in this root (shared/embodiment.key_layout)
 
     def open(self) -> "BlockFiller":
         factory = None
@@ -45,25 +49,31 @@ class FillerSpec:
             spec = self.source
             factory = lambda shard_index: make_source(spec, shard_index)  # noqa: E731 - needs the shard list
         return BlockFiller(open_root(self.root, source=factory), self.deltas, self.layout, self.cache_bytes,
-                           self.prompts)
+                           self.prompts, self.state_action, self.keys)
 
 
 class BlockFiller:
     """Decodes samples (episode, t) into a batch's arrays: blocks through an LRU, arrays per episode."""
 
     def __init__(self, ds: Dataset, deltas: DeltaSpec, layout: BatchLayout, cache_bytes: int,
-                 prompts: PromptTable | None = None):
+                 prompts: PromptTable | None = None, state_action: StateAction | None = None, keys: dict | None = None):
         self.ds, self.deltas, self.layout, self.prompts = ds, deltas, layout, prompts
         if prompts is not None and prompts.length != layout.text_len:
             raise ValueError(f"prompt table of {prompts.length} tokens, batch layout of {layout.text_len}")
         info = ds.info
-        self.norm = Norm.from_dataset(info)
+        if state_action is None or keys is None:  # the root's own embodiment and statistics
+            found = root_embodiment(info, self.ds)
+            state_action, keys = StateAction(found.config, found.statistics, tag=found.tag), found.layout
+        self.sa, self.keys = state_action, keys
+        self.task_array = next(iter(keys["language"].values()), "task_index")
         self.tasks = {str(k): v for k, v in (info.tasks or {}).items()}
         self.cache = BlockCache(cache_bytes)
         self._arrays: OrderedDict[int, _Episode] = OrderedDict()
         self._prompt_rows: dict = {}  # task -> (ids, mask)
         self.block_size = int(ds.block_size)
-        self._block_shape = (self.block_size, layout.height * 3 // 2, layout.width)  # a decoded block, full length
+        # a decoded block, full length, per camera
+        self._block_shape = {s: (self.block_size, layout.size(i)[0] * 3 // 2, layout.size(i)[1])
+                             for i, s in enumerate(layout.slots)}
         self._video = tuple(int(d) for d in deltas.video)
         self._state = tuple(int(d) for d in deltas.state_deltas)
         self._state_is_video = self._state == self._video
@@ -97,8 +107,8 @@ class BlockFiller:
     def _episode(self, episode: int) -> "_Episode":
         got = self._arrays.get(episode)
         if got is None:
-            got = _Episode(self.ds.read_arrays(episode), int(self.ds.episode_lengths[episode]), episode, self.layout,
-                           self.norm, self.deltas)
+            got = _Episode(self.ds.read_arrays(episode), int(self.ds.episode_lengths[episode]), episode, self.sa,
+                           self.keys, self.task_array)
             self._arrays[episode] = got
             if len(self._arrays) > EPISODE_ARRAYS_KEPT:
                 self._arrays.popitem(last=False)
@@ -130,26 +140,28 @@ class BlockFiller:
             for k, f in enumerate(frames):
                 b, i = divmod(f, bs)
                 block = cache.get((episode, slot, b),
-                                  lambda e=episode, s=slot, bb=b: read(e, s, bb, out=cache.spare(self._block_shape)))
+                                  lambda e=episode, s=slot, bb=b: read(e, s, bb, out=cache.spare(self._block_shape[s])))
                 if i >= len(block):
                     raise FormatError(f"episode {episode}/{slot}: block {b} has {len(block)} frames, frame {f} needed")
                 dst[k] = block[i]
-        if self._state_is_video:
-            arrays["state"][row] = ep.state[frames]
-        else:
-            arrays["state"][row] = ep.state[[0 if t + d < 0 else (last if t + d > last else t + d)
-                                             for d in self._state]]
+        states = frames if self._state_is_video else \
+            [0 if t + d < 0 else (last if t + d > last else t + d) for d in self._state]
         h = self.layout.horizon
-        if t + h <= n:  # the whole chunk inside the episode: one slice
-            arrays["action"][row] = ep.action[t:t + h]
+        if t + h <= n:  # the whole chunk inside the episode (always, under N1.6's sampling)
+            rows, zero = slice(t, t + h), None
             arrays["action_valid"][row] = True if ep.known is None else ep.known[t:t + h]
-        else:
-            inside = n - t
-            out, valid = arrays["action"][row], arrays["action_valid"][row]
-            out[:inside] = ep.action[t:]
-            out[inside:] = ep.action[last] if ep.pad is None else ep.pad
-            valid[:inside] = True if ep.known is None else ep.known[t:]
-            valid[inside:] = False
+        else:  # a padding mode: rows past the end repeat the last row, or are zeros
+            rows = [min(t + i, last) for i in range(h)]
+            zero = slice(n - t, h) if self.deltas.action_pad == "zero" else None
+            valid = arrays["action_valid"][row]
+            valid[:n - t] = True if ep.known is None else ep.known[t:]
+            valid[n - t:] = False
+        ep.rows.fill(states, rows, zero, arrays["state"][row], arrays["action"][row])
+        if "raw_state" in arrays:
+            arrays["raw_state"][row] = ep.rows.raw_state_all[states]
+            arrays["raw_action"][row] = ep.rows.raw_action_all[rows]
+            if zero is not None:
+                arrays["raw_action"][row][zero] = 0.0
         arrays["frame_mask"][row] = True
         ids, mask = self._tokens(ep.task(t))
         arrays["task_tokens"][row] = ids
@@ -157,30 +169,17 @@ class BlockFiller:
 
 
 class _Episode:
-    """One episode's arrays as a batch row needs them: state and action normalized once (Norm is
-    elementwise, so normalizing the episode then slicing equals slicing then normalizing), checked
-    against the index's length and the layout's dims once, the action pad row for action_pad="zero"."""
+    """One episode's arrays as a batch row needs them: N1.6's processing of its state and absolute action
+    keys done once (state_action.EpisodeRows), checked against the index's length once."""
 
-    __slots__ = ("length", "state", "action", "known", "pad", "_task")
+    __slots__ = ("length", "rows", "known", "_task")
 
-    def __init__(self, arrays: dict, length: int, episode: int, layout: BatchLayout, norm: Norm, deltas: DeltaSpec):
-        for name in ("state", "action"):
-            if arrays[name].shape[0] != length:
-                raise FormatError(f"episode {episode}: {name} has {arrays[name].shape[0]} rows, the index says "
-                                  f"{length} frames")
-        state, action = arrays["state"], arrays["action"]
-        if state.ndim != 2 or action.ndim != 2 or state.shape[1] != layout.state_dim or \
-                action.shape[1] != layout.action_dim:
-            raise FormatError(f"episode {episode}: state {state.shape[1:]} / action {action.shape[1:]} do not match "
-                              f"the index dims ({layout.state_dim}, {layout.action_dim})")
+    def __init__(self, arrays: dict, length: int, episode: int, sa: StateAction, keys: dict, task_array: str):
         self.length = length
-        self.state = np.ascontiguousarray(norm.state(state))
-        self.action = np.ascontiguousarray(norm.action(action))
-        # action_pad="zero": the raw rows past the end are zeros, normalized as every other row (samples.py)
-        self.pad = norm.action(np.zeros(layout.action_dim, np.float32)) if deltas.action_pad == "zero" else None
+        self.rows = EpisodeRows(sa, arrays, keys, length, episode)
         known = arrays.get("action_known")  # roots converted from format 1: rows whose action it never stored
         self.known = None if known is None else np.asarray(known, bool)
-        self._task = arrays.get("task_index")
+        self._task = arrays.get(task_array)
 
     def task(self, t: int) -> int | None:
         return None if self._task is None else int(self._task[min(t, self.length - 1)])

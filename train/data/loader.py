@@ -38,7 +38,8 @@ from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.fill import FillerSpec
 from loongforge.train.data.prefetch import HostPool, Prefetcher, SlotLender, resolve_device
 from loongforge.train.data.prompt import PromptTable
-from loongforge.train.data.samples import DeltaSpec, SampleTable
+from loongforge.train.data.samples import DeltaSpec, SampleTable, sample_lengths
+from loongforge.train.data.state_action import StateAction, root_embodiment
 from loongforge.train.data.sources import SourceSpec, close_source, make_source
 from loongforge.train.data.workers import DecodePool
 
@@ -66,12 +67,18 @@ class BlockLoader:
                  max_steps: int | None = None, timeout_s: float = 120.0, start_method: str = "spawn",
                  image_mean: float = 0.5, image_std: float = 0.5, train_only: bool = True,
                  source: SourceSpec | None = None, drop_last: bool = True, prompts: PromptTable | None = None,
-                 recycle_buffers: bool = True):
+                 recycle_buffers: bool = True, state_action: StateAction | None = None, keys: dict | None = None,
+                 cameras: tuple[str, ...] | None = None, raw: bool = False):
         self.ds = dataset if dataset is not None else open_root(root)
         self.prompts = prompts  # the model's prompt per task (the trainer's); None = the task text's bytes
         info = self.ds.info
         self.deltas, self.stride, self.run, self.window = deltas, stride, block_run, block_window
-        self.table = SampleTable(np.asarray(self.ds.episode_lengths), stride=stride)
+        if state_action is None or keys is None:  # the root's own embodiment and statistics
+            found = root_embodiment(info, self.ds)
+            state_action, keys = StateAction(found.config, found.statistics, tag=found.tag), found.layout
+        self.state_action, self.keys, self.raw = state_action, keys, raw
+        self.cameras = tuple(cameras) if cameras is not None else tuple(info.slots)
+        self.table = SampleTable(sample_lengths(self.ds.episode_lengths, deltas), stride=stride)
         # Per episode, not per sample: the order is built per (episode, block) group (order.EpochOrder).
         self.train_eps = train_episodes(self.ds) if train_only else None
         self.block_size = int(self.ds.block_size)
@@ -99,7 +106,7 @@ class BlockLoader:
             SlotLender.available()
         slots = max(2, num_workers * 2 + 1) + (prefetch + LEND_EXTRA if self.lend else 0)
         # The workers' block caches in (episode, block) keys of every camera: what block affinity models.
-        key_bytes = self.block_size * len(info.slots) * info.height * 3 // 2 * info.width
+        key_bytes = self.block_size * info.timestep_bytes
         self._pool_args = dict(num_workers=num_workers, slots=slots, policy=bad_samples, timeout_s=timeout_s,
                                start_method=start_method,
                                affinity_blocks=int(block_cache_mb * (1 << 20)) // max(1, key_bytes))
@@ -117,17 +124,15 @@ class BlockLoader:
     def _filler(self, root: str, per_rank: int, max_text_tokens: int, cache_bytes: int) -> FillerSpec:
         """The batch layout and what fills it in a decode worker: the trainer's samples (fill.py).
         A subclass shapes other items over the same order, pool and prefetcher (lerobot_loader.py)."""
-        info, deltas = self.ds.info, self.deltas
-        if not info.uniform_size:
-            sizes = ", ".join(f"{c.slot} {h}x{w}" for c, (h, w) in zip(info.cameras, map(info.camera_size,
-                                                                                         range(len(info.cameras)))))
-            raise ConfigError(f"{root}: cameras are stored at different sizes ({sizes}); a training batch needs one "
-                              "size: re-run `loongforge preprocess` with --height H --width W (the LeRobot adapter, "
-                              "loongforge.train.data.lerobot, reads cameras of different sizes)")
+        info, deltas, sa = self.ds.info, self.deltas, self.state_action
         text_len = max_text_tokens if self.prompts is None else self.prompts.length
-        layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames, info.state_dim,
-                             info.action_dim, deltas.action_horizon, text_len)
-        return FillerSpec(root, deltas, layout, cache_bytes, self.source_spec, self.prompts)
+        sizes = tuple(info.camera_size(i) for i in range(len(info.cameras)))
+        layout = BatchLayout(per_rank, tuple(info.slots), info.height, info.width, deltas.frames, sa.state_dim,
+                             sa.action_dim, deltas.action_horizon, text_len,
+                             sizes=() if info.uniform_size else sizes,
+                             raw_state_dim=sa.raw_state_dim if self.raw else 0,
+                             raw_action_dim=sa.action_dim if self.raw else 0)
+        return FillerSpec(root, deltas, layout, cache_bytes, self.source_spec, self.prompts, sa, self.keys)
 
     @property
     def num_samples(self) -> int:

@@ -7,12 +7,13 @@ stride 1). What a sample reads is given per modality as delta indices around t:
     state   t + d for d in `state` (default: the video deltas, so state row k is frame k's)
     action  t, t+1, ..., t+H-1
 
-Episode ends follow GR00T's LeRobotSingleDataset (`get_video`, `retrieve_data_and_pad`):
-video indices are clamped into [0, T-1]; state and action rows past either end repeat the
-first/last row ("first_last", what GR00T does for absolute state/action; "zero" is its
-choice for relative actions). Here the rows of the action chunk past the episode end are
-also flagged invalid (`action_valid`), so the loss can ignore them rather than learn
-"stand still" from padding.
+Episode ends: GR00T N1.6 (`action_pad="none"`, the trainer's default) takes a sample only where its
+whole action chunk lies in the episode: t = 0 .. T-H (`sample_lengths`: T-H+1 samples, none in an
+episode shorter than H), as its ShardedSingleStepDataset with allow_padding=False. The padding
+modes take every t and fill the chunk past the end: "last" repeats the last row (GR00T N1.5's
+first_last), "zero" writes zeros; those rows are flagged invalid (`action_valid`), so the loss
+ignores them rather than learn "stand still" from padding. Video and state indices are clamped
+into [0, T-1].
 
 Sample ids are global numbers over every episode in index order (stable whatever the split),
 mapped to (episode, t) in O(log E) by `np.searchsorted` over the cumulative sample counts
@@ -27,7 +28,7 @@ import numpy as np
 
 from loongforge.shared.errors import ConfigError
 
-ACTION_PADS = ("last", "zero")
+ACTION_PADS = ("none", "last", "zero")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,7 +41,7 @@ class DeltaSpec:
     action_horizon: int = 16
     """H: action rows t .. t+H-1 (GR00T N1.x: 16)."""
     action_pad: str = "last"
-    """Rows past the episode end: "last" repeats the last row (GR00T, absolute actions), "zero"."""
+    """Rows past the episode end: none (no such sample, N1.6), last (repeat the last row) or zero."""
 
     def __post_init__(self):
         if not self.video or list(self.video) != sorted(set(self.video)):
@@ -61,6 +62,15 @@ class DeltaSpec:
     @property
     def state_deltas(self) -> np.ndarray:
         return np.asarray(self.state or self.video, np.int64)
+
+
+def sample_lengths(lengths, spec: DeltaSpec) -> np.ndarray:
+    """Per episode, the timesteps that are samples (t < the result): every frame, or with action_pad
+    "none" the T-H+1 whose whole chunk lies in the episode (N1.6's effective episode length)."""
+    lengths = np.asarray(lengths, np.int64)
+    if spec.action_pad != "none":
+        return lengths
+    return np.maximum(lengths - (spec.action_horizon - 1), 0)
 
 
 def video_indices(t: int, length: int, spec: DeltaSpec) -> np.ndarray:

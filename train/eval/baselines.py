@@ -2,13 +2,14 @@
 chunk, and which action groups are discrete-valued (with their levels).
 
 Both are read from the training episodes' per-frame arrays (no frame is decoded), the same
-episodes and normalisation the trainer saw, so the eval's baselines are fitted on exactly the
-data the policy was:
+episodes and processing the trainer saw (processor.py: N1.6's per-key normalisation and relative
+actions), so the eval's baselines are fitted on exactly the data the policy was:
 
-* ridge-from-state: closed form on normalised units, x = [current state, 1] -> the (H, Da)
-  chunk from t (rows past the episode end padded as the loader pads them), lambda = RIDGE_L2 per
-  sample; a policy that does not beat it has learnt nothing from the frames or the instruction.
-* discrete-valued groups: a group of modality.json whose every dimension takes at most
+* ridge-from-state: closed form on the model's own units, x = [the processed current state, 1] ->
+  the processed (H, Da) chunk of every sample the loader takes, lambda = RIDGE_L2 per sample; its
+  output is decoded to robot units as the policy's is. A policy that does not beat it has learnt
+  nothing from the frames or the instruction.
+* discrete-valued groups: an action key whose every dimension takes at most
   MAX_LEVELS distinct values on the training episodes (binary hand commands, gripper open/close),
   or that modality.json declares with "discrete": true (false forces continuous). For those
   the flow's continuous output can be snapped to the nearest learned level (openloop.py reports
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from loongforge.shared.errors import ConfigError
-from loongforge.train.data.batch import Norm
+from loongforge.train.data.samples import sample_lengths
+from loongforge.train.data.state_action import EpisodeRows
 
 DISCRETE_MODES = ("flow", "snap")  # a discrete-valued group at inference: as the flow gives it, or
 # snapped to its nearest training level (Policy.predict_action, openloop's columns)
@@ -58,11 +60,13 @@ class TrainingReference:
 
 
 def action_groups(index) -> dict[str, tuple[int, int]]:
-    """name -> [start, end) of the action groups of the root's modality.json (one "action" without one)."""
-    groups = index.dataset.modality.get("action", {}) if isinstance(index.dataset.modality, dict) else {}
-    out = {name: (int(g["start"]), int(g["end"])) for name, g in groups.items()
-           if isinstance(g, dict) and "start" in g and "end" in g}
-    return out or {"action": (0, index.dataset.action_dim)}
+    """action key -> [start, end) in the action concatenated in the modality config's key order."""
+    r = index.roots[0]
+    out, at = {}, 0
+    for k in r.config.action.modality_keys:
+        d = r.keys["action"][k].dim
+        out[k], at = (at, at + d), at + d
+    return out
 
 
 def group_modes(ref: TrainingReference, modes: str | dict | None) -> dict[str, str]:
@@ -88,31 +92,34 @@ def training_rows(data) -> list[int]:
     return rows.tolist()
 
 
-def fit_reference(data, groups: dict[str, tuple[int, int]]) -> TrainingReference:
+def fit_reference(data, groups: dict[str, tuple[int, int]], processor) -> TrainingReference:
     """The ridge baseline and the discrete-valued groups of a TrainingData's training episodes."""
-    norm, spec = Norm.from_dataset(data.dataset), data.deltas
+    r = data.roots[0]
+    sa, spec = processor.state_action(r.tag), r.deltas
     xs, ys, actions = [], [], []
+    h = spec.action_horizon
     for row in training_rows(data):
-        ep = data.ds.read_arrays(row)
-        state, action = np.asarray(ep["state"], np.float32), np.asarray(ep["action"], np.float32)
-        actions.append(action)
-        n = len(state)
-        t = np.arange(n)
-        xs.append(state[np.clip(t + spec.state_deltas[-1], 0, n - 1)])  # the current state, as the model's token
-        rows = t[:, None] + np.arange(spec.action_horizon)  # (n, H) as gather_actions, for every t at once
-        chunk = action[np.minimum(rows, n - 1)]
-        if spec.action_pad == "zero":
-            chunk[rows >= n] = 0.0
-        ys.append(chunk)
-    x = norm.state(np.concatenate(xs))
-    y = np.concatenate(ys)
-    y = norm.action(y).reshape(len(y), -1)
+        n = int(data.ds.episode_lengths[row])
+        rows = EpisodeRows(sa, data.ds.read_arrays(row), r.keys, n, row)
+        actions.append(rows.raw_action_all)
+        last = n - 1
+        for t in range(int(sample_lengths([n], spec)[0])):  # the samples the loader takes
+            states = [min(max(t + d, 0), last) for d in spec.state_deltas]
+            chunk = slice(t, t + h) if t + h <= n else [min(t + i, last) for i in range(h)]
+            zero = slice(n - t, h) if t + h > n and spec.action_pad == "zero" else None
+            x, y = np.empty((len(states), sa.state_dim), np.float32), np.empty((h, sa.action_dim), np.float32)
+            rows.fill(states, chunk, zero, x, y)
+            xs.append(x[-1])  # the current state, as the model's token
+            ys.append(y.reshape(-1))
+    if not xs:
+        raise ConfigError("the training episodes hold no sample (every one shorter than the action horizon)")
+    x, y = np.stack(xs), np.stack(ys)
     x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
     reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
     reg[-1, -1] = 0.0  # the bias is not shrunk
     weights = np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
     levels, discrete = _levels(np.concatenate(actions), groups, data.dataset.modality)
-    return TrainingReference(weights, spec.action_horizon, levels, discrete, len(x))
+    return TrainingReference(weights, h, levels, discrete, len(x))
 
 
 def _levels(actions: np.ndarray, groups: dict, modality) -> tuple[dict[int, np.ndarray], tuple[str, ...]]:

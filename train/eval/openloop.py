@@ -2,8 +2,9 @@
 
 For each episode the samples are taken in time order and a horizon chunk is predicted every H
 frames: the chunk is executed open-loop (no re-planning inside it) and compared with the
-ground-truth actions of the same frames. Reported in dataset units, per action group of the
-dataset's modality.json (one group "action" when it has none), so that skill is told apart from
+ground-truth actions of the same frames. Reported in the robot's absolute units (predictions decoded
+by the run's processor: unnormalised, relative actions made absolute from the state), per action
+key of the embodiment's modality config, so that skill is told apart from
 sampling noise and from what the state alone gives: one flow sample, the mean of K samples (the
 policy's default), the discrete-valued groups snapped to their training levels, and three
 baselines: ridge-from-state fitted on the training episodes
@@ -22,7 +23,7 @@ import numpy as np
 
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.shared.storage import write_bytes_atomic
-from loongforge.train.data.samples import SampleTable
+from loongforge.train.data.samples import SampleTable, sample_lengths
 from loongforge.train.eval.baselines import action_groups, fit_reference
 from loongforge.train.eval.plots import plot_episode
 from loongforge.train.eval.validation import ValSet
@@ -32,7 +33,7 @@ from loongforge.train.eval.validation import ValSet
 #   policy_k   the mean of `samples` flow samples (seeds seed..seed+K-1): Policy.predict_action's default
 #   snap       `policy_k` with the discrete-valued groups snapped to their training levels
 #   ridge      ridge regression from the current state, fitted on the training episodes (baselines.py)
-#   mean       the middle of the index's action range (what a normalized 0 means)
+#   mean       what a normalized 0 decodes to: the middle of each key's range (relative keys: on the state)
 #   repeat_last  the last action before the chunk (the episode's first action for its first chunk)
 METHODS = ("policy", "policy_k", "snap", "ridge", "mean", "repeat_last")
 HEADERS = {"policy": "1 sample", "policy_k": "K-mean", "snap": "snap", "ridge": "ridge", "mean": "mean",
@@ -45,22 +46,22 @@ def chunk_ids(data, episode_id: int) -> np.ndarray:
     rows = np.flatnonzero(np.asarray(data.ds.tables["episode_id"]) == episode_id)
     if not len(rows):
         return np.zeros(0, np.int64)
-    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    table = SampleTable(sample_lengths(data.ds.episode_lengths, data.deltas))
     row = int(rows[0])
     ts = np.arange(0, int(table.lengths[row]), data.deltas.action_horizon)
     return table.starts[row] + ts
 
 
 def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, ref=None,
-                   discrete_dims=()) -> dict[str, np.ndarray]:
-    """(B, H, Da) dataset-unit predictions of every method that needs the model or the reference."""
-    flow = [policy.sample(batch, steps=steps, seed=seed + j) for j in range(max(1, samples))]
+                   discrete_dims=(), tag: str | None = None, cameras=None) -> dict[str, np.ndarray]:
+    """(B, H, Da) robot-unit predictions of every method that needs the model or the reference."""
+    flow = [policy.sample(batch, steps=steps, seed=seed + j, tag=tag, cameras=cameras) for j in range(max(1, samples))]
     out = {"policy": flow[0]}
     if samples > 1:
         out["policy_k"] = np.mean(flow, axis=0)
     if ref is not None:
-        state = batch["state"][:, -1].float().cpu().numpy()  # the current state (the last of the K rows)
-        out["ridge"] = policy.unnormalize(ref.ridge(state))
+        state = batch["state"][:, -1].float().cpu().numpy()  # the current state token (the last of the K rows)
+        out["ridge"] = policy.decode_concat(ref.ridge(state), batch["raw_state"], tag)
         if discrete_dims:
             out["snap"] = ref.snap(out.get("policy_k", out["policy"]), list(discrete_dims))
     return out
@@ -69,14 +70,16 @@ def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, re
 def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: int = 1,
                      ref=None, discrete_dims=()) -> dict[str, np.ndarray]:
     """Concatenated (T, Da) trajectories of one episode: truth, the policy's variants, the baselines."""
-    norm, ds = policy.norm, policy.index.dataset
-    middle = norm.unaction(np.zeros(ds.action_dim, np.float32))
+    tag, cameras = valset.tag, valset.cameras
+    da = policy.processor.state_action(tag).action_dim
     got: dict[str, list] = {"truth": [], "mean": [], "repeat_last": []}
     last = None
     for batch in valset.batches:
         preds = predict_chunks(policy, batch, steps=steps, seed=seed, samples=samples, ref=ref,
-                               discrete_dims=discrete_dims)
-        act = norm.unaction(batch["action"].cpu().numpy())
+                               discrete_dims=discrete_dims, tag=tag, cameras=cameras)
+        act = batch["raw_action"].cpu().numpy()  # the truth, robot units (absolute)
+        # "mean": what a normalised 0 decodes to (the middle of each key's range; relative keys on the state)
+        middle = policy.decode_concat(np.zeros(act.shape, np.float32), batch["raw_state"], tag)
         valid = batch["action_valid"].cpu().numpy()
         for i in range(len(act)):
             rows = valid[i]
@@ -85,10 +88,10 @@ def evaluate_episode(policy, valset, *, steps: int = 4, seed: int = 0, samples: 
             got["truth"].append(act[i][rows])
             for name, pred in preds.items():
                 got.setdefault(name, []).append(pred[i][rows])
-            got["mean"].append(np.broadcast_to(middle, act[i][rows].shape))
+            got["mean"].append(middle[i][rows])
             got["repeat_last"].append(np.broadcast_to(last, act[i][rows].shape))
             last = act[i][rows][-1] if rows.any() else last
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, ds.action_dim), np.float32)
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, da), np.float32)
     return {k: cat(v) for k, v in got.items()}
 
 
@@ -128,7 +131,7 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
         raise ConfigError("no episodes to evaluate: the index has no validation split (preprocess "
                           "--val-episodes 10%) and --episodes was not given")
     groups = action_groups(index)
-    ref = fit_reference(index, groups)
+    ref = fit_reference(index, groups, policy.processor)
     dims = ref.discrete_dims(groups)
     os.makedirs(out_dir, exist_ok=True)
     summary = {"episodes": {}, "groups": {g: list(r) for g, r in groups.items()}, "steps": steps, "seed": seed,
@@ -138,8 +141,8 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
         chosen = chunk_ids(index, ep)
         if not len(chosen):
             continue
-        vs = ValSet(index, chosen, policy.prompts(index.dataset.tasks or {}), policy.processor, batch_size=16,
-                    device=policy.device)
+        vs = ValSet(index, chosen, policy.prompts(index.dataset.tasks or {}, index.roots[0].tag), policy.processor,
+                    batch_size=16, device=policy.device)
         traj = evaluate_episode(policy, vs, steps=steps, seed=seed, samples=samples, ref=ref, discrete_dims=dims)
         trajs.append(traj)
         errs = errors(traj, groups)

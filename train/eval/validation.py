@@ -2,9 +2,10 @@
 
 `ValSet` holds a fixed set of validation samples (the index's held-out episodes) decoded once
 into loader batches on the device, with the run's prompts and processor (centred crops, as N1.6
-evaluates). `val_metrics` is what `--eval-every N` logs: the flow loss (noise and time drawn from a
+evaluates), the raw state and action riding along (the open-loop eval decodes to robot units with
+them). `val_metrics` is what `--eval-every N` logs: the flow loss (noise and time drawn from a
 fixed seed, so values are comparable across steps) and the MSE of `get_action` (4 Euler steps)
-against the ground truth, in normalised units, over valid rows and the data's action dims.
+against the target, in normalised units, over valid rows and the data's action dims.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.fill import BlockFiller
 from loongforge.train.data.processor import Processor
 from loongforge.train.data.prompt import PromptTable
-from loongforge.train.data.samples import SampleTable
+from loongforge.train.data.samples import SampleTable, sample_lengths
 from loongforge.train.data.training_data import TrainingData
 from loongforge.train.model.build import build_model
 
@@ -26,7 +27,7 @@ from loongforge.train.model.build import build_model
 def val_sample_ids(data: TrainingData, limit: int, stride: int = 1) -> np.ndarray:
     """Sample ids (stride-1 numbering) of the held-out episodes, every `stride`-th t, evenly
     thinned to `limit`: the fixed subset --eval-every scores."""
-    table = SampleTable(np.asarray(data.ds.episode_lengths))
+    table = SampleTable(sample_lengths(data.ds.episode_lengths, data.deltas))
     val = np.asarray(data.ds.val_mask, bool)
     if not val.any():
         raise ConfigError("the index has no validation split; re-run preprocess with --val-episodes 10%")
@@ -43,20 +44,25 @@ class ValSet:
 
     def __init__(self, data: TrainingData, ids: np.ndarray, prompts: PromptTable, processor: Processor, *,
                  batch_size: int = 8, device="cpu"):
-        ds, info = data.ds, data.dataset
-        table = SampleTable(np.asarray(ds.episode_lengths))
+        root = data.roots[0]
+        ds, info = root.ds, root.dataset
+        table = SampleTable(sample_lengths(ds.episode_lengths, root.deltas))
         ids = np.asarray(ids, np.int64)
         self.ids, self.device, self.processor = ids, torch.device(device), processor
+        self.tag, self.cameras = root.tag, root.cameras
+        sa = processor.state_action(root.tag)
         conv = dict(matrix=info.color_matrix, color_range=info.color_range, mean=processor.cfg.image_mean,
                     std=processor.cfg.image_std)
+        sizes = tuple(info.camera_size(i) for i in range(len(info.cameras)))
         self.batches = []
         for start in range(0, len(ids), batch_size):
             chunk = ids[start:start + batch_size]
-            layout = BatchLayout(len(chunk), tuple(info.slots), info.height, info.width, data.deltas.frames,
-                                 info.state_dim, info.action_dim, data.deltas.action_horizon, prompts.length)
+            layout = BatchLayout(len(chunk), tuple(info.slots), info.height, info.width, root.deltas.frames,
+                                 sa.state_dim, sa.action_dim, root.deltas.action_horizon, prompts.length,
+                                 sizes=sizes, raw_state_dim=sa.raw_state_dim, raw_action_dim=sa.action_dim)
             arrays = layout.views(bytearray(layout.nbytes))
             eps, ts = table.locate(chunk)
-            BlockFiller(ds, data.deltas, layout, 0, prompts).fill(
+            BlockFiller(ds, root.deltas, layout, 0, prompts, sa, root.keys).fill(
                 arrays, list(zip(chunk.tolist(), eps.tolist(), ts.tolist())), "raise")
             out = {n: torch.from_numpy(a.copy()).to(self.device) for n, a in arrays.items()
                    if not n.startswith("frames.")}
@@ -65,7 +71,7 @@ class ValSet:
             self.batches.append(out)
 
     def inputs(self, batch: dict) -> dict:
-        return self.processor(batch, None)  # centred crops: N1.6's evaluation transform
+        return self.processor(batch, self.tag, self.cameras, None)  # centred crops: N1.6's evaluation transform
 
 
 def predict(model, inputs: dict, *, horizon: int, action_dim: int, steps: int, seed: int) -> torch.Tensor:
@@ -104,11 +110,12 @@ def val_metrics(model, valset: ValSet, *, seed: int = 0, steps: int = 4) -> dict
             for i, batch in enumerate(valset.batches):
                 inputs = valset.inputs(batch)
                 b, h, da = batch["action"].shape
-                noise = torch.randn((b, h, model.cfg.max_action_dim), generator=g)
+                noise = torch.randn((b, model.cfg.action_horizon, model.cfg.max_action_dim), generator=g)
                 u = torch.rand(b, generator=g)
                 out = model(inputs, noise.to(valset.device), u.to(valset.device))
                 w = (batch["action_valid"] & batch["sample_valid"][:, None]).float()
-                pred = predict(model, inputs, horizon=h, action_dim=da, steps=steps, seed=seed + i)
+                pred = predict(model, inputs, horizon=model.cfg.action_horizon, action_dim=da, steps=steps,
+                               seed=seed + i)[:, :h]
                 err = ((pred.float() - batch["action"].float()) ** 2).mean(-1)
                 flow += float(out["flow_loss"]) * float(w.sum())
                 mse += float((err * w).sum())

@@ -96,6 +96,9 @@ class ActionHead(nn.Module):
         self.action_decoder = CategorySpecificMLP(e, cfg.hidden_size, cfg.hidden_size, cfg.max_action_dim)
         self.vlln = nn.LayerNorm(cfg.backbone_embedding_dim) if cfg.use_vlln else nn.Identity()
         self.position_embedding = PositionEmbedding(cfg.max_seq_len, w) if cfg.add_pos_embed else None
+        # N1.6's state dropout: a sample's state tokens replaced by a learned token (only when > 0, as N1.6;
+        # its value is set as it is created, so ZeRO-3's partitioning at the end of __init__ keeps it)
+        self.mask_token = nn.Parameter(0.02 * torch.randn(1, 1, w)) if cfg.state_dropout_prob > 0 else None
 
     def bucket(self, t: torch.Tensor) -> torch.Tensor:
         return (t * self.cfg.num_timestep_buckets).long()
@@ -106,6 +109,13 @@ class ActionHead(nn.Module):
         feats = self.vlln(backbone["backbone_features"])
         return {"features": feats, "text_keys": text, "image_keys": image,
                 "state_features": self.state_encoder(state.to(feats.dtype), embodiment), "embodiment": embodiment}
+
+    def drop_state(self, cond: dict, u: torch.Tensor) -> dict:
+        """Training: the state features of samples with u < state_dropout_prob become the mask token
+        (u (B,) uniform, drawn per sample by the caller: model/noise.py)."""
+        feats = cond["state_features"]
+        drop = (u.to(feats.device) < self.cfg.state_dropout_prob)[:, None, None].to(feats.dtype)
+        return {**cond, "state_features": feats * (1 - drop) + self.mask_token.to(feats.dtype) * drop}
 
     def velocity(self, cond: dict, x: torch.Tensor, t_bucket: torch.Tensor) -> torch.Tensor:
         """(B, H, max_action_dim) noisy actions, (B,) timestep buckets -> (B, H, max_action_dim)."""

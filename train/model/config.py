@@ -17,22 +17,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from loongforge.shared.embodiment import PROJECTOR_INDEX
 from loongforge.shared.errors import ConfigError
 
 # The embodiment tags of N1.6 and their projector index (Isaac-GR00T's EMBODIMENT_TAG_TO_PROJECTOR_INDEX):
-# each index selects one slice of the category-specific encoders and decoder. A new robot fine-tunes
-# the `new_embodiment` slice unless told otherwise (--embodiment-tag).
-EMBODIMENT_TAGS = {
-    "robocasa_panda_omron": 13,
-    "gr1": 20,
-    "behavior_r1_pro": 24,
-    "unitree_g1": 8,
-    "libero_panda": 2,
-    "oxe_google": 0,
-    "oxe_widowx": 1,
-    "oxe_droid": 16,
-    "new_embodiment": 10,
-}
+# each index selects one slice of the category-specific encoders and decoder (shared/embodiment.py).
+EMBODIMENT_TAGS = PROJECTOR_INDEX
 
 
 def _need(cond: bool, name: str, msg: str) -> None:
@@ -163,7 +153,7 @@ class GrootConfig:
         _need(self.max_num_embodiments >= 1, "max_num_embodiments", "must be >= 1")
         _need(self.tune_top_llm_layers >= 0, "tune_top_llm_layers", "must be >= 0 (more than select_layer = all)")
         _need(self.num_inference_timesteps >= 1, "num_inference_timesteps", "must be >= 1")
-        _need(self.state_dropout_prob == 0.0, "state_dropout_prob", "state dropout is not built (N1.6 default 0)")
+        _need(0.0 <= self.state_dropout_prob < 1.0, "state_dropout_prob", "must be in [0, 1)")
 
     @property
     def unshuffle(self) -> int:

@@ -66,6 +66,8 @@ class Gr00tN1d6(nn.Module):
         layers = eagle.language_model.model.layers
         for layer in list(layers)[max(0, len(layers) - c.tune_top_llm_layers):] if c.tune_top_llm_layers else []:
             layer.requires_grad_(True)
+        if self.action_head.mask_token is not None:  # the reference freezes it with the projectors
+            self.action_head.mask_token.requires_grad_(c.tune_projector)
         eagle.vision_model.vision_model.head.requires_grad_(False)
 
     def train(self, mode: bool = True):
@@ -90,6 +92,11 @@ class Gr00tN1d6(nn.Module):
         mask / `denom`: by default the mask's own sum (the reference's masked mean); a caller that
         splits one batch over several backward passes passes what each part stands for."""
         cond = self.encode(inputs)
+        if self.action_head.mask_token is not None and self.training:
+            u_drop = inputs.get("state_dropout_u")
+            if u_drop is None:
+                raise ValueError("state dropout: inputs['state_dropout_u'] (B,) uniform draws are needed in training")
+            cond = self.action_head.drop_state(cond, u_drop)
         t = flow_time(u, self.cfg).to(noise.device)
         out = self.action_head.loss(cond, inputs["action"].float(), inputs["action_mask"].float(), noise.float(), t,
                                     denom)

@@ -1,32 +1,49 @@
-"""A training sample's random draws: flow-matching noise, flow time, and where its images are cropped.
+"""A training sample's random draws: flow-matching noise and time, where its images are cropped,
+its colour jitter, and whether its state is dropped (N1.6's state dropout).
 
-The noise (B, ...), the per-sample uniform u (B,) that the flow-matching loss of model.py consumes
-and the two uniforms (B, 2) that place the training crop (train/data/processor.py) are a pure
-function of (seed, epoch, global sample id): a sample draws the
-same values whichever rank, micro batch or step trains it, so a resume on another rank count
-(or batch layout) computes the same loss, and the ranks of one tensor-parallel group, which
-read the same batch, agree without a broadcast. A sample is seen once per epoch, so
-(epoch, id) never repeats a draw.
+Every draw is a pure function of (seed, epoch, global sample id): a sample draws the same values
+whichever rank, micro batch or step trains it, so a resume on another rank count (or batch layout)
+computes the same loss, and the ranks of one tensor-parallel group, which read the same batch, agree
+without a broadcast. A sample is seen once per epoch, so (epoch, id) never repeats a draw.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
-def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noise, u, crop) for the samples `sample_ids`, drawn on the CPU (B tiny generators; the
-    tensors are small) and moved in one copy each."""
+@dataclass(frozen=True)
+class Draws:
+    noise: torch.Tensor  # (B, H, D) ~ N(0, 1): the flow's starting point
+    u: torch.Tensor  # (B,) uniform: the flow time (model.flow_time)
+    crop: torch.Tensor  # (B, 2) uniform: the training crop's offset (y, x) (processor.py)
+    jitter: torch.Tensor  # (B, 8) uniform: colour jitter factors (4) and the order of the 4 ops (argsort of 4)
+    state_dropout: torch.Tensor  # (B,) uniform: a sample's state is dropped where this < state_dropout_prob
+
+    def __iter__(self):  # (noise, u, crop): what callers that need only the flow and the crop unpack
+        return iter((self.noise, self.u, self.crop))
+
+
+def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> Draws:
+    """The draws of the samples `sample_ids`, made on the CPU (B tiny generators; the tensors are
+    small) and moved in one copy each."""
     noise = torch.empty(shape, dtype=torch.float32)
     u = torch.empty(shape[0], dtype=torch.float32)
     crop = torch.empty(shape[0], 2, dtype=torch.float32)
+    jitter = torch.empty(shape[0], 8, dtype=torch.float32)
+    drop = torch.empty(shape[0], dtype=torch.float32)
     g = torch.Generator()
     for i, sid in enumerate(np.asarray(sample_ids).tolist()):
         g.manual_seed(int(np.random.SeedSequence([seed, epoch, int(sid)]).generate_state(1)[0]))
         noise[i].normal_(generator=g)
         u[i:i + 1].uniform_(generator=g)
         crop[i].uniform_(generator=g)
+        jitter[i].uniform_(generator=g)  # drawn after the others: their values stay what they were
+        drop[i:i + 1].uniform_(generator=g)
+    out = (noise, u, crop, jitter, drop)
     if device.type == "cuda":  # pin_memory() draws from torch's caching host allocator: no cudaHostAlloc per step
-        return tuple(t.pin_memory().to(device, non_blocking=True) for t in (noise, u, crop))
-    return noise, u, crop
+        out = tuple(t.pin_memory().to(device, non_blocking=True) for t in out)
+    return Draws(*out)

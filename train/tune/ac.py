@@ -36,7 +36,6 @@ import torch
 from loongforge.shared.synthetic import make_synthetic_root
 from loongforge.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from loongforge.train.data.loader import BlockLoader
-from loongforge.train.data.processor import Processor
 from loongforge.train.data.prompt import build_prompts, load_tokenizer
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.kernels.checkpointing import SavedBytesProbe, apply_ac, block_lists
@@ -65,7 +64,7 @@ class Workload:
             root = _synthetic_root(self._tmp.name, micro_batch)
             video_deltas = video_deltas or SYNTHETIC_DELTAS
         # None: DataConfig's default, what `loongforge train --data ROOT` samples (K = len(video_deltas)).
-        video_deltas = video_deltas or (0,)
+        video_deltas = video_deltas or ()
         self.device = pick_device(device)
         index = _load_root(root, video_deltas)
         max_frames = index.max_frames
@@ -77,21 +76,20 @@ class Workload:
         # the optimizer, which tuning does not build).
         self.dtype = train_dtype(self.device, precision)
         self.model = build_model(self.cfg).to(self.device, self.dtype).train()
-        self.processor = Processor(plan.processor, max_state_dim=self.cfg.max_state_dim,
-                                   max_action_dim=self.cfg.max_action_dim, embodiment_id=plan.embodiment_id)
+        self.processor, self.root = plan.processor, index.roots[0]
         self.base = _one_batch(root, index, self.device, plan)
         self.max_frames = max_frames
         tok, tasks = load_tokenizer(plan.tokenizer, self.cfg.image_token_index), index.dataset.tasks or {}
-        tokens, cams = self.cfg.tokens_per_image(*plan.processor.image_size), len(index.dataset.cameras)
+        tokens, cams = self.cfg.tokens_per_image(*plan.processor.cfg.image_size), len(index.dataset.cameras)
         self.prompt_for = lambda k: build_prompts(tok, tasks, images=cams * k, tokens_per_image=tokens)
 
     def batch(self, micro: int, frames: int | None = None):
         """A micro-batch of `micro` samples (the loaded ones repeated) capped at `frames` frames."""
         b = _cap_frames(self.base, frames, self.prompt_for(frames)) if frames else self.base
         b = _tile(b, micro)
-        n, h, _ = b["action"].shape
-        noise, u, crop = noise_for(0, 0, range(n), (n, h, self.cfg.max_action_dim), self.device)
-        return self.processor(b, crop), noise, u
+        n = b["action"].shape[0]
+        noise, u, crop = noise_for(0, 0, range(n), (n, self.cfg.action_horizon, self.cfg.max_action_dim), self.device)
+        return self.processor(b, self.root.tag, self.root.cameras, crop), noise, u
 
     def loss(self, inputs, noise, u):
         return self.model(inputs, noise, u)["loss"]
@@ -118,9 +116,10 @@ def _load_root(root: str, video_deltas: tuple[int, ...]):
 
 def _one_batch(root: str, index, device, plan) -> dict:
     n = min(8, index.num_samples)
-    p = plan.processor
-    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas, prompts=plan.prompts,
-                         image_mean=p.image_mean, image_std=p.image_std)
+    p, r = plan.processor, index.roots[0]
+    loader = BlockLoader(root, dataset=index.ds, batch_size=n, device=device, deltas=index.deltas,
+                         prompts=plan.prompts[0], image_mean=p.cfg.image_mean, image_std=p.cfg.image_std,
+                         state_action=p.state_action(r.tag), keys=r.keys, cameras=r.cameras)
     with loader:
         batch = next(iter(loader))
     batch.pop("meta", None)

@@ -151,10 +151,19 @@ def test_bad_requests_are_clear(roots):
         LeRobotDataset(root)[195]
 
 
-def test_the_trainer_refuses_cameras_of_different_sizes(roots):
+def test_the_trainer_reads_cameras_of_different_sizes_each_at_its_own(roots):
+    """N1.6 letterboxes and resizes every camera itself: a root keeping each camera at its source size
+    trains as it is (one frames field per camera, each its own size)."""
     root, *_ = roots["video"]
-    with pytest.raises(ConfigError, match="different sizes .*--height H --width W"):
-        BlockLoader(root, batch_size=4)
+    from loongforge.shared.dataset import open_root
+
+    info = open_root(root).info
+    assert not info.uniform_size
+    with BlockLoader(root, batch_size=4, rgb=False) as loader:
+        batch = next(iter(loader))
+    for i, slot in enumerate(info.slots):
+        h, w = info.camera_size(i)
+        assert tuple(batch["frames"][slot].shape[-2:]) == (h * 3 // 2, w)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,16 @@ def _locate(gid):
     return e, gid - int(ends[e] - LENGTHS[e])
 
 
-def _check_batch(batch, written, spec):
+def _root_processor(root):
+    """The root's own N1.6 processing (its recorded embodiment: one "state" and one "action" key, min/max)."""
+    from loongforge.shared.dataset import open_root
+    from loongforge.train.data.state_action import StateAction, root_embodiment
+
+    found = root_embodiment(open_root(root).info)
+    return StateAction(found.config, found.statistics)
+
+
+def _check_batch(batch, written, spec, sa):
     for row, gid in enumerate(batch["sample_ids"].tolist()):
         e, t = _locate(gid)
         n = LENGTHS[e]
@@ -46,9 +55,10 @@ def _check_batch(batch, written, spec):
         shown = np.clip(t + np.asarray(spec.video), 0, n - 1)  # video clamped into the episode
         for slot in ("front", "wrist"):
             np.testing.assert_array_equal(batch["frames"][slot][row].numpy(), frames[slot][shown])
-        np.testing.assert_allclose(batch["state"][row].numpy(), arrays["state"][shown])  # stats: mean 0, std 1
+        state = {"state": arrays["state"][shown]}
+        np.testing.assert_allclose(batch["state"][row].numpy(), sa.state(state))
         rows = np.minimum(t + np.arange(spec.action_horizon), n - 1)  # past the end: the last row, masked
-        np.testing.assert_allclose(batch["action"][row].numpy(), arrays["action"][rows])
+        np.testing.assert_allclose(batch["action"][row].numpy(), sa.action({"action": arrays["action"][rows]}, state))
         assert batch["action_valid"][row].tolist() == (t + np.arange(spec.action_horizon) < n).tolist()
         text = bytes(v for v in batch["task_tokens"][row].tolist() if v < 256).decode()
         assert text == TASKS[e % 2]
@@ -62,7 +72,7 @@ def test_batches_hold_the_gr00t_sample_semantics(small_root):
         ids = []
         for batch in loader:
             assert batch["frames"]["front"].shape == (4, 2, 12, 8)
-            _check_batch(batch, written, spec)
+            _check_batch(batch, written, spec, _root_processor(root))
             ids += batch["sample_ids"].tolist()
     assert len(ids) == len(set(ids)) == 44  # one epoch (46 samples, tail of 2 dropped), each once
 
@@ -264,14 +274,14 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
     rows (repeats of the last row) are still part of the action head's input sequence; only the loss
     masks them. The model and its inputs are built from the root as the trainer builds them."""
     from loongforge.train.config import DataConfig, RunConfig, TrainConfig
-    from loongforge.train.data.processor import Processor
     from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model.build import build_model
     from loongforge.train.recipes import plan_model
 
     root = str(tmp_path)
     make_synthetic_root(root, lengths=(3, 2), height=16, width=16)
-    cfg = TrainConfig(recipe="tiny", data=DataConfig(root=root, global_batch_size=4, action_horizon=4),
+    cfg = TrainConfig(recipe="tiny", data=DataConfig(root=root, global_batch_size=4, action_horizon=4,
+                                                     action_pad="last"),
                       run=RunConfig(run_dir=str(tmp_path / "run")))
     data = load_training_data(cfg.data)
     assert data.max_frames == 1 and data.dataset.action_horizon == 4
@@ -279,17 +289,15 @@ def test_loss_ignores_the_padded_action_rows(tmp_path):
     torch.manual_seed(0)
     model = build_model(plan.model)
     with BlockLoader(root, dataset=data.ds, batch_size=4, deltas=data.deltas, max_steps=1,
-                     prompts=plan.prompts) as loader:
+                     prompts=plan.prompts[0]) as loader:
         batch = next(iter(loader))
     batch.pop("meta")
     valid = batch["action_valid"]
     assert (~valid).any() and valid.any()
     grads = {}
     model.action_head.velocity = _grad_tap(model.action_head.velocity, grads, "velocity")
-    proc = Processor(plan.processor, max_state_dim=plan.model.max_state_dim,
-                     max_action_dim=plan.model.max_action_dim, embodiment_id=plan.embodiment_id)
     noise = torch.randn(4, 4, plan.model.max_action_dim)
-    model(proc(batch), noise, torch.rand(4))["loss"].backward()
+    model(plan.processor(batch, "new_embodiment"), noise, torch.rand(4))["loss"].backward()
     per_row = grads["velocity"].abs().sum(-1)  # (B, H)
     assert (per_row[~valid] == 0).all() and (per_row[valid] > 0).all()
 
@@ -367,7 +375,7 @@ def test_action_known_of_converted_roots_masks_actions(tmp_path):
 
 def test_batch_content_matches_the_reader_and_the_reference_colour(train_root):
     """RGB frames as the model sees them (image_mean 0, std 1) equal shared/color.py's reference
-    conversion of the stored NV12, with the index's matrix and range; state as stored (stats 0/1)."""
+    conversion of the stored NV12, with the index's matrix and range; state as the root's processor makes it."""
     root, data = train_root
     ds, info = data.ds, data.dataset
     spec = DeltaSpec(video=(-1, 0), action_horizon=4)
@@ -381,7 +389,9 @@ def test_batch_content_matches_the_reader_and_the_reference_colour(train_root):
             rgb = color.nv12_to_rgb(nv12, info.color_matrix, info.color_range)  # (K, h, w, 3)
             want = np.moveaxis(rgb, -1, -3).astype(np.float32) / 255.0
             np.testing.assert_allclose(batch["frames"][slot][row].numpy(), want, atol=1e-6)
-        np.testing.assert_allclose(batch["state"][row].numpy(), ds.read_arrays(e)["state"][shown], atol=1e-6)
+        sa = _root_processor(root)
+        np.testing.assert_allclose(batch["state"][row].numpy(), sa.state({"state": ds.read_arrays(e)["state"][shown]}),
+                                   atol=1e-6)
         text = bytes(v for v in batch["task_tokens"][row].tolist() if v < 256).decode()
         assert text == info.tasks[str(int(ds.read_arrays(e)["task_index"][t]))]
     assert batch["sample_valid"].all() and batch["frame_mask"].all()

@@ -1,5 +1,5 @@
-"""The numbers `loongforge preprocess` ends with and `loongforge inspect` prints,
-computed from the index alone (no Beam import: inspect runs anywhere)."""
+"""The numbers `loongforge preprocess` ends with and `loongforge inspect` prints, computed from the
+index alone (no Beam, no torch: inspect's summary runs anywhere)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,33 @@ def summarize(root: str, seconds: float | None = None) -> dict:
         "train_episodes": root_ds.num_episodes - int(np.asarray(root_ds.val_mask).sum()),
         "source_version": ds.source.get("codebase_version", ""),
         "frame_timing": ds.source.get("frame_timing") or {},
+        "embodiment": _embodiment(ds.embodiment),
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)
         out["seconds"] = round(seconds, 2)
         out["frames_per_s"] = round(decoded / seconds, 1) if seconds > 0 else None
     return out
+
+
+def _embodiment(rec: dict) -> dict:
+    """The recorded N1.6 embodiment in brief: tag, and per state/action key its width and how it is taken."""
+    if not rec:
+        return {}
+    cfg, layout = rec["config"], rec["layout"]
+    acts = cfg["action"].get("action_configs") or [None] * len(cfg["action"]["modality_keys"])
+
+    def width(kind, key):
+        s = layout[kind][key]
+        return s["end"] - s["start"]
+    state = [f"{k}({width('state', k)}{', sin/cos' if k in (cfg['state'].get('sin_cos_embedding_keys') or []) else ''}"
+             f"{', mean/std' if k in (cfg['state'].get('mean_std_embedding_keys') or []) else ''})"
+             for k in cfg["state"]["modality_keys"]]
+    action = [f"{k}({width('action', k)}{', relative' if a and a['rep'] == 'RELATIVE' else ''}"
+              f"{', ' + a['format'] if a and a['type'] == 'EEF' else ''})"
+              for k, a in zip(cfg["action"]["modality_keys"], acts)]
+    return {"tag": rec["tag"], "state": state, "action": action, "horizon": len(cfg["action"]["delta_indices"]),
+            "video": list(cfg["video"]["modality_keys"])}
 
 
 def _cameras(s: dict) -> str:
@@ -87,6 +108,10 @@ def format_summary(s: dict) -> str:
                  "split      none: every episode trains (--val-count N, --val-fraction F or --val-episodes IDS "
                  "hold some out)")
     lines += _timing_lines(s.get("frame_timing") or {})
+    e = s.get("embodiment") or {}
+    if e:
+        lines.append(f"embodiment {e['tag']}: video {', '.join(e['video'])}; state {' '.join(e['state'])}; "
+                     f"action {' '.join(e['action'])} over {e['horizon']} steps")
     if "frames_per_s" in s:
         lines.append(f"speed      {s['source_frames']} frames x {len(s['cameras'])} cameras in {s['seconds']} s"
                      f" = {s['frames_per_s']} frames/s")
