@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # `make demo`: the main job end to end on built-in sample data. No downloads, no
 # cloud account, no GPU needed (uses one when present). Output: demo-out/ (git-ignored).
-#   1 generate a LeRobot-v2 sample dataset (real H.264 mp4 + parquet) of the learnable task:
-#     actions are a known function of the state and of what the frames show, so the eval at
-#     the end can show the policy beating the trivial baselines (predict-the-mean, repeat-last)
+#   1 generate a LeRobot-v2 sample dataset (real H.264 mp4 + parquet) of the learnable task, in the
+#     keys of GR00T N1.6's registered oxe_droid embodiment: actions are a known function of the
+#     state and of what the frames show, so the eval at the end can show the policy beating the
+#     trivial baselines (predict-the-mean, repeat-last)
 #   2 preprocess it into NV12 shards + global index (Beam, local runner; every frame once in
-#     zstd blocks, every timestep a sample; shared/FORMAT.md)
+#     zstd blocks; shared/FORMAT.md) with the oxe_droid modality config: N1.6's statistics, the
+#     joint actions relative to the state, 32-step chunks
 #   3 inspect and hash-verify the shards
 #   4 start a private Redis and the cache daemon
 #   5 train the `tiny` recipe on 2 DeepSpeed ranks through the cache, launched by the elastic
@@ -36,11 +38,11 @@ trap cleanup EXIT INT TERM
 step() { printf '\n== %s\n' "$*"; }
 
 step "1/6 generate sample data"
-loongforge sample-data "$OUT/dataset" --episodes 16 --task learnable
+loongforge sample-data "$OUT/dataset" --preset oxe-droid --episodes 16 --frames 60 90 --task learnable
 
 step "2/6 preprocess (Beam, local runner)"
 loongforge preprocess --input "$OUT/dataset" --output "$OUT/shards" --workers 2 --shard-size 256KB \
-  --val-episodes 25%
+  --val-episodes 25% --embodiment-tag oxe_droid
 
 step "3/6 inspect + verify"
 loongforge inspect "$OUT/shards" --verify

@@ -55,8 +55,10 @@ def register(subparsers) -> None:
     s = subparsers.add_parser("sample-data",
                               help="generate a LeRobot sample dataset (v2.0/v2.1/v3.0, real video via PyAV)")
     s.add_argument("out", metavar="OUT", help="directory to create")
-    s.add_argument("--preset", choices=("default", "gr00t-like"), default="default",
-                   help="gr00t-like: 256x256, 20 fps, one ego_view camera, 44-D state/action, metadata quirks")
+    s.add_argument("--preset", choices=("default", "gr00t-like", "oxe-droid"), default="default",
+                   help="gr00t-like: 256x256, 20 fps, one ego_view camera, 44-D state/action, metadata quirks; "
+                   "oxe-droid: N1.6's registered oxe_droid keys (two cameras, joint_position + gripper_position, "
+                   "preprocess with --embodiment-tag oxe_droid)")
     s.add_argument("--episodes", type=int, default=None, help="episodes (3)")
     s.add_argument("--frames", type=int, nargs=2, metavar=("A", "B"), default=None,
                    help="frames per episode, drawn from [A, B] (40 60)")

@@ -61,6 +61,7 @@ OPTIONAL = {
     "redis": "the cache extra",
     "prometheus_client": "the cache extra",
     "fsspec": "remote (URL) roots only; local paths never pay its registry import",
+    "huggingface_hub": "only `--init-from ORG/NAME` (a checkpoint by its hub id) resolves through its cache",
     # A service, not a package: the trainer reads through the cache daemon only with --cache-socket or
     # --cache-tcp, and reads the origin when the cache's client cannot be imported (train/data/sources.py).
     "loongforge.cache": "the trainer's optional path through the cache daemon",

@@ -30,7 +30,10 @@ def _need(cond: bool, field_name: str, msg: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    root: str
+    root: str  # the (first) shard root
+    # Several roots mixed by ratio (train/data/mixture.py): ((root, ratio), ...), the first being `root`;
+    # () = `root` alone
+    mixture: tuple[tuple[str, float], ...] = ()
     global_batch_size: int = 8  # samples per optimizer step over all ranks (micro batch x world x accum)
     num_workers: int = 0
     seed: int = 0
@@ -55,6 +58,9 @@ class DataConfig:
 
     def __post_init__(self):
         _need(bool(self.root), "data.root", "give the shard root (directory holding index.json)")
+        _need(not self.mixture or (self.mixture[0][0] == self.root and all(r > 0 for _, r in self.mixture)),
+              "data.mixture", "the first root is data.root and every ratio is > 0 (--data ROOT:RATIO)")
+        _need(len({r for r, _ in self.mixture}) == len(self.mixture), "data.mixture", "a root is given twice")
         _need(self.sample_stride >= 1, "data.sample_stride", "must be >= 1")
         _need(self.block_run >= 1 and self.block_window >= 1, "data.block_run", "block_run and block_window must be >= 1")
         _need(self.block_cache_mb >= 0, "data.block_cache_mb", "must be >= 0 (0 = no block cache)")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.config import (ATTENTION_BACKENDS, BAD_SAMPLE_POLICIES, LR_SCHEDULES, RECIPE_LR, DataConfig,
                                      FaultConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig,
                                      TrackConfig, TrainConfig)
+from loongforge.train.ckpt.hub import resolve_checkpoint
 from loongforge.train.tune.results import load_plan
 
 
@@ -52,14 +54,18 @@ def _jitter(text: str) -> tuple[float, ...]:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="shard root (directory or URL holding index.json)")
+    p.add_argument("--data", required=True, action="append", metavar="ROOT[:RATIO]", help="shard root (directory or "
+                   "URL holding index.json); repeat it to mix several roots, each ROOT:RATIO (N1.6's rule: a root's "
+                   "share of the samples is its ratio), or give a mixture file (.json: [{\"root\": R, \"ratio\": "
+                   "3}, ...])")
     p.add_argument("--run-dir", required=True, help="metrics.jsonl, checkpoints/, traces/ go here")
     p.add_argument("--recipe", default=None, help="GR00T N1.6 at a size: tiny (default) | small | gr00t-n1.6 (the "
                    "released architecture, 2.96 B parameters); with --init-from the checkpoint's config.json decides "
                    "(recorded as gr00t-n1.6, whose peak lr, 1e-4, is the default)")
-    p.add_argument("--init-from", default=None, metavar="DIR", help="fine-tune an Isaac-GR00T N1.6 checkpoint "
-                   "directory (config.json + model*.safetensors; its tokenizer files, or --tokenizer); never a "
-                   "download")
+    p.add_argument("--init-from", default=None, metavar="DIR|ORG/NAME", help="fine-tune an Isaac-GR00T N1.6 "
+                   "checkpoint: a directory (config.json + model*.safetensors; its tokenizer files, or --tokenizer) "
+                   "or a hub id (nvidia/GR00T-N1.6-3B) through huggingface_hub's cache (downloaded once when "
+                   "online; HF_HUB_OFFLINE=1 reads the cache only)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="directory of the tokenizer files (default: "
                    "--init-from's; without one, bytes)")
     p.add_argument("--embodiment-tag", default=None, help="a check: the GR00T embodiment tag the data must have (the "
@@ -264,13 +270,14 @@ def _recipe(a: argparse.Namespace) -> str:
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         recipe=_recipe(a),
-        data=DataConfig(root=a.data, global_batch_size=_global_batch(a), num_workers=a.workers, seed=a.seed,
+        data=DataConfig(root=_roots(a.data)[0][0], mixture=_mixture(a.data), global_batch_size=_global_batch(a),
+                        num_workers=a.workers, seed=a.seed,
                         bad_samples=a.bad_samples, cache_socket=a.cache_socket,
                         cache_tcp=a.cache_tcp, video_deltas=a.video_deltas, action_horizon=a.action_horizon,
                         action_pad=a.action_pad,
                         sample_stride=a.sample_stride, block_run=a.block_run, block_window=a.block_window,
                         block_cache_mb=a.block_cache_mb),
-        model=ModelConfig(attention=a.attention, init_from=a.init_from, tokenizer=a.tokenizer,
+        model=ModelConfig(attention=a.attention, init_from=resolve_checkpoint(a.init_from), tokenizer=a.tokenizer,
                           embodiment_tag=a.embodiment_tag, tune_llm=a.tune_llm, tune_visual=a.tune_visual,
                           tune_top_llm_layers=a.tune_top_llm_layers, tune_projector=a.tune_projector,
                           tune_diffusion_model=a.tune_diffusion_model, tune_vlln=a.tune_vlln,
@@ -300,6 +307,36 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                            startup_timeout_s=a.startup_timeout_s),
         track=TrackConfig(report_to=a.report_to, wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name),
     )
+
+
+def _roots(values) -> list[tuple[str, float | None]]:
+    """--data values -> [(root, ratio or None)]: ROOT, ROOT:RATIO (a URL's own colons stay), or a .json file
+    listing {"root", "ratio"} objects."""
+    values = [values] if isinstance(values, str) else list(values)
+    out: list[tuple[str, float | None]] = []
+    for v in values:
+        if v.endswith(".json") and os.path.isfile(v):
+            try:
+                with open(v, encoding="utf-8") as f:
+                    doc = json.load(f)
+                out += [(str(d["root"]), float(d.get("ratio", 1.0))) for d in doc]
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                raise ConfigError(f"--data {v}: a mixture file is a JSON list of {{\"root\": ROOT, \"ratio\": R}} "
+                                  f"({exc})") from None
+            continue
+        root, _, tail = v.rpartition(":")
+        try:
+            out.append((root, float(tail)) if root and "/" not in tail else (v, None))
+        except ValueError:
+            out.append((v, None))
+    return out
+
+
+def _mixture(values) -> tuple[tuple[str, float], ...]:
+    roots = _roots(values)
+    if len(roots) == 1 and roots[0][1] is None:
+        return ()
+    return tuple((r, 1.0 if w is None else w) for r, w in roots)
 
 
 def _global_batch(a: argparse.Namespace) -> int:

@@ -202,7 +202,8 @@ def plan_model(cfg: TrainConfig, data, *, processor: ProcessorConfig | None = No
                               max_state_dim=model.max_state_dim, max_action_dim=model.max_action_dim,
                               max_action_horizon=model.action_horizon)
     except ConfigError as exc:
-        raise ConfigError(f"{exc}: select the state/action keys the checkpoint was trained with") from None
+        hint = ": select the state/action keys the checkpoint was trained with" if opts.init_from else ""
+        raise ConfigError(f"{exc}{hint}") from None
     tokens = model.tokens_per_image(*proc.image_size)
     prompts = tuple(build_prompts(tok, r.dataset.tasks or {}, images=len(r.cameras) * r.deltas.frames,
                                   tokens_per_image=tokens, vocab_size=model.text.vocab_size) for r in data.roots)

@@ -22,6 +22,7 @@ from loongforge.train.ckpt.gr00t import load_gr00t_weights
 from loongforge.train.data import training_data
 from loongforge.train.eval.validation import ValSet, val_metrics, val_sample_ids
 from loongforge.train.model.build import build_model
+from loongforge.train.kernels.dropout import sample_keys
 from loongforge.train.model.noise import noise_for
 from loongforge.train.observe.metrics import MetricsLog
 from loongforge.train.observe.profiler import LateWriter, StepTimer, TraceWindow
@@ -102,10 +103,9 @@ class Trainer:
         self.startup.enter("loader", "starting the decode workers")
         self.processor = self.plan.processor  # N1.6's processor: one per run, in every checkpoint's sidecar
         proc = self.processor.cfg
-        self.root = self.index.roots[0]
         self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
                                                 rank=self.data_rank, world=self.data_world, device=self.device,
-                                                processor=self.processor, prompts=self.plan.prompts[0],
+                                                processor=self.processor, prompts=self.plan.prompts,
                                                 image_mean=proc.image_mean, image_std=proc.image_std)
         self.startup.closers.insert(0, self.loader.close)
         self.valset = self._valset()
@@ -245,12 +245,18 @@ class Trainer:
         for micro, batch in enumerate(batches):
             meta = batch.pop("meta")
             ids.append(meta["sample_ids"])
-            b, h, _ = batch["action"].shape
+            b = batch["action"].shape[0]
+            root = meta.get("dataset", 0)  # a mixture's batch comes from one root (train/data/mixture.py)
             draws = noise_for(self.cfg.data.seed, meta["epoch"], meta["sample_ids"],
-                              (b, self.model_cfg.action_horizon, self.model_cfg.max_action_dim), self.device)
+                              (b, self.model_cfg.action_horizon, self.model_cfg.max_action_dim), self.device,
+                              stream=root)
             self.policies.before_forward()  # --cuda-graphs: a new graph-tree iteration
+            self.policies.set_sample_keys(sample_keys(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], root),
+                                          self.device)
             with timer.phase("forward"):
-                inputs = self.processor(batch, self.root.tag, self.root.cameras, draws.crop, draws.jitter)
+                r = self.index.roots[root]
+                with timer.phase("inputs"):  # a part of the forward: images, augmentation, padding (inputs_s)
+                    inputs = self.processor(batch, r.tag, r.cameras, draws.crop, draws.jitter)
                 inputs["state_dropout_u"] = draws.state_dropout
                 out = e(inputs, draws.noise, draws.u, denom)
                 out["loss"] = self.nan_guard.observe(self.step, out["loss"])
@@ -267,6 +273,7 @@ class Trainer:
         comm = comm_seconds() if self.device.type == "cpu" else None
         timing = timer.stop(comm)
         rec = {"epoch": meta["epoch"], "epoch_pos": meta["consumed"],  # where this step's batch came from
+               **({"dataset": meta["dataset"]} if "dataset" in meta else {}),  # a mixture's root
                "lr": lr,
                "comm_groups": self.step_comm.end(), "nonfinite_skip": skipped,
                "nonfinite_skips": self.nan_guard.skipped}

@@ -19,10 +19,10 @@ from loongforge.benchmarks.harness.context import Context
 from loongforge.benchmarks.micro.conversion import conversion_rate
 from loongforge.benchmarks.harness.measure import Stat, endless, ratio
 from loongforge.benchmarks.harness.rows import Row
-from loongforge.train.data.batch import Norm
 from loongforge.train.data.batch import encode_text
 from loongforge.train.config import DataConfig, RunConfig, TrainConfig
-from loongforge.train.data.processor import Processor, ProcessorConfig
+from loongforge.train.data.processor import ProcessorConfig
+from loongforge.train.data.state_action import StateAction, root_embodiment
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
@@ -41,7 +41,8 @@ class ModelInputs:
 
     def __init__(self, info, cameras: tuple[tuple[str, str], ...], image_mean: float = 0.5,
                  image_std: float = 0.5, prompts=None):
-        self.norm = Norm.from_dataset(info)  # the dataset's stats, as the loader normalizes
+        found = root_embodiment(info)  # the root's N1.6 processing, as the loader's
+        self.sa, self.keys = StateAction(found.config, found.statistics), found.layout
         self.cameras = cameras  # (dataset key, slot) pairs
         self.mean, self.std, self.prompts = image_mean, image_std, prompts
 
@@ -49,7 +50,7 @@ class ModelInputs:
         import torch
 
 
-        n = self.norm
+        sa, keys = self.sa, self.keys
         frames = {slot: (item[key] - self.mean) / self.std for key, slot in self.cameras}
         k = item["observation.state"].shape[0]
         if self.prompts is not None:
@@ -59,8 +60,10 @@ class ModelInputs:
             tokens, mask = encode_text(item["task"], TEXT_TOKENS)
         return {
             "frames": frames,
-            "state": torch.from_numpy(n.state(item["observation.state"].numpy())),
-            "action": torch.from_numpy(n.action(item["action"].numpy())),
+            "state": torch.from_numpy(sa.state(state := {k: item["observation.state"].numpy()[..., c.start:c.end]
+                                                         for k, c in keys["state"].items()})),
+            "action": torch.from_numpy(sa.action({k: item["action"].numpy()[..., c.start:c.end]
+                                                  for k, c in keys["action"].items()}, state)),
             "action_valid": ~item["action_is_pad"],
             "frame_mask": torch.ones(k, dtype=torch.bool),
             "task_tokens": torch.from_numpy(tokens),
@@ -90,17 +93,16 @@ def make_step(data, seed: int):
     cfg = plan.model
     torch.manual_seed(seed)
     model = build_model(cfg)
-    proc = Processor(plan.processor, max_state_dim=cfg.max_state_dim, max_action_dim=cfg.max_action_dim,
-                     embodiment_id=plan.embodiment_id)
-    prompt, pmask = torch.from_numpy(plan.prompts.ids[-1]), torch.from_numpy(plan.prompts.mask[-1])
+    proc, root = plan.processor, data.roots[0]
+    prompt, pmask = torch.from_numpy(plan.prompts[0].ids[-1]), torch.from_numpy(plan.prompts[0].mask[-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(batch, timer):
-        b, h, _ = batch["action"].shape
-        noise, u, crop = noise_for(seed, 0, range(b), (b, h, cfg.max_action_dim), torch.device("cpu"))
+        b = batch["action"].shape[0]
+        noise, u, crop = noise_for(seed, 0, range(b), (b, cfg.action_horizon, cfg.max_action_dim), torch.device("cpu"))
         with timer.phase("forward"):
             batch = {**batch, "task_tokens": prompt.expand(b, -1), "task_mask": pmask.expand(b, -1)}
-            loss = model(proc(batch, crop), noise, u)["loss"]
+            loss = model(proc(batch, root.tag, root.cameras, crop), noise, u)["loss"]
         with timer.phase("backward"):
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -95,13 +95,13 @@ def recipe_sizes(measured: str, target: str, workdir: str) -> dict:
         with torch.device("meta"):
             model = Gr00tN1d6(c)
         images = len(index.dataset.cameras) * index.max_frames
-        per_image = c.tokens_per_image(*plan.processor.image_size)
+        per_image = c.tokens_per_image(*plan.processor.cfg.image_size)
         patches = per_image * (c.pixels_per_token // c.vision.patch_size) ** 2
         act = (c.vision.hidden_size * c.vision.num_hidden_layers * images * patches
-               + c.text.hidden_size * c.select_layer * plan.prompts.length
+               + c.text.hidden_size * c.select_layer * plan.prompts[0].length
                + c.dit.inner_dim * c.dit.num_layers * (1 + index.dataset.action_horizon))
         out[role] = {"recipe": name, "params": count_parameters(model), "tp_split_params": _split_params(model),
-                     "act": act, "prompt_tokens": plan.prompts.length, "image_tokens": images * per_image}
+                     "act": act, "prompt_tokens": plan.prompts[0].length, "image_tokens": images * per_image}
     return out
 
 

@@ -57,8 +57,14 @@ MISSING_CAMERA = "observation.images.side_view"
 # GR1 humanoid layout of the GR00T sample data: 44 joints in named sub-ranges.
 GR1_PARTS = (("left_arm", 7), ("left_hand", 6), ("left_leg", 6), ("neck", 3), ("right_arm", 7),
              ("right_hand", 6), ("right_leg", 6), ("waist", 3))
+# GR00T N1.6's registered oxe_droid embodiment (shared/embodiment.py): two cameras, 7 joints + a gripper,
+# the instruction under annotation.language.language_instruction.
+DROID_PARTS = (("joint_position", 7), ("gripper_position", 1))
+DROID_CAMERAS = ("exterior_image_1_left", "wrist_image_left")
 PRESETS = {
     "default": {},
+    # A dataset `loongforge preprocess --embodiment-tag oxe_droid` takes as it is (the demo's).
+    "oxe-droid": {"cameras": DROID_CAMERAS, "state_dim": 8, "action_dim": 8, "fps": 15, "robot_type": "oxe_droid"},
     # "A real LeRobot v2.0 dataset as found": one 256x256 H.264 camera at 20 fps,
     # 44-D state/action, and the metadata quirks such datasets ship with.
     "gr00t-like": {"height": 256, "width": 256, "fps": 20, "cameras": ("ego_view",), "state_dim": 44,
@@ -67,7 +73,9 @@ PRESETS = {
 }
 
 
-def _parts(dim: int) -> list[tuple[str, int]]:
+def _parts(dim: int, robot: str = "") -> list[tuple[str, int]]:
+    if robot == "oxe_droid" and dim == sum(n for _, n in DROID_PARTS):
+        return list(DROID_PARTS)
     if dim == sum(n for _, n in GR1_PARTS):
         return list(GR1_PARTS)
     return [("arm", dim - 1), ("gripper", 1)] if dim > 1 else [("joint", dim)]
@@ -83,23 +91,25 @@ def hand_dims(dim: int) -> list[int]:
     return out
 
 
-def _names(dim: int) -> list[str]:
-    return [f"{part}_{i}" for part, n in _parts(dim) for i in range(n)]
+def _names(dim: int, robot: str = "") -> list[str]:
+    return [f"{part}_{i}" for part, n in _parts(dim, robot) for i in range(n)]
 
 
-def _modality(state_dim: int, action_dim: int, cameras: tuple[str, ...]) -> dict:
+def _modality(state_dim: int, action_dim: int, cameras: tuple[str, ...], robot: str = "") -> dict:
     def ranges(dim):
         out, start = {}, 0
-        for part, n in _parts(dim):
+        for part, n in _parts(dim, robot):
             out[part] = {"start": start, "end": start + n}
             start += n
         return out
 
+    notes = {"language.language_instruction": {"original_key": "task_index"}} if robot == "oxe_droid" else \
+        {"human.action.task_description": {}, "human.validity": {}}
     return {
         "state": ranges(state_dim),
         "action": ranges(action_dim),
         "video": {cam: {"original_key": f"observation.images.{cam}"} for cam in cameras},
-        "annotation": {"human.action.task_description": {}, "human.validity": {}},
+        "annotation": notes,
     }
 
 
@@ -208,8 +218,8 @@ def _info(episodes, lengths, height, width, fps, cameras, state_dim, action_dim,
     keys = [f"observation.images.{c}" for c in cameras] + ([MISSING_CAMERA] if "missing_camera" in quirks else [])
     features = {key: {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channel"],
                       "video_info": dict(video_info)} for key in keys}
-    features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": _names(state_dim)}
-    features["action"] = {"dtype": "float32", "shape": [action_dim], "names": _names(action_dim)}
+    features["observation.state"] = {"dtype": "float32", "shape": [state_dim], "names": _names(state_dim, robot_type)}
+    features["action"] = {"dtype": "float32", "shape": [action_dim], "names": _names(action_dim, robot_type)}
     # Every parquet column is a feature: LeRobotDataset loads the parquet with this schema and refuses
     # a file holding a column it does not list.
     for name, dtype in (("timestamp", "float32"), ("task_index", "int64"), ("episode_index", "int64"),
@@ -302,7 +312,7 @@ def generate_dataset(root, *, episodes: int = 3, frames: tuple[int, int] = (40, 
     meta = root / "meta"
     _write_json(meta / "info.json", _info(episodes, lengths, height, width, fps, cameras, state_dim, action_dim,
                                           robot_type, quirks, n_tasks))
-    _write_json(meta / "modality.json", _modality(state_dim, action_dim, cameras))
+    _write_json(meta / "modality.json", _modality(state_dim, action_dim, cameras, robot_type))
     _write_jsonl(meta / "episodes.jsonl", ({"episode_index": ep, "tasks": [TASKS[ep % n_tasks]], "length": n}
                                            for ep, n in enumerate(lengths)))
     _write_jsonl(meta / "tasks.jsonl", ({"task_index": i, "task": TASKS[i]} for i in range(n_tasks)))

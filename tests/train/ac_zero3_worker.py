@@ -10,8 +10,7 @@ import torch
 
 def build(root, run_dir, memory, depth=3):
     from loongforge.train.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-    from loongforge.train.data.processor import Processor
-    from loongforge.train.data.training_data import load_training_data
+        from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model.build import build_model
     from loongforge.train.model.noise import noise_for
     from loongforge.train.parallel import plan
@@ -40,11 +39,11 @@ def build(root, run_dir, memory, depth=3):
     batch = _one_batch(root, index, torch.device("cpu"), mplan)
     batch = {k: ({s: v[rank::2] for s, v in b.items()} if isinstance(b, dict) else b[rank::2])
              for k, b in batch.items()}  # each rank its own samples
-    n, h, _ = batch["action"].shape
-    noise, u, crop = noise_for(0, 0, range(rank, 2 * n, 2), (n, h, mcfg.max_action_dim), torch.device("cpu"))
-    proc = Processor(mplan.processor, max_state_dim=mcfg.max_state_dim, max_action_dim=mcfg.max_action_dim,
-                     embodiment_id=mplan.embodiment_id)
-    return e, policies, names, (proc(batch, crop), noise, u)
+    n = batch["action"].shape[0]
+    noise, u, crop = noise_for(0, 0, range(rank, 2 * n, 2), (n, mcfg.action_horizon, mcfg.max_action_dim),
+                               torch.device("cpu"))
+    r = index.roots[0]
+    return e, policies, names, (mplan.processor(batch, r.tag, r.cameras, crop), noise, u)
 
 
 DIT = "action_head.model.transformer_blocks."

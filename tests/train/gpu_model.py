@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from loongforge.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
-from loongforge.train.data.processor import Processor
 from loongforge.train.data.training_data import load_training_data, make_loader
 from loongforge.train.model.build import build_model
 from loongforge.train.model.noise import noise_for
@@ -27,19 +26,18 @@ def model_and_inputs(root: str, recipe: str = "tiny", *, device="cuda", dtype=to
                                   model=ModelConfig(**opts)), index)
     torch.manual_seed(seed)
     model = build_model(plan.model, attention=opts.get("attention", "auto")).to(device, dtype)
-    p = plan.processor
-    loader = make_loader(data, index, batch_size=batch_size, rank=0, world=1, device=device, prompts=plan.prompts,
-                         image_mean=p.image_mean, image_std=p.image_std)
+    p, r = plan.processor, index.roots[0]
+    loader = make_loader(data, index, batch_size=batch_size, rank=0, world=1, device=device, processor=p,
+                         prompts=plan.prompts[0], image_mean=p.cfg.image_mean, image_std=p.cfg.image_std)
     try:
         batch = next(iter(loader))
     finally:
         loader.close()
     meta = batch.pop("meta")
-    b, h, _ = batch["action"].shape
-    noise, u, crop = noise_for(seed, meta["epoch"], meta["sample_ids"], (b, h, plan.model.max_action_dim), device)
-    proc = Processor(p, max_state_dim=plan.model.max_state_dim, max_action_dim=plan.model.max_action_dim,
-                     embodiment_id=plan.embodiment_id)
-    inputs = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in proc(batch, crop).items()}
+    b = batch["action"].shape[0]
+    noise, u, crop = noise_for(seed, meta["epoch"], meta["sample_ids"],
+                               (b, plan.model.action_horizon, plan.model.max_action_dim), device)
+    inputs = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in p(batch, r.tag, r.cameras, crop).items()}
     return model, (inputs, noise, u)
 
 

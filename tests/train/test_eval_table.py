@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from loongforge.shared import embodiment as emb
 from loongforge.shared.errors import ConfigError, UsageError
-from loongforge.train.data.batch import Norm
+from loongforge.shared.statistics import feature_stats
 from loongforge.train.data.samples import DeltaSpec
+from loongforge.train.data.state_action import StateAction
 from loongforge.train.eval.baselines import DEFAULT_DISCRETE_MODE, MAX_LEVELS, fit_reference, group_modes
 from loongforge.train.eval.openloop import check_request, errors, evaluate_episode, format_table
 from loongforge.train.eval.plots import plot_episode, worst_dims
@@ -22,16 +24,32 @@ GROUPS = {"arm": (0, 2), "hand": (2, 3)}
 
 
 def _data(episodes, *, val=(), modality=None, horizon=2):
-    """A TrainingData stand-in: per-episode state/action arrays, N1.6's min/max normalisation over the
-    training episodes (as preprocess records it)."""
+    """A TrainingData stand-in and its processor: per-episode state/action arrays, one state key and the
+    action keys arm / hand (absolute, min/max), statistics of the training episodes (as preprocess takes
+    them). Samples: every t whose chunk lies in the episode (N1.6)."""
     ds = SimpleNamespace(val_mask=np.array([i in val for i in range(len(episodes))]),
-                         read_arrays=lambda r: episodes[r])
+                         read_arrays=lambda r: episodes[r], episode_lengths=np.array([len(e["state"]) for e in episodes]))
     train = [e for i, e in enumerate(episodes) if i not in val]
-    stats = {k: {"min": np.concatenate([e[k] for e in train]).min(0).tolist(),
-                 "max": np.concatenate([e[k] for e in train]).max(0).tolist()} for k in ("state", "action")}
-    info = SimpleNamespace(stats=stats, state_dim=episodes[0]["state"].shape[1],
-                           action_dim=episodes[0]["action"].shape[1], modality=modality or {})
-    return SimpleNamespace(ds=ds, dataset=info, deltas=DeltaSpec(action_horizon=horizon))
+    m = emb.ModalityConfig
+    config = emb.EmbodimentConfig(video=m((0,), ("front",)), state=m((0,), ("state",)),
+                                  action=m(tuple(range(horizon)), ("arm", "hand")), language=m((0,), ("t",)))
+    state = feature_stats(np.concatenate([e["state"] for e in train]))
+    action = feature_stats(np.concatenate([e["action"] for e in train]))
+    stats = {"state": {"state": state},
+             "action": {k: {s: v[a:b] for s, v in action.items()} for k, (a, b) in GROUPS.items()}}
+    keys = {"state": {"state": emb.KeySlice("state", 0, 3)},
+            "action": {k: emb.KeySlice("action", a, b) for k, (a, b) in GROUPS.items()}}
+    sa = StateAction(config, stats)
+    info = SimpleNamespace(modality=modality or {})
+    root = SimpleNamespace(tag="new_embodiment", config=config, keys=keys, deltas=DeltaSpec(action_horizon=horizon,
+                                                                                           action_pad="none"))
+    data = SimpleNamespace(ds=ds, dataset=info, deltas=root.deltas, roots=(root,))
+    return data, SimpleNamespace(state_action=lambda tag: sa)
+
+
+def _fit(episodes, **kw):
+    data, proc = _data(episodes, **kw)
+    return fit_reference(data, GROUPS, proc)
 
 
 def _episode(rng, n=40):
@@ -46,13 +64,14 @@ def test_ridge_recovers_a_linear_state_to_action_map_and_finds_the_binary_group(
     eps = [_episode(rng) for _ in range(4)]
     # a held-out episode whose actions break the map: it must not enter the fit
     eps.append({"state": eps[0]["state"], "action": eps[0]["action"] + 100.0})
-    data = _data(eps, val=(4,))
-    ref = fit_reference(data, GROUPS)
-    assert ref.samples == 4 * 40 and ref.discrete_groups == ("hand",)
+    data, proc = _data(eps, val=(4,))
+    ref = fit_reference(data, GROUPS, proc)
+    assert ref.samples == 4 * 39 and ref.discrete_groups == ("hand",)  # 40 - H + 1 samples an episode
     assert ref.levels[2].tolist() == [-1.5, 1.5] and 0 not in ref.levels
     state = eps[1]["state"][:5]
-    norm = Norm.from_dataset(data.dataset)  # the ridge works in normalised units, as the model does
-    chunk = norm.unaction(ref.ridge(norm.state(state)))  # (5, H=2, 3): row 0 of the chunk is the action at t
+    sa = proc.state_action("new_embodiment")  # the ridge works in the model's units, as the model does
+    out = sa.decode(ref.ridge(sa.state({"state": state[:, None]})[:, 0]), {"state": state[:, None]})
+    chunk = sa.concat(out)  # (5, H=2, 3): row 0 of the chunk is the action at t
     np.testing.assert_allclose(chunk[:, 0, :2], eps[1]["action"][:5, :2], atol=0.05)  # ridge's shrinkage
     assert ref.snap(np.array([[0.3, 0.3, 0.2], [0.0, 0.0, -9.0]]), [2])[:, 2].tolist() == [1.5, -1.5]
 
@@ -61,28 +80,30 @@ def test_modality_json_declares_a_group_discrete_or_continuous():
     rng = np.random.default_rng(1)
     eps = [_episode(rng)]
     forced = {"action": {"arm": {"start": 0, "end": 2, "discrete": True}, "hand": {"discrete": False}}}
-    assert fit_reference(_data(eps, modality=forced), GROUPS).discrete_groups == ("arm",)
+    assert _fit(eps, modality=forced).discrete_groups == ("arm",)
     many = [{"state": e["state"], "action": np.round(e["action"] * 2) / 2} for e in eps]  # > MAX_LEVELS values
     assert len(np.unique(many[0]["action"][:, 0])) > MAX_LEVELS
-    assert fit_reference(_data(many), GROUPS).discrete_groups == ("hand",)
+    assert _fit(many).discrete_groups == ("hand",)
 
 
-def _sample(batch, steps, seed):
+def _sample(batch, steps, seed, tag=None, cameras=None):
     """A policy's one flow sample in dataset units: the seed (so the K-sample mean is the mean of the seeds)."""
     return np.full(batch["action"].shape, float(seed), np.float32)
 
 
 def test_every_variant_per_chunk():
     rng = np.random.default_rng(2)
-    ref = fit_reference(_data([_episode(rng) for _ in range(3)]), GROUPS)
+    ref = _fit([_episode(rng) for _ in range(3)])
     actions = torch.tensor(rng.normal(size=(2, 2, 3)), dtype=torch.float32)
-    batch = {"action": actions, "action_valid": torch.ones(2, 2, dtype=torch.bool),
+    batch = {"action": actions, "action_valid": torch.ones(2, 2, dtype=torch.bool), "raw_action": actions,
              "state": torch.tensor(rng.normal(size=(2, 1, 3)), dtype=torch.float32),
-             "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
-    norm = SimpleNamespace(unaction=lambda a: np.asarray(a, np.float32))  # batches already in dataset units
-    policy = SimpleNamespace(norm=norm, sample=_sample, unnormalize=lambda a: np.asarray(a, np.float32),
-                             index=SimpleNamespace(dataset=SimpleNamespace(action_dim=3)))
-    traj = evaluate_episode(policy, SimpleNamespace(batches=[batch]), seed=3, samples=4, ref=ref, discrete_dims=[2])
+             "raw_state": torch.zeros(2, 1, 3), "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
+    # batches already in dataset units: decoding is the identity
+    processor = SimpleNamespace(state_action=lambda tag: SimpleNamespace(action_dim=3))
+    policy = SimpleNamespace(sample=_sample, decode_concat=lambda a, raw, tag=None: np.asarray(a, np.float32),
+                             processor=processor)
+    valset = SimpleNamespace(batches=[batch], tag="new_embodiment", cameras=("front",))
+    traj = evaluate_episode(policy, valset, seed=3, samples=4, ref=ref, discrete_dims=[2])
     assert np.all(traj["policy"] == 3.0) and np.all(traj["policy_k"] == 4.5)  # mean of seeds 3..6
     assert np.all(traj["snap"][:, :2] == 4.5) and np.all(traj["snap"][:, 2] == 1.5)  # the K-mean, hand snapped
     want = ref.ridge(batch["state"][:, -1].numpy()).reshape(-1, 3)
@@ -115,15 +136,13 @@ def test_samples_below_one_is_a_usage_error(samples):
 
 def test_policy_takes_each_discrete_group_as_its_mode_asks():
     rng = np.random.default_rng(3)
-    ref = fit_reference(_data([_episode(rng)]), GROUPS)
+    ref = _fit([_episode(rng)])
     assert group_modes(ref, None) == {"hand": DEFAULT_DISCRETE_MODE} and group_modes(ref, "snap") == {"hand": "snap"}
     with pytest.raises(ConfigError, match="not a discrete-valued group"):
         group_modes(ref, {"arm": "snap"})
     with pytest.raises(ConfigError, match="use one of"):
         group_modes(ref, {"hand": "vote"})
-    index = SimpleNamespace(dataset=SimpleNamespace(modality={"action": {"arm": {"start": 0, "end": 2},
-                                                                         "hand": {"start": 2, "end": 3}}},
-                                                    action_dim=3))
+    index = _data([_episode(rng)])[0]
     me = SimpleNamespace(reference=ref, index=index)
     flow = np.full((1, 2, 3), 0.4, np.float32)
     assert Policy.apply_modes(me, flow, "flow").tolist() == flow.tolist()

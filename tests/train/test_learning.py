@@ -117,8 +117,8 @@ def test_policy_beats_baselines_and_untrained_model(trained, learn_root, tmp_pat
 
     trained_policy = Policy.load(trained, root)
     torch.manual_seed(0)
-    fresh = Policy(build_model(trained_policy.cfg), index, trained_policy.processor.cfg,
-                   embodiment_id=trained_policy.processor.embodiment_id)
+    fresh = Policy(build_model(trained_policy.cfg), trained_policy.processor, index=trained_policy.index,
+                   cameras=trained_policy.cameras)
     base = run_eval(fresh, root, str(tmp_path / "fresh"), plots=False, samples=8)["overall"]
     assert base["policy_k"]["mse"]["all"] > BAR * min(mse["mean"], mse["repeat_last"])
 

@@ -19,6 +19,7 @@ from loongforge.shared.embodiment import EmbodimentConfig
 from loongforge.shared.errors import ConfigError
 from loongforge.shared.index import DatasetInfo
 from loongforge.train.data.loader import BlockLoader
+from loongforge.train.data.mixture import MixtureLoader
 from loongforge.train.data.samples import DeltaSpec
 from loongforge.train.data.sources import SourceSpec
 from loongforge.train.data.state_action import root_embodiment
@@ -133,8 +134,9 @@ def root_data(root: str, d, weight: float = 1.0, ds: Dataset | None = None) -> R
 
 
 def load_training_data(d) -> TrainingData:
-    """The roots of a DataConfig (FormatError/ConfigError on a bad root)."""
-    return TrainingData((root_data(d.root, d),))
+    """The roots of a DataConfig (FormatError/ConfigError on a bad root), with their mixture ratios."""
+    roots = d.mixture or ((d.root, 1.0),)
+    return TrainingData(tuple(root_data(root, d, weight) for root, weight in roots))
 
 
 def load_for_policy(root: str, sidecar: dict, action_horizon: int) -> TrainingData:
@@ -154,14 +156,22 @@ class _DeltaFlags:
 
 
 def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device, processor=None,
-                prompts=None, image_mean: float = 0.5, image_std: float = 0.5) -> BlockLoader:
-    r = data.roots[0]
-    sa = processor.state_action(r.tag) if processor is not None else None
-    return BlockLoader(r.root, dataset=r.ds, batch_size=batch_size, num_workers=d.num_workers, seed=d.seed,
-                       rank=rank, world=world, device=device, deltas=r.deltas, stride=d.sample_stride,
-                       block_run=d.block_run, block_window=d.block_window, block_cache_mb=d.block_cache_mb,
-                       bad_samples=d.bad_samples, prefetch=d.prefetch_batches, timeout_s=d.worker_timeout_s,
-                       start_method=d.start_method, image_mean=image_mean, image_std=image_std, prompts=prompts,
-                       source=SourceSpec(root=r.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
-                       state_action=sa, keys=r.keys, cameras=r.cameras)
+                prompts=None, image_mean: float = 0.5, image_std: float = 0.5):
+    """The run's loader: a BlockLoader over its root, or a MixtureLoader over one per root.
+    `prompts`: the PromptTable of each root (one table, or a sequence of them)."""
+    tables = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts] * len(data.roots)
+    loaders = []
+    for r, table in zip(data.roots, tables):
+        sa = processor.state_action(r.tag) if processor is not None else None
+        loaders.append(BlockLoader(
+            r.root, dataset=r.ds, batch_size=batch_size, num_workers=d.num_workers, seed=d.seed, rank=rank,
+            world=world, device=device, deltas=r.deltas, stride=d.sample_stride, block_run=d.block_run,
+            block_window=d.block_window, block_cache_mb=d.block_cache_mb, bad_samples=d.bad_samples,
+            prefetch=d.prefetch_batches, timeout_s=d.worker_timeout_s, start_method=d.start_method,
+            image_mean=image_mean, image_std=image_std, prompts=table,
+            source=SourceSpec(root=r.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
+            state_action=sa, keys=r.keys, cameras=r.cameras))
+    if len(loaders) == 1:
+        return loaders[0]
+    return MixtureLoader(loaders, [r.weight for r in data.roots], seed=d.seed)
 

@@ -27,9 +27,9 @@ class Draws:
         return iter((self.noise, self.u, self.crop))
 
 
-def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> Draws:
+def noise_for(seed: int, epoch: int, sample_ids, shape, device, stream: int = 0) -> Draws:
     """The draws of the samples `sample_ids`, made on the CPU (B tiny generators; the tensors are
-    small) and moved in one copy each."""
+    small) and moved in one copy each. `stream`: the root of a mixture (ids are per root)."""
     noise = torch.empty(shape, dtype=torch.float32)
     u = torch.empty(shape[0], dtype=torch.float32)
     crop = torch.empty(shape[0], 2, dtype=torch.float32)
@@ -37,7 +37,8 @@ def noise_for(seed: int, epoch: int, sample_ids, shape, device) -> Draws:
     drop = torch.empty(shape[0], dtype=torch.float32)
     g = torch.Generator()
     for i, sid in enumerate(np.asarray(sample_ids).tolist()):
-        g.manual_seed(int(np.random.SeedSequence([seed, epoch, int(sid)]).generate_state(1)[0]))
+        key = [seed, epoch, int(sid)] if not stream else [seed, epoch, int(sid), stream]
+        g.manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
         noise[i].normal_(generator=g)
         u[i:i + 1].uniform_(generator=g)
         crop[i].uniform_(generator=g)

@@ -32,14 +32,16 @@ import torch
 
 from loongforge.train.observe import timeline
 
-PHASES = ("data_wait", "forward", "backward", "optimizer")
+# "inputs" (the processor: pixel values, colour jitter, padding on the training device) runs inside
+# "forward" and is reported as its part, not beside it
+PHASES = ("data_wait", "forward", "backward", "optimizer", "inputs")
 COMM_CPU = re.compile(r"^(gloo|nccl|c10d|mpi)[:_]|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all",
                       re.I)
 COMM_KERNEL = re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv", re.I)
 MARK_PREFIX = "loongforge:"  # our phase annotations in a trace (record_function names)
 
 
-GPU_PHASES = ("forward", "backward", "optimizer")
+GPU_PHASES = ("forward", "backward", "optimizer", "inputs")
 
 
 @dataclass

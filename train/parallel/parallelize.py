@@ -6,7 +6,8 @@
                   column/row-parallel shards (tensor_parallel.py)
       2. SP       images split over the SP group before the vision tower, the LLM's image tokens
                   sharded with Ulysses attention (video_sp.py)
-      3. FP8      linears swapped for torchao Float8Linear (kernels/precision.py)
+      3. FP8      linears swapped for torchao Float8Linear (kernels/precision.py); dropout for
+                  per-sample dropout, its masks a function of (seed, epoch, sample id) (kernels/dropout.py)
       4. fusion   block forwards compiled; --cuda-graphs: reduce-overhead graphs (kernels/fusion.py, graphs.py)
       5. AC       activation checkpointing of every Nth block (kernels/checkpointing.py)
       6. ZeRO     hybrid ZeRO-3 partitioned over the shard group, deepspeed.initialize (mpu = the plan,
@@ -40,6 +41,7 @@ from loongforge.shared.errors import ConfigError
 from loongforge.train.config import TrainConfig
 from loongforge.train.kernels import graphs
 from loongforge.train.kernels.checkpointing import apply_ac
+from loongforge.train.kernels.dropout import SampleKeys, apply_sample_dropout
 from loongforge.train.kernels.fusion import apply_fusion, fusion_wanted
 from loongforge.train.kernels.precision import Fp8Warmup, convert_fp8
 from loongforge.train.parallel import comm
@@ -59,9 +61,16 @@ class MemoryPolicies:
     """What steps 3-5 applied, and their per-step hooks: `on_step(step)` at the top of every
     optimizer step (the FP8 warm-up schedule), `before_forward()` at the top of every micro-step."""
 
-    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=(), graphed=False):
+    def __init__(self, checkpointed: list[str], fp8_linears: list[str], warmup=None, fused=(), graphed=False,
+                 dropout: SampleKeys | None = None, dropouts=()):
         self.checkpointed, self.fp8_linears, self.warmup, self.fused = checkpointed, fp8_linears, warmup, list(fused)
         self.graphed = graphed
+        self.dropout, self.dropouts = dropout, list(dropouts)  # per-sample dropout: its keys, the swapped modules
+
+    def set_sample_keys(self, keys, device=None) -> None:
+        """The micro-batch's per-sample keys (kernels/dropout.sample_keys): every dropout mask follows them."""
+        if self.dropout is not None:
+            self.dropout.set(keys, device)
 
     def on_step(self, step: int) -> None:
         if self.warmup is not None:
@@ -151,6 +160,9 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
         warmup = Fp8Warmup(model, m.fp8_warmup_steps, m.fp8_warmup_mode)
         log.info("fp8 (%s): %d linears converted, warm-up %d steps (%s)", m.fp8_recipe, len(fp8),
                  m.fp8_warmup_steps, m.fp8_warmup_mode)
+    keys, dropouts = apply_sample_dropout(model)
+    if dropouts:
+        log.info("dropout: %d modules draw per-sample masks (a function of seed, epoch and sample id)", len(dropouts))
     fused = []
     if m.cuda_graphs:
         graphs.check(device=device, zero_stage=cfg.parallel.zero_stage, ac_every=m.ac_every, tp=cfg.parallel.tp)
@@ -164,7 +176,7 @@ def apply_memory_policies(model: nn.Module, cfg: TrainConfig, device: torch.devi
     if m.ac_every:
         log.info("activation checkpointing every %d blocks: %d blocks (%s)", m.ac_every, len(ckpt),
                  ", ".join(ckpt[:4]) + (" ..." if len(ckpt) > 4 else ""))
-    return MemoryPolicies(ckpt, fp8, warmup, fused, graphed=m.cuda_graphs)
+    return MemoryPolicies(ckpt, fp8, warmup, fused, graphed=m.cuda_graphs, dropout=keys, dropouts=dropouts)
 
 
 def name_engine_groups(engine, *, world_is_dp: bool = False) -> None:

@@ -153,3 +153,52 @@ def test_decode_action_is_isaac_gr00ts(roots, fixture, ds):
         got = sa.concat(sa.decode(d[inp], state))
         assert got.dtype == np.float64 and got.shape == d[out].shape
         np.testing.assert_allclose(got, d[out], atol=3e-7, rtol=0, err_msg=out)
+
+
+def _mixture_loader(roots, *, batch=4, rank=0, world=1):
+    from loongforge.train.config import DataConfig
+    from loongforge.train.data.training_data import load_training_data, make_loader
+
+    d = DataConfig(root=roots["ds1_oxe_droid"], global_batch_size=batch,
+                   mixture=((roots["ds1_oxe_droid"], 3.0), (roots["ds2_new_embodiment"], 1.0)))
+    data = load_training_data(d)
+    return make_loader(d, data, batch_size=batch, rank=rank, world=world, device="cpu"), data
+
+
+def test_a_3_to_1_mixture_samples_75_25_over_an_epoch(roots, fixture):
+    """N1.6's rule (mixture.json): a root's share of the samples is its ratio alone (75/25), not ratio x
+    length (63.5/36.5 here: 47 vs 81 samples)."""
+    want = json.loads((fixture / "mixture.json").read_text())["default_shard_size_1024"]["expected_sample_share"]
+    loader, data = _mixture_loader(roots)
+    with loader:
+        counts = np.zeros(2)
+        for _ in range(loader.epoch_batches):
+            batch = next(loader)
+            counts[batch["meta"]["dataset"]] += len(batch["sample_ids"])
+    share = counts / counts.sum()
+    assert abs(share[0] - want[0]) <= 0.01 and abs(share[1] - want[1]) <= 0.01, share
+    assert sorted(r.tag for r in data.roots) == ["new_embodiment", "oxe_droid"]
+
+
+def test_a_mixture_resumes_mid_epoch_exactly_and_any_rank_layout_reads_the_same_order(roots):
+    def take(loader, n):
+        return [(b["meta"]["dataset"], b["sample_ids"].tolist()) for b in (next(loader) for _ in range(n))]
+
+    whole, _ = _mixture_loader(roots)
+    with whole:
+        want = take(whole, 12)
+    first, _ = _mixture_loader(roots)
+    with first:
+        got = take(first, 5)
+        state = first.state_dict()
+    resumed, _ = _mixture_loader(roots)
+    with resumed:
+        resumed.load_state_dict(json.loads(json.dumps(state)))  # through JSON, as a checkpoint keeps it
+        got += take(resumed, 7)
+    assert got == want
+    halves = []
+    for rank in (0, 1):  # two data-parallel ranks: each its half of every global batch, the same roots
+        loader, _ = _mixture_loader(roots, rank=rank, world=2)
+        with loader:
+            halves.append(take(loader, 12))
+    assert [(a[0], a[1] + b[1]) for a, b in zip(*halves)] == want

@@ -12,7 +12,6 @@ import torch
 from loongforge.shared.errors import ConfigError
 from loongforge.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from loongforge.train.data.loader import BlockLoader
-from loongforge.train.data.processor import Processor
 from loongforge.train.model.action_head import flow_time
 from loongforge.train.model.build import build_model
 from loongforge.train.model.config import GrootConfig
@@ -28,16 +27,16 @@ def _plan(root, index, **model):
 
 def _inputs(root, index, plan, n=4):
     """A real batch of `n` samples from the loader, through the run's processor (training crops)."""
-    p = plan.processor
+    p, r = plan.processor, index.roots[0]
     with BlockLoader(root, dataset=index.ds, batch_size=n, max_steps=1, prefetch=0, deltas=index.deltas,
-                     prompts=plan.prompts, image_mean=p.image_mean, image_std=p.image_std) as loader:
+                     prompts=plan.prompts[0], image_mean=p.cfg.image_mean, image_std=p.cfg.image_std,
+                     state_action=p.state_action(r.tag), keys=r.keys, cameras=r.cameras) as loader:
         batch = next(iter(loader))
     meta = batch.pop("meta")
-    b, h, _ = batch["action"].shape
-    noise, u, crop = noise_for(0, 0, meta["sample_ids"], (b, h, plan.model.max_action_dim), torch.device("cpu"))
-    proc = Processor(p, max_state_dim=plan.model.max_state_dim, max_action_dim=plan.model.max_action_dim,
-                     embodiment_id=plan.embodiment_id)
-    return proc(batch, crop), noise, u, batch
+    b = batch["action"].shape[0]
+    noise, u, crop = noise_for(0, 0, meta["sample_ids"], (b, plan.model.action_horizon, plan.model.max_action_dim),
+                               torch.device("cpu"))
+    return p(batch, r.tag, r.cameras, crop), noise, u, batch
 
 
 def test_tiny_trains_on_a_real_batch(train_root):
@@ -138,3 +137,63 @@ def test_get_action_on_cuda_matches_cpu(train_root):
     want = model.get_action(inputs, noise)
     got = model.cuda().get_action({k: v.cuda() for k, v in inputs.items()}, noise.cuda())
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_state_dropout_replaces_the_state_tokens_of_the_drawn_samples_in_training_only(train_root):
+    """N1.6's state_dropout_prob: a learned `action_head.mask_token` (the reference's name) stands in for the
+    state features of samples whose draw is below it; evaluation never drops; without it no mask token."""
+    root, index = train_root
+    assert "action_head.mask_token" not in dict(build_model(_plan(root, index).model).named_parameters())
+    plan = _plan(root, index, dit_dropout=0.0, state_dropout=0.5)
+    torch.manual_seed(0)
+    model = build_model(plan.model)
+    assert dict(model.named_parameters())["action_head.mask_token"].shape == (1, 1, plan.model.input_embedding_dim)
+    inputs, noise, u, _ = _inputs(root, index, plan)
+    b = noise.shape[0]
+    seen = {}
+    model.action_head.model.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0][:, 0].clone()))
+    for name, drop in (("kept", torch.ones(b)), ("dropped", torch.zeros(b))):
+        model(dict(inputs, state_dropout_u=drop), noise, u)
+        seen[name] = seen["x"]
+    token = model.action_head.mask_token[0, 0]
+    assert torch.allclose(seen["dropped"], token.expand_as(seen["dropped"]))
+    assert not torch.allclose(seen["kept"], token.expand_as(seen["kept"]))
+    model.eval()
+    model(dict(inputs, state_dropout_u=torch.zeros(b)), noise, u)
+    assert torch.equal(seen["x"], seen["kept"])  # evaluation: the state tokens as they are
+
+
+def test_dropout_masks_follow_the_sample_not_the_batch_it_rides_in(train_root):
+    """kernels/dropout.py: with DiT dropout on, a sample's loss terms are the same whether it trains in a batch
+    of 4 or in one of 2 (another rank layout, another micro-batch split); torch's own dropout is not."""
+    from loongforge.train.kernels.dropout import apply_sample_dropout, sample_keys
+
+    root, index = train_root
+    plan = _plan(root, index, dit_dropout=0.3)
+    inputs, noise, u, batch = _inputs(root, index, plan)
+    ids = batch["sample_ids"].tolist()
+
+    def per_sample(model, keys=None):
+        def run(rows):
+            sub = {k: (v[rows] if k != "pixel_values" else v.view(4, -1, *v.shape[1:])[rows].flatten(0, 1))
+                   for k, v in inputs.items()}
+            picked = list(range(4))[rows]
+            if keys is not None:
+                keys.set(sample_keys(0, 0, [ids[r] for r in picked]))
+            torch.manual_seed(len(picked))  # torch's dropout: another draw per batch shape
+            out = model.action_head.loss(model.encode(sub), sub["action"].float(), sub["action_mask"].float(),
+                                         noise[rows], torch.full((len(picked),), 0.5), torch.tensor(1.0))
+            return out["action_loss"].sum((1, 2))
+        return run(slice(0, 4)), torch.cat([run(slice(0, 2)), run(slice(2, 4))])
+
+    torch.manual_seed(0)
+    model = build_model(plan.model).train()
+    whole, split = per_sample(model)
+    assert not torch.allclose(whole, split, rtol=1e-3), "torch's dropout drew the same masks: the test cannot tell"
+    keys, swapped = apply_sample_dropout(model)
+    assert swapped and all(".dropout" not in n or "model." in n for n in swapped)
+    whole, split = per_sample(model, keys)
+    torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-6)
+    keys.set(None)
+    model.eval()  # evaluation: no dropout at all
+    torch.testing.assert_close(*per_sample(model), rtol=1e-5, atol=1e-6)
