@@ -158,7 +158,11 @@ class Policy:
         if steps < 1 or samples < 1:
             raise ConfigError(f"steps={steps}, samples={samples}: the flow needs at least 1 integration step "
                               "and 1 sample")
-        batch = self.batch(observations)
+        return self.predict_batch(self.batch(observations), steps=steps, seed=seed, samples=samples, modes=modes)
+
+    def predict_batch(self, batch: dict, *, steps: int, seed: int = 0, samples: int = DEFAULT_SAMPLES,
+                      modes: str | dict | None = None) -> np.ndarray:
+        """predict_action of a batch already made by `batch` (the policy server times the two apart)."""
         out = np.mean([self.sample(batch, steps=steps, seed=seed + j) for j in range(samples)], axis=0)
         return self.apply_modes(out, modes)
 
