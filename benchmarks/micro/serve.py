@@ -10,8 +10,8 @@ synthetic shard root of 2 cameras at --image-size, behind the real server (serve
 here, real TCP on loopback) and the real backend (backend.py: GR00T's observation layout -> Policy).
 Clients are separate processes (benchmarks/micro/serve_load.py, loongforge's PolicyClient): one sends
 --warmup requests first (untimed: the server's first calls are slow), then each of --clients sends one
-untimed request and --requests timed ones back to back; with several clients the REP socket answers one
-request at a time, so their queueing shows in the round trip.
+untimed request, waits until all have, and sends --requests timed ones back to back; with several
+clients the REP socket answers one request at a time, so their queueing shows in the round trip.
 
 Per row: p50 / p95 / p99 of the client's round trip, and the server's medians of
   decode     the frame -> msgpack -> token -> arrays (protocol.py)
@@ -41,9 +41,17 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.shared.synthetic import make_synthetic_root
+from loongforge.train.ckpt.export import embodiment_tag, processor_files
+from loongforge.train.config import DataConfig, RunConfig, TrainConfig
+from loongforge.train.data.training_data import load_training_data
+from loongforge.train.eval.policy import Policy
+from loongforge.train.model.build import build_model
+from loongforge.train.recipes import plan_model
+from loongforge.train.serve.backend import Defaults, PolicyBackend
 from loongforge.train.serve.server import PolicyServer, ServeConfig
 
 CAMERAS = ("front", "wrist")
@@ -67,8 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def handle(a: argparse.Namespace) -> int:
-    import torch  # heavy: the models run here
-
     device = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -103,16 +109,6 @@ def handle(a: argparse.Namespace) -> int:
 def build_backend(recipe: str, root: str, device: str, steps: int, samples: int):
     """The recipe's model, freshly initialised, behind PolicyBackend, as `loongforge serve` would serve
     a run of it on this root."""
-    import torch  # heavy: the model
-
-    from loongforge.train.ckpt.export import embodiment_tag, processor_files
-    from loongforge.train.config import DataConfig, RunConfig, TrainConfig
-    from loongforge.train.data.training_data import load_training_data
-    from loongforge.train.eval.policy import Policy
-    from loongforge.train.model.build import build_model
-    from loongforge.train.recipes import plan_model
-    from loongforge.train.serve.backend import Defaults, PolicyBackend
-
     data = DataConfig(root=root, video_deltas=(0,))
     index = load_training_data(data)
     plan = plan_model(TrainConfig(recipe=recipe, data=data, run=RunConfig(run_dir=root)), index)
@@ -152,16 +148,26 @@ def measure(backend, obs_file: str, clients: int, requests: int, warmup: int) ->
     thread = threading.Thread(target=server.serve_forever, args=(backend,), daemon=True)
     thread.start()
     cmd = [sys.executable, "-m", "loongforge.benchmarks.micro.serve_load", "--port", str(port), "--obs", obs_file]
+    barrier = obs_file + f".go{clients}"
     try:
         # The server warms up first (its first calls pick kernels and grow the allocator: up to 100x slower
-        # on CPU); then every client sends one untimed request of its own (its connection) and the timed ones.
+        # on CPU); then every client sends one untimed request of its own (its connection) and waits at the
+        # barrier, so the server's records after it are exactly the timed requests.
         _clients([*cmd, "--requests", "0", "--warmup", str(warmup)], 1)
+        procs = _start([*cmd, "--requests", str(requests), "--warmup", "1", "--barrier", barrier], clients)
+        ready = lambda: sum(f.startswith(os.path.basename(barrier) + ".")  # noqa: E731
+                            for f in os.listdir(os.path.dirname(barrier)))
+        while ready() < clients:
+            if any(p.poll() is not None for p in procs):
+                break  # a client died: _finish says why
+            time.sleep(0.005)
         server.timings.clear()
-        rtt = _clients([*cmd, "--requests", str(requests), "--warmup", "1"], clients)
+        open(barrier, "w").close()
+        rtt = _finish(procs)
     finally:
         server.stop()
         thread.join(30)
-    timed = list(server.timings)[clients:]  # the clients' own first requests come first (nearly always)
+    timed = list(server.timings)
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
     q = lambda p: round(1e3 * float(np.percentile(rtt, p)), 3)  # noqa: E731
     split = {k: ms([getattr(t, f"{k}_s") for t in timed]) for k in ("decode", "preprocess", "model", "encode")}
@@ -171,7 +177,14 @@ def measure(backend, obs_file: str, clients: int, requests: int, warmup: int) ->
 
 def _clients(cmd: list[str], n: int) -> list[float]:
     """`n` client processes at once -> all their timed round trips (seconds)."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    return _finish(_start(cmd, n))
+
+
+def _start(cmd: list[str], n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[float]:
     outs = [p.communicate(timeout=3600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
@@ -210,14 +223,16 @@ def format_row(r: dict) -> str:
 def format_table(doc: dict) -> str:
     st = doc["settings"]
     where = doc["gpu"] or f"{doc['cpus']} CPUs"
-    lines = [f"get_action round trips on {doc['device']} ({where}, {doc['torch_threads']} torch threads, float32), {st['steps']} flow steps, {st['samples']} sample(s), 2 cameras "
+    lines = [f"get_action round trips on {doc['device']} ({where}, {doc['torch_threads']} torch threads, float32), "
+             f"{st['steps']} flow steps, {st['samples']} sample(s), 2 cameras "
              f"{st['image_size']}x{st['image_size']}, {st['requests']} requests per client; load average "
              f"{doc['load_average_start']} -> {doc['load_average_end']}",
              "server medians, ms: decode+preprocess | model | encode; other = round trip p50 - their sum"]
     lines += [format_row(r) for r in doc["rows"]]
     for f in doc["flow"]:
         lines.append(f"flow, {f['recipe']}, B=1 model ms: 1 step {f['model_ms_steps1_samples1']:.1f}, 4 steps "
-                     f"{f['model_ms_steps4_samples1']:.1f} (3 extra steps {100 * f['extra_3_steps_share_of_4step']:.0f}%), "
+                     f"{f['model_ms_steps4_samples1']:.1f} (3 extra steps "
+                     f"{100 * f['extra_3_steps_share_of_4step']:.0f}%), "
                      f"4 steps x 8 samples {f['model_ms_steps4_samples8']:.1f} (the K-mean adds "
                      f"{100 * f['k8_mean_share_of_8sample']:.0f}%)")
     return "\n".join(lines)

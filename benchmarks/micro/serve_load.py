@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -34,15 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--obs", required=True)
     p.add_argument("--requests", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--barrier", default=None, help="after the warm-up, write BARRIER.<pid> and wait for BARRIER to "
+                   "exist (the benchmark starts every client's timed requests together)")
     a = p.parse_args(argv)
     obs = load_observation(a.obs)
     times = []
     with PolicyClient("127.0.0.1", a.port, timeout_ms=600_000) as client:
-        for i in range(a.warmup + a.requests):
+        for _ in range(a.warmup):
+            client.get_action(obs)
+        if a.barrier:
+            open(f"{a.barrier}.{os.getpid()}", "w").close()
+            while not os.path.exists(a.barrier):
+                time.sleep(0.005)
+        for _ in range(a.requests):
             t0 = time.perf_counter()
             client.get_action(obs)
-            if i >= a.warmup:
-                times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
     json.dump({"round_trip_s": times}, sys.stdout)
     return 0
 

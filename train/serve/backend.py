@@ -194,8 +194,9 @@ def _language(group: dict, key: str, b: int) -> list[str]:
     ok = isinstance(value, list) and len(value) == b and all(
         isinstance(v, list) and len(v) == 1 and isinstance(v[0], str) for v in value)
     if not ok:
-        raise RequestError(f"{where}{' missing' if key not in group else ''}: expected {b} list(s) of one instruction string ([[\"pick the cube\"]] for B=1); "
-                           f"got {short(value)}")
+        missing = " missing" if key not in group else ""
+        raise RequestError(f"{where}{missing}: expected {b} list(s) of one instruction string "
+                           f"([[\"pick the cube\"]] for B=1); got {short(value)}")
     return [v[0] for v in value]
 
 
@@ -217,7 +218,8 @@ def load_backend(path: str, *, data_root: str, tag: str | None = None, device: s
         return _from_run(path, data_root, tag, device, defaults)
     if os.path.exists(os.path.join(path, "config.json")):
         if tag is not None:
-            raise UsageError(f"{path}: an exported directory holds one checkpoint; --step/--tag are for run directories")
+            raise UsageError(f"{path}: an exported directory holds one checkpoint; --step/--tag are for run "
+                             "directories")
         return _from_export(path, data_root, device, defaults)
     raise UsageError(f"{path}: neither a run directory (checkpoints/) nor an exported GR00T directory (config.json)")
 

@@ -135,7 +135,8 @@ class PolicyServer:
             self.socket.bind(cfg.bind_address)
         except zmq.ZMQError as exc:
             self.close()
-            raise ServeError(f"cannot listen on {cfg.bind_address}: {exc} (another server on that port? --port)") from None
+            raise ServeError(f"cannot listen on {cfg.bind_address}: {exc} (another server on that port? "
+                             "--port)") from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stopping = False
         self.served = 0

@@ -16,8 +16,8 @@ import pytest
 from loongforge.shared.errors import RequestError
 from loongforge.train.serve import protocol
 
-FRAMES = {k: bytes.fromhex(v) for k, v in json.loads((Path(__file__).with_name("gr00t_frames.json")).read_text()).items()
-          if not k.startswith("_")}
+FRAMES = {k: bytes.fromhex(v) for k, v in json.loads(Path(__file__).with_name("gr00t_frames.json").read_text())
+          .items() if not k.startswith("_")}
 LANG = "annotation.human.action.task_description"
 OBS = {"video": {"front": np.arange(12, dtype=np.uint8).reshape(1, 1, 2, 2, 3)},
        "state": {"arm": np.array([[[0.5, -1.25]]], np.float32)},

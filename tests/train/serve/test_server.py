@@ -265,7 +265,8 @@ def malformed(rng: np.random.Generator, valid: dict) -> tuple[bytes | list[bytes
     if kind == 5:
         shape = list(v.shape)
         shape[int(rng.integers(1, 5))] += int(rng.integers(1, 4))
-        return with_obs({**obs, "video": {**obs["video"], cam: np.zeros(shape, np.uint8)}}), f"expected uint8 RGB 0-255 [B, T, H, W, 3]"
+        return with_obs({**obs, "video": {**obs["video"], cam: np.zeros(shape, np.uint8)}}), \
+            "expected uint8 RGB 0-255 [B, T, H, W, 3]"
     if kind == 6:
         return with_obs({**obs, "video": {**obs["video"], cam: v[0]}}), f"['{cam}']"
     if kind == 7:
