@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             client.get_action(obs)
         if a.barrier:
             open(f"{a.barrier}.{os.getpid()}", "w").close()
+            deadline = time.monotonic() + 600  # the benchmark died: do not wait for ever
             while not os.path.exists(a.barrier):
+                if time.monotonic() > deadline:
+                    print(f"serve_load: no {a.barrier} within 600 s", file=sys.stderr)
+                    return 1
                 time.sleep(0.005)
         for _ in range(a.requests):
             t0 = time.perf_counter()

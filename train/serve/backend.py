@@ -49,6 +49,7 @@ from loongforge.train.serve.protocol import short
 MAX_BATCH = 64  # observations per request: bounds the memory one request can ask for
 MAX_FLOW_STEPS = 64
 MAX_SAMPLES = 64
+MAX_SEED = 2**63 - 1 - MAX_SAMPLES  # seeds seed..seed+samples-1 stay int64 (torch.Generator)
 OPTIONS = ("seed", "steps", "samples")  # what a request's options may set (the server's defaults otherwise)
 
 
@@ -62,10 +63,10 @@ class Defaults:
     seed: int = 0
 
     def __post_init__(self):
-        for flag, value, top in (("--steps", self.steps, MAX_FLOW_STEPS), ("--samples", self.samples, MAX_SAMPLES),
-                                 ("--seed", self.seed, 2**63 - 1 - MAX_SAMPLES)):
-            if value is not None and not (1 if flag != "--seed" else 0) <= value <= top:
-                raise UsageError(f"{flag} {value}: out of range (at most {top})")
+        for flag, value, lo, hi in (("--steps", self.steps, 1, MAX_FLOW_STEPS), ("--samples", self.samples, 1,
+                                    MAX_SAMPLES), ("--seed", self.seed, 0, MAX_SEED)):
+            if value is not None and not lo <= value <= hi:
+                raise UsageError(f"{flag} {value}: between {lo} and {hi}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,9 @@ class PolicyBackend:
         self.policy, self.modality, self.defaults = policy, modality, defaults
         ds = policy.index.dataset
         self.k = len(policy.index.deltas.video)
-        self.horizon = policy.index.deltas.action_horizon
+        if sorted(modality["video"]["modality_keys"]) != sorted(ds.slots):
+            raise ConfigError(f"modality config: video keys {modality['video']['modality_keys']}, the data root's "
+                              f"cameras are {ds.slots}; give --data the shard root this checkpoint trained on")
         self.cameras = {key: ds.camera_size(ds.slots.index(key)) for key in modality["video"]["modality_keys"]}
         self.state_keys = _spans(modality, ds, "state", ds.state_dim)
         self.action_keys = _spans(modality, ds, "action", ds.action_dim)
@@ -135,7 +138,7 @@ class PolicyBackend:
         d = self.defaults
         steps = _int(opts, "steps", d.steps or self.policy.cfg.num_inference_timesteps, 1, MAX_FLOW_STEPS)
         samples = _int(opts, "samples", d.samples, 1, MAX_SAMPLES)
-        seed = _int(opts, "seed", d.seed, 0, 2**63 - 1 - MAX_SAMPLES)
+        seed = _int(opts, "seed", d.seed, 0, MAX_SEED)
         return steps, samples, seed
 
     def _batch_size(self, video: dict, state: dict, language: dict) -> int:

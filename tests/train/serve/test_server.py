@@ -382,6 +382,7 @@ def test_sigterm_stops_it_cleanly(server, wire):
     (["--host", "0.0.0.0"], None, "--host 0.0.0.0 is not loopback"),
     (["--host", "0.0.0.0", "--api-token-file", "TOKEN"], 0o644, "no one else can read"),
     (["--api-token-file", "TOKEN"], 0o600, "at least 16 are needed"),
+    (["--samples", "0"], None, "--samples 0: between 1 and 64"),
 ])
 def test_refusals_at_start_are_one_line(tiny_run, tmp_path, argv, mode, says):
     root, run, _ = tiny_run
