@@ -86,3 +86,13 @@ class CheckpointError(TrainError):
 
 class DataWorkerError(TrainError):
     """A decode worker died or raised; the message says which and why."""
+
+
+class ServeError(LoongForgeError):
+    """The policy server or its client failed: a server that cannot start (address, key file), or a
+    client whose server did not answer in time or answered with an error."""
+
+
+class RequestError(ServeError, ValueError):
+    """A request the policy server refuses: a malformed frame, a wrong token, an unknown endpoint, an
+    observation outside the served modality config. Its message is the one-line error reply."""

@@ -1,4 +1,4 @@
-"""`loongforge train / profile / eval`, and the `tune` and `ckpt` command groups. Heavy imports
+"""`loongforge train / profile / eval / export`, `serve`, and the `tune` and `ckpt` command groups. Heavy imports
 (torch, deepspeed, matplotlib) happen inside the handlers so `loongforge --help` is fast."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from loongforge.train.ckpt.cli import register as register_ckpt
 from loongforge.train.flags import add_train_args
 from loongforge.train.resilience.rundir import refuse_over_checkpoints
 from loongforge.train.resilience.runlock import joins_live_run
+from loongforge.train.serve.cli import register as register_serve
 from loongforge.train.tune.cli import register as register_tune
 
 
@@ -95,6 +96,7 @@ def register(subparsers) -> None:
     i.set_defaults(func=_inspect)
     register_tune(subparsers)
     register_ckpt(subparsers)
+    register_serve(subparsers)
 
 
 def _train(args) -> int:

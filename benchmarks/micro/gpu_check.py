@@ -4,7 +4,7 @@ H200; estimated, not yet measured: no GPU has run it).
 
     loongforge bench gpu-check [--out results/gpu] [--shards DIR] [--steps 20] [--jobs 4] [--deadline 420]
 
-Two parts, each with a share of the deadline (BUDGET); a part ends at its share or at the deadline,
+Three parts, each with a share of the deadline (BUDGET); a part ends at its share or at the deadline,
 whichever is first, and every process it starts gets at most the time its part has left, so the
 parts can never add up to more than the whole. Time a part leaves unused goes to the next.
 1. runs (first, on an idle GPU: they are measurements): a 20-step `tiny` and `small` run with
@@ -13,7 +13,10 @@ parts can never add up to more than the whole. Time a part leaves unused goes to
    (hybrid sharding: the compressor's DP sync over a 1-rank NCCL group, counted as group "dp");
    they read the shard root of --shards (made by `make gpu-bundle`: no Beam or PyAV needed here)
    or one written on the spot;
-2. tests: every CUDA-only test (`pytest -m gpu --collect-only` of the files that use the marker, so
+2. serve: `loongforge bench serve --device cuda` (tiny and N1.6 full size, batch 1 and 8, 1 and 4
+   clients); its N1.6 batch-1 row is one line of the summary, against the README's goal (p50 under
+   50 ms with 4 flow steps);
+3. tests: every CUDA-only test (`pytest -m gpu --collect-only` of the files that use the marker, so
    new tests join, and no file that needs the preprocess extras is imported),
    one pytest process per test file (a file's tests share its imports and fixtures: one NCCL
    group, one compile of each shape), `--jobs` files at a time, each test with its own pytest-timeout.
@@ -49,7 +52,10 @@ from loongforge.train.parallel.engine import fused_adam_prebuilt
 REPO = str(SOURCE_CHECKOUT)
 RECIPES = ("tiny", "small")
 TOPK = ("--zero", "3", "--grad-compression", "topk")  # train/parallel/compression.py on NCCL
-BUDGET = {"runs": 0.45, "tests": 0.55}  # shares of --deadline, in the order the parts run (estimates: no GPU run yet)
+# Shares of --deadline, in the order the parts run (estimates: no GPU run yet).
+BUDGET = {"runs": 0.40, "serve": 0.10, "tests": 0.50}
+SERVE = ("--recipes", "tiny", "gr00t-n1.6", "--batches", "1", "8", "--clients", "1", "4", "--requests", "20")
+SERVE_GOAL_MS = 50.0  # N1.6 full size, batch 1, 4 flow steps: get_action p50 (README, Deploy a policy)
 SHARD_LENGTHS = (64,) * 4
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "loongforge-gpu-check-cache")
 # Files whose tests launch training processes: started first, so the long ones do not start last.
@@ -346,6 +352,26 @@ def _runs(report: Report, a: argparse.Namespace, part: Part) -> None:
     report.data["launch_overhead"] = launch_overhead(runs[0], runs[2])
 
 
+def serve_latency(out_dir: str, part: Part) -> dict:
+    """`loongforge bench serve` on the GPU; its N1.6 batch-1 single-client row as one summary line."""
+    if part.left() < 20:
+        return {"ok": False, "not_run": True, "problems": ["not run: the serve part's time was used up"]}
+    code, out, took = _run([sys.executable, "-m", "loongforge", "bench", "serve", "--device", "cuda", *SERVE,
+                            "--out", os.path.join(out_dir, "serve"), "--json"], part.timeout(600), stdout_only=True)
+    if code != 0:
+        return {"ok": False, "seconds": round(took, 1), "problems": [f"bench serve exited {code}"],
+                "log_tail": out[-4000:]}
+    doc = json.loads(out)
+    r = next(r for r in doc["rows"] if r["recipe"] == "gr00t-n1.6" and r["batch"] == 1 and r["clients"] == 1)
+    s = r["server_ms"]
+    met = r["p50_ms"] < SERVE_GOAL_MS
+    line = (f"serve, N1.6 full size, B=1, 1 client, 4 flow steps, 1 sample, float32 on {doc['gpu']}: get_action p50 "
+            f"{r['p50_ms']:.1f} / p95 {r['p95_ms']:.1f} / p99 {r['p99_ms']:.1f} ms (goal p50 < {SERVE_GOAL_MS:.0f} ms: "
+            f"{'met' if met else 'NOT met'}); server: decode+preprocess {s['decode'] + s['preprocess']:.1f}, model "
+            f"{s['model']:.1f}, encode {s['encode']:.1f} ms")
+    return {"ok": True, "seconds": round(took, 1), "line": line, "goal_met": met, "bench": doc}
+
+
 def handle(a: argparse.Namespace) -> int:
     env = environment()
     if not env["cuda_available"]:
@@ -362,13 +388,16 @@ def handle(a: argparse.Namespace) -> int:
         report.save()
         _runs(report, a, parts["runs"])
         report.save()
+        report.data["serve"] = serve_latency(a.out, parts["serve"])
+        report.save()
         if a.skip_tests:
             report.data["tests"] = {"ok": False, "skipped_by_flag": True}
         else:
             report.data["tests"] = gpu_tests(a.out, a.test_timeout, parts["tests"],
                                              lambda part: (report.data.update(tests=part), report.save()), a.jobs)
         d = report.data
-        d["ok"] = d["tests"]["ok"] and all(r["ok"] for r in d["runs"]) and d["launch_overhead"]["ok"]
+        d["ok"] = (d["tests"]["ok"] and all(r["ok"] for r in d["runs"]) and d["launch_overhead"]["ok"]
+                   and d["serve"]["ok"])
         d["finished"] = True
     finally:
         report.save()
@@ -404,6 +433,8 @@ def _print_summary(report: Report) -> None:
         lines.append("launch overhead (GPU idle in the step, not data wait), tiny, ms/step: eager "
                      f"{lo['eager']['launch_overhead_s'] * 1e3:.2f} of {lo['eager']['step_s'] * 1e3:.2f}, --cuda-graphs "
                      f"{lo['cuda_graphs']['launch_overhead_s'] * 1e3:.2f} of {lo['cuda_graphs']['step_s'] * 1e3:.2f}")
+    sv = d.get("serve") or {}
+    lines.append(sv.get("line") or f"serve: FAILED {sv.get('problems') or ''}\n{sv.get('log_tail', '')[-1500:]}")
     t = d.get("tests") or {}
     for c in t.get("cases", []):
         if c["name"] in t.get("not_ok", []):

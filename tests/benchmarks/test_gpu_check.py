@@ -59,6 +59,7 @@ def _args(tmp_path, **kw):
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(gpu_check, "environment", lambda: {"torch": "2.13.0", "cuda": "13.0", "cuda_available": True})
     monkeypatch.setattr(gpu_check, "collect_gpu_tests", lambda: (["t.py::a", "t.py::b"], ""))
+    monkeypatch.setattr(gpu_check, "serve_latency", lambda out, part: {"ok": True, "line": "serve: p50 9 ms"})
 
 
 def _group(result, message=""):
@@ -95,6 +96,22 @@ def test_all_skipped_exits_non_zero(fake_gpu, monkeypatch, tmp_path):
     assert gpu_check.handle(_args(tmp_path)) == 0
     (txt,) = {p.read_text() for p in tmp_path.glob("gpu-check-*.txt")} - set()
     assert "gpu-check tests: 2 collected, 2 ran, 2 passed, 0 failed, 0 not reached" in txt
+    assert "\nserve: p50 9 ms\n" in txt  # the serve part's one line
+
+
+@pytest.mark.parametrize("p50, says", [(31.5, "p50 31.5 / p95 40.0 / p99 45.0 ms (goal p50 < 50 ms: met)"),
+                                       (75.0, "(goal p50 < 50 ms: NOT met)")])
+def test_the_serve_part_is_one_line_against_the_goal(monkeypatch, tmp_path, p50, says):
+    row = {"recipe": "gr00t-n1.6", "batch": 1, "clients": 1, "p50_ms": p50, "p95_ms": 40.0, "p99_ms": 45.0,
+           "server_ms": {"decode": 1.0, "preprocess": 2.0, "model": 25.0, "encode": 0.5}}
+    doc = {"gpu": "H200", "rows": [{**row, "batch": 8}, row]}
+    calls = []
+    monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout, **kw: calls.append(cmd) or (0, json.dumps(doc), 9.0))
+    res = gpu_check.serve_latency(str(tmp_path), gpu_check.Part("serve", time.monotonic() + 100))
+    assert res["ok"] and says in res["line"] and "model 25.0" in res["line"] and "\n" not in res["line"]
+    assert calls[0][3:7] == ["bench", "serve", "--device", "cuda"]
+    monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout, **kw: (1, "Traceback: boom", 2.0))
+    assert not gpu_check.serve_latency(str(tmp_path), gpu_check.Part("serve", time.monotonic() + 100))["ok"]
 
 
 def test_tests_past_the_deadline_are_not_run_and_fail(fake_gpu, monkeypatch, tmp_path):

@@ -183,6 +183,23 @@ class Processor:
                    max_state_dim=int(doc["max_state_dim"]), max_action_dim=int(doc["max_action_dim"]),
                    max_action_horizon=int(doc["max_action_horizon"]))
 
+    @classmethod
+    def from_gr00t_files(cls, processor_config: dict, statistics: dict, embodiment_ids: dict) -> "Processor":
+        """Isaac-GR00T's processor files (an export, a released checkpoint) -> the processor they describe:
+        every tag with both a modality config and statistics."""
+        kw = processor_config.get("processor_kwargs", processor_config)
+        configs = kw.get("modality_configs") or {}
+        tags = [t for t in configs if t in statistics]
+        if not tags:
+            raise ConfigError(f"processor files: no embodiment has both a modality config ({sorted(configs)}) and "
+                              f"statistics ({sorted(statistics)})")
+        embodiments = {t: Embodiment(t, int(embodiment_ids.get(t, emb.projector_index(t))),
+                                     emb.EmbodimentConfig.from_json(configs[t], f"processor_config.json: {t}"),
+                                     {k: statistics[t].get(k, {}) for k in ("state", "action", "relative_action")})
+                       for t in tags}
+        return cls(processor_from_gr00t_json(processor_config), embodiments, max_state_dim=int(kw["max_state_dim"]),
+                   max_action_dim=int(kw["max_action_dim"]), max_action_horizon=int(kw["max_action_horizon"]))
+
     def gr00t_files(self) -> tuple[dict, dict, dict]:
         """(processor_config.json, statistics.json, embodiment_id.json) as Isaac-GR00T's processor writes them."""
         c = self.cfg

@@ -20,20 +20,23 @@ ones read from the module state file; every torch.load inside is forced weights-
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import numpy as np
 import torch
 from loongforge.shared.errors import CheckpointError, ConfigError
 from loongforge.train.ckpt import files as ckpt_files
+from loongforge.train.ckpt.gr00t import load_gr00t_weights
 from loongforge.train.ckpt.weights import load_weights
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.processor import Processor
-from loongforge.train.data.prompt import build_prompts, chat_text, formalize, load_tokenizer
+from loongforge.train.data.prompt import build_prompts, chat_text, formalize, has_tokenizer, load_tokenizer
 from loongforge.train.data.training_data import TrainingData, load_for_policy
 from loongforge.train.eval.baselines import TrainingReference, action_groups, fit_reference, group_modes
-from loongforge.train.eval.validation import predict
+from loongforge.train.eval.validation import sample_flow
 from loongforge.train.model.build import build_model
-from loongforge.train.model.config import model_config_from
+from loongforge.train.model.config import model_config_from, read_gr00t_dir_config
 from loongforge.train.model.model import Gr00tN1d6
 
 DEFAULT_SAMPLES = 8  # flow samples averaged per prediction (train/README.md: the K-sample mean won on validation)
@@ -66,6 +69,25 @@ class Policy:
         return cls(model, Processor.from_json(doc["gr00t_processor"]), tokenizer=doc.get("tokenizer"), device=device,
                    index=index, cameras=doc.get("data", {}).get("cameras"))
 
+    @classmethod
+    def from_export(cls, path: str, *, device: str | torch.device = "cpu") -> Policy:
+        """An Isaac-GR00T N1.6 checkpoint directory (`loongforge export`'s, or one Isaac-GR00T wrote):
+        config.json + safetensors + its processor files (processor_config.json, statistics.json,
+        embodiment_id.json) and tokenizer files."""
+        docs = {}
+        for name in ("processor_config.json", "statistics.json", "embodiment_id.json"):
+            try:
+                with open(os.path.join(path, name), encoding="utf-8") as f:
+                    docs[name] = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{path}: {name} is missing or unreadable ({exc}); an exported directory holds "
+                                      "the processor files `loongforge export` writes") from None
+        processor = Processor.from_gr00t_files(docs["processor_config.json"], docs["statistics.json"],
+                                               docs["embodiment_id.json"])
+        model = build_model(read_gr00t_dir_config(os.path.join(path, "config.json")))
+        load_gr00t_weights(model, path)
+        return cls(model, processor, tokenizer=path if has_tokenizer(path) else None, device=device)
+
     @property
     def image_mean(self) -> float:
         return self.processor.cfg.image_mean
@@ -92,6 +114,11 @@ class Policy:
         return build_prompts(self.tokenizer, tasks, images=self._images_per_sample(self.tag(tag)),
                              tokens_per_image=tokens, vocab_size=self.cfg.text.vocab_size)
 
+    def prompt_encoder(self, tag: str):
+        """texts (formalized) -> (ids, mask) left-padded tensors: the run's tokenizer and chat template with
+        the embodiment's image tokens (what processor.observation takes)."""
+        return self._tokenize(tag)
+
     def _tokenize(self, tag: str):
         tokens = self.cfg.tokens_per_image(*self.processor.cfg.image_size)
         images = self._images_per_sample(tag)
@@ -115,7 +142,7 @@ class Policy:
         steps, samples = self._check_flow(steps, samples)
         batch, raw_state = self.processor.observation(observation, tag, self.device, self._tokenize(tag))
         cameras = self.processor.state_action(tag).config.video.modality_keys
-        normalized = self._flow(batch, tag, cameras, steps, seed, samples)
+        normalized = self.flow(batch, tag, cameras, steps, seed, samples)
         return self.processor.decode(normalized, raw_state, tag)
 
     def _check_flow(self, steps, samples) -> tuple[int, int]:
@@ -125,18 +152,23 @@ class Policy:
                               "and 1 sample")
         return steps, samples
 
-    def _flow(self, batch: dict, tag: str, cameras, steps: int, seed: int, samples: int) -> np.ndarray:
-        """The mean over `samples` seeds of the normalized (B, H, Da) flow output of a batch."""
+    def flow(self, batch: dict, tag: str, cameras, steps: int, seed: int, samples: int) -> np.ndarray:
+        """The mean over `samples` seeds of the normalized (B, H, Da) flow output of a batch. The backbone
+        runs once; each seed integrates the action head from its own noise (the same actions as
+        `predict`, which encodes per call)."""
         sa = self.processor.state_action(tag)
         inputs = self.processor(batch, tag, cameras, None)  # centred crop, no jitter: N1.6's evaluation
-        outs = [predict(self.model, inputs, horizon=self.processor.max_action_horizon, action_dim=sa.action_dim,
-                        steps=steps, seed=seed + j)[:, :sa.horizon].float().cpu().numpy() for j in range(samples)]
+        with torch.no_grad():
+            cond = self.model.encode(inputs)
+        outs = [sample_flow(self.model, cond, inputs, horizon=self.processor.max_action_horizon,
+                            action_dim=sa.action_dim, steps=steps, seed=seed + j)[:, :sa.horizon].float().cpu().numpy()
+                for j in range(samples)]
         return np.mean(outs, axis=0)
 
     def sample(self, batch: dict, *, steps: int, seed: int, tag: str | None = None, cameras=None) -> np.ndarray:
         """One flow sample of a loader-format batch carrying raw_state -> (B, H, Da) robot units."""
         tag = self.tag(tag)
-        norm = self._flow(batch, tag, cameras, steps, seed, 1)
+        norm = self.flow(batch, tag, cameras, steps, seed, 1)
         return self.decode_concat(norm, batch["raw_state"], tag)
 
     def decode_concat(self, normalized, raw_state, tag: str | None = None) -> np.ndarray:
@@ -165,7 +197,7 @@ class Policy:
         tag = self.tag(tag)
         steps, samples = self._check_flow(steps, samples)
         batch, raw = self.batch(observations, tag)
-        out = self.decode_concat(self._flow(batch, tag, self._keys(tag), steps, seed, samples), raw, tag)
+        out = self.decode_concat(self.flow(batch, tag, self._keys(tag), steps, seed, samples), raw, tag)
         return self.apply_modes(out, modes) if modes is not None else out
 
     def _keys(self, tag: str) -> list[str]:

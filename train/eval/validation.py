@@ -77,9 +77,19 @@ class ValSet:
 def predict(model, inputs: dict, *, horizon: int, action_dim: int, steps: int, seed: int) -> torch.Tensor:
     """(B, horizon, action_dim) normalized actions: `steps` Euler steps from noise seeded by `seed`
     (drawn on the CPU: the same actions on every device)."""
+    with torch.no_grad():
+        cond = model.encode(inputs)
+    return sample_flow(model, cond, inputs, horizon=horizon, action_dim=action_dim, steps=steps, seed=seed)
+
+
+def sample_flow(model, cond: dict, inputs: dict, *, horizon: int, action_dim: int, steps: int,
+                seed: int) -> torch.Tensor:
+    """`predict` from the backbone's conditioning `cond` (model.encode(inputs)), computed once for several seeds."""
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((inputs["state"].shape[0], horizon, model.cfg.max_action_dim), generator=g)
-    return model.get_action(inputs, noise.to(inputs["state"].device), steps)[..., :action_dim]
+    with torch.no_grad():
+        out = model.action_head.sample(cond, noise.to(inputs["state"].device), steps).float()
+    return out[..., :action_dim]
 
 
 def _plain(model):
