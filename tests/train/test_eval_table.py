@@ -86,9 +86,10 @@ def test_modality_json_declares_a_group_discrete_or_continuous():
     assert _fit(many).discrete_groups == ("hand",)
 
 
-def _sample(batch, steps, seed, tag=None, cameras=None):
-    """A policy's one flow sample in dataset units: the seed (so the K-sample mean is the mean of the seeds)."""
-    return np.full(batch["action"].shape, float(seed), np.float32)
+def _flows(batch, tag, cameras, steps, seed, samples):
+    """A policy's flow samples (decoding is the identity here): sample j is the seed seed + j everywhere
+    (so the K-sample mean is the mean of the seeds)."""
+    return np.stack([np.full(batch["action"].shape, float(seed + j), np.float32) for j in range(samples)])
 
 
 def test_every_variant_per_chunk():
@@ -100,7 +101,7 @@ def test_every_variant_per_chunk():
              "raw_state": torch.zeros(2, 1, 3), "frame_mask": torch.ones(2, 1, dtype=torch.bool)}
     # batches already in dataset units: decoding is the identity
     processor = SimpleNamespace(state_action=lambda tag: SimpleNamespace(action_dim=3))
-    policy = SimpleNamespace(sample=_sample, decode_concat=lambda a, raw, tag=None: np.asarray(a, np.float32),
+    policy = SimpleNamespace(flows=_flows, decode_concat=lambda a, raw, tag=None: np.asarray(a, np.float32),
                              processor=processor)
     valset = SimpleNamespace(batches=[batch], tag="new_embodiment", cameras=("front",))
     traj = evaluate_episode(policy, valset, seed=3, samples=4, ref=ref, discrete_dims=[2])

@@ -54,11 +54,13 @@ def chunk_ids(data, episode_id: int) -> np.ndarray:
 
 def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, ref=None,
                    discrete_dims=(), tag: str | None = None, cameras=None) -> dict[str, np.ndarray]:
-    """(B, H, Da) robot-unit predictions of every method that needs the model or the reference."""
-    flow = [policy.sample(batch, steps=steps, seed=seed + j, tag=tag, cameras=cameras) for j in range(max(1, samples))]
-    out = {"policy": flow[0]}
+    """(B, H, Da) robot-unit predictions of every method that needs the model or the reference. The K-sample
+    mean is taken in the model's units, then decoded: what Policy.predict_action and `loongforge serve` give."""
+    tag = policy.tag(tag) if hasattr(policy, "tag") else tag
+    flows = policy.flows(batch, tag, cameras, steps, seed, max(1, samples))
+    out = {"policy": policy.decode_concat(flows[0], batch["raw_state"], tag)}
     if samples > 1:
-        out["policy_k"] = np.mean(flow, axis=0)
+        out["policy_k"] = policy.decode_concat(flows.mean(axis=0), batch["raw_state"], tag)
     if ref is not None:
         state = batch["state"][:, -1].float().cpu().numpy()  # the current state token (the last of the K rows)
         out["ridge"] = policy.decode_concat(ref.ridge(state), batch["raw_state"], tag)

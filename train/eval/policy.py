@@ -152,24 +152,22 @@ class Policy:
                               "and 1 sample")
         return steps, samples
 
-    def flow(self, batch: dict, tag: str, cameras, steps: int, seed: int, samples: int) -> np.ndarray:
-        """The mean over `samples` seeds of the normalized (B, H, Da) flow output of a batch. The backbone
-        runs once; each seed integrates the action head from its own noise (the same actions as
-        `predict`, which encodes per call)."""
+    def flows(self, batch: dict, tag: str, cameras, steps: int, seed: int, samples: int) -> np.ndarray:
+        """(samples, B, H, Da): the normalized flow output of a batch for seeds seed..seed+samples-1. The
+        backbone runs once; each seed integrates the action head from its own noise (the same actions
+        as `predict`, which encodes per call)."""
         sa = self.processor.state_action(tag)
         inputs = self.processor(batch, tag, cameras, None)  # centred crop, no jitter: N1.6's evaluation
         with torch.no_grad():
             cond = self.model.encode(inputs)
-        outs = [sample_flow(self.model, cond, inputs, horizon=self.processor.max_action_horizon,
-                            action_dim=sa.action_dim, steps=steps, seed=seed + j)[:, :sa.horizon].float().cpu().numpy()
-                for j in range(samples)]
-        return np.mean(outs, axis=0)
+        return np.stack([sample_flow(self.model, cond, inputs, horizon=self.processor.max_action_horizon,
+                                     action_dim=sa.action_dim, steps=steps,
+                                     seed=seed + j)[:, :sa.horizon].float().cpu().numpy() for j in range(samples)])
 
-    def sample(self, batch: dict, *, steps: int, seed: int, tag: str | None = None, cameras=None) -> np.ndarray:
-        """One flow sample of a loader-format batch carrying raw_state -> (B, H, Da) robot units."""
-        tag = self.tag(tag)
-        norm = self.flow(batch, tag, cameras, steps, seed, 1)
-        return self.decode_concat(norm, batch["raw_state"], tag)
+    def flow(self, batch: dict, tag: str, cameras, steps: int, seed: int, samples: int) -> np.ndarray:
+        """The K-sample mean, in the model's units (decoded once after: a relative key's mean chunk is
+        made absolute, and clipping applies to the mean, as a robot gets it)."""
+        return self.flows(batch, tag, cameras, steps, seed, samples).mean(axis=0)
 
     def decode_concat(self, normalized, raw_state, tag: str | None = None) -> np.ndarray:
         """Normalized (B, H, Da) -> (B, H, Da) robot units, keys concatenated in config order; raw_state
