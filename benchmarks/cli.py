@@ -26,6 +26,8 @@ BENCHMARKS = {
     "order-scale": ("loongforge.benchmarks.micro.order_scale", "one rank's epoch order at 10-100 M samples"),
     "conversion": ("loongforge.benchmarks.micro.conversion", "CPU NV12 -> normalized RGB, fused vs unfused"),
     "checksum-cost": ("loongforge.benchmarks.micro.checksum_cost", "what the per-block xxh3 check costs a worker"),
+    "image-transform": ("loongforge.benchmarks.micro.image_transform", "N1.6's image transform on the device: "
+                        "composed weight matrices vs the torch-interpolate path"),
     "gpu-check": ("loongforge.benchmarks.micro.gpu_check", "everything only a GPU can check, in one short run"),
     "block-loader": ("loongforge.benchmarks.loader.block_loader", "the decode worker's body per block size, "
                                                                   "the block order's diversity, the loader's CPU "

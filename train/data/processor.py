@@ -1,19 +1,14 @@
 """A loader batch -> N1.6's model inputs, on the training device: what Isaac-GR00T's
 Gr00tN1d6Processor + collator do on the CPU per sample, done here once per batch on tensors.
 
-Images (every camera and frame of a sample is one image, frame-major then camera, as the reference
-stacks them), each as N1.6 transforms it (LetterBoxPad, SmallestMaxSize(edge), FractionalRandomCrop
-(fraction) in training / FractionalCenterCrop at evaluation, SmallestMaxSize(edge), then Eagle's
-smart_resize to a multiple of 28 pixels):
-
-    letterbox to a square (black)  ->  resize to edge x edge  ->  crop int(edge * fraction), at an
-    offset drawn per sample (all its images share it) or centred  ->  resize to edge  ->  resize to
-    the nearest multiple of 28
-
-Interpolation: antialiased bilinear for the area resizes (the reference: OpenCV INTER_AREA) and
-antialiased bicubic for the last one (the reference: PIL's bicubic); the geometry is exact, the
-kernels are the GPU's. Pixel values are normalized (x - 0.5) / 0.5 (Eagle's processor); the loader
-delivers them normalized with the same mean and std, and every step here is linear or a copy.
+Images (every camera and frame of a sample is one image, frame-major then camera in the modality
+config's order, as the reference stacks them), each as N1.6 transforms it (LetterBoxPad,
+SmallestMaxSize(edge), FractionalRandomCrop(fraction) + ColorJitter in training /
+FractionalCenterCrop at evaluation, SmallestMaxSize(edge), then Eagle's smart_resize to a multiple
+of 28 pixels): images.py's device path, the resizes as the weight matrices OpenCV and Pillow
+define (two matmuls per camera), within about a level of Isaac-GR00T's uint8 pixels. Pixel values
+are normalized (x - 0.5) / 0.5 (Eagle's processor); the loader delivers them normalized with the
+same mean and std, and letterbox black is that normalization's 0.
 
 State (B, K, Ds) and action (B, H, Da), already normalized by the filler (min/max to [-1, 1], as
 N1.6), are zero-padded to max_state_dim / max_action_dim; the action mask is 1 on real rows of good
@@ -23,12 +18,14 @@ samples and real dimensions. The prompt ids come from the loader (prompt.py's ta
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from loongforge.shared.errors import ConfigError
+from loongforge.train.data.images import Geometry, ImageDraws, device_images
 
 IMAGE_FACTOR = 28  # Eagle: patch 14 x pixel unshuffle 2
 MIN_PIXELS, MAX_PIXELS, MAX_SIDE = 4 * 28 * 28, 4096 * 28 * 28, 500 * 14  # Eagle's smart_resize bounds
@@ -90,33 +87,29 @@ class Processor:
         self.cfg = cfg
         self.max_state_dim, self.max_action_dim, self.embodiment_id = max_state_dim, max_action_dim, embodiment_id
 
-    def images(self, frames: dict, crop_u: torch.Tensor | None) -> torch.Tensor:
-        """{slot: (B, K, 3, h, w)} normalized -> (B*K*V, 3, H, W). crop_u (B, 2) uniforms in [0, 1)
-        place the training crop; None = centred (evaluation)."""
-        slots = sorted(frames)
-        x = torch.stack([frames[s] for s in slots], dim=2)  # (B, K, V, 3, h, w): frame-major, then camera
-        b, k, v = x.shape[:3]
-        x = x.flatten(0, 2)
-        c, e = self.cfg, self.cfg.image_edge
-        h, w = x.shape[-2:]
-        if h != w:  # LetterBoxPad: black bars centre the image in a square
-            side, black = max(h, w), (0.0 - c.image_mean) / c.image_std
-            top, left = (side - h) // 2, (side - w) // 2
-            x = F.pad(x, (left, side - w - left, top, side - h - top), value=black)
-        x = _resize(x, e, "bilinear")
-        n = c.crop
-        if n < e:
-            if crop_u is None:
-                oy = ox = torch.full((b,), (e - n) // 2, device=x.device, dtype=torch.long)
-            else:
-                offs = (crop_u.to(x.device).float() * (e - n + 1)).long().clamp_(0, e - n)
-                oy, ox = offs[:, 0], offs[:, 1]
-            x = _crop(x, oy.repeat_interleave(k * v), ox.repeat_interleave(k * v), n)
-            x = _resize(x, e, "bilinear")
-        hh, ww = c.image_size
-        if (hh, ww) != (e, e):
-            x = F.interpolate(x, size=(hh, ww), mode="bicubic", antialias=True, align_corners=False)
-        return x
+    def images(self, frames: dict, crop_u: torch.Tensor | None = None, *, cameras: Sequence[str] | None = None,
+               draws: ImageDraws | None = None) -> torch.Tensor:
+        """{slot: (B, K, 3, h, w)} normalized, each camera its own size -> (B*K*V, 3, H, W), frame-major
+        then camera in `cameras` order (the modality config's video keys; None: sorted slots).
+        `draws` (images.image_draws, a row per sample): the training crop and colour jitter;
+        else `crop_u` (B, 2) uniforms in [0, 1) (y, x) place the training crop, no jitter; neither:
+        the centred crop of evaluation."""
+        c = self.cfg
+        geo = Geometry(edge=c.image_edge, crop=c.crop, size=c.image_size)
+        units = (-c.image_mean / c.image_std, (1.0 - c.image_mean) / c.image_std)  # levels 0 and 255
+        out = []
+        for slot in sorted(frames) if cameras is None else cameras:
+            x = frames[slot]
+            b, k = x.shape[:2]
+            offsets = None
+            if draws is None and crop_u is not None:
+                offs = (crop_u.to(x.device).float() * geo.offsets).long().clamp_(0, geo.offsets - 1)
+                offs = offs.repeat_interleave(k, dim=0)
+                offsets = (offs[:, 1], offs[:, 0])
+            y = device_images(x.flatten(0, 1), geo, draws=None if draws is None else draws.per_image(k),
+                              offsets=offsets, units=units)
+            out.append(y.view(b, k, *y.shape[1:]))
+        return torch.stack(out, dim=2).flatten(0, 2)  # (B, K, V, ...): frame-major, then camera
 
     def __call__(self, batch: dict, crop_u: torch.Tensor | None = None) -> dict:
         """A loader batch (or an observation batch without actions, Policy's) -> the model's inputs."""
@@ -139,17 +132,3 @@ class Processor:
             out["action_mask"] = (rows[:, :, None] & dims[None, None]).float()
         return out
 
-
-def _resize(x: torch.Tensor, edge: int, mode: str) -> torch.Tensor:
-    """SmallestMaxSize(edge) of square images."""
-    if x.shape[-1] == edge:
-        return x
-    return F.interpolate(x, size=(edge, edge), mode=mode, antialias=True, align_corners=False)
-
-
-def _crop(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, n: int) -> torch.Tensor:
-    """(N, C, E, E) -> (N, C, n, n), image i cut at (oy[i], ox[i]): one gather for the batch."""
-    ar = torch.arange(n, device=x.device)
-    rows, cols = (oy[:, None] + ar)[:, :, None], (ox[:, None] + ar)[:, None, :]
-    idx = torch.arange(x.shape[0], device=x.device)[:, None, None]
-    return x[idx, :, rows, cols].permute(0, 3, 1, 2)
