@@ -82,6 +82,19 @@ def test_the_reference_jitter_reproduces_albumentations_draws(fx):
         assert not np.array_equal(got, reference_augment(z["source_image"], offset=offset))  # the jitter did act
 
 
+def test_every_recorded_draw_replays_to_isaac_gr00ts_channel_statistics(fx):
+    """All 200 recorded train-mode draws (augmentation_stats.json's parameters), replayed: the
+    per-draw channel means and stds of the 256 x 256 output equal Isaac-GR00T's."""
+    doc = json.loads((fx / "augmentation_stats.json").read_text())
+    src = np.load(fx / "augmentation_samples.npz")["source_image"]
+    for k, p in enumerate(doc["per_draw_params"]):
+        jit = Jitter(p["brightness"], p["contrast"], p["saturation"], p["hue"], tuple(p["order"]))
+        out = reference_augment(src, offset=tuple(p["crop_coords_xyxy"][:2]), jitter=jit).reshape(-1, 3)
+        out = out.astype(np.float64)
+        np.testing.assert_array_equal(out.mean(0), doc["per_draw_channel_mean"][k], err_msg=f"draw {k}")
+        np.testing.assert_allclose(out.std(0), doc["per_draw_channel_std"][k], rtol=1e-12, err_msg=f"draw {k}")
+
+
 # ---- the device path's matrices, against the libraries on float32 ----
 
 
