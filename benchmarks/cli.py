@@ -28,6 +28,8 @@ BENCHMARKS = {
     "checksum-cost": ("loongforge.benchmarks.micro.checksum_cost", "what the per-block xxh3 check costs a worker"),
     "serve": ("loongforge.benchmarks.micro.serve", "get_action round trips through `loongforge serve`: p50/p95/p99 "
                                                     "by recipe, batch and clients, split decode/preprocess/model/encode"),
+    "image-transform": ("loongforge.benchmarks.micro.image_transform", "N1.6's image transform on the device: "
+                        "composed weight matrices vs the torch-interpolate path"),
     "gpu-check": ("loongforge.benchmarks.micro.gpu_check", "everything only a GPU can check, in one short run"),
     "block-loader": ("loongforge.benchmarks.loader.block_loader", "the decode worker's body per block size, "
                                                                   "the block order's diversity, the loader's CPU "

@@ -54,7 +54,10 @@ OPTIONAL = {
     "apache_beam": "the preprocess extra; Beam workers only",
     "google": "protobuf, through apache_beam (the local runner)",
     "av": "the preprocess extra (PyAV)",
-    "PIL": "the preprocess extra (Pillow): only datasets with image features decode them",
+    "PIL": "the preprocess extra (Pillow): only datasets with image features decode them; the image "
+           "reference path (train/data/images.py), never the device path",
+    "cv2": "OpenCV (the train extra): only the image reference path (train/data/images.py) runs it; the "
+           "trainer's device path is torch",
     "distributed": "the preprocess-dask extra: only --runner dask",
     "pyarrow": "the preprocess extra (LeRobot parquet)",
     "pandas": "the preprocess extra: LeRobot's meta/tasks.parquet is a pandas frame indexed by the task (sample data)",

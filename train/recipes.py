@@ -14,7 +14,9 @@ layouts split them.
               Eagle-Block2A-2B-v2 backbone; 256-pixel edge -> 252 x 252 images (81 tokens each)
 
 The reduced recipes use the byte tokenizer's vocabulary (train/data/prompt.py); the released size
-has Qwen3's. A from-scratch run trains everything; a run with --init-from takes the checkpoint's
+has Qwen3's. Colour jitter (N1.6's fine-tune default) is the released size's and --init-from's; the
+reduced recipes train on the CPU without it (it costs ~100 elementwise passes per image there:
+`--color-jitter 0.3,0.4,0.5,0.08` turns it on). A from-scratch run trains everything; a run with --init-from takes the checkpoint's
 architecture, image processing and fine-tuning switches (N1.6's: vision and the LLM below its top
 4 layers frozen), and only the --tune-* flags the user gave change them.
 """
@@ -57,7 +59,7 @@ def tiny() -> Recipe:
                         num_key_value_heads=4, head_dim=8, vocab_size=BYTE_VOCAB),
         dit=DiTConfig(num_layers=4, num_attention_heads=4, attention_head_dim=8, output_dim=32),
         image_token_index=BYTE_IMAGE_TOKEN, select_layer=2, backbone_embedding_dim=48, hidden_size=32,
-        input_embedding_dim=32, max_seq_len=64, **_SCRATCH), ProcessorConfig(image_edge=56))
+        input_embedding_dim=32, max_seq_len=64, **_SCRATCH), ProcessorConfig(image_edge=56, color_jitter=None))
 
 
 def small() -> Recipe:
@@ -68,7 +70,7 @@ def small() -> Recipe:
                         num_key_value_heads=4, head_dim=32, vocab_size=BYTE_VOCAB),
         dit=DiTConfig(num_layers=8, num_attention_heads=4, attention_head_dim=64, output_dim=256),
         image_token_index=BYTE_IMAGE_TOKEN, select_layer=4, backbone_embedding_dim=256, hidden_size=256,
-        input_embedding_dim=256, max_seq_len=128, **_SCRATCH), ProcessorConfig(image_edge=112))
+        input_embedding_dim=256, max_seq_len=128, **_SCRATCH), ProcessorConfig(image_edge=112, color_jitter=None))
 
 
 def gr00t_n1_6() -> Recipe:

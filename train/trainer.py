@@ -256,7 +256,8 @@ class Trainer:
             with timer.phase("forward"):
                 r = self.index.roots[root]
                 with timer.phase("inputs"):  # a part of the forward: images, augmentation, padding (inputs_s)
-                    inputs = self.processor(batch, r.tag, r.cameras, draws.crop, draws.jitter)
+                    images = self.processor.draws(self.cfg.data.seed, meta["epoch"], meta["sample_ids"], root)
+                    inputs = self.processor(batch, r.tag, r.cameras, draws=images)
                 inputs["state_dropout_u"] = draws.state_dropout
                 out = e(inputs, draws.noise, draws.u, denom)
                 out["loss"] = self.nan_guard.observe(self.step, out["loss"])

@@ -101,3 +101,10 @@ def test_preprocess_dask_runs_its_three_rows_on_one_dataset(tmp_path, capsys):
     assert [len(r["conversions"]["by_worker"]) for r in doc["rows"][1:]] == [1, 2]
     assert all(r["conversions"]["repeated"] == [] for r in doc["rows"][1:])
     assert doc["scaling_efficiency"] > 0 and len(doc["load_average_end"]) == 3
+
+
+def test_image_transform_runs_every_path(capsys):
+    assert bench(["image-transform", "--batch", "2", "--cameras", "12x16,14x10", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for path in ("interpolate eval", "interpolate crop", "matrix eval", "matrix crop", "matrix crop + jitter"):
+        assert f"| {path} |" in out

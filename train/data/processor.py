@@ -16,10 +16,13 @@ simulation alike (Isaac-GR00T's Gr00tN1d6Processor + collator + decode_action).
 
 Images (every camera and frame of a sample is one image, frame-major then camera in the modality
 config's video order), each as N1.6 transforms it (LetterBoxPad, SmallestMaxSize(edge),
-FractionalRandomCrop(fraction) in training / FractionalCenterCrop at evaluation, SmallestMaxSize(edge),
-then Eagle's smart_resize to a multiple of 28); the training crop offset is drawn per sample (all its
-images share it). Pixel values are normalized (x - 0.5) / 0.5 (Eagle's processor); the loader
-delivers them normalized with the same mean and std.
+FractionalRandomCrop(fraction) + ColorJitter in training / FractionalCenterCrop at evaluation,
+SmallestMaxSize(edge), then Eagle's smart_resize to a multiple of 28): images.py's device path, the
+resizes as the weight matrices OpenCV and Pillow define (two matmuls per camera and size), within
+about a level of Isaac-GR00T's uint8 pixels (images.py's reference path is bit-exact). The crop and
+jitter are drawn per sample (every image of a sample shares them: `draws`). Pixel values are
+normalized (x - 0.5) / 0.5 (Eagle's processor); the loader delivers them normalized with the same
+mean and std, and letterbox black is that normalization's 0.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from loongforge.shared import embodiment as emb
 from loongforge.shared.errors import ConfigError
+from loongforge.train.data.images import ColorJitter, Geometry, ImageDraws, device_images, image_draws
 from loongforge.train.data.prompt import formalize
 from loongforge.train.data.state_action import StateAction, StateActionOptions
 
@@ -85,6 +89,14 @@ class ProcessorConfig:
     @property
     def image_size(self) -> tuple[int, int]:
         return smart_resize(self.image_edge, self.image_edge)
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(edge=self.image_edge, crop=self.crop, size=self.image_size)
+
+    @property
+    def jitter(self) -> ColorJitter | None:
+        return None if self.color_jitter is None else ColorJitter(*self.color_jitter)
 
     @property
     def options(self) -> StateActionOptions:
@@ -220,17 +232,22 @@ class Processor:
                 {t: e.projector for t, e in self.embodiments.items()})
 
     # ---- model inputs (on the batch's device) -------------------------------------------------------
+    def draws(self, seed: int, epoch: int, sample_ids, stream: int = 0) -> ImageDraws:
+        """The training crop and colour jitter of `sample_ids`: a function of (seed, epoch, sample id) only."""
+        return image_draws(seed, epoch, sample_ids, self.cfg.geometry, self.cfg.jitter, stream)
+
     def __call__(self, batch: dict, tag: str | None = None, cameras=None, crop_u: torch.Tensor | None = None,
-                 jitter=None) -> dict:
+                 draws: ImageDraws | None = None) -> dict:
         """A batch (the loader's, or `observation`'s; no "action" at inference) -> the model's inputs.
-        `cameras`: the frame fields in the modality config's video order (default: sorted); `crop_u` (B, 2)
-        uniforms place the training crop (None = centred, evaluation); `jitter` the colour draws (images.py)."""
+        `cameras`: the frame fields in the modality config's video order (default: sorted); `draws`
+        (`self.draws`, a row per sample) the training crop and colour jitter, or `crop_u` (B, 2) uniforms
+        the crop alone; neither: the centred crop of evaluation."""
         sa = self.state_action(tag)
         state = batch["state"]
         if state.shape[-1] != sa.state_dim:
             raise ConfigError(f"embodiment {sa.tag}: a {state.shape[-1]}-D processed state, expected {sa.state_dim}")
         order = list(cameras) if cameras is not None else sorted(batch["frames"])
-        out = {"pixel_values": self.images(batch["frames"], order, crop_u, jitter),
+        out = {"pixel_values": self.images(batch["frames"], order, crop_u, draws),
                "input_ids": batch["task_tokens"], "attention_mask": batch["task_mask"],
                "state": F.pad(state.float(), (0, self.max_state_dim - state.shape[-1])),
                "embodiment_id": torch.full((state.shape[0],), self.embodiments[sa.tag].projector, dtype=torch.long,
@@ -248,35 +265,26 @@ class Processor:
             out["action_mask"] = F.pad((rows[:, :, None] & dims[None, None]).float(), (0, 0, 0, pad[3]))
         return out
 
-    def images(self, frames: dict, order: list, crop_u: torch.Tensor | None, jitter=None) -> torch.Tensor:
-        """{camera: (B, K, 3, h, w)} normalized -> (B*K*V, 3, H, W), frame-major then camera in `order`."""
-        per = [self._images(frames[c], crop_u) for c in order]  # each (B, K, 3, H, W): cameras may differ in size
-        x = torch.stack(per, dim=2)  # (B, K, V, 3, H, W)
-        return x.flatten(0, 2)
-
-    def _images(self, x: torch.Tensor, crop_u: torch.Tensor | None) -> torch.Tensor:
-        b, k = x.shape[:2]
-        x = x.flatten(0, 1)
-        c, e = self.cfg, self.cfg.image_edge
-        h, w = x.shape[-2:]
-        if h != w:  # LetterBoxPad: black bars centre the image in a square
-            side, black = max(h, w), (0.0 - c.image_mean) / c.image_std
-            top, left = (side - h) // 2, (side - w) // 2
-            x = F.pad(x, (left, side - w - left, top, side - h - top), value=black)
-        x = _resize(x, e, "bilinear")
-        n = c.crop
-        if n < e:
-            if crop_u is None:
-                oy = ox = torch.full((b,), (e - n) // 2, device=x.device, dtype=torch.long)
-            else:
-                offs = (crop_u.to(x.device).float() * (e - n + 1)).long().clamp_(0, e - n)
-                oy, ox = offs[:, 0], offs[:, 1]
-            x = _crop(x, oy.repeat_interleave(k), ox.repeat_interleave(k), n)
-            x = _resize(x, e, "bilinear")
-        hh, ww = c.image_size
-        if (hh, ww) != (e, e):
-            x = F.interpolate(x, size=(hh, ww), mode="bicubic", antialias=True, align_corners=False)
-        return x.view(b, k, *x.shape[1:])
+    def images(self, frames: dict, order: list, crop_u: torch.Tensor | None = None,
+               draws: ImageDraws | None = None) -> torch.Tensor:
+        """{camera: (B, K, 3, h, w)} normalized, each camera its own size -> (B*K*V, 3, H, W), frame-major
+        then camera in `order`."""
+        c = self.cfg
+        geo = c.geometry
+        units = (-c.image_mean / c.image_std, (1.0 - c.image_mean) / c.image_std)  # levels 0 and 255
+        out = []
+        for cam in order:
+            x = frames[cam]
+            b, k = x.shape[:2]
+            offsets = None
+            if draws is None and crop_u is not None:
+                offs = (crop_u.to(x.device).float() * geo.offsets).long().clamp_(0, geo.offsets - 1)
+                offs = offs.repeat_interleave(k, dim=0)
+                offsets = (offs[:, 1], offs[:, 0])
+            y = device_images(x.flatten(0, 1), geo, draws=None if draws is None else draws.per_image(k),
+                              offsets=offsets, units=units)
+            out.append(y.view(b, k, *y.shape[1:]))
+        return torch.stack(out, dim=2).flatten(0, 2)  # (B, K, V, ...): frame-major, then camera
 
     # ---- GR00T's observation layout ----------------------------------------------------------------
     def check_observation(self, obs: dict, tag: str | None = None) -> int:
@@ -337,18 +345,3 @@ class Processor:
         """Model output (B, >= H, >= Da), normalized -> {action key: (B, H, D) float32} in robot units."""
         a = action.float().cpu().numpy() if isinstance(action, torch.Tensor) else np.asarray(action)
         return {k: v.astype(np.float32) for k, v in self.state_action(tag).decode(a, raw_state).items()}
-
-
-def _resize(x: torch.Tensor, edge: int, mode: str) -> torch.Tensor:
-    """SmallestMaxSize(edge) of square images."""
-    if x.shape[-1] == edge:
-        return x
-    return F.interpolate(x, size=(edge, edge), mode=mode, antialias=True, align_corners=False)
-
-
-def _crop(x: torch.Tensor, oy: torch.Tensor, ox: torch.Tensor, n: int) -> torch.Tensor:
-    """(N, C, E, E) -> (N, C, n, n), image i cut at (oy[i], ox[i]): one gather for the batch."""
-    ar = torch.arange(n, device=x.device)
-    rows, cols = (oy[:, None] + ar)[:, :, None], (ox[:, None] + ar)[:, None, :]
-    idx = torch.arange(x.shape[0], device=x.device)[:, None, None]
-    return x[idx, :, rows, cols].permute(0, 3, 1, 2)

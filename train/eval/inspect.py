@@ -4,7 +4,7 @@ Each (source episode id, frame) goes through the run's path: the decode worker's
 and action processing, processor.py / state_action.py), then the processor's model inputs (padding to
 max_state_dim / max_action_dim / max_action_horizon, the action mask, the chat-template prompt, the
 embodiment id, pixel values). Evaluation mode (centred crop) unless --train, whose crop and colour
-jitter are the draws training makes for that sample at that seed (model/noise.py). The model's
+jitter are the draws training makes for that sample at that seed (processor.draws, data/images.py). The model's
 settings are a recipe's (default: the released N1.6's, whose processor pads to 128 / 128 / 50 and
 makes 252 x 252 images; padded as the released checkpoint's processor pads, 128 / 128 / 50), a
 checkpoint's (--init-from) or a trained run's (--run).
@@ -33,7 +33,6 @@ from loongforge.train.data.prompt import build_prompts, load_tokenizer
 from loongforge.train.data.samples import SampleTable, sample_lengths
 from loongforge.train.data.training_data import load_for_policy, load_training_data
 from loongforge.train.model.config import model_config_from
-from loongforge.train.model.noise import noise_for
 from loongforge.train.recipes import plan_model
 
 
@@ -119,11 +118,8 @@ def samples(root: str, at: list[tuple[int, int]], *, train: bool = False, seed: 
     batch = {n: torch.from_numpy(a.copy()) for n, a in arrays.items() if not n.startswith("frames.")}
     batch["frames"] = {s: nv12_to_input(torch.from_numpy(arrays[f"frames.{s}"].copy()), info.color_matrix,
                                         info.color_range, mean=pc.image_mean, std=pc.image_std) for s in info.slots}
-    crop = jitter = None
-    if train:
-        draws = noise_for(seed, 0, [i[0] for i in items], (len(items), 1, 1), torch.device("cpu"))
-        crop, jitter = draws.crop, draws.jitter
-    inputs = proc(batch, r.tag, r.cameras, crop, jitter)
+    draws = proc.draws(seed, 0, [i[0] for i in items]) if train else None  # as training draws them (epoch 0)
+    inputs = proc(batch, r.tag, r.cameras, draws=draws)
     keep = inputs["attention_mask"].bool().any(0)  # the batch's own left padding (the collator's)
     first = int(np.argmax(keep.numpy())) if keep.any() else 0
     out = {"state": inputs["state"].numpy(), "action": inputs["action"].numpy(),
