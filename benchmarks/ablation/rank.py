@@ -142,13 +142,15 @@ def _probe_step(trainer, it) -> int:
     probe = _activation_probe_class()(e.module)
     batch = next(it)
     meta = batch.pop("meta")
-    b, h, _ = batch["action"].shape
-    noise, u, crop = noise_for(trainer.cfg.data.seed, meta["epoch"], meta["sample_ids"],
-                               (b, h, trainer.model_cfg.max_action_dim), trainer.device)
+    b = batch["action"].shape[0]
+    root = trainer.index.roots[meta.get("dataset", 0)]
+    noise, u, _ = noise_for(trainer.cfg.data.seed, meta["epoch"], meta["sample_ids"],
+                            (b, trainer.model_cfg.action_horizon, trainer.model_cfg.max_action_dim), trainer.device)
+    draws = trainer.processor.draws(trainer.cfg.data.seed, meta["epoch"], meta["sample_ids"])
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with probe.forward():
-        out = e(trainer.processor(batch, crop), noise, u)
+        out = e(trainer.processor(batch, root.tag, root.cameras, draws=draws), noise, u)
     with probe.backward():
         e.backward(out["loss"])
         if trainer.dp_sync is not None:
@@ -196,7 +198,8 @@ def run_rank(spec: dict) -> dict:
             timing, rec = trainer._one_step(it, timer)
             if step >= spec["warmup"]:
                 records.append({**StepTimer.finish(timing), "comm_groups": rec.get("comm_groups")})
-            losses.append(rec["loss"])
+            every_dev, replicas = rec["_device"]  # the step's losses, every replica's (read on the host now)
+            losses.append(float(every_dev.cpu()[replicas][:, 0].mean()))
             ids.append(rec["sample_ids"])  # every replica's ids of this step (TP copies dropped)
         saved = _probe_step(trainer, it) if spec.get("probe_memory", True) else None
         return {"rank": trainer.rank, "world": trainer.world, "records": records, "losses": losses,

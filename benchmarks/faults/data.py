@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.benchmarks.harness.dataset import (DeltaSpec, SampleTable, block_loader, make_synthetic_root, open_root,
-                                                   video_indices)
+from loongforge.benchmarks.harness.dataset import (SampleTable, block_loader, make_synthetic_root, open_root,
+                                                   sample_lengths, video_indices)
 from loongforge.train.config import DataConfig
+from loongforge.train.data.training_data import root_data
 from loongforge.benchmarks.faults.env import Setup
 from loongforge.benchmarks.faults.env import log_time
 
@@ -37,7 +38,8 @@ SHARD_BYTES = 20000
 
 
 def make_root(root: str) -> None:
-    make_synthetic_root(root, lengths=LENGTHS, shard_size=SHARD_BYTES)
+    # one action row a sample: every frame is a sample under N1.6's sampling too (the counts above)
+    make_synthetic_root(root, lengths=LENGTHS, shard_size=SHARD_BYTES, action_horizon=1)
 
 
 def format_version(root: str) -> int:
@@ -56,7 +58,7 @@ def expected_order(root: str, steps: int, batch: int, seed: int = 1) -> list[lis
     """Per step 0..steps-1: the sorted sample ids of that global batch in the run's global order."""
     d = DataConfig(root=root)  # the trainer's defaults: the suite's runs pass none of these
     loader = block_loader(root, batch_size=batch, seed=seed, stride=d.sample_stride, block_run=d.block_run,
-                          block_window=d.block_window)
+                          block_window=d.block_window, deltas=root_data(root, d).deltas)
     try:
         per_epoch = loader.plan.steps
         return [sorted(int(g) for g in loader.epoch_order(s // per_epoch).ids((s % per_epoch) * batch,
@@ -95,10 +97,11 @@ def _corrupt_block(root: str) -> dict:
     shard, off, length, _, _ = ds.block_entry(e, cam, b)
     flip_byte(os.path.join(root, shard), off + length // 2)
     d = DataConfig(root=root)
-    spec, table = DeltaSpec(video=tuple(d.video_deltas)), SampleTable(np.asarray(ds.episode_lengths),
-                                                                     stride=d.sample_stride)
-    length_e = int(table.lengths[e])
-    show = [table.sample_id(e, t) for t in range(0, length_e, d.sample_stride)
+    found = root_data(root, d)  # the trainer's sample shape (the root's modality config, N1.6's sampling)
+    spec = found.deltas
+    table = SampleTable(sample_lengths(ds.episode_lengths, spec), stride=d.sample_stride)
+    length_e = int(ds.episode_lengths[e])
+    show = [table.sample_id(e, t) for t in range(0, int(table.lengths[e]), d.sample_stride)
             if (video_indices(t, length_e, spec) // ds.block_size == b).any()]
     shard_ids = [int(i) for ep in np.flatnonzero(shard_of == shard_no)
                  for i in range(int(table.starts[ep]), int(table.ends[ep]))]

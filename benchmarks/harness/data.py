@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loongforge.benchmarks.harness.config import BenchConfig
-from loongforge.benchmarks.harness.dataset import DeltaSpec, SampleTable, open_root, video_indices
+from loongforge.benchmarks.harness.dataset import DeltaSpec, SampleTable, open_root, sample_lengths, video_indices
 from loongforge.benchmarks.loader.baseline import Window
 from loongforge.shared.errors import ConfigError, LoongForgeError
 from loongforge.shared.index import DatasetInfo
@@ -108,11 +108,11 @@ def transcode(cfg: BenchConfig, dataset: Path, out: Path) -> float:
 def windows_of(root: str, deltas: DeltaSpec, stride: int) -> tuple[Window, ...]:
     """Sample id i of the root (stride, deltas) as the source episode, its t and the frames it shows."""
     ds = open_root(root)
-    table = SampleTable(ds.episode_lengths, stride=stride)
+    table = SampleTable(sample_lengths(ds.episode_lengths, deltas), stride=stride)  # the loader's samples
     out = []
     for i in range(table.num_samples):
         (e,), (t,) = table.locate([i])
-        length = int(table.lengths[e])
+        length = int(ds.episode_lengths[e])
         frames = tuple(int(f) for f in video_indices(int(t), length, deltas))
         out.append(Window(ds.episode_id(int(e)), int(t), frames))
     return tuple(out)

@@ -18,13 +18,13 @@ from loongforge.shared.synthetic import make_synthetic_root, synthetic_dataset_i
 from loongforge.shared.writer import RootWriter, write_tables
 from loongforge.train.data.fill import BlockFiller
 from loongforge.train.data.order import EpochOrder, batch_diversity, block_sequence, rank_slice
-from loongforge.train.data.samples import DeltaSpec, SampleTable, video_indices
+from loongforge.train.data.samples import DeltaSpec, SampleTable, sample_lengths, video_indices
 from loongforge.train.data.loader import BlockLoader
 
 __all__ = ["BlockFiller", "DeltaSpec", "EpochOrder", "RootWriter", "SampleTable", "TRAIN_DELTAS", "batch_diversity",
            "block_loader", "block_sequence", "bucket_shift", "decode_block", "frame_buckets", "make_synthetic_root",
            "manifest_json", "open_root", "rank_slice", "synthetic_dataset_info", "synthetic_train_root",
-           "video_indices", "write_tables"]
+           "sample_lengths", "video_indices", "write_tables"]
 TRAIN_DELTAS = (-1, 0)  # what the training benchmarks read of a synthetic root: 2 frames per camera per sample
 
 

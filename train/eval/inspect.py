@@ -10,8 +10,10 @@ makes 252 x 252 images; padded as the released checkpoint's processor pads, 128 
 checkpoint's (--init-from) or a trained run's (--run).
 
 The npz holds the names Isaac-GR00T's collator emits (state, action, action_mask, embodiment_id,
-input_ids, attention_mask, image_sizes, pixel_values) and the raw arrays beside them (raw_state,
-raw_action in key order, images_raw.<video key> as decoded RGB), so a user can look at what trains.
+input_ids, attention_mask, image_sizes, pixel_values: the device path training runs) and beside them
+`pixel_values_uint8` from the reference path (OpenCV + Pillow on the decoder's RGB: Isaac-GR00T's
+pixels exactly) and the raw arrays (raw_state, raw_action in key order, images_raw.<video key> as the
+decoder's RGB), so a user can look at what trains.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loongforge.shared.color import nv12_to_rgb
 from loongforge.shared.errors import UsageError
 from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from loongforge.train.data.batch import BatchLayout
 from loongforge.train.data.colorspace import nv12_to_input
 from loongforge.train.data.fill import BlockFiller
+from loongforge.train.data.images import reference_pixels, reference_rgb
 from loongforge.train.data.processor import Processor
 from loongforge.train.data.prompt import build_prompts, load_tokenizer
 from loongforge.train.data.samples import SampleTable, sample_lengths
@@ -131,7 +133,19 @@ def samples(root: str, at: list[tuple[int, int]], *, train: bool = False, seed: 
                                   (inputs["pixel_values"].shape[0], 1)),
            "raw_state": arrays["raw_state"].copy(), "raw_action": arrays["raw_action"].copy(),
            "sample_ids": np.asarray([i[0] for i in items], np.int64)}
+    # The reference path beside the trained one: the decoder's RGB from the stored planes (swscale, as
+    # Isaac-GR00T's torchcodec decodes), OpenCV + Pillow on uint8: Isaac-GR00T's pixels bit for bit.
+    ref = []
+    for i in range(len(items)):
+        offset, jit = draws.sample(i) if draws is not None else (None, None)
+        for k in range(r.deltas.frames):  # frame-major, then camera, as the model stacks them
+            for key in sa.config.video.modality_keys:
+                rgb = reference_rgb(arrays[f"frames.{r.keys['video'][key]}"][i, k], info.color_matrix,
+                                    info.color_range)
+                ref.append(reference_pixels(rgb, pc.geometry, offset=offset, jitter=jit))
+    out["pixel_values_uint8"] = np.stack(ref)
     for key in sa.config.video.modality_keys:
         slot = r.keys["video"][key]
-        out[f"images_raw.{key}"] = nv12_to_rgb(arrays[f"frames.{slot}"][:, -1], info.color_matrix, info.color_range)
+        out[f"images_raw.{key}"] = np.stack([reference_rgb(f, info.color_matrix, info.color_range)
+                                             for f in arrays[f"frames.{slot}"][:, -1]])
     return out

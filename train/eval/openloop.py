@@ -56,7 +56,6 @@ def predict_chunks(policy, batch, *, steps: int, seed: int, samples: int = 1, re
                    discrete_dims=(), tag: str | None = None, cameras=None) -> dict[str, np.ndarray]:
     """(B, H, Da) robot-unit predictions of every method that needs the model or the reference. The K-sample
     mean is taken in the model's units, then decoded: what Policy.predict_action and `loongforge serve` give."""
-    tag = policy.tag(tag) if hasattr(policy, "tag") else tag
     flows = policy.flows(batch, tag, cameras, steps, seed, max(1, samples))
     out = {"policy": policy.decode_concat(flows[0], batch["raw_state"], tag)}
     if samples > 1:

@@ -105,7 +105,9 @@ SYNTHETIC_DELTAS = (-3, -2, -1, 0)  # 4 frames per camera and sample on the synt
 def _synthetic_root(path: str, micro_batch: int) -> str:
     # 128x128 frames, 4 per sample (SYNTHETIC_DELTAS), 2 cameras: with the small recipe's 16-px patches a
     # sequence of 2*4*64 vision + 4 state + 32 text + action tokens.
-    make_synthetic_root(path, lengths=(max(8, micro_batch),), height=128, width=128)
+    # one episode with 8 samples (or the micro batch's) under N1.6's sampling: its length less the H - 1
+    # frames of the last chunk (the synthetic root's horizon, 4)
+    make_synthetic_root(path, lengths=(max(8, micro_batch) + 3,), height=128, width=128, action_horizon=4)
     return path
 
 
