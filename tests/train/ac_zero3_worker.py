@@ -10,7 +10,7 @@ import torch
 
 def build(root, run_dir, memory, depth=3):
     from loongforge.train.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-        from loongforge.train.data.training_data import load_training_data
+    from loongforge.train.data.training_data import load_training_data
     from loongforge.train.model.build import build_model
     from loongforge.train.model.noise import noise_for
     from loongforge.train.parallel import plan

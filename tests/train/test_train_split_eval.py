@@ -15,10 +15,10 @@ from tests.train.train_launch import read_metrics as _metrics
 from tests.train.train_launch import torchrun
 
 pytestmark = pytest.mark.slow
-LENGTHS = (30, 14, 41, 22, 9, 36)  # 152 samples; episode 4 (9) held out -> 143 training samples
+LENGTHS = (30, 14, 41, 22, 9, 36)  # H = 4: L - 3 samples an episode (N1.6), 140; episode 4 (6) held out -> 134
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "2", "--lr", "3e-3", "--zero", "2",
           "--video-deltas=-2,0", "--action-horizon", "4", "--block-run", "2", "--block-window", "32"]
-STEPS = 20  # 143 // 8 = 17 steps an epoch: crosses the epoch boundary
+STEPS = 20  # 134 // 8 = 16 steps an epoch: crosses the epoch boundary
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def test_two_ranks_train_on_the_training_episodes(split_run):
     root, run_dir = split_run
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
-    val_ids = set(range(sum(LENGTHS[:4]), sum(LENGTHS[:5])))
+    per = [n - 3 for n in LENGTHS]  # samples of each episode: its chunks of 4 inside it
+    val_ids = set(range(sum(per[:4]), sum(per[:5])))
     epoch0 = []
     for r in rows:
         assert r["world"] == 2 and len(r["sample_ids"][0]) == 4 and np.isfinite(r["loss"])
@@ -47,7 +48,7 @@ def test_two_ranks_train_on_the_training_episodes(split_run):
         assert not a & b and not (a | b) & val_ids  # disjoint ranks, no held-out sample
         if r["epoch"] == 0:
             epoch0 += r["sample_ids"][0] + r["sample_ids"][1]
-    assert len(epoch0) == len(set(epoch0)) == 17 * 8  # every step of epoch 0, no sample twice
+    assert len(epoch0) == len(set(epoch0)) == 16 * 8  # every step of epoch 0, no sample twice
     assert "val_flow_loss" in rows[9] and np.isfinite(rows[9]["val_action_mse"])
 
 
@@ -133,7 +134,8 @@ def test_eval_with_a_bad_data_root_fails_before_the_checkpoint(split_run, tmp_pa
 
 
 def test_policy_checks_each_observation(split_run):
-    """predict_action (act is the same call) names slot, shape and width of a bad observation."""
+    """predict_action (act is the same call) names camera, shape and width of a bad observation; a camera's
+    frames at another size are taken (the processor letterboxes and resizes them as N1.6 does)."""
     from loongforge.shared.errors import ConfigError
     from loongforge.train.eval.policy import Policy
 
@@ -146,13 +148,13 @@ def test_policy_checks_each_observation(split_run):
     assert pol.predict_action([good]).shape == (1, pol.cfg.action_horizon, ds.action_dim)
     assert pol.act == pol.predict_action or pol.act.__func__ is Policy.predict_action
     slot = ds.slots[0]
+    bigger = {**good, "frames": {**good["frames"], slot: np.zeros((k, h * 2, w * 2, 3), np.uint8)}}
+    assert pol.predict_action([bigger]).shape == (1, pol.cfg.action_horizon, ds.action_dim)
     bad = [
-        ({**good, "frames": {**{s: good["frames"][s] for s in ds.slots[1:]}, "wrist": good["frames"][slot]}},
-         "camera slots"),
-        ({**good, "frames": {**good["frames"], slot: np.zeros((h, w, 3), np.uint8)}}, f"camera {slot!r} frames of shape"),
-        ({**good, "frames": {**good["frames"], slot: np.zeros((k, h * 2, w * 2, 3), np.uint8)}}, "as the data root stores"),
+        ({**good, "frames": {s: good["frames"][s] for s in ds.slots[1:]}}, f"camera {slot!r} missing"),
+        ({**good, "frames": {**good["frames"], slot: np.zeros((h, w, 3), np.uint8)}}, f"camera {slot!r} frames are"),
         ({**good, "frames": {**good["frames"], slot: np.zeros((k, h, w, 3), np.float32)}}, "expected uint8"),
-        ({**good, "state": np.zeros((k, ds.state_dim - 1), np.float32)}, "-D state"),
+        ({**good, "state": np.zeros((k, ds.state_dim - 1), np.float32)}, "state of shape"),
     ]
     for obs, says in bad:
         with pytest.raises(ConfigError, match=None) as info:

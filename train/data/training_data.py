@@ -100,6 +100,7 @@ def run_config(config: EmbodimentConfig, d, has_relative: bool, root: str) -> Em
     video, state = config.video, config.state
     if d.video_deltas and tuple(d.video_deltas) != (0,) or d.state_deltas:
         vd = tuple(d.video_deltas) or video.delta_indices
+        DeltaSpec(video=vd, state=tuple(d.state_deltas))  # the flags' own checks first (data.video_deltas: ...)
         video = dataclasses.replace(video, delta_indices=vd)
         state = dataclasses.replace(state, delta_indices=tuple(d.state_deltas) or vd)
     action = config.action

@@ -39,14 +39,23 @@ class _Engine:
         return 1.0
 
 
+class _Processor:
+    def draws(self, *args):
+        return None
+
+    def __call__(self, batch, tag, cameras, crop_u=None, draws=None):
+        return dict(batch)
+
+
 def _trainer() -> SimpleNamespace:
     tr = SimpleNamespace(
         engine=_Engine(), cfg=SimpleNamespace(parallel=SimpleNamespace(grad_accum=1), data=SimpleNamespace(seed=0)),
-        policies=SimpleNamespace(on_step=lambda step: None, before_forward=lambda: None),
+        policies=SimpleNamespace(on_step=lambda step: None, before_forward=lambda: None,
+                                 set_sample_keys=lambda keys, device=None: None),
         watchdog=SimpleNamespace(phase=None), step_comm=SimpleNamespace(begin=lambda: None, end=lambda: {}),
         nan_guard=SimpleNamespace(observe=lambda step, loss: loss, step=lambda step: None, skipped=0),
-        dp_sync=None, device=torch.device("cpu"), step=0, model_cfg=SimpleNamespace(max_action_dim=3),
-        processor=lambda batch, crop: batch)
+        dp_sync=None, device=torch.device("cpu"), step=0, model_cfg=SimpleNamespace(max_action_dim=3, action_horizon=4),
+        processor=_Processor(), index=SimpleNamespace(roots=[SimpleNamespace(tag="new_embodiment", cameras=())]))
     phases = []
 
     def late_peer_rows(batches):  # the all-reduce, waiting for a peer whose batch is 0.3 s late
