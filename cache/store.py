@@ -61,8 +61,8 @@ class Store:
             log.warning("ram tier %s is not on tmpfs: it is a disk tier in disguise; use /dev/shm or a tmpfs",
                         self.ram.root)
         elif huge in ("huge=never", "huge=deny"):
-            log.info("ram tier %s is on 4 KiB tmpfs pages: a reader's first map of a shard runs at ~1/3 of "
-                     "memcpy; a tmpfs mounted with huge=within_size reaches ~0.9 (infra/cache/README.md)",
+            log.info("ram tier %s is on 4 KiB tmpfs pages: readers copy shards faster from a tmpfs mounted "
+                     "with huge=within_size (infra/cache/README.md; `loongforge bench cache` measures both)",
                      self.ram.root)
         t0 = time.monotonic()
         kept, dropped = self.ssd.rebuild(self.index, full=self.cfg.ssd_verify == "full") if ssd_ok else ([], [])
