@@ -198,8 +198,9 @@ class Daemon:
         self.store.open()
         if self.cfg.peer_listen:
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
-            self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s).start()
-            self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"
+            self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s,
+                                   self.cfg.peer_advertise).start()
+            self.coord.peer_addr = self.peer.target
         elif self.cfg.redis_url:
             log.warning("redis is configured but --peer-listen is not: nodes cannot copy shards from each other, "
                         "so each node still reads every shard it misses from origin (one at a time)")

@@ -10,10 +10,13 @@ peer is never trusted for the bytes.
 
 Who may read: the holders of the deployment's shared secret (every node has
 the same one: a key file, or LOONGFORGE_CACHE_PEER_SECRET). Each request is
-signed with HMAC-SHA256 over the method, path, a timestamp and a random nonce;
+signed with HMAC-SHA256 over the method, path, the node it is for (the
+address that node advertises), a timestamp and a random nonce;
 the server refuses a timestamp more than `peer_auth_window_s` from its clock
 and a nonce it has seen within that window (a replay), each with 401 and a
-count in `peer_refused{reason}`. A shared secret rather than mutual TLS: every
+count in `peer_refused{reason}`. Nonces are remembered per node, so the
+target is what stops a request captured on its way to one node from being
+replayed to another: signed for another address, it is a bad signature. A shared secret rather than mutual TLS: every
 node already gets its Redis credentials the same way, there is no certificate
 authority to run, and the bytes need no secrecy from the network the nodes
 share (the secret authenticates; it does not encrypt: see cache/README.md,
@@ -71,16 +74,18 @@ def load_secret(cfg) -> bytes | None:
     return secret
 
 
-def sign(secret: bytes, method: str, path: str, now: float | None = None, nonce: str | None = None) -> dict:
-    """The headers that authenticate one request."""
+def sign(secret: bytes, method: str, path: str, target: str, now: float | None = None,
+         nonce: str | None = None) -> dict:
+    """The headers that authenticate one request to the node advertising `target` (HOST:PORT)."""
     ts = str(int(time.time() if now is None else now))
     nonce = nonce or secrets.token_hex(16)
     return {"X-LoongForge-Time": ts, "X-LoongForge-Nonce": nonce,
-            "Authorization": f"{SCHEME} {_mac(secret, method, path, ts, nonce)}"}
+            "Authorization": f"{SCHEME} {_mac(secret, method, path, target, ts, nonce)}"}
 
 
-def _mac(secret: bytes, method: str, path: str, ts: str, nonce: str) -> str:
-    message = "\n".join(("loongforge-cache-peer/1", method, path, ts, nonce)).encode()
+def _mac(secret: bytes, method: str, path: str, target: str, ts: str, nonce: str) -> str:
+    # /2: the target joined the signed string (a /1 node's requests fail here as bad signatures)
+    message = "\n".join(("loongforge-cache-peer/2", method, target, path, ts, nonce)).encode()
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
@@ -88,8 +93,8 @@ class _Guard:
     """Checks signatures; remembers each nonce for the window, so a captured request cannot be
     replayed (an older timestamp is refused as stale, a newer one was never signed)."""
 
-    def __init__(self, secret: bytes, window_s: float):
-        self.secret, self.window_s = secret, window_s
+    def __init__(self, secret: bytes, window_s: float, target: str):
+        self.secret, self.window_s, self.target = secret, window_s, target
         self.nonces: dict[str, float] = {}  # nonce -> when it may be forgotten
         self.lock = threading.Lock()
 
@@ -101,7 +106,7 @@ class _Guard:
         scheme, _, mac = auth.partition(" ")
         if scheme != SCHEME or not ts.isdigit() or not 16 <= len(nonce) <= 64:
             return "malformed"
-        if not hmac.compare_digest(mac.encode(), _mac(self.secret, method, path, ts, nonce).encode()):
+        if not hmac.compare_digest(mac.encode(), _mac(self.secret, method, path, self.target, ts, nonce).encode()):
             return "bad_signature"
         now = time.time()
         if abs(now - int(ts)) > self.window_s:
@@ -185,11 +190,13 @@ def _open_held(store, name: str, pending_wait_s: float = 5.0):
 
 
 class PeerServer:
-    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float):
+    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float, advertise: str | None = None):
         self.httpd = ThreadingHTTPServer((host, port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.store = store
-        self.httpd.guard = _Guard(secret, window_s)
+        # The address the other nodes are told (Redis directory) and sign their requests for.
+        self.target = advertise or f"{host}:{self.port}"
+        self.httpd.guard = _Guard(secret, window_s, self.target)
         self.httpd.warned = set()
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="peer-server")
 
@@ -208,7 +215,7 @@ class PeerServer:
 
 def fetch_from_peer(addr: str, name: str, timeout: float, secret: bytes | None) -> bytes:
     path = f"/shard/{urllib.parse.quote(name)}"
-    headers = sign(secret, "GET", path) if secret else {}
+    headers = sign(secret, "GET", path, addr) if secret else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(f"http://{addr}{path}", headers=headers),
                                     timeout=timeout) as resp:

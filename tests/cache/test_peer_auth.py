@@ -46,13 +46,13 @@ def test_peer_port_refuses_every_read_not_signed_with_the_secret(synthetic_root,
     a = daemons(root, index, extra=("--peer-listen", "127.0.0.1:0", "--metrics-port", str(port)),
                 env={"LOONGFORGE_CACHE_PEER_SECRET": PEER_SECRET})
     a.request("get", shard=name)  # a holds it
-    path = f"/shard/{name}"
-    url = f"http://{_peer_addr(a)}{path}"
+    path, addr = f"/shard/{name}", _peer_addr(a)
+    url = f"http://{addr}{path}"
     status, body, headers = _get(url)
     assert (status, body, headers.get("WWW-Authenticate")) == (401, b"", "LoongForge-HMAC-SHA256")
-    assert _get(url, sign(b"not-the-deployment-secret-0123456789", "GET", path))[0] == 401
-    assert _get(url, sign(PEER_SECRET.encode(), "GET", path, now=time.time() - 600))[0] == 401
-    signed = sign(PEER_SECRET.encode(), "GET", path)
+    assert _get(url, sign(b"not-the-deployment-secret-0123456789", "GET", path, addr))[0] == 401
+    assert _get(url, sign(PEER_SECRET.encode(), "GET", path, addr, now=time.time() - 600))[0] == 401
+    signed = sign(PEER_SECRET.encode(), "GET", path, addr)
     status, body, _ = _get(url, signed)
     assert status == 200 and body == open(os.path.join(root, name), "rb").read()
     assert _get(url, signed)[0] == 401  # the same request again: a replay
@@ -62,6 +62,28 @@ def test_peer_port_refuses_every_read_not_signed_with_the_secret(synthetic_root,
     assert 'loongforge_cache_peer_refused_total{reason="unsigned"} 1.0' in metrics
     warnings = [line for line in a.log().splitlines() if " WARNING " in line and "peer port: refused" in line]
     assert len(warnings) == 4, warnings  # one per reason, not one per request
+
+
+def test_request_signed_for_one_node_is_refused_by_another(synthetic_root, daemons):
+    """Node b's signed request to node a, captured on the wire, replayed to b itself (which holds the
+    shard too) within the window: a refused it as a replay, but b had never seen the nonce and
+    answered 200 with the shard. The signature now covers the node it is for (the address it
+    advertises), so at any other node it is a bad signature."""
+    root, index = synthetic_root
+    name = index.shards[0].name
+    env = {"LOONGFORGE_CACHE_PEER_SECRET": PEER_SECRET}
+    a = daemons(root, index, "node-a", extra=("--peer-listen", "127.0.0.1:0"), env=env)
+    b = daemons(root, index, "node-b", extra=("--peer-listen", "127.0.0.1:0"), env=env)
+    for node in (a, b):
+        node.request("get", shard=name)  # both hold it
+    path = f"/shard/{name}"
+    captured = sign(PEER_SECRET.encode(), "GET", path, _peer_addr(a))  # b -> a, as b's fetch signs it
+    assert _get(f"http://{_peer_addr(a)}{path}", captured)[0] == 200
+    status, body, _ = _get(f"http://{_peer_addr(b)}{path}", captured)
+    assert (status, body) == (401, b""), status
+    assert counter(b.stats(), "peer_refused", "bad_signature") == 1
+    fresh = sign(PEER_SECRET.encode(), "GET", path, _peer_addr(b))  # signed for b: served
+    assert _get(f"http://{_peer_addr(b)}{path}", fresh)[0] == 200
 
 
 def test_node_with_another_secret_reads_origin_and_is_counted(synthetic_root, redis_server, daemons):
