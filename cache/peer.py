@@ -25,8 +25,10 @@ Security).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import math
 import logging
 import os
 import secrets
@@ -44,6 +46,7 @@ from loongforge.shared.errors import CacheError, ConfigError
 log = logging.getLogger(__name__)
 SCHEME = "LoongForge-HMAC-SHA256"
 MIN_SECRET = 32  # bytes
+MIN_SECRET_BITS = 80  # secret_bits(): a random 32-character hex key (128 bits) scores >= 90
 MAX_NONCES = 1 << 20  # a replay cache bigger than this means a flood: refuse until entries expire
 
 
@@ -65,13 +68,32 @@ def load_secret(cfg) -> bytes | None:
                 f"daemon's user readable by no one else: whoever reads it can read every shard over the peer port. "
                 f"chown it to the daemon's user and chmod 600 (Kubernetes: defaultMode 0400)")
     elif cfg.peer_secret:
-        secret, path = cfg.peer_secret.encode(), "LOONGFORGE_CACHE_PEER_SECRET"
+        secret, path = cfg.peer_secret.encode(), "peer_secret (LOONGFORGE_CACHE_PEER_SECRET or the config file)"
     else:
         return None
     if len(secret) < MIN_SECRET:
         raise ConfigError(f"peer secret from {path}: {len(secret)} bytes, at least {MIN_SECRET} are needed "
                           "(`openssl rand -hex 32`)")
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        raise ConfigError(f"peer secret from {path}: about {bits:.0f} bits of entropy (repeated or few distinct "
+                          f"characters), at least {MIN_SECRET_BITS} are needed: a placeholder or a pattern is guessed "
+                          "before a random key. Generate one: `openssl rand -hex 32`")
     return secret
+
+
+def secret_bits(secret: bytes) -> float:
+    """A floor on a secret's entropy, to refuse placeholders and patterns (32 x `a`, a word repeated):
+    the length of its shortest repeating unit times the Shannon entropy of that unit's byte counts.
+    `openssl rand -hex 32` scores ~240, 32 random hex characters >= 90 (their counts are uneven); it sees no
+    dictionary words, so it is a floor, not a proof."""
+    unit = secret
+    for period in range(1, len(secret) // 2 + 1):
+        if len(secret) % period == 0 and secret[:period] * (len(secret) // period) == secret:
+            unit = secret[:period]
+            break
+    counts = collections.Counter(unit)
+    return -sum(n * math.log2(n / len(unit)) for n in counts.values())
 
 
 def sign(secret: bytes, method: str, path: str, target: str, now: float | None = None,

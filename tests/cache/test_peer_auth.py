@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 INFRA = os.path.join(os.path.dirname(__file__), "..", "..", "infra", "cache")
+KEY = "5f0e8c2a9b41d7e36c18f4a0b92d5e7c3a61f08b4d9e2c75a1b3f6e08d4c29a7"  # as `openssl rand -hex 32` makes
 
 
 def _peer_addr(daemon) -> str:
@@ -108,12 +110,12 @@ def test_peer_listen_needs_the_secret_from_a_private_key_file(synthetic_root, tm
     with pytest.raises(ConfigError, match="needs the deployment's shared secret"):
         CacheConfig(origin=root, peer_listen="127.0.0.1:7712")
     key = tmp_path / "peer.key"
-    key.write_text("0123456789abcdef" * 4 + "\n")
+    key.write_text(KEY + "\n")
     for mode, ok in ((0o644, False), (0o640, False), (0o600, True), (0o400, True)):
         os.chmod(key, mode)
         cfg = CacheConfig(origin=root, peer_listen="127.0.0.1:0", peer_secret_file=str(key))
         if ok:
-            assert load_secret(cfg) == b"0123456789abcdef" * 4
+            assert load_secret(cfg) == KEY.encode()
         else:
             with pytest.raises(ConfigError, match="readable by no one else"):
                 load_secret(cfg)
@@ -125,6 +127,50 @@ def test_peer_listen_needs_the_secret_from_a_private_key_file(synthetic_root, tm
                          env={k: v for k, v in os.environ.items() if k != "LOONGFORGE_CACHE_PEER_SECRET"})
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "peer_secret_file" in out.stderr, out.stderr
     assert not (tmp_path / "ram").exists()
+
+
+def _serve(root, tmp_path, *args, env=None) -> subprocess.CompletedProcess:
+    """`cache serve` that must refuse at start (a daemon that starts instead fails the test by timeout)."""
+    return subprocess.run([sys.executable, "-m", "loongforge.cache", "serve", "--origin", root, "--ram-dir",
+                           str(tmp_path / "ram"), "--ssd-dir", str(tmp_path / "ssd"), "--socket", str(tmp_path / "c.sock"),
+                           *args], capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if k != "LOONGFORGE_CACHE_PEER_SECRET"}, **(env or {})})
+
+
+def test_inline_secret_in_a_config_others_may_read_is_refused(synthetic_root, tmp_path):
+    """`peer_secret = "..."` in a 0644 cache.toml started the peer port on 0.0.0.0 without a word, while
+    a key file of the same mode is refused. The config file holding a secret is now held to the key
+    file's rule: one line at start, nothing created; at 0600 it is accepted."""
+    root, _ = synthetic_root
+    conf = tmp_path / "cache.toml"
+    conf.write_text(f'[cache]\npeer_listen = "0.0.0.0:0"\npeer_secret = "{KEY}"\n')
+    os.chmod(conf, 0o644)
+    out = _serve(root, tmp_path, "--config", str(conf))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert f"config file {conf}" in out.stderr and "holds peer_secret" in out.stderr, out.stderr
+    assert not (tmp_path / "ram").exists()
+    os.chmod(conf, 0o640)  # the daemon's group is every trainer
+    with pytest.raises(ConfigError, match="holds peer_secret"):
+        load_config(str(conf), env={}, origin=root)
+    os.chmod(conf, 0o600)
+    assert load_secret(load_config(str(conf), env={}, origin=root)) == KEY.encode()
+    conf.write_text('[cache]\nredis_password = "hunter2"\n')
+    os.chmod(conf, 0o644)
+    with pytest.raises(ConfigError, match="holds redis_password"):
+        load_config(str(conf), env={}, origin=root)
+
+
+def test_secret_with_too_little_entropy_is_refused(synthetic_root, tmp_path):
+    """A secret of 32 x `a` was accepted (only its length was checked)."""
+    root, _ = synthetic_root
+    out = _serve(root, tmp_path, "--peer-listen", "127.0.0.1:0", env={"LOONGFORGE_CACHE_PEER_SECRET": "a" * 32})
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "bits of entropy" in out.stderr, out.stderr
+    assert "openssl rand -hex 32" in out.stderr and not (tmp_path / "ram").exists()
+    for weak in ("0123456789abcdef" * 4, "password" * 4, "a" * 63 + "b"):
+        with pytest.raises(ConfigError, match="bits of entropy"):
+            load_secret(CacheConfig(origin=root, peer_listen="127.0.0.1:0", peer_secret=weak))
+    for strong in (KEY, secrets.token_hex(16), PEER_SECRET):
+        assert load_secret(CacheConfig(origin=root, peer_listen="127.0.0.1:0", peer_secret=strong))
 
 
 def test_shipped_config_requires_the_secret():
