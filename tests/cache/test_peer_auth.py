@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from loongforge.cache.config import CacheConfig, load_config
+from loongforge.cache.config import CacheConfig, load_config, parse_hostport
 from loongforge.cache.peer import load_secret, sign
 from loongforge.shared.errors import ConfigError
 from tests.cache.cache_helpers import PEER_SECRET, counter, wait_for
@@ -173,13 +173,21 @@ def test_secret_with_too_little_entropy_is_refused(synthetic_root, tmp_path):
         assert load_secret(CacheConfig(origin=root, peer_listen="127.0.0.1:0", peer_secret=strong))
 
 
-def test_shipped_config_requires_the_secret():
-    """infra/cache/cache.toml listens on every interface: only with the key file, which the unit's
-    install line and the DaemonSet provide with mode 0600 / 0400."""
+def test_shipped_config_requires_the_secret_and_binds_no_wildcard():
+    """infra/cache/cache.toml shipped the peer port (every shard, to any signed request) and the
+    unauthenticated metrics port on 0.0.0.0. Now both are loopback, each says what it exposes, the
+    DaemonSet names the pod's own address, and the peer port still needs the key file (0600 / 0400)."""
     cfg = load_config(os.path.join(INFRA, "cache.toml"), env={})
-    assert cfg.peer_listen.startswith("0.0.0.0:") and cfg.peer_secret_file == "/etc/loongforge/peer.key"
+    assert parse_hostport(cfg.peer_listen, "peer_listen")[0] == "127.0.0.1" and cfg.metrics_host == "127.0.0.1"
+    assert cfg.peer_secret_file == "/etc/loongforge/peer.key"
+    with open(os.path.join(INFRA, "cache.toml")) as f:
+        toml = f.read()
+    assert "NO authentication" in toml and "never shard bytes" in toml and "serves every shard" in toml
+    assert all("never 0.0.0.0" in line for line in toml.splitlines() if "0.0.0.0" in line)
     with open(os.path.join(INFRA, "daemonset.yaml")) as f:
         daemonset = f.read()
     assert "name: loongforge-cache-peer" in daemonset and "path: peer.key, mode: 0400" in daemonset
+    assert '"--peer-listen", "$(POD_IP):7712"' in daemonset and "0.0.0.0" not in daemonset
+    assert "name: LOONGFORGE_CACHE_METRICS_HOST" in daemonset
     with open(os.path.join(INFRA, "loongforge-cache.service")) as f:
         assert "install -o loongforge -m 600 peer.key /etc/loongforge/" in f.read()
