@@ -85,6 +85,9 @@ class CacheConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; off unless set
     metrics_host: str = "127.0.0.1"
     lease_s: float = 60.0  # a reader's pin expires after this without renewal
+    # Every server (socket, peer port, metrics port): a request, once its first byte arrived, must arrive
+    # whole within this, and a reply be taken; else the connection is dropped (and counted).
+    read_timeout_s: float = 10.0
     lock_ttl_s: float = 30.0  # single-flight fill lock; refreshed while the holder is alive
     heartbeat_s: float = 2.0
     node_ttl_s: float = 10.0
@@ -122,7 +125,7 @@ class CacheConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port")
         for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s",
-                     "tier_recheck_s", "peer_auth_window_s"):
+                     "tier_recheck_s", "peer_auth_window_s", "read_timeout_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ConfigError(f"{name}: must be > 0 seconds")
         if self.tier_recheck_max_s < self.tier_recheck_s:

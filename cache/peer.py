@@ -39,8 +39,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
+from loongforge.cache.serving import BoundedServer, TimeoutHandler
 from loongforge.shared.errors import CacheError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class _Guard:
         return None
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(TimeoutHandler, BaseHTTPRequestHandler):
     server_version = "loongforge-cache-peer/1"
 
     def do_GET(self):  # noqa: N802 - http.server naming
@@ -211,10 +212,18 @@ def _open_held(store, name: str, pending_wait_s: float = 5.0):
             store.write_done.wait(remaining)
 
 
+class _PeerHTTPServer(BoundedServer, HTTPServer):
+    name = "peer port"
+    # A node's fetches from one holder at once: its readers' and prefetchers' concurrent fills. The
+    # bound keeps idle connections from one address (400 were held in the audit) from taking every thread.
+    max_per_peer = 64
+
+
 class PeerServer:
-    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float, advertise: str | None = None):
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
+    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float, advertise: str | None = None,
+                 metrics=None, read_timeout_s: float = 10.0):
+        self.httpd = _PeerHTTPServer((host, port), _Handler)
+        self.httpd.metrics, self.httpd.read_timeout_s = metrics, read_timeout_s
         self.httpd.store = store
         # The address the other nodes are told (Redis directory) and sign their requests for.
         self.target = advertise or f"{host}:{self.port}"
