@@ -8,6 +8,7 @@ files removed, SSD tier kept, node deregistered from Redis.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -27,7 +28,7 @@ from loongforge.cache.metrics import Metrics, serve_metrics
 from loongforge.cache.peer import PeerServer
 from loongforge.cache.serving import BoundedServer
 from loongforge.cache.store import Store
-from loongforge.shared.errors import CacheError, LoongForgeError
+from loongforge.shared.errors import CacheError, ConfigError, LoongForgeError
 from loongforge.shared.dataset import load_shard_index
 
 log = logging.getLogger(__name__)
@@ -244,21 +245,24 @@ class Daemon:
         except BaseException:
             self.server.server_close()
             _unlink_if_socket(self.server.server_address) if not self.cfg.tcp else None
+            self.store.close()  # the RAM tier it may have made: a refused start leaves nothing in /dev/shm
             raise
 
     def _start_services(self) -> None:
         self.store.open()
         if self.cfg.peer_listen:
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
-            self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s,
-                                   self.cfg.peer_advertise, self.metrics, self.cfg.read_timeout_s).start()
+            with _listening("peer_listen", self.cfg.peer_listen):
+                self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s,
+                                       self.cfg.peer_advertise, self.metrics, self.cfg.read_timeout_s).start()
             self.coord.peer_addr = self.peer.target
         elif self.cfg.redis_url:
             log.warning("redis is configured but --peer-listen is not: nodes cannot copy shards from each other, "
                         "so each node still reads every shard it misses from origin (one at a time)")
         if self.cfg.metrics_port is not None:
-            self.metrics_server = serve_metrics(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port,
-                                                self.cfg.read_timeout_s)
+            with _listening("metrics_port", f"{self.cfg.metrics_host}:{self.cfg.metrics_port}"):
+                self.metrics_server = serve_metrics(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port,
+                                                    self.cfg.read_timeout_s)
             log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_host, self.metrics_server.server_port)
         self.coord.heartbeat()
         threads = [threading.Thread(target=self.store.prefetch_loop, args=(self.stop_event,), daemon=True,
@@ -348,6 +352,15 @@ class Daemon:
                 log.error("stopping: %s failed (%s: %s); going on with the rest", what, type(exc).__name__, exc)
         log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s%s", self.cfg.ssd_dir,
                  f" (except: {', '.join(failed)})" if failed else "")
+
+
+@contextlib.contextmanager
+def _listening(field: str, where: str):
+    """A port the OS refuses (in use, an address not on this host, a privileged port) is one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{field} {where}: cannot listen there: {exc.strerror or exc}") from None
 
 
 def _str(req: dict, name: str, why: str = "a shard name") -> str:

@@ -317,6 +317,22 @@ def test_squatted_ram_directory_is_one_line_and_left_untouched(world):
     assert os.listdir(squat) == [] and not os.path.exists(d.socket)
 
 
+def test_ssd_directory_the_daemons_user_cannot_create_is_one_line_and_leaves_no_ram_tier(world):
+    """--ssd-dir under a directory the daemon's user may not write: a 24-line PermissionError traceback,
+    and the RAM tier it had made first (`.lock`, `CACHE_FORMAT.json`, `data/`) left in /dev/shm. Now one
+    line naming the directory and the fix, and the RAM tier removed."""
+    u = world.u
+    roots = os.path.join(world.base, "roots")  # root's, 0755: the daemon's user cannot create in it
+    os.mkdir(roots)
+    d = world.daemon(u.d, start=False)
+    _set(d, "--ssd-dir", os.path.join(roots, "ssd"))
+    out = _refused_at_start(d.args)
+    line = _one_error_line(out.stderr)
+    assert out.returncode == 1 and f"ssd tier {roots}/ssd" in line and "Permission denied" in line, line
+    assert "install -d -o USER -m 0750" in line, line
+    assert not os.path.exists(d.ram_dir) and not os.path.exists(d.socket), os.listdir(d.dir)
+
+
 # -- what a group member may change under a reader ------------------------------------------------------------
 def test_group_member_cannot_change_what_a_tcp_reader_maps(world):
     """Over TCP the client checked neither owner nor mode and hashed a file once per process: after a
