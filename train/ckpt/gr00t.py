@@ -158,11 +158,23 @@ def export_gr00t(state: dict[str, torch.Tensor], cfg: GrootConfig, out: str, *, 
                 if os.path.exists(src) and name not in docs:
                     shutil.copy2(src, os.path.join(tmp, name))
         files = sorted(os.listdir(tmp))
+        _follow_umask(tmp, files)
         os.rename(tmp, out)
         return files
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _follow_umask(d: str, files: list[str]) -> None:
+    """The modes a plain write would give (0755 / 0644 under umask 022, as torch.save and
+    save_pretrained leave them): mkdtemp made the directory 0700 and safetensors writes 0600, so a
+    colleague or the serving user could not read the export; copied tokenizer files kept their source's."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(d, 0o777 & ~umask)
+    for name in files:
+        os.chmod(os.path.join(d, name), 0o666 & ~umask)
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], d: str) -> None:

@@ -71,6 +71,22 @@ def test_reference_checkpoint_exports_back_tensor_identical(fixture, tmp_path, m
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_export_follows_the_umask(fixture, tmp_path, umask):
+    """`loongforge export` wrote its directory 0700 (mkdtemp) and model.safetensors 0600 (the writer):
+    nobody but its owner could read an export. Now the modes a plain write gives, as torch.save and
+    save_pretrained leave theirs: 0755 / 0644 under the usual 022."""
+    model, dtypes = _loaded(fixture)
+    old = os.umask(umask)
+    try:
+        files = _export(model, dtypes, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "out").st_mode & 0o777) == oct(0o777 & ~umask)
+    modes = {f: oct(os.stat(tmp_path / "out" / f).st_mode & 0o777) for f in files}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def test_a_checkpoint_that_does_not_match_is_one_error(fixture, tmp_path):
     from safetensors.torch import save_file
 
