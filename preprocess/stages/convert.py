@@ -188,7 +188,7 @@ class ConvertEpisodeFn(beam.DoFn):
             for kind, count in zip(("shifted", "clamped", "skipped"), counts):
                 if count:
                     self.rows[kind].inc(count)
-        log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
+        log.debug("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
         report_episode(self.progress_topic, spec.index, ok=True)
         yield STATS, episode_moments(spec.index, table.state, table.action)

@@ -195,6 +195,6 @@ class FinalizeFn(beam.DoFn):
                 failed=failed, val_episodes=val_episodes, created_by=f"loongforge.preprocess {__version__}")
         remove_stale_shards(self.cfg.output, {s["name"] for s in shards})
         files.remove_tree(files.join(self.cfg.output, STAGING_DIR))
-        log.info("wrote %s: %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
+        log.debug("wrote %s: %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
                  len(layouts), sum(lay.num_frames for lay in layouts), len(failed))
         yield {"shards": len(shards), "episodes": len(layouts), "tables": TABLE_DIR}

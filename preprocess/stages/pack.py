@@ -105,7 +105,7 @@ class WriteShardFn(beam.DoFn):
         entry, placed = write_shard(self.output, plan.number, fragments)
         self.shards.inc()
         self.bytes.inc(entry["bytes"])
-        log.info("wrote %s: %d episodes, %.1f MB", entry["name"], len(placed), entry["bytes"] / 1e6)
+        log.debug("wrote %s: %d episodes, %.1f MB", entry["name"], len(placed), entry["bytes"] / 1e6)
         yield plan.number, entry, tuple(placed)
 
 

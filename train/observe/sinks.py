@@ -34,13 +34,13 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
 class TensorBoardSink:
     name = "tensorboard"
 
-    def __init__(self, log_dir: str, purge_step: int | None = None, logdir: str | None = None):
+    def __init__(self, log_dir: str, purge_step: int | None = None, logdir: str | None = None, say=log.info):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: the [track] extra
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step, flush_secs=30)
         root = logdir or log_dir  # the folder to give --logdir: the run then shows under its own name
-        log.info("TensorBoard: run %s (tensorboard --logdir %s)", os.path.relpath(log_dir, root), root)
+        say("TensorBoard: run %s (tensorboard --logdir %s)", os.path.relpath(log_dir, root), root)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for tag, v in values.items():

@@ -132,7 +132,9 @@ class Tracker:
     def for_training(cls, cfg: TrainConfig, *, rank: int, start_step: int) -> "Tracker":
         if rank != 0:
             return cls()
-        names = resolve_report_to(cfg.track.report_to, say=log.info)
+        # A relaunch from a checkpoint (the supervisor's, after a fault) says again none of what the start said.
+        say = log.info if start_step == 0 else log.debug
+        names = resolve_report_to(cfg.track.report_to, say=say)
         if not names:
             return cls()  # --report-to none: no file at all (a stored W&B id stays for a later resume with it)
         run_dir, t = cfg.run.run_dir, cfg.track
@@ -158,7 +160,7 @@ class Tracker:
         if "tensorboard" in names:
             # purge_step: TensorBoard's reader drops the events a killed launch wrote from here on.
             tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, tb_dir), purge_step=start_step,
-                                                            logdir=os.path.join(run_dir, TB_DIR)))
+                                                            logdir=os.path.join(run_dir, TB_DIR), say=say))
         if wandb_state is not None:
             tracker._open(lambda: sinks_mod.WandbSink(run_dir, config=config, **wandb_state))
         tracker._call("text", start_step, "config", "```\n" + json.dumps(config, indent=1, sort_keys=True) + "\n```")
@@ -180,7 +182,7 @@ class Tracker:
         names = [n for n in state.get("report_to", ()) if n in MODULES and installed(n)]
         if "tensorboard" in names:
             tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, state["tensorboard"]),
-                                                            logdir=os.path.join(run_dir, TB_DIR)))
+                                                            logdir=os.path.join(run_dir, TB_DIR), say=log.debug))
         if "wandb" in names and state.get("wandb"):
             tracker._open(lambda: sinks_mod.WandbSink(run_dir, config=None, **state["wandb"]))
         return tracker

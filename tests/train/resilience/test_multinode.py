@@ -106,6 +106,14 @@ def test_a_node_lost_the_other_goes_on_alone_from_the_last_checkpoint(train_root
         assert noise not in err, (noise, err[-4000:])
     resumed = launches[1]["latest"]
     assert resumed and f"resumed from {resumed} at step {int(resumed[4:12])}" in err, err[-4000:]
+    # After the fault line, the relaunch says what it does (launching, the thread count, resumed from, the
+    # attention kernel) and trains: the plan table, the model line, the tracker lines, `--resume: no checkpoint`
+    # and DeepSpeed's FutureWarnings were ~18 lines of it.
+    after = err.split("loongforge train: fault", 1)[1].splitlines()[1:]
+    start = after[:next(i for i, ln in enumerate(after) if ln.startswith("step "))]
+    assert len(start) <= 4, start
+    for noise in ("FutureWarning", "parallel plan", "--resume: no checkpoint", "TensorBoard:", "model tiny"):
+        assert noise not in "\n".join(start), (noise, start)
     got = _steps(run_dir)
     assert [r["step"] for r in got] == list(range(steps))
     assert got[0]["world"] == 2 and got[-1]["world"] == 1
