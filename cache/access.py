@@ -116,7 +116,9 @@ def check_socket_dir(socket_path: str, daemon_uid: int | None = None) -> int | N
     """The one trust check of a unix socket's directory, made by the daemon before it binds (with
     its own uid) and by every client before it connects. Returns the uid the daemon must have:
     `daemon_uid` if given (`--daemon-user`), else the directory's owner (a daemon can only bind in a
-    directory it may write, and no one else may write this one); None for a client when the
+    directory it may write, and no one else may write this one), which must then be root or this
+    user: any other owner may be anyone who made a directory, so without a daemon user configured
+    there is nobody to attribute the daemon to and it is refused; None for a client when the
     directory does not exist (connect() then reports the missing socket). The per-user fallback directory
     under the shared /tmp must be a real directory of this uid, closed to everyone else; any other
     must be a real directory of root or the daemon's uid that no one else may write (sticky or not:
@@ -153,7 +155,18 @@ def check_socket_dir(socket_path: str, daemon_uid: int | None = None) -> int | N
                 f"replace the socket and pose as the daemon. Use a real directory owned by the daemon's user and "
                 f"writable only by it (chmod 0750), or another --socket")
     _check_ancestors(socket_path, parent, expected)
+    if daemon_uid is None and expected not in (0, os.geteuid()):
+        raise UntrustedPathError(_unattributed(f"socket directory {parent}", expected))
     return expected
+
+
+def _unattributed(what: str, uid: int | None) -> str:
+    owner = "a uid that cannot be told" if uid is None else _who({uid})
+    return (f"{what} is {'served by' if what.startswith('tcp:') else 'owned by'} {owner}, neither root nor "
+            f"this user (uid {os.geteuid()}), and no daemon user is configured: nothing says that this user runs "
+            f"the cache daemon (anyone may make a directory or take a port), so it is not trusted. Name the "
+            f"daemon's user with --daemon-user / {DAEMON_USER_ENV} (e.g. loongforge), or use a socket in a "
+            f"directory of root's (/run/loongforge)")
 
 
 def _check_ancestors(socket_path: str, parent: str, uid: int) -> None:
@@ -196,14 +209,17 @@ def connect(socket_path: str | None, tcp: str | None, timeout: float,
     """A connection to the daemon that passed every check: what the client library and every CLI
     command use, so none of them can skip one. A unix socket's directory is checked first
     (check_socket_dir), then the uid at the other end (peer_uid) must be the daemon's: `daemon_user`
-    if given (or LOONGFORGE_CACHE_DAEMON_USER), else the socket directory's owner. Over TCP only a
-    given daemon user is checked. `conn.peer_uid` is what the client checks tier files against."""
+    if given (or LOONGFORGE_CACHE_DAEMON_USER), else the socket directory's owner. Over TCP the
+    given daemon user is checked, else the uid answering must be root or this user's.
+    `conn.peer_uid` is what the client checks tier files against."""
     expected = resolve_user(daemon_user if daemon_user is not None else os.environ.get(DAEMON_USER_ENV))
     if not tcp:
         expected = check_socket_dir(socket_path, expected)
     conn = Connection(None if tcp else socket_path, tcp, timeout)
     try:
         uid = conn.peer_uid = peer_uid(conn.sock)
+        if tcp and expected is None and uid not in (0, os.geteuid()):
+            raise UntrustedPathError(_unattributed(f"tcp:{tcp}", uid))
         if expected is not None and uid != expected:
             where = f"tcp:{tcp}" if tcp else socket_path
             served = "a process whose uid cannot be told" if uid is None else _who({uid})

@@ -122,8 +122,20 @@ def cmd_stats(args) -> int:
     reply = _request_or_say_why(args, "stats")
     if reply is None:
         return 1
-    stats = reply["stats"]
-    _print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_table(stats))
+    stats = reply.get("stats")
+    if args.json:
+        _print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    try:
+        table = render_table(stats)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # Another version of the daemon, or something else answering on its socket: say so, not a traceback.
+        missing = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        print(f"loongforge cache stats: the daemon's answer is not the stats this client reads ({missing}); is it a "
+              f"loongforge cache daemon of this version? `loongforge cache stats --json` prints the answer as it is",
+              file=sys.stderr)
+        return 1
+    _print(table)
     return 0
 
 

@@ -1,14 +1,20 @@
 """CacheClient: a `ShardSource` that asks the node's cache daemon for a tier
-file and mmaps it, once it has checked whose it is and its sha256. Cheap to construct in every trainer worker (connects
-lazily, reconnects after fork). When the daemon is unreachable it falls back
+file, opens it and reads it, once it has checked whose it is and its sha256. Cheap to construct in every
+trainer worker (connects lazily, reconnects after fork). When the daemon is unreachable it falls back
 to reading origin directly (unless fallback=False), and retries the daemon
 after a backoff. No call blocks longer than `timeout` on the daemon.
+
+Tier files are read with pread into private buffers, never mapped: a mapped file that its owner
+truncates kills the reader with SIGBUS on the next touch, and a mapped file changed in place changes
+bytes after they were checked. A pread of a truncated file is a short read (an error, served from
+origin), and what a caller checks (the whole-shard sha256 here, a block's xxh3 in the reader) is the
+very buffer it then decodes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import mmap
 import os
 import threading
 import time
@@ -25,6 +31,7 @@ from loongforge.shared.source import OriginSource
 
 log = logging.getLogger(__name__)
 RETRY_DAEMON_S = 5.0  # while degraded, how often to try the daemon again
+HASH_CHUNK = 1 << 20  # the sha256 of a new tier file is read in pieces this big
 __all__ = ["CacheClient", "default_socket_path"]
 _clients: "weakref.WeakSet[CacheClient]" = weakref.WeakSet()
 
@@ -34,33 +41,50 @@ def _after_fork_in_child() -> None:
     # no such thread, so it would wait on that lock forever. Children start with fresh locks.
     for client in list(_clients):
         client._lock = threading.RLock()
+        client._forget_open_files()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _map(path: str, entry: ShardEntry, owner_uid: int | None) -> memoryview:
-    """Map a tier file the daemon handed out, after checking it is the daemon's and holds the
+def _open_checked(path: str, entry: ShardEntry, owner_uid: int | None) -> int:
+    """An fd of a tier file the daemon handed out, after checking it is the daemon's and holds the
     index's bytes: not a symlink, writable by no one but its owner, owned by the daemon's uid where
     the kernel told us (access.peer_uid), and its sha256 equal to the index's. The hash is checked
-    on every new mapping, whatever the transport: the owner check cannot see a byte flipped in
-    place by root or the daemon's uid, and a file checked once may have changed since."""
-    with os.fdopen(open_no_follow(path), "rb") as f:
-        st = os.fstat(f.fileno())
-        problem = file_problem(st, owner_uid, entry.bytes)
+    on every new open, whatever the transport: the owner check cannot see a byte flipped in place by
+    root or the daemon's uid, and a file checked once may have changed since. Read with pread, which
+    cannot fault: a file truncated meanwhile is a short read, an IntegrityError."""
+    fd = open_no_follow(path)
+    try:
+        problem = file_problem(os.fstat(fd), owner_uid, entry.bytes)
         if problem:
             raise IntegrityError(f"{path}: {problem}")
-        if entry.bytes == 0:
-            return memoryview(b"")
-        # MAP_POPULATE pre-faults the tmpfs pages in one go: hashing and reading then run at memory speed.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        view = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
-    try:
-        storage.verify(view, entry.name, entry.bytes, entry.sha256)
-    except IntegrityError as exc:
-        _close_view(view)
-        raise IntegrityError(f"{path}: {exc}") from None
-    return view
+        h, buf = hashlib.sha256(), bytearray(min(HASH_CHUNK, max(entry.bytes, 1)))
+        offset = 0
+        while offset < entry.bytes:
+            n = os.preadv(fd, [memoryview(buf)[:min(len(buf), entry.bytes - offset)]], offset)
+            if n == 0:
+                raise IntegrityError(f"{path}: ends at byte {offset}, index says {entry.bytes}: truncated under us")
+            h.update(memoryview(buf)[:n])
+            offset += n
+        if h.hexdigest() != entry.sha256:
+            raise IntegrityError(f"{path}: sha256 {h.hexdigest()[:16]}… != index {entry.sha256[:16]}…: changed")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_exact(fd: int, length: int, offset: int, what: str) -> memoryview:
+    """`length` bytes at `offset` in a private buffer; IntegrityError if the file ends before."""
+    buf = bytearray(length)
+    view, done = memoryview(buf), 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise IntegrityError(f"{what}: ends before byte {offset + length} (at {offset + done}): truncated under us")
+        done += n
+    return memoryview(buf).toreadonly()
 
 
 class CacheClient:
@@ -79,10 +103,9 @@ class CacheClient:
         self._conn: Connection | None = None
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        # Open shard maps, oldest first; their leases are renewed while they stay open. Beyond
-        # max_open the oldest is released: its pin goes, but a view the caller still holds stays
-        # valid (the daemon unlinks, never overwrites), so only RAM accounting lags.
-        self._maps: dict[str, memoryview] = {}
+        # Open tier files, oldest first; their leases are renewed while they stay open. Beyond
+        # max_open the oldest is released: its pin goes and its fd is closed once no read uses it.
+        self._files: dict[str, _TierFile] = {}
         self.requested_max_open = max_open
         self.max_open = max_open  # lowered to the daemon's `max_open` (from its RAM budget) on connect
         self._lease_s = 60.0
@@ -105,7 +128,8 @@ class CacheClient:
         """One request to the daemon; raises CacheUnavailableError on any transport failure."""
         with self._lock:
             if os.getpid() != self._pid:  # forked: the parent's socket is not ours
-                self._conn, self._maps, self._pid = None, {}, os.getpid()
+                self._conn, self._pid = None, os.getpid()
+                self._forget_open_files()
             if self.degraded and time.monotonic() - self._degraded_since < RETRY_DAEMON_S:
                 raise CacheUnavailableError("cache daemon unreachable (retrying later)")
             try:
@@ -167,14 +191,64 @@ class CacheClient:
 
     # -- ShardSource -----------------------------------------------------------
     def read_shard(self, name: str) -> memoryview:
+        """The whole shard in a private buffer whose sha256 was checked (the buffer returned, not the
+        file, which may change after the check)."""
         entry = self._check(name)
+        tier_file = self._tier_file(name, entry)
+        if tier_file is not None:
+            try:
+                data = _pread_exact(tier_file.fd, entry.bytes, 0, name)
+                storage.verify(data, name, entry.bytes, entry.sha256)
+                return data
+            except (OSError, IntegrityError) as exc:
+                self._lost(name, exc)
+            finally:
+                self._done(tier_file)
+        return self._from_origin(name)
+
+    def read_range(self, name: str, offset: int, length: int) -> memoryview:
+        """A private copy of the range (pread): the caller's xxh3 check and its decode see the same bytes."""
+        if name in self._corrupt_at_origin:
+            return self._origin_range(name, offset, length)
+        entry = self._check(name)
+        if offset < 0 or length < 0 or offset + length > entry.bytes:
+            raise IntegrityError(f"{name}: range {offset}+{length} beyond {entry.bytes} bytes")
+        try:
+            tier_file = self._tier_file(name, entry)
+            if tier_file is None:
+                return self._from_origin(name)[offset: offset + length]
+        except IntegrityError as exc:
+            # The whole-shard sha256 failed (daemon fill or direct origin read): neither would ever serve this
+            # shard, so read its members individually from the origin, each checked against its own checksum
+            # (a block's or an episode's arrays' xxh3 in the manifest); only the ranges whose bytes are corrupt
+            # fail (the bad-sample policy), not the whole shard.
+            if not self.fallback:  # fallback=False: never read the origin behind the daemon's back
+                raise
+            log.warning("%s; reading its blocks one by one from origin %s, each checked against its xxh3 "
+                        "(only the corrupt ones fail)", exc, self.root)
+            self._corrupt_at_origin[name] = exc
+            return self._origin_range(name, offset, length)
+        try:
+            return _pread_exact(tier_file.fd, length, offset, name)
+        except (OSError, IntegrityError) as exc:
+            self._lost(name, exc)
+        finally:
+            self._done(tier_file)
+        return self._from_origin(name)[offset: offset + length]
+
+    def _tier_file(self, name: str, entry: ShardEntry) -> "_TierFile | None":
+        """The open, checked tier file of `name` (a reference: hand it back with _done), asking the
+        daemon for it if this process has none open; None where origin must serve the read."""
         with self._lock:
-            view = self._maps.get(name)
-            if view is not None and os.getpid() == self._pid:
-                self._maps[name] = self._maps.pop(name)  # most recently used goes last
-                return view
-        with self._lock:  # make room first, so the daemon may evict what we no longer pin
-            excess = list(self._maps)[:len(self._maps) - self.max_open + 1] if len(self._maps) >= self.max_open else []
+            if os.getpid() != self._pid:
+                self._forget_open_files()
+            tier_file = self._files.get(name)
+            if tier_file is not None:
+                self._files[name] = self._files.pop(name)  # most recently used goes last
+                tier_file.users += 1
+                return tier_file
+            # make room first, so the daemon may evict what we no longer pin
+            excess = list(self._files)[:len(self._files) - self.max_open + 1] if len(self._files) >= self.max_open else []
         for old in excess:
             self.release(old)
         try:
@@ -183,43 +257,61 @@ class CacheClient:
             if not self.fallback:
                 raise
             self._degrade(exc)
-            return self._from_origin(name)
+            return None
         except (ShardNotFoundError, IntegrityError, ValueError):
             raise  # the name or the origin's bytes are bad: origin would say the same
         except CacheError as exc:  # the daemon is up but could not fill (timeout, origin I/O error)
             if not self.fallback:
                 raise
             log.warning("cache daemon could not serve %s (%s); reading it from origin", name, exc)
-            return self._from_origin(name)
+            return None
         if reply.get("tier") == "origin" or not reply.get("path"):
-            return self._from_origin(name)  # the daemon could not place it (tiers pinned or disk full)
-        view = self._map_or_report(name, entry, reply["path"])
-        if view is None:
-            return self._from_origin(name)
+            return None  # the daemon could not place it (tiers pinned or disk full)
+        fd = self._open_or_report(name, entry, reply["path"])
+        if fd is None:
+            return None
         with self._lock:
-            self._maps[name] = view
-            self.counts["daemon_reads"] += 1
-            self._ensure_renewer()
-        return view
+            tier_file = self._files.get(name)
+            if tier_file is None:  # another thread may have opened it meanwhile: keep one
+                tier_file = self._files[name] = _TierFile(fd)
+                self.counts["daemon_reads"] += 1
+                self._ensure_renewer()
+            else:
+                os.close(fd)
+            tier_file.users += 1
+        return tier_file
 
-    def _map_or_report(self, name: str, entry: ShardEntry, path: str) -> memoryview | None:
-        """Map the tier file the daemon handed out. A file this client refuses is reported: the daemon
-        checks it itself and, if it agrees, drops it and hands out a fresh copy, mapped instead (so
+    def _done(self, tier_file: "_TierFile") -> None:
+        with self._lock:
+            tier_file.users -= 1
+            tier_file.close_if_unused()
+
+    def _lost(self, name: str, exc: BaseException) -> None:
+        """A tier file failed a read after it passed its check (truncated, an I/O error): it goes, the
+        daemon is told (it checks its copy and fills the shard again), and this read is origin's."""
+        log.warning("cache tier file of %s failed a read after it was checked (%s: %s); reported to the daemon, "
+                    "reading it from origin", name, type(exc).__name__, exc)
+        self._report(name, exc)
+        self.release(name)
+
+    def _open_or_report(self, name: str, entry: ShardEntry, path) -> int | None:
+        """Open the tier file the daemon handed out. A file this client refuses is reported: the daemon
+        checks it itself and, if it agrees, drops it and hands out a fresh copy, opened instead (so
         one bad file costs a refill, not an origin read per reader until eviction). None: read origin."""
         try:
-            return _map(path, entry, self._peer_uid)
-        except (OSError, IntegrityError) as exc:  # should not happen (the copy is pinned); never fatal
+            return _open_checked(path, entry, self._peer_uid)
+        except Exception as exc:  # noqa: BLE001 - whatever a daemon hands out must never end the reader
             refused = exc
         fresh = self._report(name, refused)
         if fresh is not None:
             try:
-                view = _map(fresh["path"], entry, self._peer_uid)
-            except (OSError, IntegrityError) as exc:
+                fd = _open_checked(fresh["path"], entry, self._peer_uid)
+            except Exception as exc:  # noqa: BLE001 - as above
                 refused = exc
             else:
                 log.warning("cache tier file %s refused (%s); reported: the daemon found it bad too (%s) and "
                             "handed out a fresh copy", path, refused, fresh.get("problems"))
-                return view
+                return fd
         if not self.fallback:
             raise CacheError(f"cache daemon handed out {path} but it is unusable: {refused}") from refused
         log.warning("cache tier file %s unusable (%s); reading %s from origin", path, refused, name)
@@ -249,32 +341,12 @@ class CacheClient:
     def _renew_loop(self, stop: threading.Event) -> None:
         while not stop.wait(self._lease_s / 3):
             with self._lock:
-                names = list(self._maps)
+                names = list(self._files)
             if names:
                 try:
                     self._request("renew", shards=names)
                 except CacheError:
                     pass  # daemon gone or degraded: its leases went with it; reads reconnect
-
-    def read_range(self, name: str, offset: int, length: int) -> memoryview:
-        if name in self._corrupt_at_origin:
-            return self._origin_range(name, offset, length)
-        try:
-            view = self.read_shard(name)
-        except IntegrityError as exc:
-            # The whole-shard sha256 failed (daemon fill or direct origin read): neither would ever serve this
-            # shard, so read its members individually from the origin, each checked against its own checksum
-            # (a block's or an episode's arrays' xxh3 in the manifest); only the ranges whose bytes are corrupt
-            # fail (the bad-sample policy), not the whole shard.
-            if not self.fallback:  # fallback=False: never read the origin behind the daemon's back
-                raise
-            log.warning("%s; reading its blocks one by one from origin %s, each checked against its xxh3 "
-                        "(only the corrupt ones fail)", exc, self.root)
-            self._corrupt_at_origin[name] = exc
-            return self._origin_range(name, offset, length)
-        if offset < 0 or length < 0 or offset + length > len(view):
-            raise IntegrityError(f"{name}: range {offset}+{length} beyond {len(view)} bytes")
-        return view[offset: offset + length]
 
     def _origin_range(self, name: str, offset: int, length: int) -> memoryview:
         """A range of a shard whose whole-file hash failed, from the origin; the dataset reader checks it against
@@ -305,9 +377,9 @@ class CacheClient:
 
     def release(self, name: str) -> None:
         with self._lock:
-            view = self._maps.pop(name, None)
-        if view is not None:
-            _close_view(view)
+            tier_file = self._files.pop(name, None)
+            if tier_file is not None:
+                tier_file.retire()
         try:
             self._request("release", shard=name)
         except CacheUnavailableError:
@@ -320,17 +392,24 @@ class CacheClient:
             if not self.fallback:
                 raise
             daemon = {"error": str(exc)}
-        return {"client": {**self.counts, "degraded": self.degraded, "mapped": len(self._maps)}, "daemon": daemon}
+        return {"client": {**self.counts, "degraded": self.degraded, "open": len(self._files)}, "daemon": daemon}
 
     def close(self) -> None:
         with self._lock:
-            maps, self._maps = self._maps, {}
+            files, self._files = self._files, {}
             if self._renewer is not None:
                 self._renewer[1].set()
                 self._renewer = None
             self._drop_conn()
-        for view in maps.values():
-            _close_view(view)
+            for tier_file in files.values():
+                tier_file.retire()
+
+    def _forget_open_files(self) -> None:
+        """In a forked child: the parent's fds are copies here, its pins are not ours; start afresh."""
+        files, self._files = self._files, {}
+        for tier_file in files.values():
+            tier_file.users = 0
+            tier_file.retire()
 
     def __enter__(self):
         return self
@@ -339,12 +418,21 @@ class CacheClient:
         self.close()
 
 
-def _close_view(view: memoryview) -> None:
-    """Unmap now if no slice of it is still alive; otherwise GC unmaps later."""
-    obj = view.obj
-    try:
-        view.release()
-        if isinstance(obj, mmap.mmap):
-            obj.close()
-    except BufferError:  # a slice of it is still alive (a batch being read): the GC unmaps it with the last one
-        pass
+class _TierFile:
+    """An open, checked tier file. Readers hold a reference while they pread (under the client's lock),
+    so that release() or close() in another thread closes the fd only once no read uses it: a closed
+    fd's number is reused by the next open, and a pread on it would read another file."""
+
+    __slots__ = ("fd", "users", "retired")
+
+    def __init__(self, fd: int):
+        self.fd, self.users, self.retired = fd, 0, False
+
+    def retire(self) -> None:
+        self.retired = True
+        self.close_if_unused()
+
+    def close_if_unused(self) -> None:
+        if self.retired and self.users <= 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

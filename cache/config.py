@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket as _socket
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 
@@ -84,6 +85,9 @@ class CacheConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; off unless set
     metrics_host: str = "127.0.0.1"
     lease_s: float = 60.0  # a reader's pin expires after this without renewal
+    # Every server (socket, peer port, metrics port): a request, once its first byte arrived, must arrive
+    # whole within this, and a reply be taken; else the connection is dropped (and counted).
+    read_timeout_s: float = 10.0
     lock_ttl_s: float = 30.0  # single-flight fill lock; refreshed while the holder is alive
     heartbeat_s: float = 2.0
     node_ttl_s: float = 10.0
@@ -121,7 +125,7 @@ class CacheConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port")
         for name in ("lease_s", "lock_ttl_s", "heartbeat_s", "node_ttl_s", "fill_timeout_s", "redis_timeout_s",
-                     "tier_recheck_s", "peer_auth_window_s"):
+                     "tier_recheck_s", "peer_auth_window_s", "read_timeout_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ConfigError(f"{name}: must be > 0 seconds")
         if self.tier_recheck_max_s < self.tier_recheck_s:
@@ -153,6 +157,24 @@ class CacheConfig:
 
 _FIELDS = {f.name: f for f in fields(CacheConfig)}
 _SIZES = {"ram_budget", "ssd_budget"}
+_SECRET_HOMES = {"peer_secret": "peer_secret_file (chmod 600) or LOONGFORGE_CACHE_PEER_SECRET",
+                 "redis_password": "LOONGFORGE_CACHE_REDIS_PASSWORD"}
+_SECRETS = set(_SECRET_HOMES)
+
+
+def _check_secrets_private(path: str, secrets: list[str]) -> None:
+    """A config file that holds a secret must be as private as the peer key file: a file of the
+    daemon's user or root that no one else may read (trainers are in the daemon's group, and the
+    peer secret reads every shard of every node)."""
+    if not secrets:
+        return
+    st = os.stat(path)
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o077:
+        raise ConfigError(
+            f"config file {path} ({stat.filemode(st.st_mode)}, owner uid {st.st_uid}) holds {' and '.join(secrets)} "
+            f"but others may read or own it (the peer secret reads every node's shards, the Redis password rewrites "
+            f"their directory). Move it to {' / '.join(_SECRET_HOMES[k] for k in secrets)}, or chown the file to "
+            f"the daemon's user and chmod 600")
 
 
 def _coerce(name: str, value):
@@ -184,6 +206,7 @@ def load_config(path: str | None = None, env: dict | None = None, **overrides) -
         unknown = sorted(set(doc) - set(_FIELDS))
         if unknown:
             raise ConfigError(f"config file {path}: unknown keys {unknown}; valid keys: {sorted(_FIELDS)}")
+        _check_secrets_private(path, sorted(_SECRETS & set(doc)))
         values.update(doc)
     env = os.environ if env is None else env
     for name in _FIELDS:

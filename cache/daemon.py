@@ -8,6 +8,7 @@ files removed, SSD tier kept, node deregistered from Redis.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -23,10 +24,11 @@ from loongforge.cache import protocol
 from loongforge.cache.access import SOCKET_MODE, check_socket_dir, make_dirs, make_private_dir, peer_uid
 from loongforge.cache.config import CacheConfig, fallback_socket_dir, parse_hostport
 from loongforge.cache.coord import Coordinator
-from loongforge.cache.metrics import Metrics
+from loongforge.cache.metrics import Metrics, serve_metrics
 from loongforge.cache.peer import PeerServer
+from loongforge.cache.serving import BoundedServer
 from loongforge.cache.store import Store
-from loongforge.shared.errors import CacheError, LoongForgeError
+from loongforge.shared.errors import CacheError, ConfigError, LoongForgeError
 from loongforge.shared.dataset import load_shard_index
 
 log = logging.getLogger(__name__)
@@ -35,31 +37,78 @@ REASON_CHARS = 500  # a report's reason is the client's words: logged, so bounde
 MAX_INT = 2**31 - 1  # ranks and epochs
 
 
-class _Handler(socketserver.StreamRequestHandler):
+class _Handler(socketserver.BaseRequestHandler):
     def handle(self):
         daemon: Daemon = self.server.cache_daemon
         owner = f"c{next(_owner_ids)}"
+        timeout = self.server.read_timeout_s
+        lines = _LineReader(self.request, timeout)
         try:
             while True:
-                line = self.rfile.readline(protocol.MAX_LINE + 1)
-                if not line:
+                line = lines.next()
+                if line is None:
                     return
-                reply = daemon.dispatch(line, owner, lambda: peer_uid(self.connection))
-                self.wfile.write(protocol.encode(reply))
-                self.wfile.flush()
+                reply = daemon.dispatch(line, owner, lambda: peer_uid(self.request))
+                self.request.settimeout(timeout)  # a client that reads no replies is dropped too
+                self.request.sendall(protocol.encode(reply))
                 if reply.get("stopping"):  # only after the reply is out: the process exits soon after
                     threading.Thread(target=daemon.shutdown, daemon=True).start()
                     return
                 if len(line) > protocol.MAX_LINE:
                     return  # the rest of an oversized line is garbage: drop the connection
-        except (ConnectionError, BrokenPipeError):
+        except TimeoutError:
+            self.server.note("timeout", f"uid {peer_uid(self.request)}: a request not whole within {timeout:g} s "
+                                        "(or a reply not taken)")
+        except ConnectionError:
             pass
         finally:
             daemon.store.release_owner(owner)
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+class _LineReader:
+    """Request lines off a connection. Waiting for a request has no time limit (trainers keep one
+    connection for their lifetime and may be idle for minutes); a request once begun must arrive
+    whole within `timeout` seconds, or TimeoutError: a silent partial request held a thread and an
+    fd for as long as its sender liked."""
+
+    def __init__(self, sock: socket.socket, timeout: float):
+        self.sock, self.timeout, self.buf, self.scanned = sock, timeout, bytearray(), 0
+
+    def next(self) -> bytes | None:
+        """The next line (with its newline), a longer-than-allowed or final unterminated one as it
+        stands, or None at the end of the connection."""
+        deadline = time.monotonic() + self.timeout if self.buf else None
+        while True:
+            end = self.buf.find(b"\n", self.scanned)
+            if end >= 0 or len(self.buf) > protocol.MAX_LINE:
+                end = end + 1 if end >= 0 else len(self.buf)
+                line = bytes(self.buf[:end])
+                del self.buf[:end]
+                self.scanned = 0
+                return line
+            self.scanned = len(self.buf)
+            if deadline is None:
+                self.sock.settimeout(None)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"request not whole within {self.timeout:g} s")
+                self.sock.settimeout(left)
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                line, self.buf = bytes(self.buf), bytearray()
+                return line or None
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            self.buf += chunk
+
+
+class _UnixServer(BoundedServer, socketserver.UnixStreamServer):
+    name = "socket"
+    max_per_peer = 1024  # per uid: every worker of every rank of a trainer user, with room
+
+    def peer_of(self, request, client_address):
+        return peer_uid(request)
 
     def server_bind(self):
         # Trainers connect as members of the daemon's group: the socket must be 0660 whatever the
@@ -73,9 +122,13 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         os.chmod(self.server_address, SOCKET_MODE)
 
 
-class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    daemon_threads = True
+class _TCPServer(BoundedServer, socketserver.TCPServer):
+    name = "socket"
+    max_per_peer = 1024
     allow_reuse_address = True
+
+    def peer_of(self, request, client_address):
+        return peer_uid(request)  # loopback only: the address says nothing, the uid does
 
 
 class _TCP6Server(_TCPServer):
@@ -192,22 +245,24 @@ class Daemon:
         except BaseException:
             self.server.server_close()
             _unlink_if_socket(self.server.server_address) if not self.cfg.tcp else None
+            self.store.close()  # the RAM tier it may have made: a refused start leaves nothing in /dev/shm
             raise
 
     def _start_services(self) -> None:
         self.store.open()
         if self.cfg.peer_listen:
             host, port = parse_hostport(self.cfg.peer_listen, "peer_listen")
-            self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s).start()
-            self.coord.peer_addr = self.cfg.peer_advertise or f"{host}:{self.peer.port}"
+            with _listening("peer_listen", self.cfg.peer_listen):
+                self.peer = PeerServer(self.store, host, port, self.store.peer_secret, self.cfg.peer_auth_window_s,
+                                       self.cfg.peer_advertise, self.metrics, self.cfg.read_timeout_s).start()
+            self.coord.peer_addr = self.peer.target
         elif self.cfg.redis_url:
             log.warning("redis is configured but --peer-listen is not: nodes cannot copy shards from each other, "
                         "so each node still reads every shard it misses from origin (one at a time)")
         if self.cfg.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self.metrics_server, _ = start_http_server(self.cfg.metrics_port, self.cfg.metrics_host,
-                                                       registry=self.metrics.registry)
+            with _listening("metrics_port", f"{self.cfg.metrics_host}:{self.cfg.metrics_port}"):
+                self.metrics_server = serve_metrics(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port,
+                                                    self.cfg.read_timeout_s)
             log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_host, self.metrics_server.server_port)
         self.coord.heartbeat()
         threads = [threading.Thread(target=self.store.prefetch_loop, args=(self.stop_event,), daemon=True,
@@ -233,7 +288,7 @@ class Daemon:
             _clear_stale_socket(path)
             server = _UnixServer(f"{path}.{os.getpid()}.starting", _Handler, False)
             server.server_bind()
-        server.cache_daemon = self
+        server.cache_daemon, server.metrics, server.read_timeout_s = self, self.metrics, self.cfg.read_timeout_s
         return server
 
     def _unlink_socket(self) -> None:
@@ -297,6 +352,15 @@ class Daemon:
                 log.error("stopping: %s failed (%s: %s); going on with the rest", what, type(exc).__name__, exc)
         log.info("cache daemon stopped: socket and RAM tier removed, SSD tier kept at %s%s", self.cfg.ssd_dir,
                  f" (except: {', '.join(failed)})" if failed else "")
+
+
+@contextlib.contextmanager
+def _listening(field: str, where: str):
+    """A port the OS refuses (in use, an address not on this host, a privileged port) is one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{field} {where}: cannot listen there: {exc.strerror or exc}") from None
 
 
 def _str(req: dict, name: str, why: str = "a shard name") -> str:

@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import defaultdict
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from loongforge.cache.serving import BoundedServer, TimeoutHandler
 
 _P = "loongforge_cache_"
 _COUNTERS = {
@@ -28,6 +32,9 @@ _COUNTERS = {
     "peer_refused": ("Peer-port requests refused with 401, by reason (unsigned, malformed, bad_signature, stale, "
                      "replayed, flooded): anything but 0 is a node with the wrong secret or someone probing the port",
                      "reason"),
+    "connections_dropped": ("Connections a server dropped, by server and reason: <server>_reset (the peer reset it), "
+                            "_timeout (a request not whole within the read timeout), _over_limit (the peer already "
+                            "held the most connections one may), _error (a bug)", "reason"),
     "origin_reads": ("Origin reads, by why coordination allowed one (lock, no_live_holder, peer_failed, "
                      "uncoordinated)", "reason"),
 }
@@ -79,3 +86,27 @@ class Metrics:
         counts["prefetch_lead_s"] = {"count": len(lead), "p50": lead[len(lead) // 2] if lead else None,
                                      "min": lead[0] if lead else None}
         return counts
+
+
+class _MetricsServer(BoundedServer, WSGIServer):
+    name = "metrics port"
+    max_per_peer = 16  # a scraper or two; the port has no authentication
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(TimeoutHandler, WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - wsgiref's signature
+        pass
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int, read_timeout_s: float) -> WSGIServer:
+    """Prometheus /metrics on host:port in a thread of its own (prometheus_client's start_http_server has
+    a listen backlog of 5, no read timeout and no bound per client); stop it with shutdown()."""
+    server_class = _MetricsServer6 if ":" in host else _MetricsServer
+    server = make_server(host, port, make_wsgi_app(metrics.registry), server_class, _QuietHandler)
+    server.metrics, server.read_timeout_s = metrics, read_timeout_s
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics-server").start()
+    return server

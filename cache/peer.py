@@ -10,10 +10,13 @@ peer is never trusted for the bytes.
 
 Who may read: the holders of the deployment's shared secret (every node has
 the same one: a key file, or LOONGFORGE_CACHE_PEER_SECRET). Each request is
-signed with HMAC-SHA256 over the method, path, a timestamp and a random nonce;
+signed with HMAC-SHA256 over the method, path, the node it is for (the
+address that node advertises), a timestamp and a random nonce;
 the server refuses a timestamp more than `peer_auth_window_s` from its clock
 and a nonce it has seen within that window (a replay), each with 401 and a
-count in `peer_refused{reason}`. A shared secret rather than mutual TLS: every
+count in `peer_refused{reason}`. Nonces are remembered per node, so the
+target is what stops a request captured on its way to one node from being
+replayed to another: signed for another address, it is a bad signature. A shared secret rather than mutual TLS: every
 node already gets its Redis credentials the same way, there is no certificate
 authority to run, and the bytes need no secrecy from the network the nodes
 share (the secret authenticates; it does not encrypt: see cache/README.md,
@@ -22,8 +25,10 @@ Security).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import math
 import logging
 import os
 import secrets
@@ -34,13 +39,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
+from loongforge.cache.serving import BoundedServer, TimeoutHandler
 from loongforge.shared.errors import CacheError, ConfigError
 
 log = logging.getLogger(__name__)
 SCHEME = "LoongForge-HMAC-SHA256"
 MIN_SECRET = 32  # bytes
+MIN_SECRET_BITS = 80  # secret_bits(): a random 32-character hex key (128 bits) scores >= 90
 MAX_NONCES = 1 << 20  # a replay cache bigger than this means a flood: refuse until entries expire
 
 
@@ -62,25 +69,46 @@ def load_secret(cfg) -> bytes | None:
                 f"daemon's user readable by no one else: whoever reads it can read every shard over the peer port. "
                 f"chown it to the daemon's user and chmod 600 (Kubernetes: defaultMode 0400)")
     elif cfg.peer_secret:
-        secret, path = cfg.peer_secret.encode(), "LOONGFORGE_CACHE_PEER_SECRET"
+        secret, path = cfg.peer_secret.encode(), "peer_secret (LOONGFORGE_CACHE_PEER_SECRET or the config file)"
     else:
         return None
     if len(secret) < MIN_SECRET:
         raise ConfigError(f"peer secret from {path}: {len(secret)} bytes, at least {MIN_SECRET} are needed "
                           "(`openssl rand -hex 32`)")
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        raise ConfigError(f"peer secret from {path}: about {bits:.0f} bits of entropy (repeated or few distinct "
+                          f"characters), at least {MIN_SECRET_BITS} are needed: a placeholder or a pattern is guessed "
+                          "before a random key. Generate one: `openssl rand -hex 32`")
     return secret
 
 
-def sign(secret: bytes, method: str, path: str, now: float | None = None, nonce: str | None = None) -> dict:
-    """The headers that authenticate one request."""
+def secret_bits(secret: bytes) -> float:
+    """A floor on a secret's entropy, to refuse placeholders and patterns (32 x `a`, a word repeated):
+    the length of its shortest repeating unit times the Shannon entropy of that unit's byte counts.
+    `openssl rand -hex 32` scores ~240, 32 random hex characters >= 90 (their counts are uneven); it sees no
+    dictionary words, so it is a floor, not a proof."""
+    unit = secret
+    for period in range(1, len(secret) // 2 + 1):
+        if len(secret) % period == 0 and secret[:period] * (len(secret) // period) == secret:
+            unit = secret[:period]
+            break
+    counts = collections.Counter(unit)
+    return -sum(n * math.log2(n / len(unit)) for n in counts.values())
+
+
+def sign(secret: bytes, method: str, path: str, target: str, now: float | None = None,
+         nonce: str | None = None) -> dict:
+    """The headers that authenticate one request to the node advertising `target` (HOST:PORT)."""
     ts = str(int(time.time() if now is None else now))
     nonce = nonce or secrets.token_hex(16)
     return {"X-LoongForge-Time": ts, "X-LoongForge-Nonce": nonce,
-            "Authorization": f"{SCHEME} {_mac(secret, method, path, ts, nonce)}"}
+            "Authorization": f"{SCHEME} {_mac(secret, method, path, target, ts, nonce)}"}
 
 
-def _mac(secret: bytes, method: str, path: str, ts: str, nonce: str) -> str:
-    message = "\n".join(("loongforge-cache-peer/1", method, path, ts, nonce)).encode()
+def _mac(secret: bytes, method: str, path: str, target: str, ts: str, nonce: str) -> str:
+    # /2: the target joined the signed string (a /1 node's requests fail here as bad signatures)
+    message = "\n".join(("loongforge-cache-peer/2", method, target, path, ts, nonce)).encode()
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
@@ -88,8 +116,8 @@ class _Guard:
     """Checks signatures; remembers each nonce for the window, so a captured request cannot be
     replayed (an older timestamp is refused as stale, a newer one was never signed)."""
 
-    def __init__(self, secret: bytes, window_s: float):
-        self.secret, self.window_s = secret, window_s
+    def __init__(self, secret: bytes, window_s: float, target: str):
+        self.secret, self.window_s, self.target = secret, window_s, target
         self.nonces: dict[str, float] = {}  # nonce -> when it may be forgotten
         self.lock = threading.Lock()
 
@@ -101,7 +129,7 @@ class _Guard:
         scheme, _, mac = auth.partition(" ")
         if scheme != SCHEME or not ts.isdigit() or not 16 <= len(nonce) <= 64:
             return "malformed"
-        if not hmac.compare_digest(mac.encode(), _mac(self.secret, method, path, ts, nonce).encode()):
+        if not hmac.compare_digest(mac.encode(), _mac(self.secret, method, path, self.target, ts, nonce).encode()):
             return "bad_signature"
         now = time.time()
         if abs(now - int(ts)) > self.window_s:
@@ -117,7 +145,7 @@ class _Guard:
         return None
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(TimeoutHandler, BaseHTTPRequestHandler):
     server_version = "loongforge-cache-peer/1"
 
     def do_GET(self):  # noqa: N802 - http.server naming
@@ -184,12 +212,22 @@ def _open_held(store, name: str, pending_wait_s: float = 5.0):
             store.write_done.wait(remaining)
 
 
+class _PeerHTTPServer(BoundedServer, HTTPServer):
+    name = "peer port"
+    # A node's fetches from one holder at once: its readers' and prefetchers' concurrent fills. The
+    # bound keeps idle connections from one address (400 were held in the audit) from taking every thread.
+    max_per_peer = 64
+
+
 class PeerServer:
-    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float):
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
+    def __init__(self, store, host: str, port: int, secret: bytes, window_s: float, advertise: str | None = None,
+                 metrics=None, read_timeout_s: float = 10.0):
+        self.httpd = _PeerHTTPServer((host, port), _Handler)
+        self.httpd.metrics, self.httpd.read_timeout_s = metrics, read_timeout_s
         self.httpd.store = store
-        self.httpd.guard = _Guard(secret, window_s)
+        # The address the other nodes are told (Redis directory) and sign their requests for.
+        self.target = advertise or f"{host}:{self.port}"
+        self.httpd.guard = _Guard(secret, window_s, self.target)
         self.httpd.warned = set()
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="peer-server")
 
@@ -208,7 +246,7 @@ class PeerServer:
 
 def fetch_from_peer(addr: str, name: str, timeout: float, secret: bytes | None) -> bytes:
     path = f"/shard/{urllib.parse.quote(name)}"
-    headers = sign(secret, "GET", path) if secret else {}
+    headers = sign(secret, "GET", path, addr) if secret else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(f"http://{addr}{path}", headers=headers),
                                     timeout=timeout) as resp:

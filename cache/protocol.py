@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import math
 import socket
+import time
 
 from loongforge.shared import errors
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 16 << 20  # an announce of ~200k shard names; anything longer is rejected
+CONNECT_RETRY_S = 2.0  # how long a client retries a connect the daemon's full listen queue refused
 OPS = ("hello", "get", "report", "renew", "release", "announce", "stats", "stop")
 
 # Errors the daemon may report, mapped back to the same classes on the client.
@@ -77,19 +79,36 @@ def parse_endpoint(socket_path: str | None, tcp: str | None) -> tuple[int, objec
     return socket.AF_UNIX, socket_path
 
 
+def _connect(family: int, addr, timeout: float) -> socket.socket:
+    """A connected socket. A unix socket whose listen queue is full refuses at once (EAGAIN): when
+    every worker of a node connects at start, a daemon busy accepting is not a daemon that is gone,
+    so the connect is retried with backoff for up to CONNECT_RETRY_S before the caller reads origin."""
+    deadline = time.monotonic() + min(timeout, CONNECT_RETRY_S)
+    pause = 0.002
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(addr)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 class Connection:
     """A blocking client connection with one overall deadline per request."""
 
     def __init__(self, socket_path: str | None, tcp: str | None, timeout: float):
         family, addr = parse_endpoint(socket_path, tcp)
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
         self.timeout = timeout
-        try:
-            self.sock.connect(addr)
-        except BaseException:
-            self.sock.close()
-            raise
+        self.sock = _connect(family, addr, timeout)
         self.rfile = self.sock.makefile("rb")
         self._next_id = 0
         # The daemon's uid as the kernel reports it, set by access.connect (peer_uid): tier files it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +22,7 @@ from loongforge.cache.peer import fetch_from_peer, load_secret
 from loongforge.cache.policy import PlanBook, Policy
 from loongforge.cache.tiers import Tier, tmpfs_huge_option
 from loongforge.shared import paths, storage
-from loongforge.shared.errors import CacheError, IntegrityError, ShardNotFoundError
+from loongforge.shared.errors import CacheError, ConfigError, IntegrityError, ShardNotFoundError
 from loongforge.shared.index import ShardEntry, ShardIndex
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,12 @@ class Store:
 
     # -- lifecycle -----------------------------------------------------------
     def open(self) -> None:
-        self.ram.open_dir()
-        ssd_ok = self._open_ssd()
+        try:
+            _open_tier(self.ram)
+            ssd_ok = self._open_ssd()
+        except BaseException:
+            self.ram.remove_dir()  # what open_dir made (lock, marker, data/), if it got the lock: no /dev/shm litter
+            raise
         self.ram.wipe()  # RAM files of a previous run: not ours to trust, cheap to refill
         self.ram.open_dir()
         huge = self.ram_huge
@@ -61,8 +66,8 @@ class Store:
             log.warning("ram tier %s is not on tmpfs: it is a disk tier in disguise; use /dev/shm or a tmpfs",
                         self.ram.root)
         elif huge in ("huge=never", "huge=deny"):
-            log.info("ram tier %s is on 4 KiB tmpfs pages: a reader's first map of a shard runs at ~1/3 of "
-                     "memcpy; a tmpfs mounted with huge=within_size reaches ~0.9 (infra/cache/README.md)",
+            log.info("ram tier %s is on 4 KiB tmpfs pages: readers copy shards faster from a tmpfs mounted "
+                     "with huge=within_size (infra/cache/README.md; `loongforge bench cache` measures both)",
                      self.ram.root)
         t0 = time.monotonic()
         kept, dropped = self.ssd.rebuild(self.index, full=self.cfg.ssd_verify == "full") if ssd_ok else ([], [])
@@ -388,11 +393,9 @@ class Store:
         marker) leaves this node RAM-only until the daemon restarts, with one WARNING, instead of a
         daemon that cannot start: a tier without its lock and marker must not take writes."""
         try:
-            self.ssd.open_dir()
+            _open_tier(self.ssd, full_disk_ok=True)
             return True
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
             kind = errno.errorcode.get(exc.errno, str(exc.errno))
         self.ssd.turn_writes_off(time.monotonic(), math.inf, math.inf,
                                  f"disk full ({kind}) at start: restart the daemon once there is room")
@@ -507,3 +510,19 @@ class Store:
             return {"tiers": {"ram": self.ram.summary(), "ssd": self.ssd.summary()},
                     "pinned": len(self.pinned()), "inflight": len(self.inflight),
                     "ssd_pending": self.ssd_pending, "plans": self.plans.summary()}
+
+
+def _open_tier(tier: Tier, full_disk_ok: bool = False) -> None:
+    """tier.open_dir(), with what the OS refused (no permission on the parent, a read-only disk) said in
+    one line naming the directory and the fix, not a traceback. A full disk stays an OSError when the
+    caller can run without the tier (`full_disk_ok`: the SSD tier)."""
+    try:
+        tier.open_dir()
+    except OSError as exc:
+        if full_disk_ok and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ConfigError(f"{tier.name} tier {tier.root}: cannot create or lock it: {exc.strerror}{where}. The daemon's "
+                          f"user (uid {os.geteuid()}) must be able to write there: create the directory for it "
+                          f"(install -d -o USER -m 0750 {tier.root}) or give --{tier.name}-dir a directory it owns") \
+            from None

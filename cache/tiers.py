@@ -110,13 +110,15 @@ class Tier:
             os.chmod(marker, FILE_MODE)
 
     def remove_dir(self) -> None:
-        """Graceful stop of a RAM tier: files, format marker and lock go; the root too if now empty."""
+        """Graceful stop of a RAM tier: files, format marker and lock go; the root too if now empty.
+        Only a tier this process locked: another daemon's (the lock refused us) is left alone."""
+        if self._lock_fd is None:
+            return
         self.wipe()
         _unlink(os.path.join(self.root, MARKER))
-        if self._lock_fd is not None:
-            _unlink(os.path.join(self.root, LOCK))  # unlink while we still hold the flock, then let go
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        _unlink(os.path.join(self.root, LOCK))  # unlink while we still hold the flock, then let go
+        os.close(self._lock_fd)
+        self._lock_fd = None
         try:
             os.rmdir(self.root)
         except OSError:

@@ -88,9 +88,18 @@ def register(subparsers) -> None:
     s.set_defaults(func=_sample_data)
 
 
+class _BeamOptionalNotice(logging.Filter):
+    """Beam's import says, on the root logger, that BigQuery's client libraries are missing: a connector
+    a preprocess job never uses, and nothing to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and record.getMessage().startswith("apitools not found"))
+
+
 def _quiet_beam() -> None:
     # Beam logs every bundle at INFO, and the local job service re-logs each
-    # worker record a second time; keep our per-episode progress lines readable.
+    # worker record a second time; the progress line and the summary say what a user needs.
+    logging.getLogger().addFilter(_BeamOptionalNotice())
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
     # --runner dask: the cluster's own INFO lines (dask reads its logging config from the environment on import,
@@ -99,12 +108,12 @@ def _quiet_beam() -> None:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    _quiet_beam()  # before Beam is imported: its import logs
     from loongforge.preprocess.config import config_from_args
     from loongforge.preprocess.pipeline import run_job
     from loongforge.shared.summary import format_summary
     from loongforge.preprocess.runner.choice import runner_from_args
 
-    _quiet_beam()
     cfg = config_from_args(args)
     runner, beam_args = runner_from_args(args, [a for a in args.beam_args if a != "--"])
     summary = run_job(cfg, beam_args, runner)

@@ -36,6 +36,7 @@ def summarize(root: str, seconds: float | None = None) -> dict:
         "source_version": ds.source.get("codebase_version", ""),
         "frame_timing": ds.source.get("frame_timing") or {},
         "embodiment": _embodiment(ds.embodiment),
+        "image_color": ds.source.get("image_color") or {},
     })
     if seconds is not None:
         decoded = out["source_frames"] * len(ds.cameras)
@@ -112,6 +113,10 @@ def format_summary(s: dict) -> str:
     if e:
         lines.append(f"embodiment {e['tag']}: video {', '.join(e['video'])}; state {' '.join(e['state'])}; "
                      f"action {' '.join(e['action'])} over {e['horizon']} steps")
+    for key, c in (s.get("image_color") or {}).items():
+        lines.append(f"colour     {key}: image feature stored as NV12 ({c['chroma']} chroma: one colour per 2x2 "
+                     f"pixels): read back, it differs from the source images by up to {c['max_255']}/255, mean "
+                     f"{c['mean_255']:.2f}/255 (sharp colour edges blend; shared/FORMAT.md, 'Image features')")
     if "frames_per_s" in s:
         lines.append(f"speed      {s['source_frames']} frames x {len(s['cameras'])} cameras in {s['seconds']} s"
                      f" = {s['frames_per_s']} frames/s")

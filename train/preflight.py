@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.shared.errors import ConfigError, FormatError, LoongForgeError
+from loongforge.shared.errors import CheckpointError, ConfigError, FormatError, LoongForgeError
+from loongforge.train.ckpt.gr00t import check_gr00t_weights
 from loongforge.train.config import TrainConfig
 from loongforge.train.data.training_data import TrainingData, load_training_data
 from loongforge.train.kernels import graphs
@@ -63,6 +64,11 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
         raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
                           f"({type(exc).__name__}: {exc}); check --data") from None
     model = plan_model(cfg, index)  # recipe or --init-from checkpoint, the data, the tokenizer
+    if model.init_from is not None:  # its weights' names and shapes, from the headers: before anything is written
+        try:
+            check_gr00t_weights(model.model, model.init_from)
+        except CheckpointError as exc:
+            raise ConfigError(f"--init-from {exc}") from None
     check_layout(cfg, world, model.model)  # heads and MLP widths split by tp x sp
     if cfg.memory.cuda_graphs:
         graphs.check(device=pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,

@@ -33,7 +33,7 @@ from loongforge.train.parallel.engine import (comm_seconds, init_distributed, pa
                                               release_cpu_shm_buffers, write_ds_config)
 from loongforge.train.parallel.parallelize import parallelize
 from loongforge.train.preflight import preflight
-from loongforge.train.resilience.exits import Preempted, Terminated
+from loongforge.train.resilience.exits import Preempted, Terminated, supervised
 from loongforge.train.resilience.nan_guard import NanGuard
 from loongforge.train.resilience.rundir import claim_for_rank
 from loongforge.train.resilience.startup import StartupWatch, clear_stale_build_locks
@@ -138,8 +138,10 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(cfg.run.run_dir, exist_ok=True)
             write_ds_config(self.ds_conf, cfg.run.run_dir)
-            log.info("model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
-                     self.world, self.device, cfg.parallel.zero_stage)
+            # Said at a run's start; a relaunch from a checkpoint under the supervisor has its one line already.
+            log.log(logging.DEBUG if self.step and supervised() else logging.INFO,
+                    "model %s: %.2fM params, %d ranks, device %s, ZeRO-%d", cfg.recipe, self.params / 1e6,
+                    self.world, self.device, cfg.parallel.zero_stage)
 
     def _build(self, attention: str, init_from: str | None):
         model = build_model(self.model_cfg, attention=attention)
@@ -160,7 +162,10 @@ class Trainer:
         # Rank 0 reads `latest` (falling back past a corrupt one) and every rank gets the tag by name.
         tag = ckpt_fallback.agree_resume_tag(self.cfg.run.run_dir, rank=self.rank, device=self.device)
         if tag is None:
-            log.info("--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
+            # The elastic supervisor launches with --resume itself: a first launch there said "--resume" to a user
+            # who never gave it. A user's own --resume with nothing to resume is worth their line (rank 0's).
+            log.log(logging.INFO if self.rank == 0 and not supervised() else logging.DEBUG,
+                    "--resume: no checkpoint in %s yet, starting fresh", self.cfg.run.run_dir)
             return
         checkpoint.check_resume_layout(ckpt_files.read_sidecar(self.cfg.run.run_dir, tag), self.par, tag,
                                        self.world, run_dir=self.cfg.run.run_dir,
@@ -175,8 +180,9 @@ class Trainer:
             sched.fast_forward(self.step)
         if self.dp_sync is not None:
             self.dp_sync.load(os.path.join(ckpt_files.ckpt_root(self.cfg.run.run_dir), tag))
-        log.info("resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
-                 doc["loader"]["epoch"], doc["loader"]["consumed"])
+        log.log(logging.INFO if self.rank == 0 else logging.DEBUG,  # one line, not one per rank
+                "resumed from %s at step %d (loader epoch %d, consumed %d)", tag, self.step,
+                doc["loader"]["epoch"], doc["loader"]["consumed"])
 
     def run(self) -> None:
         run = self.cfg.run

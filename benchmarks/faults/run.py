@@ -256,10 +256,10 @@ def summarize(name: str, run: Run, rc: int, t_inject: float, base_wall: float, e
     if name == "cache_daemon_sigkill":
         noticed = [t for ln in log.splitlines() if "reading shards from origin" in ln
                    and (t := fe.log_time(ln)) is not None and t >= t_inject - 1]
-        if noticed and detected_t is None:  # the client notices at its next request (a shard not yet mapped)
+        if noticed and detected_t is None:  # the client notices at its next request (a shard not yet open)
             detected_t = noticed[0]
         action = ("cache client fell back to the origin at its next read; no restart" if noticed else
-                  "kill not noticed: no read asked the daemon after it (every shard already mapped)") \
+                  "kill not noticed: no read asked the daemon after it (every shard already open)") \
             if len(launches) == 1 else action
     if name == "decode_worker_sigkill" and not (faults or el_faults):
         action = "decode worker replaced in place; no restart"

@@ -5,9 +5,9 @@ Three measurements, each next to a baseline timed in the same run:
      epochs of the trainer's real sample order (the loader's epoch order at its
      defaults, over episodes packed into shards), replayed through the daemon's
      own policy module (cache/policy.py, no I/O);
-  2. RAM-tier read bandwidth through CacheClient (mmap of the tier file, whose
-     sha256 the client checks on every new map) vs a plain numpy memcpy of the
-     same bytes, and that check alone;
+  2. RAM-tier read bandwidth through CacheClient (pread of the tier file, whose
+     sha256 the client checks on every new open, and read_shard hashes its copy
+     again) vs a plain numpy memcpy of the same bytes, and that check alone;
   3. cold-miss latency through a real daemon vs reading origin directly.
 """
 
@@ -50,7 +50,7 @@ def order_defaults() -> dict:
 
 def node_access_sequence(lengths: np.ndarray, seed: int, epoch: int, global_batch: int) -> list[int]:
     """Shard numbers in the order one node's readers first ask the daemon for them. All ranks
-    read the same global batches' shards at once, and a client keeps a shard mapped once it
+    read the same global batches' shards at once, and a client keeps a shard open once it
     has it, so the daemon sees each shard once per epoch, in first-touch order. The order is
     the loader's (episodes in shards of EPISODES_PER_SHARD, the uneven tail dropped)."""
     d = order_defaults()
@@ -188,17 +188,17 @@ def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, r
                 np.copyto(dst[:len(src)], src)
             memcpy.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for src in in_memory:  # what the client adds to every new map: its sha256 check against the index
+            for src in in_memory:  # what the client adds to every new open: its sha256 check against the index
                 hashlib.sha256(src).digest()
             hashing.append(time.perf_counter() - t0)
             with CacheClient(root, index, socket_path=d.socket) as client:
                 t0 = time.perf_counter()
-                for n in names:  # request + mmap of the tier file + read every byte
+                for n in names:  # request + open + sha256 of the tier file + pread copy, hashed + read every byte
                     src = np.frombuffer(client.read_shard(n), np.uint8)
                     np.copyto(dst[:len(src)], src)
                 cold.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                for n in names:  # already mapped: the steady state of a worker re-reading samples
+                for n in names:  # already open: pread copy, hashed, + read every byte
                     src = np.frombuffer(client.read_shard(n), np.uint8)
                     np.copyto(dst[:len(src)], src)
                 hot.append(time.perf_counter() - t0)
@@ -207,9 +207,9 @@ def ram_bandwidth_rows(root: str, index: ShardIndex, work: Path, repeats: int, r
     rows = []
     where = f" [{ram_base}: {_tmpfs_pages(ram_base)}]"
     for i, (title, times) in enumerate([("numpy memcpy of the same bytes (baseline)", memcpy),
-                                        ("CacheClient.read_shard + read, first map (sha256 checked)" + where, cold),
-                                        ("CacheClient.read_shard + read, already mapped" + where, hot),
-                                        ("sha256 of the same bytes alone: the client's check of a new map", hashing)]):
+                                        ("CacheClient.read_shard + read, first open (file and copy sha256 checked)" + where, cold),
+                                        ("CacheClient.read_shard + read, already open (copy sha256 checked)" + where, hot),
+                                        ("sha256 of the same bytes alone: the client's check of a new open", hashing)]):
         gbps = total / min(times) / 1e9
         rows.append({"id": f"ram-read{tag}-{i}", "title": title, "metric": "GB/s", "value": round(gbps, 2),
                      "vs_memcpy": round(gbps / base, 2), "bytes": total, "repeats": repeats, "ram_dir": ram_base})
@@ -233,12 +233,12 @@ def cold_miss_rows(root: str, index: ShardIndex, work: Path) -> list[dict]:
             for n in names:
                 _drop_page_cache(os.path.join(root, n))
                 t0 = time.perf_counter()
-                client.read_shard(n)  # origin read + verify + RAM/SSD write + map
+                client.read_shard(n)  # origin read + verify + RAM/SSD write + pread copy, hashed
                 through.append(time.perf_counter() - t0)
             assert client.counts["origin_reads"] == 0, "client fell back to origin: daemon not serving"
     rows = []
     for i, (title, times) in enumerate([("origin read + verify, no cache (baseline)", direct),
-                                        ("cold miss through the daemon (fill RAM+SSD, map)", through)]):
+                                        ("cold miss through the daemon (fill RAM+SSD, read)", through)]):
         med = float(np.median(times))
         rows.append({"id": f"cold-miss-{i}", "title": title, "metric": "ms per shard", "value": round(med * 1e3, 2),
                      "MB/s": round(size / med / 1e6, 1), "vs_origin": round(med / float(np.median(direct)), 2),

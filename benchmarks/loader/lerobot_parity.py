@@ -10,8 +10,8 @@ preprocesses the same dataset (default options) and compares LoongForge's item f
 index and `delta_timestamps`: keys, shapes, dtypes, values of every non-image key; images
 bit-exact with `color="pyav"`, max / mean |difference| in /255 with the default colour.
 
-Datasets: the v3.0 fixtures written by lerobot itself (../shared/fixtures/lerobot_v3, video and
-image, when present), and GR00T-like sample data in v3.0 (AV1, GOP 2) stamped from 1/fps (GR00T's
+Datasets: `--dataset ROOT` (your own v3.0 roots, repeatable), else the v3.0 fixtures written by
+lerobot itself (../shared/fixtures/lerobot_v3, video and image, when present), and GR00T-like sample data in v3.0 (AV1, GOP 2) stamped from 1/fps (GR00T's
 demo data) and with a robot's wall clock (jitter, dropped frames: H.264 at a variable frame rate).
 Delta settings: none (the current frame), gr00t (each camera and the state at 0, 16 actions) and
 history2 (2 frames of each camera and of the state, 16 actions from t-1).
@@ -63,7 +63,10 @@ def fixtures_dir() -> Path | None:
 
 
 def build_datasets(work: Path, args) -> list[tuple[str, Path, dict | None]]:
-    """(name, LeRobot v3.0 root, the fixture's own delta_timestamps or None)."""
+    """(name, LeRobot v3.0 root, the fixture's own delta_timestamps or None): the --dataset roots as they
+    are (read, never written), else the fixtures and the generated data."""
+    if args.dataset:
+        return [(f"{path} (--dataset)", Path(path), None) for path in args.dataset]
     out = []
     fixtures = fixtures_dir()
     for kind in ("video", "image") if fixtures else ():
@@ -186,6 +189,8 @@ def compare(ours: LeRobotDataset, exact: LeRobotDataset, theirs: dict, deltas: d
 
 def run(args) -> list[dict]:
     rows = []
+    if args.work:
+        os.makedirs(args.work, exist_ok=True)  # a --work folder that does not exist yet is made, not a traceback
     with tempfile.TemporaryDirectory(prefix="lf-lerobot-parity-", dir=args.work) as tmp:
         work = Path(tmp)
         for name, src, own in build_datasets(work, args):
@@ -222,9 +227,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_datasets(roots: list[str]) -> None:
+    """Each --dataset a LeRobot v3.0 root, or one line (exit 2) before any work."""
+    for root in roots:
+        info = Path(root, "meta", "info.json")
+        try:
+            version = json.loads(info.read_text()).get("codebase_version")
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--dataset {root}: no readable meta/info.json ({type(exc).__name__}): not a LeRobot "
+                             "dataset root") from None
+        if version != "v3.0":
+            raise UsageError(f"--dataset {root}: LeRobot {version}; lerobot 0.6.1 reads only v3.0 (convert it with "
+                             "lerobot's convert_dataset_v21_to_v30)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lerobot-venv", default=None, metavar="PATH",
                    help="a venv with lerobot 0.6.1, made by benchmarks/lerobot_venv/setup.sh (required)")
+    p.add_argument("--dataset", action="append", default=[], metavar="ROOT",
+                   help="a LeRobot v3.0 dataset root of your own (lerobot 0.6.1 reads only v3.0), compared instead "
+                        "of the fixtures and the generated data; repeat for several")
     p.add_argument("--episodes", type=int, default=4, help="episodes of the generated datasets (4)")
     p.add_argument("--frames", type=int, nargs=2, default=(30, 50), metavar=("A", "B"),
                    help="frames per generated episode, drawn from [A, B] (30 50)")
@@ -237,6 +259,7 @@ def handle(args: argparse.Namespace) -> int:
     if not args.lerobot_venv or not (Path(args.lerobot_venv) / "bin" / "python").exists():
         raise UsageError(f"--lerobot-venv {args.lerobot_venv}: no bin/python; make it with "
                          "bash benchmarks/lerobot_venv/setup.sh PATH")
+    check_datasets(args.dataset)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     rows = run(args)
     text = table(rows)

@@ -5,7 +5,8 @@
 Run here, with network, in the project's venv (`make setup`):
   wheels/   the packages of infra/gpu/wheels.txt for CPython 3.12 on manylinux x86-64 (pip download
             --only-binary, no dependencies: the list names each one); deepspeed is built from its
-            sdist with DS_BUILD_OPS=0, a pure-Python wheel with no op prebuilt
+            sdist with DS_BUILD_OPS=0, a pure-Python wheel with no op prebuilt, reproducibly (the
+            same bytes on every build: fixed zip times and str hashing)
   shards/   the shard root of gpu-check's training runs (synthetic, written by loongforge.shared's
             writer: no Beam, no PyAV on the GPU side)
   MANIFEST.json  every file's size and sha256, each wheel's name, version, tags and requirements
@@ -76,8 +77,19 @@ def build_sdist_wheel(name: str, version: str, out: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", tmp, f"{name}=={version}")
         (sdist,) = glob.glob(os.path.join(tmp, "*.tar.gz"))
-        env = dict(os.environ, DS_BUILD_OPS="0", DS_BUILD_STRING="")
-        _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, sdist, env=env)
+        build_wheel(sdist, out, DS_BUILD_OPS="0", DS_BUILD_STRING="")
+
+
+# A wheel built here comes out byte for byte the same on every build, or each `make gpu-bundle` rewrote
+# the committed lock (deepspeed's size moved by a few bytes) and a fresh clone's check dirtied the tree:
+# zip entries carry the build's clock, and a setup.py that lists extras from a set (deepspeed's) writes
+# METADATA in an order that follows str hashing, random per process.
+REPRODUCIBLE = {"SOURCE_DATE_EPOCH": "315532800", "PYTHONHASHSEED": "0"}  # 1980-01-01: the zip format's epoch
+
+
+def build_wheel(sdist: str, out: str, **env: str) -> None:
+    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, sdist,
+         env=dict(os.environ, **REPRODUCIBLE, **env))
 
 
 def make_shards(out: str) -> list[str]:

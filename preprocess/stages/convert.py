@@ -117,16 +117,18 @@ class ConvertEpisodeFn(beam.DoFn):
             if spec.length >= 0 and spec.length != table.length:
                 log.warning("episode %d: the episode metadata says %d frames, parquet has %d; trusting the parquet",
                             spec.index, spec.length, table.length)
-            frames, videos, timing = {}, [], []
+            frames, videos, timing, losses = {}, [], [], []
             source_bytes = 0 if spec.shared_parquet else files.size(spec.parquet)
             keep = np.ones(table.length, bool)
             paths_of, spans = dict(spec.videos), dict(zip((k for k, _ in spec.videos), spec.spans))
             for c, cam in enumerate(self.meta.cameras):
                 camera = cam.key
-                frames[cam.slot], info, size, rows = self._camera(c, cam, table, paths_of.get(cam.key),
-                                                                  spans.get(cam.key), spec)
+                frames[cam.slot], info, size, rows, loss = self._camera(c, cam, table, paths_of.get(cam.key),
+                                                                        spans.get(cam.key), spec)
                 source_bytes += size
                 videos.append(info)
+                if loss is not None:
+                    losses.append((cam.key, *loss))
                 if rows is not None:
                     timing.append((cam.key, *rows.counts()))
                 if rows is not None and rows.skipped:
@@ -143,33 +145,34 @@ class ConvertEpisodeFn(beam.DoFn):
         except Exception as exc:  # noqa: BLE001 - a reader/decoder bug on one input must not kill the job
             log.exception("episode %d: unexpected error reading %s", spec.index, camera or "the parquet")
             raise _Failed(camera, SourceDataError(f"{type(exc).__name__}: {exc}")) from exc
-        return table, frames, videos, source_bytes, tuple(timing)
+        return table, frames, videos, source_bytes, tuple(timing), tuple(losses)
 
     def _camera(self, c: int, cam, table: EpisodeTable, path: str | None, span, spec: EpisodeSpec):
         """(NV12 frames, (key, source h, w, codec, matrix, range), source bytes, RowFrames or None for
-        image features, one image per row) of one camera. Files shared by several episodes count 0
+        image features, one image per row, and for image features the colour lost to 4:2:0 chroma
+        (images.images_to_nv12), else None) of one camera. Files shared by several episodes count 0
         here: their bytes are SourceMeta.shared_bytes."""
         p = self.params
         height, width = p.size(c)
         if cam.kind == "image":
             target = p.color or ColorTarget()
             out = np.empty((table.length, height * 3 // 2, width), np.uint8)
-            sh, sw, fmt = images_to_nv12(table.images[cam.key], out, resize_mode=p.resize_mode, target=target,
-                                         origin=f"{spec.parquet} {cam.key}")
-            return out, (cam.key, sh, sw, fmt, target.matrix, target.range), 0, None
+            sh, sw, fmt, loss = images_to_nv12(table.images[cam.key], out, resize_mode=p.resize_mode, target=target,
+                                               origin=f"{spec.parquet} {cam.key}")
+            return out, (cam.key, sh, sw, fmt, target.matrix, target.range), 0, None, loss
         if path is None:
             raise SourceDataError(f"episode {spec.index}: no video file for {cam.key}")
         out, info = decode_nv12(path, table.timestamps, height=height, width=width, resize_mode=p.resize_mode,
                                 color=p.color, span=span, timing=p.timing)
         size = files.size(path) if span is None else 0
         return out, (cam.key, info.height, info.width, info.codec, info.color_matrix, info.color_range), size, \
-            info.rows
+            info.rows, None
 
     def process(self, spec: EpisodeSpec):
         t0 = time.perf_counter()
         p = self.params
         try:
-            table, frames, videos, source_bytes, timing = self._read_inputs(spec)
+            table, frames, videos, source_bytes, timing, losses = self._read_inputs(spec)
         except _Failed as failed:
             yield self._fail(spec, failed.camera, failed.error)
             return
@@ -186,12 +189,13 @@ class ConvertEpisodeFn(beam.DoFn):
             for kind, count in zip(("shifted", "clamped", "skipped"), counts):
                 if count:
                     self.rows[kind].inc(count)
-        log.info("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
+        log.debug("episode %d: %d frames x %d cameras -> %d blocks of %d (%.2f s)", spec.index, table.length,
                  len(frames), sum(len(c) for c in layout.blocks), p.block_frames, time.perf_counter() - t0)
         report_episode(self.progress_topic, spec.index, ok=True)
         yield STATS, episode_moments(spec.index, table.state, table.action, episode_arrays(table), p.embodiment)
         yield STAGED, StagedEpisode(episode=spec.index, path=path, layout=layout, source_frames=table.length,
-                                    source_bytes=source_bytes, videos=tuple(videos), timing=timing)
+                                    source_bytes=source_bytes, videos=tuple(videos), timing=timing,
+                                    image_loss=losses)
 
 
 def episode_arrays(table) -> dict:

@@ -23,6 +23,7 @@ from loongforge.preprocess.stages.colorspace import ColorTarget
 from loongforge.preprocess.config import PreprocessConfig
 from loongforge.preprocess.stages.convert import FAILED, STAGED, STATS, ConvertParams
 from loongforge.preprocess.stages.discover import SourceMeta
+from loongforge.preprocess.stages.images import image_color
 from loongforge.preprocess.stages.pack import STAGING_DIR, StagedEpisode
 from loongforge.preprocess.stages.stats import embodiment_record, norm_stats
 from loongforge.shared import paths, storage
@@ -155,6 +156,7 @@ def build_dataset(meta: SourceMeta, cfg: PreprocessConfig, params: ConvertParams
         # The columns of LeRobot's item and the episode arrays holding them; which frame each row shows.
         "columns": {c.name: c.to_json() for c in meta.columns},
         "frame_timing": frame_timing(meta, params, staged),
+        "image_color": image_color(staged),  # what 4:2:0 chroma cost each image-feature camera
     }
     # frames_per_sample 1: every frame is stored once; samples are shaped at training time (delta indices).
     dataset = DatasetInfo(
@@ -198,6 +200,6 @@ class FinalizeFn(beam.DoFn):
                 failed=failed, val_episodes=val_episodes, created_by=f"loongforge.preprocess {__version__}")
         remove_stale_shards(self.cfg.output, {s["name"] for s in shards})
         files.remove_tree(files.join(self.cfg.output, STAGING_DIR))
-        log.info("wrote %s: %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
+        log.debug("wrote %s: %d shards, %d episodes, %d frames, %d failed", self.cfg.output, len(shards),
                  len(layouts), sum(lay.num_frames for lay in layouts), len(failed))
         yield {"shards": len(shards), "episodes": len(layouts), "tables": TABLE_DIR}

@@ -7,7 +7,11 @@ palette images expanded, alpha dropped); when the stored size differs from the i
 Pillow's bicubic filter; then `shared.color.rgb_to_nv12` converts it in the dataset's colour
 matrix and range (BT.601 full range for a dataset of image features only, the video
 streams' colour otherwise, or what --color-matrix/--color-range ask). Reading it back with
-`shared.color.nv12_to_rgb` is within the chroma subsampling of the original pixels.
+`shared.color.nv12_to_rgb` is within the chroma subsampling of the original pixels: NV12 keeps one
+colour per 2x2 pixels (4:2:0), which video sources already had, but still images did not, so a sharp
+colour edge comes back blended (142/255 at worst on LeRobot's PNG fixture). The loss is measured on
+every image as it is converted (the stored frame read back against the RGB it was made from) and
+recorded per camera in `dataset.source.image_color`; `loongforge preprocess` and `inspect` print it.
 """
 
 from __future__ import annotations
@@ -67,12 +71,15 @@ def _fit(rgb: np.ndarray, height: int, width: int, resize_mode: str) -> np.ndarr
 
 
 def images_to_nv12(cells: list, out: np.ndarray, *, resize_mode: str, target: ColorTarget,
-                   origin: str) -> tuple[int, int, str]:
+                   origin: str) -> tuple[int, int, str, tuple[int, int, int]]:
     """Decode every row's image into `out` (n, 3h/2, w) NV12. Returns the source (height, width,
-    format) of the first image; every image of a camera must have the same size."""
+    format) of the first image, and the colour lost to 4:2:0 chroma over every image: (largest
+    |difference| in 1/255, sum of |differences|, values compared) between the stored frame read back
+    (shared.color.nv12_to_rgb, the trainer's reference) and the RGB it was made from. Every image of a
+    camera must have the same size."""
     n, rows, width = out.shape
     height = rows * 2 // 3
-    src = None
+    src, worst, total = None, 0, 0
     for i, cell in enumerate(cells):
         where = f"{origin} row {i}"
         data = _image_bytes(cell, where)
@@ -84,6 +91,20 @@ def images_to_nv12(cells: list, out: np.ndarray, *, resize_mode: str, target: Co
         if rgb.shape[:2] != (height, width):
             rgb = _fit(rgb, height, width, resize_mode)
         out[i] = color.rgb_to_nv12(rgb, target.matrix, target.range)
+        diff = np.abs(color.nv12_to_rgb(out[i], target.matrix, target.range).astype(np.int16) - rgb)
+        worst, total = max(worst, int(diff.max())), total + int(diff.sum())
     if src is None or len(cells) != n:
         raise SourceDataError(f"{origin}: {len(cells)} images for {n} rows")
-    return src
+    return (*src, (worst, total, n * height * width * 3))
+
+
+def image_color(staged) -> dict:
+    """`dataset.source.image_color`: per image-feature camera, the colour its NV12 lost against the
+    source images over the converted episodes (StagedEpisode.image_loss), in 1/255."""
+    acc: dict[str, list[int]] = {}
+    for ep in staged:
+        for key, worst, total, values in ep.image_loss:
+            a = acc.setdefault(key, [0, 0, 0])
+            a[0], a[1], a[2] = max(a[0], worst), a[1] + total, a[2] + values
+    return {key: {"chroma": "4:2:0", "max_255": worst, "mean_255": round(total / values, 4) if values else 0.0}
+            for key, (worst, total, values) in sorted(acc.items())}

@@ -39,6 +39,8 @@ class StagedEpisode:
     videos: tuple[tuple[str, int, int, str, str, str], ...]  # (camera key, src h, src w, codec, matrix, range)
     # Per camera (key, rows shifted, clamped, skipped) by the timestamp rule (stages/timing.py).
     timing: tuple[tuple[str, int, int, int], ...] = ()
+    # Per image-feature camera (key, largest |diff| /255, sum of |diff|, values): the colour its NV12 lost.
+    image_loss: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,7 @@ class WriteShardFn(beam.DoFn):
         entry, placed = write_shard(self.output, plan.number, fragments)
         self.shards.inc()
         self.bytes.inc(entry["bytes"])
-        log.info("wrote %s: %d episodes, %.1f MB", entry["name"], len(placed), entry["bytes"] / 1e6)
+        log.debug("wrote %s: %d episodes, %.1f MB", entry["name"], len(placed), entry["bytes"] / 1e6)
         yield plan.number, entry, tuple(placed)
 
 

@@ -108,3 +108,35 @@ def test_the_bundle_and_the_tree_fit_one_device_call():
     tree = mod.tree_bytes(str(REPO))
     assert tree + carried <= mod.LIMIT, (f"working tree {tree / 2**20:.1f} MiB + bundle {carried / 2**20:.1f} MiB "
                                          f"> {mod.LIMIT / 2**20:.0f} MiB a device call carries")
+
+
+SETUP = """from setuptools import setup
+names = {f"pkg{i}" for i in range(40)}  # as deepspeed's setup.py: extras gathered in a set
+setup(name="lfrepro", version="1.0", py_modules=["lfrepro"], extras_require={"all": sorted(names, key=hash)})
+"""
+
+
+def test_a_wheel_built_from_an_sdist_is_the_same_on_every_build(tmp_path):
+    """`make gpu-bundle` built deepspeed's wheel with the build's clock in every zip entry and its
+    extras in hash order, so the committed lock changed on every build (2,168,852 -> 2,168,857 bytes)
+    and a fresh clone's check dirtied the tree. Two builds of a small sdist of the same kind, seconds
+    apart (the zip clock's step is 2 s), are now the same bytes."""
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "lfrepro-1.0"
+    src.mkdir()
+    (src / "setup.py").write_text(SETUP)
+    (src / "lfrepro.py").write_text("VALUE = 1\n")
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=src, check=True,
+                   capture_output=True)
+    (sdist,) = tmp_path.glob("lfrepro-1.0.tar.gz")
+    built = []
+    for i in range(2):
+        out = tmp_path / f"out{i}"
+        _bundle_module().build_wheel(str(sdist), str(out))
+        (wheel,) = out.glob("*.whl")
+        built.append(wheel.read_bytes())
+        time.sleep(2.1)
+    assert built[0] == built[1]

@@ -52,6 +52,21 @@ def test_benchmark_runs_on_a_tiny_input(tmp_path, capsys):
     assert list(tmp_path.glob("lf-lerobot-bench-*")) == []  # generated data removed
 
 
+def test_benchmark_times_a_dataset_of_ones_own(tmp_path, capsys):
+    """`--dataset ROOT` times the user's own data (its cameras, its fps) instead of the generated data: the
+    benchmark took no dataset path, so nobody could check their own. A --work folder that does not exist
+    yet is made."""
+    src = copy_fixture("lerobot_v3/video", tmp_path / "mine")
+    work = tmp_path / "not" / "yet"
+    rc = main(["bench", "lerobot-baseline", "--dataset", str(src), "--seconds", "0.2", "--workers", "0",
+               "--batch-size", "4", "--settings", "gr00t", "--work", str(work), "--out", str(tmp_path / "out")])
+    assert rc == 0 and work.is_dir()
+    assert f"| {src} | gr00t | 0 |" in capsys.readouterr().out
+    (result,) = (tmp_path / "out").glob("lerobot-baseline-*.json")
+    (row,) = json.loads(result.read_text())["rows"]
+    assert row["encoding"] == str(src) and row["goal"] is None and row["loongforge"]["samples_per_s"] > 0
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "lerobot-baseline", "--help"])

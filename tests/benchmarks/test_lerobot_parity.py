@@ -50,6 +50,29 @@ def test_the_venv_scripts_compile_and_a_missing_venv_is_one_line(tmp_path, capsy
         assert len(err.splitlines()) == 1 and "benchmarks/lerobot_venv/setup.sh" in err
 
 
+def test_parity_compares_a_dataset_of_ones_own_and_makes_its_work_folder(tmp_path, capsys):
+    """`--dataset ROOT` is what lerobot is asked about (the bench took no dataset path), and a --work
+    folder that does not exist yet is made (it was a FileNotFoundError traceback). The venv here is a
+    stand-in whose Python records the root it was given and fails, which the bench says in one line."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    asked = tmp_path / "asked"
+    (venv / "bin" / "python").write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --root ] && echo \"$2\" >> "
+                                         f"{asked}; shift; done\necho 'no lerobot here' >&2\nexit 1\n")
+    (venv / "bin" / "python").chmod(0o755)
+    src = copy_fixture("lerobot_v3/video", tmp_path / "mine")
+    work = tmp_path / "not" / "yet"
+    rc = main(["bench", "lerobot-parity", "--lerobot-venv", str(venv), "--dataset", str(src), "--work", str(work)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "no lerobot here" in err, err
+    assert asked.read_text().split() == [str(src)] and work.is_dir()
+    v21 = tmp_path / "v21" / "meta"
+    v21.mkdir(parents=True)
+    (v21 / "info.json").write_text('{"codebase_version": "v2.1"}')
+    assert main(["bench", "lerobot-parity", "--lerobot-venv", str(venv), "--dataset", str(v21.parent)]) == 2
+    assert "lerobot 0.6.1 reads only v3.0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bench", ["lerobot-parity", "lerobot-baseline"])
 def test_help_names_the_venv_option(bench, capsys):
     with pytest.raises(SystemExit):

@@ -172,6 +172,30 @@ def test_client_refuses_a_daemon_of_the_wrong_uid(world, case):
     assert out.returncode == 1 and f"served by {who}" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("transport", ["unix, in the other user's 0755 directory", "tcp"])
+def test_client_refuses_a_daemon_it_cannot_attribute(world, transport):
+    """No daemon user configured, and the socket in a directory of `out`'s (0755, as /tmp/x or
+    /dev/shm/x would be), or a TCP port `out` took: the client trusted whoever made the directory or
+    answered (the audit's fake saw `6 get, 1 hello, 6 report` and could truncate what it handed out).
+    Now nothing attributes that uid to the cache daemon: refused in one ERROR line before any request,
+    origin read, and `cache stats` says the same. Naming the daemon's user lets the client in."""
+    u = world.u
+    tcp = f"127.0.0.1:{free_port()}" if transport == "tcp" else None
+    fake = world.daemon(u.out, "fake", extra=("--tcp", tcp) if tcp else ())
+    if not tcp:
+        os.chmod(fake.dir, 0o755)
+    endpoint = {"tcp": tcp} if tcp else {"socket_path": fake.socket}
+    data, counts, errors = _read_as(u.inn, world, **endpoint)
+    assert data == _origin_bytes(world) and (counts["daemon_reads"], counts["origin_reads"]) == (0, 1), counts
+    assert len(errors) == 1 and "no daemon user is configured" in errors[0], errors
+    assert f"owned by uid {u.out.uid}" in errors[0] if not tcp else f"served by uid {u.out.uid}" in errors[0]
+    assert fake.stats()["counters"]["misses"] == {}  # never asked for a shard
+    out = u.inn.cli("stats", *(("--tcp", tcp) if tcp else ("--socket", fake.socket)))
+    assert out.returncode == 1 and out.stdout == "" and _why(errors[0]) in out.stderr, out.stderr
+    data, counts, errors = _read_as(u.inn, world, daemon_user=u.out.name, **endpoint)
+    assert data == _origin_bytes(world) and counts["daemon_reads"] == 1 and errors == [], (counts, errors)
+
+
 @pytest.mark.parametrize("case", ["another user's socket at its path", "its socket directory read-only"])
 def test_stop_unlinks_only_its_own_socket_and_finishes_cleanup(world, case):
     """Stopping, the daemon used to unlink whatever socket sat at its path (another user's, put there
@@ -241,7 +265,7 @@ def test_only_the_daemons_user_or_root_may_stop_it(world, transport):
     tcp = f"127.0.0.1:{free_port()}" if transport == "tcp" else None
     d = world.daemon(u.d, extra=("--tcp", tcp) if tcp else ())
     endpoint = ("--tcp", tcp) if tcp else ("--socket", d.socket)
-    refused = u.inn.cli("stop", *endpoint)
+    refused = u.inn.cli("stop", *endpoint, "--daemon-user", u.d.name)  # as trainers are configured
     assert refused.returncode == 1 and "stop refused: only the daemon's user" in refused.stderr, refused.stderr
     assert f"uid {u.inn.uid}" in refused.stderr
     assert counter(d.stats(), "rejected", "stop_not_allowed") == 1 and d.proc.poll() is None  # still serving
@@ -269,7 +293,7 @@ def test_refused_user_is_told_the_group_and_the_fix(world):
         assert "EACCES" in text and group in text and f"usermod -aG {u.group} {u.out.name}" in text, text
         assert f"the group of {srv}/run" in text, text
     assert d.proc.poll() is None  # `stop` never reached it
-    assert u.inn.cli("stats", "--socket", d.socket).returncode == 0  # the group member is let in
+    assert u.inn.cli("stats", "--socket", d.socket, "--daemon-user", u.d.name).returncode == 0  # the member is let in
 
 
 # -- a squatted RAM directory -----------------------------------------------------------------------------
@@ -293,6 +317,22 @@ def test_squatted_ram_directory_is_one_line_and_left_untouched(world):
     assert os.listdir(squat) == [] and not os.path.exists(d.socket)
 
 
+def test_ssd_directory_the_daemons_user_cannot_create_is_one_line_and_leaves_no_ram_tier(world):
+    """--ssd-dir under a directory the daemon's user may not write: a 24-line PermissionError traceback,
+    and the RAM tier it had made first (`.lock`, `CACHE_FORMAT.json`, `data/`) left in /dev/shm. Now one
+    line naming the directory and the fix, and the RAM tier removed."""
+    u = world.u
+    roots = os.path.join(world.base, "roots")  # root's, 0755: the daemon's user cannot create in it
+    os.mkdir(roots)
+    d = world.daemon(u.d, start=False)
+    _set(d, "--ssd-dir", os.path.join(roots, "ssd"))
+    out = _refused_at_start(d.args)
+    line = _one_error_line(out.stderr)
+    assert out.returncode == 1 and f"ssd tier {roots}/ssd" in line and "Permission denied" in line, line
+    assert "install -d -o USER -m 0750" in line, line
+    assert not os.path.exists(d.ram_dir) and not os.path.exists(d.socket), os.listdir(d.dir)
+
+
 # -- what a group member may change under a reader ------------------------------------------------------------
 def test_group_member_cannot_change_what_a_tcp_reader_maps(world):
     """Over TCP the client checked neither owner nor mode and hashed a file once per process: after a
@@ -304,7 +344,7 @@ def test_group_member_cannot_change_what_a_tcp_reader_maps(world):
     d = world.daemon(u.d, extra=("--tcp", tcp))
     name = world.index.shards[0].name
     path = os.path.join(d.ram_dir, "data", name)
-    client = CacheClient(world.root, world.index, tcp=tcp, fallback=False)
+    client = CacheClient(world.root, world.index, tcp=tcp, fallback=False, daemon_user=u.d.name)
     try:
         with acting_as(u.inn):
             assert bytes(client.read_shard(name)) == _origin_bytes(world)

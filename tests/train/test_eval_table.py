@@ -129,6 +129,30 @@ def test_plot_shows_the_worst_dims_labelled_by_group(tmp_path):
     assert labels == ["arm[0]", "hand[0]"] and path.stat().st_size > 1000
 
 
+def test_plot_headlines_the_default_prediction_and_keeps_its_legend_off_the_data():
+    """The titles gave the 1-sample MSE (arm 0.316, worse than the mean baseline) while the console says
+    the default is the 8-sample mean, and a 6-pt legend sat on the first panel's data. Now the title is
+    the K-sample mean's MSE beside the mean baseline's, and the legend, readable, is beside the panels."""
+    from loongforge.train.eval.plots import LEGEND_PT, episode_figure
+
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=(30, 3)).astype(np.float32)
+    traj = {"truth": truth, "policy": truth + rng.normal(scale=0.6, size=truth.shape).astype(np.float32),
+            "policy_k": truth + 0.05, "mean": np.zeros_like(truth), "ridge": truth * 0.5, "repeat_last": truth}
+    errs = errors(traj, GROUPS)
+    fig, _ = episode_figure(traj, GROUPS, errs, "episode 3", max_dims=3, samples=8)
+    title = fig._suptitle.get_text()
+    assert f"policy (8-sample mean) MSE: arm {errs['policy_k']['mse']['arm']:.3g}" in title, title
+    assert f"mean baseline: arm {errs['mean']['mse']['arm']:.3g}" in title and f"{errs['policy']['mse']['arm']:.3g}" \
+        not in title, title
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    assert all(not box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+    assert LEGEND_PT >= 8 and all(t.get_fontsize() == LEGEND_PT for t in legend.get_texts())
+    assert "policy (8-sample mean)" in [t.get_text() for t in legend.get_texts()]
+
+
 @pytest.mark.parametrize("samples", [0, -2])
 def test_samples_below_one_is_a_usage_error(samples):
     with pytest.raises(UsageError, match="--samples"):

@@ -3,8 +3,9 @@
 In (`--init-from DIR`): config.json (read by model/config.py) and the weights, `model.safetensors`
 or shards named by `model.safetensors.index.json`, loaded by name into the model, whose parameter
 names are the reference's; the tied LM head (absent from the reference's files as from ours) is
-the only name allowed to differ. A missing, unexpected or mis-shaped tensor is one CheckpointError
-naming it. The dtypes the file stored are returned (kept in the run's sidecar) so an export writes each
+the only name allowed to differ. A missing, unexpected or mis-shaped tensor, or a file that is not
+whole, is one CheckpointError naming it, found from the files' headers by check_gr00t_weights before
+the run writes anything (preflight). The dtypes the file stored are returned (kept in the run's sidecar) so an export writes each
 tensor back in its own dtype: init-from -> export is tensor-identical for what did not train.
 
 Out (`loongforge export RUN --format gr00t OUT`, `export_gr00t`): what Isaac-GR00T's loader reads:
@@ -17,16 +18,18 @@ one. Every file is written to a temporary directory renamed into place at the en
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loongforge.shared.errors import CheckpointError
+from loongforge.train.model.build import build_model
 from loongforge.train.model.config import GrootConfig, to_gr00t_json
 
 TIED = ("backbone.model.language_model.lm_head.weight",)  # tied to embed_tokens: never stored
@@ -57,31 +60,17 @@ def weight_files(path: str) -> list[str]:
                           "holds config.json and its safetensors)")
 
 
-def load_gr00t_weights(model: torch.nn.Module, path: str) -> dict[str, str]:
-    """Load a checkpoint directory's tensors into `model` by name (cast to each parameter's dtype).
-    Returns the stored dtypes (for the sidecar). One CheckpointError for what does not match."""
-    params = dict(model.named_parameters())
+def _expected(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint must hold for `model`: its parameters (a tied one once) and persistent buffers."""
     buffers = {n: b for n, b in model.named_buffers() if n in model.state_dict()}
-    want = {**params, **buffers}
-    seen, dtypes = set(), {}
-    bad_shape = []
-    for file in weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name in TIED:
-                    continue
-                seen.add(name)
-                if name not in want:
-                    continue
-                t = f.get_tensor(name)
-                dtypes[name] = str(t.dtype).removeprefix("torch.")
-                if tuple(t.shape) != tuple(want[name].shape):
-                    bad_shape.append(f"{name} {tuple(t.shape)} vs the model's {tuple(want[name].shape)}")
-                    continue
-                with torch.no_grad():
-                    want[name].copy_(t.to(want[name].dtype))
-    missing = sorted(set(want) - seen)
-    unexpected = sorted(seen - set(want))
+    return {**dict(model.named_parameters()), **buffers}
+
+
+def _mismatch(path: str, found: dict[str, tuple], want: dict[str, tuple]) -> None:
+    """One CheckpointError naming what does not match (names and shapes), or nothing."""
+    bad_shape = [f"{n} {found[n]} vs the model's {want[n]}" for n in found if n in want and found[n] != want[n]]
+    missing = sorted(set(want) - set(found))
+    unexpected = sorted(set(found) - set(want))
     if bad_shape or missing or unexpected:
         parts = [f"{len(bad_shape)} of another shape ({bad_shape[0]})" if bad_shape else "",
                  f"{len(missing)} missing ({missing[0]}{', ...' if len(missing) > 1 else ''})" if missing else "",
@@ -89,6 +78,52 @@ def load_gr00t_weights(model: torch.nn.Module, path: str) -> dict[str, str]:
                  if unexpected else ""]
         raise CheckpointError(f"{path}: the weights do not match the N1.6 model its config.json describes: "
                               + "; ".join(p for p in parts if p))
+
+
+@contextlib.contextmanager
+def _opened(file: str):
+    """safe_open, with a file it cannot read (truncated: "incomplete metadata", not safetensors) one
+    CheckpointError instead of a SafetensorError traceback."""
+    try:
+        f = safe_open(file, framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable as safetensors ({' '.join(str(exc).split())}): truncated or not "
+                              "a safetensors file; copy the checkpoint again") from None
+    with f:
+        yield f
+
+
+def check_gr00t_weights(cfg: GrootConfig, path: str) -> None:
+    """Before a run writes anything: the checkpoint's tensor names and shapes, from its files' headers
+    (no tensor is read), against the model `cfg` describes, built on the meta device. One
+    CheckpointError for a file that cannot be read or a tensor that does not match."""
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in _expected(build_model(cfg)).items()}
+    found = {}
+    for file in weight_files(path):
+        with _opened(file) as f:
+            found.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if n not in TIED})
+    _mismatch(path, found, want)
+
+
+def load_gr00t_weights(model: torch.nn.Module, path: str) -> dict[str, str]:
+    """Load a checkpoint directory's tensors into `model` by name (cast to each parameter's dtype).
+    Returns the stored dtypes (for the sidecar). One CheckpointError for what does not match."""
+    want = _expected(model)
+    found, dtypes = {}, {}
+    for file in weight_files(path):
+        with _opened(file) as f:
+            for name in f.keys():
+                if name in TIED:
+                    continue
+                found[name] = tuple(f.get_slice(name).get_shape())
+                if name not in want or found[name] != tuple(want[name].shape):
+                    continue
+                t = f.get_tensor(name)
+                dtypes[name] = str(t.dtype).removeprefix("torch.")
+                with torch.no_grad():
+                    want[name].copy_(t.to(want[name].dtype))
+    _mismatch(path, found, {n: tuple(t.shape) for n, t in want.items()})
     return dtypes
 
 
@@ -123,11 +158,23 @@ def export_gr00t(state: dict[str, torch.Tensor], cfg: GrootConfig, out: str, *, 
                 if os.path.exists(src) and name not in docs:
                     shutil.copy2(src, os.path.join(tmp, name))
         files = sorted(os.listdir(tmp))
+        _follow_umask(tmp, files)
         os.rename(tmp, out)
         return files
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _follow_umask(d: str, files: list[str]) -> None:
+    """The modes a plain write would give (0755 / 0644 under umask 022, as torch.save and
+    save_pretrained leave them): mkdtemp made the directory 0700 and safetensors writes 0600, so a
+    colleague or the serving user could not read the export; copied tokenizer files kept their source's."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(d, 0o777 & ~umask)
+    for name in files:
+        os.chmod(os.path.join(d, name), 0o666 & ~umask)
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], d: str) -> None:

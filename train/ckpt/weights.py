@@ -8,12 +8,17 @@ file; every torch.load inside is forced weights-only. Policy (eval/policy.py) an
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 
 import torch
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import files as ckpt_files
+
+log = logging.getLogger(__name__)
 
 
 def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -38,5 +43,10 @@ def load_weights(run_dir: str, tag: str, zero_stage: int) -> dict[str, torch.Ten
                 get_fp32_state_dict_from_zero_checkpoint,
             )
 
-            state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
+            # zero_to_fp32 prints its progress (Processing, Parsing, Reconstructed ..., a tqdm bar) on stdout and
+            # stderr: nothing a user of eval or export acts on. Kept for --verbose.
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                state = get_fp32_state_dict_from_zero_checkpoint(ckpt_files.ckpt_root(run_dir), tag=tag)
+            log.debug("zero_to_fp32 of %s:\n%s", tag, said.getvalue().strip())
     return {k: v.float() for k, v in state.items()}

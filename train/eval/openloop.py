@@ -150,7 +150,7 @@ def run_eval(policy, data_root: str, out_dir: str, *, episodes: list[int] | None
         summary["episodes"][str(ep)] = {"chunks": len(chosen), "steps": len(traj["truth"]), **errs}
         if plots:
             plot_episode(traj, groups, errs, os.path.join(out_dir, f"episode_{ep:06d}.png"),
-                         f"episode {ep} (open loop, {steps} flow steps)", max_dims=plot_dims)
+                         f"episode {ep} (open loop, {steps} flow steps)", max_dims=plot_dims, samples=samples)
     if not trajs:
         raise ValueError(f"episodes {eps}: no samples in the index")
     summary["overall"] = errors({k: np.concatenate([t[k] for t in trajs]) for k in trajs[0]}, groups)

@@ -34,6 +34,7 @@ from loongforge.train.model import mask as masks
 from loongforge.train.model.mask import Causal
 
 log = logging.getLogger(__name__)
+_SAID: set[tuple[str, str]] = set()  # (requested, choice) lines this process logged at INFO
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 HF_ATTENTION = "loongforge"  # transformers' attn_implementation name of this interface
@@ -196,7 +197,9 @@ class Attention:
             kernel, line = choose(self.requested, q.device, q.dtype, q.shape[-1])
             self._kernels[key], self.chosen[key] = kernel, line
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                log.info("attention (%s): %s", self.requested, line)
+                said = (self.requested, line) in _SAID  # the LLM's and the DiT's modules choose alike: one line
+                _SAID.add((self.requested, line))
+                log.log(logging.DEBUG if said else logging.INFO, "attention (%s): %s", self.requested, line)
         return kernel(q, k, v, mask, dropout_p)
 
     def __getstate__(self):  # kernels hold modules and compiled callables: rebuilt on first use

@@ -34,12 +34,13 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
 class TensorBoardSink:
     name = "tensorboard"
 
-    def __init__(self, log_dir: str, purge_step: int | None = None):
+    def __init__(self, log_dir: str, purge_step: int | None = None, logdir: str | None = None, say=log.info):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: the [track] extra
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step, flush_secs=30)
-        log.info("TensorBoard: %s (tensorboard --logdir %s)", log_dir, log_dir)
+        root = logdir or log_dir  # the folder to give --logdir: the run then shows under its own name
+        say("TensorBoard: run %s (tensorboard --logdir %s)", os.path.relpath(log_dir, root), root)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for tag, v in values.items():
@@ -57,7 +58,8 @@ class TensorBoardSink:
     def report(self, step: int, scalars: dict, tables: dict, images: dict, text: dict) -> None:
         from PIL import Image  # pillow comes with matplotlib (the train extra)
 
-        self.scalars(step, scalars)
+        # No scalars: a report's values are one point each (30 one-point charts of `loongforge eval` opened
+        # the page above the training curves); its tables carry the same numbers.
         for name, (columns, rows) in tables.items():
             self.writer.add_text(name, markdown_table(columns, rows), step)
         for name, path in images.items():

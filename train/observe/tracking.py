@@ -6,12 +6,18 @@ checkpoint save, close. `loongforge profile` and `loongforge eval` open the same
 (`Tracker.for_report`) and add their tables and images.
 
 What is logged per step (`step_scalars`, the values of the metrics.jsonl row):
-  train/  loss, flow_loss, lr, grad_norm (ZeRO 1-3), samples_per_s, nonfinite_skips, bad_samples
-  time/   step_ms and each phase of `loongforge profile` in ms and % of the step: data_wait,
-          communication (absent on CUDA without a trace), launch_overhead, compute
-  val/    every val_* metric of --eval-every
-  ckpt/   save_stall_s (the step loop's wait), write_s (the last background write)
-and once: the resolved config (TensorBoard text, W&B config).
+  train/        loss, flow_loss, lr, grad_norm (ZeRO 1-3), samples_per_s, nonfinite_skips, bad_samples
+  train_time/   step_ms and each phase of `loongforge profile` in ms and % of the step: data_wait,
+                communication (absent on CUDA without a trace), launch_overhead, compute
+  train_ckpt/   save_stall_s (the step loop's wait), write_s (the last background write)
+  val/          every val_* metric of --eval-every
+and once: the resolved config (TensorBoard text, W&B config). The group names sort with train/ first:
+TensorBoard and W&B show groups in name order, and the loss is what a user opens the page for.
+TensorBoard writes to RUN_DIR/tensorboard/NAME, NAME the run dir's own (`tensorboard --logdir
+RUN_DIR/tensorboard` lists the run by its name, not as `.`; several runs' tensorboard/ folders side by
+side under one --logdir stay apart). `loongforge profile / eval` results go to TensorBoard as tables and
+images, not as one-point charts (they were 30 of them, above the training curves); W&B keeps them as
+the run's summary.
 
 Resume without duplicates: the run dir's tracking.json keeps the W&B run id, reused on --resume
 (resume="allow"). TensorBoard opens with purge_step = the restored step, so its reader drops the
@@ -83,15 +89,20 @@ def step_scalars(rec: dict) -> dict[str, float]:
     out = {f"train/{k}": rec.get(k) for k in TRAIN_KEYS}
     step = rec["step_s"]
     out["train/samples_per_s"] = rec["samples"] / step if step > 0 else None
-    out["time/step_ms"] = step * 1e3
+    out["train_time/step_ms"] = step * 1e3
     for name, key in PHASES:
         v = rec.get(key)
         if v is not None:
-            out[f"time/{name}_ms"] = v * 1e3
-            out[f"time/{name}_pct"] = 100.0 * v / step if step > 0 else None
-    out["ckpt/save_stall_s"] = rec.get("save_s")
+            out[f"train_time/{name}_ms"] = v * 1e3
+            out[f"train_time/{name}_pct"] = 100.0 * v / step if step > 0 else None
+    out["train_ckpt/save_stall_s"] = rec.get("save_s")
     out.update({f"val/{k[4:]}": v for k, v in rec.items() if k.startswith("val_")})
     return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def tb_run_name(run_dir: str) -> str:
+    """The run's name in TensorBoard: its directory's own name (`.` when the events sat in the logdir)."""
+    return os.path.basename(os.path.abspath(run_dir)) or "run"
 
 
 def read_state(run_dir: str) -> dict | None:
@@ -121,7 +132,9 @@ class Tracker:
     def for_training(cls, cfg: TrainConfig, *, rank: int, start_step: int) -> "Tracker":
         if rank != 0:
             return cls()
-        names = resolve_report_to(cfg.track.report_to, say=log.info)
+        # A relaunch from a checkpoint (the supervisor's, after a fault) says again none of what the start said.
+        say = log.info if start_step == 0 else log.debug
+        names = resolve_report_to(cfg.track.report_to, say=say)
         if not names:
             return cls()  # --report-to none: no file at all (a stored W&B id stays for a later resume with it)
         run_dir, t = cfg.run.run_dir, cfg.track
@@ -136,14 +149,18 @@ class Tracker:
             wandb_state = {"id": kept.get("id") or sinks_mod.new_wandb_id(),
                            "project": t.wandb_project or kept.get("project") or WANDB_PROJECT,
                            "name": t.wandb_run_name or kept.get("name") or os.path.basename(os.path.abspath(run_dir))}
+        # A resumed run keeps its TensorBoard directory (older runs wrote to tensorboard/ itself): the purge at
+        # the restored step applies to the events already there.
+        tb_dir = (old or {}).get("tensorboard") or os.path.join(TB_DIR, tb_run_name(run_dir))
         # A resume without W&B keeps its id: a later resume with it continues the same W&B run.
-        _write_state(run_dir, {"v": STATE_VERSION, "report_to": list(names), "tensorboard": TB_DIR,
+        _write_state(run_dir, {"v": STATE_VERSION, "report_to": list(names), "tensorboard": tb_dir,
                                "wandb": wandb_state or kept or None})
         config = cfg.to_dict()
         tracker = cls()
         if "tensorboard" in names:
             # purge_step: TensorBoard's reader drops the events a killed launch wrote from here on.
-            tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, TB_DIR), purge_step=start_step))
+            tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, tb_dir), purge_step=start_step,
+                                                            logdir=os.path.join(run_dir, TB_DIR), say=say))
         if wandb_state is not None:
             tracker._open(lambda: sinks_mod.WandbSink(run_dir, config=config, **wandb_state))
         tracker._call("text", start_step, "config", "```\n" + json.dumps(config, indent=1, sort_keys=True) + "\n```")
@@ -164,7 +181,8 @@ class Tracker:
             return tracker
         names = [n for n in state.get("report_to", ()) if n in MODULES and installed(n)]
         if "tensorboard" in names:
-            tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, state["tensorboard"])))
+            tracker._open(lambda: sinks_mod.TensorBoardSink(os.path.join(run_dir, state["tensorboard"]),
+                                                            logdir=os.path.join(run_dir, TB_DIR), say=log.debug))
         if "wandb" in names and state.get("wandb"):
             tracker._open(lambda: sinks_mod.WandbSink(run_dir, config=None, **state["wandb"]))
         return tracker
@@ -206,7 +224,7 @@ class Tracker:
         """A checkpoint save began: everything logged so far goes to disk (a kill from here on resumes at
         this step or later), and the last background write's time goes with the next step."""
         if write_s is not None and math.isfinite(write_s):
-            self._pending["ckpt/write_s"] = float(write_s)
+            self._pending["train_ckpt/write_s"] = float(write_s)
         self._call("flush")
 
     def report(self, step: int, *, scalars: dict | None = None, tables: dict | None = None,

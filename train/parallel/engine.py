@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import warnings
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,10 @@ from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
+# DeepSpeed 0.19 gathers with torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates: a
+# FutureWarning and its source line from every rank at every launch, for a call that is DeepSpeed's to change.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
 
 
 def pick_device(requested: str) -> torch.device:

@@ -185,7 +185,7 @@ def initialize(plan: ParallelPlan, *, verbose: bool = True) -> ParallelState:
                 groups[kind], mine[kind] = pg, ranks
     for kind, pg in groups.items():
         comm.register_group(pg, kind)
-    if verbose and rank == 0:
+    if verbose and rank == 0 and plan.tp * plan.sp > 1:  # data parallel alone: the table says nothing more
         print(plan.placement_table(world), flush=True)
     return ParallelState(plan, groups, mine)
 

@@ -71,10 +71,26 @@ def test_reference_checkpoint_exports_back_tensor_identical(fixture, tmp_path, m
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_export_follows_the_umask(fixture, tmp_path, umask):
+    """`loongforge export` wrote its directory 0700 (mkdtemp) and model.safetensors 0600 (the writer):
+    nobody but its owner could read an export. Now the modes a plain write gives, as torch.save and
+    save_pretrained leave theirs: 0755 / 0644 under the usual 022."""
+    model, dtypes = _loaded(fixture)
+    old = os.umask(umask)
+    try:
+        files = _export(model, dtypes, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "out").st_mode & 0o777) == oct(0o777 & ~umask)
+    modes = {f: oct(os.stat(tmp_path / "out" / f).st_mode & 0o777) for f in files}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def test_a_checkpoint_that_does_not_match_is_one_error(fixture, tmp_path):
     from safetensors.torch import save_file
 
-    from loongforge.train.ckpt.gr00t import load_gr00t_weights
+    from loongforge.train.ckpt.gr00t import check_gr00t_weights, load_gr00t_weights
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -89,6 +105,9 @@ def test_a_checkpoint_that_does_not_match_is_one_error(fixture, tmp_path):
         load_gr00t_weights(model, str(bad))
     msg = str(err.value)
     assert "\n" not in msg and "1 of another shape" in msg and "1 missing" in msg and "1 unexpected" in msg, msg
+    with pytest.raises(CheckpointError) as err:  # the same, from the headers alone (preflight, before any write)
+        check_gr00t_weights(model.cfg, str(bad))
+    assert str(err.value) == msg
     os.unlink(bad / "model.safetensors")
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_gr00t_weights(model, str(bad))
@@ -110,6 +129,66 @@ def test_init_from_errors_are_one_line_exit_2(fixture, train_root, tmp_path, cas
     err = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]  # the launch's log lines
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
     assert ("not a directory" if case == "missing" else "--tokenizer DIR") in err[0], err[0]
+
+
+def _reduced_dir(fixture, d, weights):
+    """The reference's reduced checkpoint as a directory `--init-from` reads (its backbone config folded
+    into config.json), with `weights(path)` writing its model.safetensors."""
+    d.mkdir()
+    config = json.loads((fixture / "config.json").read_text())
+    config["eagle_config"] = json.loads((fixture / "eagle_config_reduced.json").read_text())
+    (d / "config.json").write_text(json.dumps(config))
+    weights(d / "model.safetensors")
+    return str(d)
+
+
+def _without_one(fixture):
+    from safetensors.torch import save_file
+
+    def write(path):
+        t = _tensors(fixture)
+        del t["action_head.position_embedding.weight"]
+        save_file(t, str(path))
+    return write
+
+
+def _one_reshaped(fixture):
+    from safetensors.torch import save_file
+
+    def write(path):
+        t = _tensors(fixture)
+        t["action_head.vlln.weight"] = torch.zeros(3)
+        save_file(t, str(path))
+    return write
+
+
+def _truncated(fixture):
+    def write(path):
+        data = (fixture / "model.safetensors").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    return write
+
+
+@pytest.mark.parametrize("case", ["truncated", pytest.param("a tensor missing", marks=pytest.mark.full),
+                                  pytest.param("a tensor of another shape", marks=pytest.mark.full)])
+def test_init_from_a_checkpoint_that_does_not_load_is_one_line_exit_2_nothing_written(fixture, train_root, tmp_path,
+                                                                                      case):
+    """Isaac-GR00T's own reduced checkpoint, one tensor short, one reshaped, or cut in half: exit 1 (the
+    first two) or a 19-line SafetensorError traceback (the third), each leaving RUN_DIR/run.lock. The
+    weights' names and shapes are now checked from the files' headers before anything is written."""
+    root, _ = train_root
+    weights = {"a tensor missing": _without_one, "a tensor of another shape": _one_reshaped,
+               "truncated": _truncated}[case](fixture)
+    src = _reduced_dir(fixture, tmp_path / "ckpt", weights)
+    run = tmp_path / "run"
+    proc = launch([sys.executable, "-m", "loongforge", "train", "--data", root, "--run-dir", str(run),
+                   "--init-from", src, "--tokenizer", "bytes", "--embodiment-tag", "libero_panda", "--steps", "1"],
+                  cwd=str(tmp_path), timeout=180)
+    err = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]  # the launch's log lines
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert f"--init-from {src}" in err[0] and {"a tensor missing": "1 missing", "a tensor of another shape":
+                                                "1 of another shape", "truncated": "unreadable"}[case] in err[0], err[0]
+    assert not run.exists(), sorted(os.listdir(run))
 
 
 @pytest.mark.slow

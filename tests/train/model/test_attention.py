@@ -192,18 +192,20 @@ def test_unbound_site_says_how_to_build_it():
         layer(torch.randn(1, 3, 16), attention_mask=None, position_embeddings=rope)
 
 
-def test_choice_and_its_reason_on_cpu(caplog):
+def test_choice_and_its_reason_on_cpu(caplog, monkeypatch):
     cpu = torch.device("cpu")
     for requested, reason in (("auto", "auto on CPU"), ("flash", "flash on CPU"), ("sdpa", "reference")):
         kernel, line = attn.choose(requested, cpu, torch.float32, 16)
         assert kernel is attn.sdpa_dense and reason in line, line
     _, line = attn.choose("flex", cpu, torch.float32, 16)
     assert "forward only" in line
-    a = attn.Attention("auto")
+    monkeypatch.setattr(attn, "_SAID", set())  # as in a fresh process
+    a, b = attn.Attention("auto"), attn.Attention("auto")  # as the LLM's and the DiT's: one line for both
     q, k, v = qkv(0, 1, 1, 4, 4, 8)
     with caplog.at_level(logging.INFO, logger="loongforge.train.model.attention"):
         a(q, k, v, None)
         a(q, k, v, Causal(torch.ones(1, 4, dtype=torch.bool)))
+        b(q, k, v, None)
     assert [r.getMessage() for r in caplog.records] == ["attention (auto): " + a.chosen[(cpu, torch.float32, 8)]]
     with pytest.raises(ConfigError, match="model.attention"):
         attn.Attention("cudnn")

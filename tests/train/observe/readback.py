@@ -17,10 +17,13 @@ def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def tensorboard_accumulator(run_dir: str):
-    """TensorBoard's reader over RUN_DIR/tensorboard, everything loaded (no sampling)."""
+    """TensorBoard's reader over the run's TensorBoard directory (tracking.json says which), everything
+    loaded (no sampling)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(os.path.join(run_dir, TB_DIR), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    with open(os.path.join(run_dir, STATE_FILE)) as f:
+        where = json.load(f).get("tensorboard") or TB_DIR
+    acc = EventAccumulator(os.path.join(run_dir, where), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     acc.Reload()
     return acc
 

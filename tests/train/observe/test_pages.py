@@ -238,7 +238,7 @@ def _tensorboard_server(logdir: str):
 @pytest.mark.timeout(1200)
 def test_tensorboard_shows_a_run_in_a_real_browser(browser, tmp_path):
     """A run's TensorBoard (training steps, then `loongforge profile`'s table and chart) in TensorBoard's own web
-    app: the train/, time/ and profile/ groups are there, and no console error."""
+    app: the train/, train_time/ and profile/ groups are there, and no console error."""
     from loongforge.train.config import DataConfig, RunConfig, TrackConfig, TrainConfig
     from loongforge.train.observe.metrics import read_metrics
     from loongforge.train.observe.tracking import Tracker, report_profile
@@ -259,8 +259,8 @@ def test_tensorboard_shows_a_run_in_a_real_browser(browser, tmp_path):
         deadline = time.monotonic() + 90
         while True:
             text = browser.cmd("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
-            groups = set(re.findall(r"(?m)^([a-z]+)\d+ cards?$", text))  # a group's header: "time17 cards"
-            if {"train", "time", "profile"} <= groups and "profile\n/chart" in text:  # the first card is shown
+            groups = set(re.findall(r"(?m)^([a-z_]+)\d+ cards?$", text))  # a group's header: "train_time17 cards"
+            if {"train", "train_time", "profile"} <= groups and "profile\n/chart" in text:  # the first card is shown
                 break
             assert time.monotonic() < deadline, text[:2000]
             time.sleep(0.5)

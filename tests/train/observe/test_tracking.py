@@ -72,12 +72,12 @@ def test_step_scalars_are_the_metrics_row():
     s = step_scalars(r)
     assert s["train/loss"] == r["loss"] and s["train/lr"] == r["lr"] and s["train/grad_norm"] == r["grad_norm"]
     assert s["train/samples_per_s"] == pytest.approx(8 / 0.23)
-    assert s["time/step_ms"] == pytest.approx(230.0)
-    assert s["time/data_wait_ms"] == pytest.approx(10.0) and s["time/data_wait_pct"] == pytest.approx(100 / 23)
-    assert s["time/compute_pct"] + s["time/communication_pct"] + s["time/launch_overhead_pct"] + \
-        s["time/data_wait_pct"] == pytest.approx(100.0)
-    assert s["ckpt/save_stall_s"] == 0.5 and s["val/flow_loss"] == 0.7
-    assert "time/communication_ms" not in step_scalars({**r, "comm_s": None})  # CUDA without a trace: not measured
+    assert s["train_time/step_ms"] == pytest.approx(230.0)
+    assert s["train_time/data_wait_ms"] == pytest.approx(10.0) and s["train_time/data_wait_pct"] == pytest.approx(100 / 23)
+    assert s["train_time/compute_pct"] + s["train_time/communication_pct"] + s["train_time/launch_overhead_pct"] + \
+        s["train_time/data_wait_pct"] == pytest.approx(100.0)
+    assert s["train_ckpt/save_stall_s"] == 0.5 and s["val/flow_loss"] == 0.7
+    assert "train_time/communication_ms" not in step_scalars({**r, "comm_s": None})  # CUDA without a trace: not measured
     assert all(isinstance(v, float) for v in s.values())
 
 
@@ -106,17 +106,17 @@ def test_sigkill_then_resume_every_step_once_in_tensorboard_and_wandb(tmp_path):
     tb = tensorboard_scalars(str(run))
     assert set(step_scalars(after[0])) <= set(tb)
     for tag, points in tb.items():
-        if tag.startswith(("train/", "time/")):
+        if tag.startswith(("train/", "train_time/")):
             assert [s for s, _ in points] == list(range(8)), tag
             assert [v for _, v in points] == pytest.approx([step_scalars(after[s])[tag] for s in range(8)], rel=1e-6)
-    assert tb["ckpt/save_stall_s"] == [(6, 0.5)] and tb["ckpt/write_s"] == [(6, 1.5)]  # launch 1's step 4 purged
+    assert tb["train_ckpt/save_stall_s"] == [(6, 0.5)] and tb["train_ckpt/write_s"] == [(6, 1.5)]  # launch 1's step 4 purged
 
     hist = wandb_history(str(run))
     assert [s for _, s, _ in hist] == list(range(8))  # once each, over both sessions' files
     for n, s, got in hist:
         want = step_scalars(before[s] if n == 0 or s < 4 else after[s])
-        assert {k: got[k] for k in want} == want and set(got) - set(want) <= {"ckpt/write_s"}
-    assert hist[6][2]["ckpt/write_s"] == 1.5
+        assert {k: got[k] for k in want} == want and set(got) - set(want) <= {"train_ckpt/write_s"}
+    assert hist[6][2]["train_ckpt/write_s"] == 1.5
 
 
 def test_resumed_wandb_run_skips_the_steps_it_holds(tmp_path):
@@ -174,7 +174,8 @@ def test_a_torn_or_corrupt_wandb_file(tmp_path):
 
 def test_eval_and_profile_add_to_the_same_run(tmp_path, monkeypatch):
     """`loongforge eval`'s and `profile`'s results, reported into a run that logs to both trackers: TensorBoard
-    gets the images and tables at the given step, W&B the tables, images and scalars in the run's summary."""
+    gets the images and tables at the given step (not one-point charts), W&B the tables, images and scalars in
+    the run's summary."""
     from PIL import Image
 
     from loongforge.train.observe.tracking import report_eval, report_profile
@@ -201,9 +202,31 @@ def test_eval_and_profile_add_to_the_same_run(tmp_path, monkeypatch):
     assert [e.step for e in acc.Images("profile/chart")] == [3]
     table = acc.Tensors("eval/mse/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| group | policy | ridge | mean |" in table and "| gripper | 0.2 | 0.4 | 0.6 |" in table
-    assert [(e.step, e.value) for e in acc.Scalars("eval/mse/arm/ridge")] == [(3, pytest.approx(0.2))]
+    assert acc.Tags()["scalars"] == []  # one-point values stay in the tables, off the charts
     summary = wandb_summary(str(run))
     assert summary["eval/mse"]["_type"] == "table-file" and summary["eval/episode_000007"]["_type"] == "image-file"
     assert summary["eval/mae/gripper/mean"] == pytest.approx(0.06)
     assert summary["profile/data_wait_pct"] == pytest.approx(10.0) and summary["profile/compute_pct"] == 40.0
     assert wandb_history(str(run)) == []  # summaries only: W&B's history steps stay the training's
+
+
+def test_tensorboard_names_the_run_after_its_directory_and_shows_train_first(tmp_path):
+    """TensorBoard opened on the `eval` group (30 one-point charts of `loongforge eval`) above the training
+    curves, and named the run `.` (the events sat in the --logdir itself). Read as TensorBoard reads a
+    --logdir: the run is named after the run directory, and train/ is the first group (TensorBoard orders
+    groups by name) with no eval/ or profile/ chart after a report."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    from loongforge.train.observe.tracking import report_eval
+
+    run = tmp_path / "pi0-ft"
+    _session(run, "tensorboard", 0, 4, 0, "--save-at", "2")
+    overall = {m: {"mse": {"arm": 0.1, "all": 0.1}, "mae": {"arm": 0.1, "all": 0.1}} for m in ("policy", "mean")}
+    report_eval(str(run), {"overall": overall, "episodes": {}}, 4, [])
+    logdir = run / TB_DIR
+    mux = EventMultiplexer().AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    assert list(mux.Runs()) == ["pi0-ft"]
+    tags = mux.Runs()["pi0-ft"]["tensors"] + mux.Runs()["pi0-ft"].get("scalars", [])
+    groups = sorted({t.split("/")[0] for t in tags if "/" in t and not t.endswith("text_summary")})
+    assert groups[0] == "train" and not {"eval", "profile"} & set(groups), groups

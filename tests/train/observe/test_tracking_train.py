@@ -30,7 +30,7 @@ COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-windo
 
 def _same_as_metrics(tb: dict, rows: dict) -> None:
     for tag, points in tb.items():
-        if tag.startswith(("train/", "time/")):
+        if tag.startswith(("train/", "train_time/")):
             assert [s for s, _ in points] == sorted(rows), tag
             assert [v for _, v in points] == pytest.approx([step_scalars(rows[s])[tag] for s in sorted(rows)],
                                                            rel=1e-6), tag
@@ -42,12 +42,14 @@ def test_a_2_rank_run_reports_to_tensorboard_by_default(zero3_run):
     rows = {r["step"]: r for r in read_metrics(zero3_run)}
     assert sorted(rows) == list(range(4)) and all(r["grad_norm"] > 0 for r in rows.values())
     tb = tensorboard_scalars(zero3_run)
-    assert {"train/loss", "train/grad_norm", "train/lr", "time/data_wait_pct", "time/compute_ms"} <= set(tb)
+    assert {"train/loss", "train/grad_norm", "train/lr", "train_time/data_wait_pct", "train_time/compute_ms"} <= set(tb)
     _same_as_metrics(tb, rows)
     acc = tensorboard_accumulator(zero3_run)
     config = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"zero_stage": 3' in config
-    (events,) = os.listdir(os.path.join(zero3_run, TB_DIR))  # rank 0's writer only
+    (name,) = os.listdir(os.path.join(zero3_run, TB_DIR))  # the run, by its directory's name
+    assert name == os.path.basename(zero3_run)
+    (events,) = os.listdir(os.path.join(zero3_run, TB_DIR, name))  # rank 0's writer only
     assert events.startswith("events.out.tfevents.")
     assert not os.path.exists(os.path.join(zero3_run, "wandb"))
 

@@ -190,3 +190,46 @@ def test_a_rank_whose_world_is_not_the_planned_one_refuses_before_loading(monkey
         _check_planned_world()
     monkeypatch.setenv("WORLD_SIZE", "2")
     _check_planned_world()
+
+
+def test_the_exit_barrier_ends_when_a_node_of_the_attempt_is_gone(tmp_path):
+    """torchrun's exit barrier waited its full 300 s for an agent that had died (a follower killed with its
+    process group), holding the leader silent. Ours (agent.py), on a real TCPStore and the nodes' real
+    locks: it waits while node b lives, returns within a poll once b's supervisor is gone, and returns at
+    once when every node checks in."""
+    import threading
+    import time
+    import types
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from loongforge.train.resilience.elastic.agent import exit_barrier_while_nodes_live
+    from loongforge.train.resilience.elastic.nodes import Board
+
+    run_dir = str(tmp_path / "run")
+    b = Board(run_dir, "b")
+    b.join({"pid": 1})
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    barrier = exit_barrier_while_nodes_live(run_dir, ["b"])
+
+    def agent(prefix: str):
+        return types.SimpleNamespace(_store=PrefixStore(prefix, store),
+                                     _worker_group=types.SimpleNamespace(group_world_size=2), _exit_barrier_timeout=60)
+
+    waiting = threading.Thread(target=barrier, args=(agent("attempt0"),), daemon=True)
+    waiting.start()
+    waiting.join(1.5)
+    assert waiting.is_alive()  # b lives and has not checked in: wait
+    t0 = time.monotonic()
+    b.leave()  # b's supervisor is gone
+    waiting.join(10)
+    assert not waiting.is_alive() and time.monotonic() - t0 < 5
+    b.join({"pid": 1})  # b is back: only checking in ends the barrier now
+    both = [threading.Thread(target=barrier, args=(agent("attempt1"),)) for _ in range(2)]
+    t0 = time.monotonic()
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(10)
+    assert not any(t.is_alive() for t in both) and time.monotonic() - t0 < 5
+    b.leave()

@@ -4,6 +4,7 @@ A node is killed outright (every process of it, SIGKILL: the machine dies); the 
 alone from the last checkpoint, and (the `full` test) the killed node comes back and is taken in at the
 next checkpoint, the final state equal to an uninterrupted 2-rank run's."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -105,6 +106,14 @@ def test_a_node_lost_the_other_goes_on_alone_from_the_last_checkpoint(train_root
         assert noise not in err, (noise, err[-4000:])
     resumed = launches[1]["latest"]
     assert resumed and f"resumed from {resumed} at step {int(resumed[4:12])}" in err, err[-4000:]
+    # After the fault line, the relaunch says what it does (launching, the thread count, resumed from, the
+    # attention kernel) and trains: the plan table, the model line, the tracker lines, `--resume: no checkpoint`
+    # and DeepSpeed's FutureWarnings were ~18 lines of it.
+    after = err.split("loongforge train: fault", 1)[1].splitlines()[1:]
+    start = after[:next(i for i, ln in enumerate(after) if ln.startswith("step "))]
+    assert len(start) <= 4, start
+    for noise in ("FutureWarning", "parallel plan", "--resume: no checkpoint", "TensorBoard:", "model tiny"):
+        assert noise not in "\n".join(start), (noise, start)
     got = _steps(run_dir)
     assert [r["step"] for r in got] == list(range(steps))
     assert got[0]["world"] == 2 and got[-1]["world"] == 1
@@ -208,3 +217,63 @@ def test_a_follower_preempted_leaves_and_the_run_goes_on_without_a_fault(train_r
     got = _steps(run_dir)
     assert [r["step"] for r in got] == list(range(steps)) and got[stopped_at]["world"] == 1
     assert [sorted(i for ids in r["sample_ids"] for i in ids) for r in got] == _global_order(index, steps, 8)
+
+
+# make test covers a node that dies whole (the first test); here only its supervisor's process group is
+# killed, the way a scheduler or a shell ends a job (~1.5 min).
+@pytest.mark.full
+def test_a_follower_killed_by_its_process_group_is_a_lost_node_noticed_in_seconds(train_root, tmp_path):
+    """`kill -9 -PGID` of node b: only b's supervisor dies (its torchrun agent runs in a session of its own
+    and gets SIGTERM from its dying parent; b's rank finishes its step and writes a checkpoint). The leader
+    printed nothing for 300 s (its agent in torchrun's exit barrier, waiting for b's agent, which was gone),
+    then called b `left`, with no fault record. Now the exit barrier ends once a planned node is gone, and a
+    node whose supervisor is gone without saying it leaves is lost: one fault line within seconds, a fault
+    record, a relaunch alone from the checkpoint, and the run finishes."""
+    import signal as sig
+
+    root, index = train_root
+    run_dir = str(tmp_path / "run")
+    steps = 20
+    args = ["--data", root, "--steps", str(steps), "--save-every", "50", "--zero", "0", *COMMON]
+    a = _leading(Node("a", tmp_path, run_dir, args), run_dir)
+    b = Node("b", tmp_path, run_dir, args)
+    try:
+        _wait(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and len(_steps(run_dir)) >= 5, [a, b])
+        os.killpg(b.proc.pid, sig.SIGKILL)  # the supervisor leads its own process group (start_new_session)
+        killed = time.monotonic()
+        _wait(lambda: "loongforge train: fault" in a.err(), [a], timeout=120)
+        noticed = time.monotonic() - killed
+        rc = a.proc.wait(timeout=400)
+    finally:
+        for n in (a, b):
+            if n.proc.poll() is None:
+                _kill_tree(n.proc.pid)
+        for pid in _pids_of(run_dir):  # b's agent and rank, outside its process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig.SIGKILL)
+    err = a.err()
+    assert rc == 0, err[-4000:]
+    assert noticed < 90, (noticed, err[-3000:])  # 300 s and more before; the step and its checkpoint take seconds
+    (fault,) = _events(run_dir, "fault")
+    assert (fault["kind"], fault["node"]) == ("node_lost", "b"), fault
+    lines = [ln for ln in err.splitlines() if ln.startswith("loongforge train:")]
+    assert len(lines) == 1 and "node b lost" in lines[0], err[-4000:]
+    assert not _events(run_dir, "elastic", "node_left") and "left the run" not in err
+    launches = _events(run_dir, "elastic", "launch")
+    assert [e["nodes"] for e in launches] == [{"a": 1, "b": 1}, {"a": 1}], launches
+    got = _steps(run_dir)
+    assert [r["step"] for r in got] == list(range(steps))
+    assert [sorted(i for ids in r["sample_ids"] for i in ids) for r in got] == _global_order(index, steps, 8)
+
+
+def _pids_of(run_dir: str) -> list[int]:
+    """Processes whose command line names the run dir (supervisors, agents, ranks)."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if run_dir.encode() in f.read():
+                    out.append(int(p))
+        except OSError:
+            continue
+    return out

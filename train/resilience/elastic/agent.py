@@ -2,7 +2,8 @@
 torchrun's own launcher (torch.distributed.run) in this process, so that what the launcher says is
 ours to route:
 
-    python -m loongforge.train.resilience.elastic.agent --result FILE --log FILE -- TORCHRUN ARGS...
+    python -m loongforge.train.resilience.elastic.agent --result FILE --log FILE [--run-dir R --peers a,b] \
+        -- TORCHRUN ARGS...
 
 * torchrun's agent logs (rendezvous chatter, "Sending process N closing signal SIGTERM", its
   failure summary) go to the node's log FILE, not the console; the ranks' own output still reaches
@@ -10,6 +11,9 @@ ours to route:
 * torchrun's exceptions are caught and their tracebacks go to the log file: ChildFailedError (a
   rank failed), SignalException (this process was signalled: the supervisor died, PR_SET_PDEATHSIG),
   a rendezvous error (the other nodes did not come within the join timeout);
+* torchrun's exit barrier (a node's agent waits for every other's once its ranks are done) also ends
+  when a node of the attempt is gone (--run-dir, --peers: its supervisor's lock is free), instead of
+  waiting out 300 s for an agent that died;
 * the outcome goes to the result FILE as JSON, which the supervisor reads to name the failed rank
   and why: {"rc", "failures": [{"rank", "local_rank", "pid", "exitcode", "signal"}], "error"}.
 
@@ -33,15 +37,19 @@ import traceback
 USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 # torch installs its own stderr handlers on import: imported before route_logs replaces them.
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent  # noqa: E402
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 from torch.distributed.run import parse_args, run as torchrun  # noqa: E402
 
 from loongforge.shared.storage import write_bytes_atomic  # noqa: E402
+from loongforge.train.resilience.elastic.nodes import Board  # noqa: E402
 from loongforge.train.resilience.exits import NODE_ENV  # noqa: E402
 
 EXIT_RENDEZVOUS = 3
+EXIT_BARRIER = "loongforge/exit_barrier"  # this attempt's store is fresh (a new rendezvous id and port)
+BARRIER_POLL_S = 0.5
 
 
 def route_logs(path: str) -> None:
@@ -65,6 +73,39 @@ def restore_cpp_log_level() -> None:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     else:
         os.environ["TORCH_CPP_LOG_LEVEL"] = USER_CPP_LOG_LEVEL
+
+
+def exit_barrier_while_nodes_live(run_dir: str, peers: list[str]):
+    """torchrun's exit barrier, which keeps the agent hosting the rendezvous store alive until every
+    node's agent is done, ends also as soon as a node of the attempt is gone (its supervisor's lock is
+    free: nodes.py). torch's waited its full 300 s for an agent that had died: a follower whose process
+    group was killed (its agent, in a session of its own, got SIGTERM from the dying supervisor and left
+    without checking in) held the leader silent for 300 s after its ranks had finished. Returns the
+    method that replaces SimpleElasticAgent._exit_barrier."""
+    board = Board(run_dir, os.environ.get(NODE_ENV, ""))
+    log = logging.getLogger("loongforge.agent")
+
+    def _exit_barrier(agent: SimpleElasticAgent) -> None:
+        store, size = agent._store, agent._worker_group.group_world_size
+        deadline = time.monotonic() + agent._exit_barrier_timeout
+        try:
+            if store.add(f"{EXIT_BARRIER}/arrived", 1) >= size:
+                store.set(f"{EXIT_BARRIER}/all", "1")
+            while time.monotonic() < deadline:
+                if store.check([f"{EXIT_BARRIER}/all"]):
+                    return
+                gone = [p for p in peers if not board.alive(p)]
+                if gone:
+                    log.info("exit barrier: node %s is gone; not waiting for it", ", ".join(gone))
+                    return
+                time.sleep(BARRIER_POLL_S)
+            log.info("exit barrier: not every node checked in within %.0f s", agent._exit_barrier_timeout)
+        except SignalException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone: nobody is left to wait for
+            log.info("exit barrier: the rendezvous store is gone (%s: %s)", type(exc).__name__, exc)
+
+    return _exit_barrier
 
 
 def failures_of(exc) -> list[dict]:
@@ -102,11 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loongforge.train.resilience.elastic.agent")
     p.add_argument("--result", required=True, help="JSON outcome for the supervisor")
     p.add_argument("--log", required=True, help="the node's log file: torchrun's own output")
+    p.add_argument("--run-dir", default=None, help="the run dir whose elastic/ board says which nodes live")
+    p.add_argument("--peers", default="", help="the attempt's other nodes (comma-separated ids)")
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
     args = p.parse_args(argv)
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     route_logs(args.log)
     restore_cpp_log_level()
+    if args.run_dir:
+        SimpleElasticAgent._exit_barrier = exit_barrier_while_nodes_live(args.run_dir, [p for p in args.peers.split(",")
+                                                                                       if p])
     return run(rest, args.result)
 
 

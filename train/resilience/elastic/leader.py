@@ -215,8 +215,12 @@ class Leader:
             self._end("stopped", 2, config[-1]["why"])
             raise UsageError(config[-1]["why"])
         others = [n["id"] for n in plan["nodes"] if n["id"] != s.node_id]
-        lost = [n for n in others if not s.board.alive(n)]
-        leaving = [n for n in others if n not in lost and (s.board.node(n) or {}).get("leaving")]
+        # Leaving: a node whose supervisor said so (its own SIGTERM/SIGINT), gone since or not. Lost: a
+        # supervisor gone without a word (killed, with its process group or the machine), even when its
+        # ranks, signalled by the dying supervisor's launcher, stopped after their step like a leaving
+        # node's: that was called `left`, with no fault record.
+        leaving = [n for n in others if (s.board.node(n) or {}).get("leaving")]
+        lost = [n for n in others if n not in leaving and not s.board.alive(n)]
         all_ok = not lost and all(r is not None and r.get("rc") == 0 for r in results.values())
         if s._signal is not None:
             return self._stopped(t0)
@@ -227,9 +231,10 @@ class Leader:
         # leaving: go on without it. From outside every supervisor (a scheduler signalling the ranks): stop.
         # A launcher that was itself killed (no result, or rc < 0) took its ranks with it: a fault.
         stops = [e for e in events if e.get("event") == "stop" and e.get("code") in (EXIT_PREEMPTED, EXIT_INTERRUPTED)]
-        if stops and all(r is None or r.get("rc") == 0 for r in results.values()) and (lost or leaving or all_ok):
-            if lost or leaving:
-                gone = lost + leaving
+        if stops and not lost and all(r is None or r.get("rc") == 0 for r in results.values()) and \
+                (leaving or all_ok):
+            if leaving:
+                gone = leaving
                 s.event("node_left", nodes=gone, latest=latest_pointer(s.run_dir), attempt=plan["attempt"])
                 log.warning("elastic: node %s left the run (%s): going on without it from %s", ", ".join(gone),
                             stops[-1].get("why", "its ranks stopped"), latest_pointer(s.run_dir))

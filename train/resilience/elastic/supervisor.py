@@ -30,7 +30,9 @@ connections) and the node count fixed for the attempt:
   and relaunches bigger from it;
 * a follower whose supervisor gets SIGTERM (its node preempted) or SIGINT leaves: every rank stops
   after the step (with a checkpoint on SIGTERM) and the run goes on on the other nodes, spending no
-  budget. The leader's SIGTERM or SIGINT stops the run on every node (each exits with the same code);
+  budget. A follower whose supervisor is killed (no word of leaving) is lost, a fault, even when its
+  ranks stopped after their step; no node's launcher waits in torchrun's exit barrier for a node that is
+  gone (agent.py). The leader's SIGTERM or SIGINT stops the run on every node (each exits with the same code);
 * the supervisor owns its launch: torchrun dies with it (PR_SET_PDEATHSIG, whatever kills it) and the
   ranks with torchrun (owner.py); its SIGINT/SIGTERM go to the ranks themselves, which stop as stop.py
   says and record how in metrics.jsonl; the leader prints the one line and exits 130 / 85 / 143
@@ -224,7 +226,9 @@ class Supervisor:
         result_path = os.path.join(self.run_dir, "logs", f"agent-{self.node_id}.json")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(result_path)
-        cmd = [sys.executable, "-m", AGENT, "--result", result_path, "--log", self.log_path, "--",
+        peers = ",".join(n["id"] for n in plan["nodes"] if n["id"] != self.node_id)
+        cmd = [sys.executable, "-m", AGENT, "--result", result_path, "--log", self.log_path, "--run-dir", self.run_dir,
+               "--peers", peers, "--",
                "--nnodes", str(len(plan["nodes"])), "--nproc_per_node", str(mine), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", plan["rdzv"], "--rdzv-id", plan["rdzv_id"],
                "--rdzv-conf", f"join_timeout={int(self.rdzv_timeout_s)},is_host={int(leader['id'] == self.node_id)}",
