@@ -45,7 +45,6 @@ import torch
 
 from loongforge.benchmarks.harness.report import RESULTS_DIR
 from loongforge.shared.synthetic import make_synthetic_root
-from loongforge.train.ckpt.export import embodiment_tag, processor_files
 from loongforge.train.config import DataConfig, RunConfig, TrainConfig
 from loongforge.train.data.training_data import load_training_data
 from loongforge.train.eval.policy import Policy
@@ -97,7 +96,7 @@ def handle(a: argparse.Namespace) -> int:
                     doc["rows"].append({"recipe": recipe, "batch": batch, "clients": clients,
                                         **measure(backend, obs_file, clients, a.requests, a.warmup)})
                     print(format_row(doc["rows"][-1]), file=sys.stderr, flush=True)
-            doc["flow"].append({"recipe": recipe, **flow_shares(backend)})
+            doc["flow"].append({"recipe": recipe, **flow_shares(backend, a.image_size)})
             del backend
     doc["load_average_end"] = list(os.getloadavg())
     base = write(doc, a.out)
@@ -109,27 +108,23 @@ def handle(a: argparse.Namespace) -> int:
 def build_backend(recipe: str, root: str, device: str, steps: int, samples: int):
     """The recipe's model, freshly initialised, behind PolicyBackend, as `loongforge serve` would serve
     a run of it on this root."""
-    data = DataConfig(root=root, video_deltas=(0,))
+    data = DataConfig(root=root)
     index = load_training_data(data)
     plan = plan_model(TrainConfig(recipe=recipe, data=data, run=RunConfig(run_dir=root)), index)
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: the full-size model in seconds on a GPU
         model = build_model(plan.model)  # float32, as Policy.load serves a run today
-    policy = Policy(model, index, plan.processor, embodiment_id=plan.embodiment_id, tokenizer=plan.tokenizer,
-                    device=device)
-    doc = {**plan.sidecar(), "data": {"video_deltas": [0], "state_deltas": [], "action_pad": "last"}}
-    tag = embodiment_tag(plan.embodiment_id)
-    modality = processor_files(doc, index.dataset, tag)[0]["processor_kwargs"]["modality_configs"][tag]
-    return PolicyBackend(policy, modality, Defaults(steps=steps, samples=samples))
+    policy = Policy(model, plan.processor, tokenizer=plan.tokenizer, device=device, index=index)
+    return PolicyBackend(policy, Defaults(steps=steps, samples=samples))
 
 
 def observation(backend, batch: int, size: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     cfg = backend.get_modality_config()
-    return {"video": {k: rng.integers(0, 256, (batch, backend.k, size, size, 3), dtype=np.uint8)
+    return {"video": {k: rng.integers(0, 256, (batch, backend.t_video, size, size, 3), dtype=np.uint8)
                       for k in cfg["video"]["modality_keys"]},
-            "state": {k: rng.uniform(-1, 1, (batch, backend.k, e - s)).astype(np.float32)
-                      for k, (s, e) in backend.state_keys.items()},
+            "state": {k: rng.uniform(-1, 1, (batch, backend.t_state, d)).astype(np.float32)
+                      for k, d in backend.state_keys.items()},
             "language": {cfg["language"]["modality_keys"][0]: [["pick up the red cube"]] * batch}}
 
 
@@ -192,11 +187,11 @@ def _finish(procs: list[subprocess.Popen]) -> list[float]:
     return [s for out, _ in outs for s in json.loads(out)["round_trip_s"]]
 
 
-def flow_shares(backend, repeats: int = 7, warmup: int = 3) -> dict:
+def flow_shares(backend, size: int, repeats: int = 7, warmup: int = 3) -> dict:
     """Model-time medians, batch 1, at (steps, samples) = (1, 1), (4, 1), (4, 8), in-process. The three
     run in turn, round after round, so a neighbour's load falls on all of them alike; the first calls
     (kernel selection, allocator growth: up to 100x slower on CPU) are not timed."""
-    obs = observation(backend, 1, backend.cameras[next(iter(backend.cameras))][0])
+    obs = observation(backend, 1, size)
     configs = ((1, 1), (4, 1), (4, 8))
     prepared = {c: backend.prepare(obs, {"steps": c[0], "samples": c[1]}) for c in configs}
     times: dict = {c: [] for c in configs}

@@ -13,8 +13,9 @@ order is block-aware (order.py: runs of a block on one rank, a bounded window), 
 decode worker opens the dataset itself and keeps decoded blocks in a byte-bounded LRU
 (fill.py). A batch dict holds: frames {camera slot: (B, K, 3, h, w) float RGB normalized,
 or (B, K, 3h/2, w) uint8 NV12 with rgb=False} with K = len(video deltas), state (B, K, Ds)
-and action (B, H, Da) float32 normalized with the index's min/max (N1.6's: [-1, 1], batch.Norm),
-action_valid (B, H) (False past the episode end: the loss ignores those rows), frame_mask (B, K)
+and action (B, H, Da) float32 as N1.6's processor makes them (state_action.py: per modality key,
+relative actions, the root's statistics), action_valid (B, H) (False on padded rows with action_pad
+last/zero: the loss ignores them), frame_mask (B, K)
 (False only for a bad sample), task_tokens / task_mask (B, L): the model's prompt ids, left-padded,
 and their mask (`prompts`, the trainer's; without one, the task text's bytes), sample_valid (B,) (False = bad
 sample masked out), sample_ids (B,) global sample numbers. On CUDA tensors are fresh and ordered on the
