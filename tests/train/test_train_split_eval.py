@@ -15,10 +15,10 @@ from tests.train.train_launch import read_metrics as _metrics
 from tests.train.train_launch import torchrun
 
 pytestmark = pytest.mark.slow
-LENGTHS = (30, 14, 41, 22, 9, 36)  # H = 4: L - 3 samples an episode (N1.6), 140; episode 4 (6) held out -> 134
+LENGTHS = (30, 14, 41, 22, 9, 36)  # H = 4: L - 3 samples an episode (N1.6), 134; episode 4 (6) held out -> 128
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "2", "--lr", "3e-3", "--zero", "2",
           "--video-deltas=-2,0", "--action-horizon", "4", "--block-run", "2", "--block-window", "32"]
-STEPS = 20  # 134 // 8 = 16 steps an epoch: crosses the epoch boundary
+STEPS = 20  # 128 // 8 = 16 steps an epoch: crosses the epoch boundary
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +79,12 @@ def test_open_loop_eval_of_the_held_out_episode(split_run, tmp_path):
     _ok(proc)
     summary = json.load(open(os.path.join(out, "eval.json")))
     ep = summary["episodes"]["4"]
-    assert ep["chunks"] == 3 and ep["steps"] == LENGTHS[4]  # t = 0, 4, 8 of 9 frames; padded rows dropped
+    # N1.6's samples are t = 0 .. 9-4 (whole chunks): chunks at t = 0, 4, the last frame's action in none
+    assert ep["chunks"] == 2 and ep["steps"] == 8
     assert np.isfinite(summary["overall"]["policy"]["mse"]["all"])
     # one sample, the mean of --samples 8 and the ridge fitted on the training episodes
     assert {"policy", "policy_k", "ridge", "mean", "repeat_last"} <= set(summary["overall"])
-    assert summary["samples"] == 8 and summary["ridge_samples"] == sum(LENGTHS) - LENGTHS[4]
+    assert summary["samples"] == 8 and summary["ridge_samples"] == sum(n - 3 for n in LENGTHS) - (LENGTHS[4] - 3)
     assert os.path.exists(os.path.join(out, "episode_000004.png"))
     for noise in ("Processing zero checkpoint", "Loading checkpoint shards", "Reconstructed fp32 state dict"):
         assert noise not in proc.stdout + proc.stderr, noise  # DeepSpeed's consolidation chatter: --verbose only

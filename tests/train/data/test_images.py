@@ -20,7 +20,8 @@ from loongforge.shared.dataset import open_root
 from loongforge.train.data.images import ColorJitter, Geometry, ImageDraws, Jitter, area_weights, \
     bicubic_weights, device_images, device_jitter, image_draws, pixel_values, reference_augment, \
     reference_jitter, reference_pixels, reference_rgb
-from loongforge.train.data.processor import Processor, ProcessorConfig
+from loongforge.shared.embodiment import REGISTERED, projector_index
+from loongforge.train.data.processor import Embodiment, Processor, ProcessorConfig
 from tests.outside import copy_fixture
 
 DATASETS = {"ds1_oxe_droid": "oxe_droid", "ds2_new_embodiment": "new_embodiment"}
@@ -220,19 +221,21 @@ def test_augmentation_statistics_match_isaac_gr00ts(fx, path):
 def test_the_processor_stacks_cameras_of_different_sizes_in_the_given_order(fx):
     z, views = _load(fx, "ds1_oxe_droid")  # 96 x 128 and a portrait 112 x 84 wrist camera
     frames = {v: (_chw(z[f"images_raw.{v}"]) / 127.5 - 1)[:, None] for v in views}  # (B, K=1, 3, h, w)
-    proc = Processor(ProcessorConfig(), max_state_dim=8, max_action_dim=8, embodiment_id=16)
-    got = proc.images(frames, cameras=views)
+    stats = json.loads((fx / "stats" / "ds1_oxe_droid" / "dataset_statistics.json").read_text())["oxe_droid"]
+    droid = Embodiment("oxe_droid", projector_index("oxe_droid"), REGISTERED["oxe_droid"], stats)
+    proc = Processor(ProcessorConfig(), {"oxe_droid": droid}, max_state_dim=8, max_action_dim=8, max_action_horizon=32)
+    got = proc.images(frames, views)
     assert got.shape == (len(z["pixel_values_uint8"]), 3, 252, 252)
     stats = _measure(got.numpy() * 127.5 + 127.5, z["pixel_values_uint8"])
     assert all(stats[k] <= EVAL_BOUND[k] for k in EVAL_BOUND), stats
-    swapped = proc.images(frames, cameras=views[::-1]).view(-1, 2, 3, 252, 252)
+    swapped = proc.images(frames, views[::-1]).view(-1, 2, 3, 252, 252)
     assert torch.equal(swapped.flip(1), got.view(-1, 2, 3, 252, 252))
     # noise_for's crop uniforms still place the crop: at the centre's offset, the eval pixels
     centre = torch.full((len(got) // 2, 2), (GEO.centre + 0.5) / GEO.offsets)
-    assert torch.allclose(proc.images(frames, centre, cameras=views), got, atol=1e-5)
+    assert torch.allclose(proc.images(frames, views, centre), got, atol=1e-5)
     # per-sample draws: both cameras of a sample share its crop and jitter
     draws = image_draws(1, 0, np.arange(3))
-    trained = proc.images({v: f[:3] for v, f in frames.items()}, cameras=views, draws=draws).numpy() * 127.5 + 127.5
+    trained = proc.images({v: f[:3] for v, f in frames.items()}, views, draws=draws).numpy() * 127.5 + 127.5
     want = np.stack([reference_pixels(z[f"images_raw.{v}"][i], offset=draws.sample(i)[0], jitter=draws.sample(i)[1])
                      for i in range(len(draws)) for v in views])
     assert _measure(trained, want)["mean"] <= TRAIN_BOUND["mean"]
