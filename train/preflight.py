@@ -21,7 +21,7 @@ from loongforge.train.kernels import graphs
 from loongforge.train.observe.tracking import resolve_report_to
 from loongforge.train.parallel.engine import ds_config, pick_device
 from loongforge.train.parallel.plan import check_layout, plan_of
-from loongforge.train.recipes import RECIPES, ModelPlan, plan_model
+from loongforge.train.recipes import RECIPES, ModelPlan, base_configs, plan_model
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ def preflight(cfg: TrainConfig, world: int | None = None) -> Checked:
     except (LoongForgeError, OSError) as exc:
         raise ConfigError(f"data.root: cannot read the shard index under {cfg.data.root!r} "
                           f"({type(exc).__name__}: {exc}); check --data") from None
-    model = plan_model(cfg, index)  # recipe or --init-from checkpoint, the data, the tokenizer
-    if model.init_from is not None:  # its weights' names and shapes, from the headers: before anything is written
-        try:
-            check_gr00t_weights(model.model, model.init_from)
+    if cfg.model.init_from is not None:  # its weights' names and shapes, from the headers: before anything is
+        try:  # written, and before the data is matched to it (the --tune-* flags change no shape)
+            check_gr00t_weights(base_configs(cfg)[0], cfg.model.init_from)
         except CheckpointError as exc:
             raise ConfigError(f"--init-from {exc}") from None
+    model = plan_model(cfg, index)  # recipe or --init-from checkpoint, the data, the tokenizer
     check_layout(cfg, world, model.model)  # heads and MLP widths split by tp x sp
     if cfg.memory.cuda_graphs:
         graphs.check(device=pick_device(cfg.run.device), zero_stage=cfg.parallel.zero_stage,

@@ -182,7 +182,7 @@ def test_init_from_a_checkpoint_that_does_not_load_is_one_line_exit_2_nothing_wr
     src = _reduced_dir(fixture, tmp_path / "ckpt", weights)
     run = tmp_path / "run"
     proc = launch([sys.executable, "-m", "loongforge", "train", "--data", root, "--run-dir", str(run),
-                   "--init-from", src, "--tokenizer", "bytes", "--embodiment-tag", "libero_panda", "--steps", "1"],
+                   "--init-from", src, "--tokenizer", "bytes", "--steps", "1"],
                   cwd=str(tmp_path), timeout=180)
     err = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]  # the launch's log lines
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
