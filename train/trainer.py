@@ -144,10 +144,12 @@ class Trainer:
                     self.world, self.device, cfg.parallel.zero_stage)
 
     def _build(self, attention: str, init_from: str | None):
+        self.startup.enter("build_model", "building the model")
         model = build_model(self.model_cfg, attention=attention)
         if init_from is not None:  # one-line CheckpointError on a missing/mismatched tensor
             self.init_dtypes = load_gr00t_weights(model, init_from)
             log.info("initialised from %s (%d tensors)", init_from, len(self.init_dtypes))
+        self.startup.enter("parallelize", "the DeepSpeed engine")
         return model
 
     def _valset(self):
@@ -200,6 +202,8 @@ class Trainer:
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
+                if record["warmup"]:  # where the process's start-up went (`loongforge bench startup`)
+                    record["startup"] = self.startup.split(time.time())
                 if self.save_stall_s:
                     record["save_s"] = self.save_stall_s.pop()  # the previous step's save, blocking part
                 trace.after(self.step)

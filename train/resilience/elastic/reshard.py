@@ -6,7 +6,7 @@ on another rank count, the last verified checkpoint is converted to the new layo
           moments by DP rank; loaded as they are on another rank count they would be dropped
           (checkpoint.check_layout "module"): convert. ZeRO-3 -> ZeRO-3 is converted by the trainer
           itself (ckpt/universal.py); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
-      child process `python -m loongforge.train.resilience.elastic.reshard RUN TAG LAYOUT`:
+      child process `python -m loongforge.train.resilience.elastic.convert RUN TAG LAYOUT` (convert.py):
           reshard(tag -> new tag `stepNNNNNNNN_wWzZtT`, `latest` NOT moved)
           verify the new tag against its manifest
           move `latest` to it (atomic rename, last)
@@ -17,7 +17,8 @@ on another rank count, the last verified checkpoint is converted to the new layo
 Why the supervisor and not the trainer: the conversion runs while no rank is up, so no peer
 waits in a timed collective while rank 0 converts (minutes on a large model), and a crash of the
 converter cannot take a launch with it. The source tag stays on disk (retention removes it like
-any older checkpoint once newer ones are published).
+any older checkpoint once newer ones are published). The supervisor itself never imports torch or
+the model (the child does): its start-up is not in the way of the first launch.
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ import sys
 import time
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.ckpt import fallback as ckpt_fallback, files as ckpt_files
-from loongforge.train.ckpt.reshard import Layout, reshard
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 3600.0
+CHILD = "loongforge.train.resilience.elastic.convert"  # the converting child (convert.py)
 
 
 def needs_conversion(doc: dict, *, world: int, zero: int, tp: int, sp: int, topk: bool = False) -> bool:
@@ -93,7 +93,7 @@ def _remove_debris(root: str) -> None:
 
 def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
     """'' on success, else the reason (the child's last stderr line)."""
-    cmd = [sys.executable, "-m", "loongforge.train.resilience.elastic.reshard", run_dir, tag, layout]
+    cmd = [sys.executable, "-m", CHILD, run_dir, tag, layout]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -102,37 +102,3 @@ def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
         return ""
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     return (lines or [f"exit code {proc.returncode}"])[-1][:500]
-
-
-def convert_and_publish(run_dir: str, tag: str, layout_text: str) -> str:
-    """The child: reshard without moving `latest`, verify the new tag, then move `latest` (last). A failure
-    removes the new tag and leaves `latest` on the source."""
-    doc = ckpt_files.read_sidecar(run_dir, tag)
-    to = Layout.parse(layout_text, default_world=doc["world"])
-    root = ckpt_files.ckpt_root(run_dir)
-    new = None
-    try:
-        new = reshard(run_dir, to, tag=tag, move_latest=False)
-        ckpt_fallback.verify_chain(run_dir, new)
-        ckpt_files.read_sidecar(run_dir, new)
-    except BaseException:
-        if new is not None:
-            shutil.rmtree(os.path.join(root, new), ignore_errors=True)
-        raise
-    write_bytes_atomic(os.path.join(root, "latest"), new.encode())
-    return new
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_dir, tag, layout = argv if argv is not None else sys.argv[1:]
-    try:
-        convert_and_publish(run_dir, tag, layout)
-    except Exception as exc:  # noqa: BLE001 - the supervisor logs the last line and carries on
-        print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:480]}", file=sys.stderr)  # one line
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
