@@ -39,7 +39,10 @@ connections) and the node count fixed for the attempt:
   (infra/train/README.md), and a rank 0 whose supervisor was killed prints it itself;
 * a config error in a launch (a rank's exit 2 with its {"event": "stop", "config_error": true}
   record) ends the run with exit 2: it is not a fault, a relaunch would fail the same way;
-* every wait for another node is bounded by --rdzv-timeout-s and announced in one line.
+* every wait for another node is bounded by --rdzv-timeout-s and announced in one line;
+* a relaunch does not wait for imports: each supervisor starts a fork server as it starts (forks.py,
+  train/warm.py), which imports what a rank imports once and forks every launch's ranks and the
+  checkpoint conversions; this process itself never imports torch.
 
 Why not torchrun's own elastic agent: it restarts the whole local worker group with the same
 --nproc-per-node (elastic only in the NUMBER OF NODES), so on one node it cannot drop a rank; its
@@ -66,6 +69,7 @@ import time
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.train.observe.metrics import read_events
 from loongforge.train.resilience import owner
+from loongforge.train.resilience.elastic import forks
 from loongforge.train.resilience.elastic.budget import RestartBudget
 from loongforge.train.resilience.elastic.nodes import Board
 from loongforge.train.resilience.exits import (DEBUG_LOG_ENV, NODE_ENV, PLANNED_WORLD_ENV, RESUME_ENV,
@@ -145,10 +149,14 @@ class Supervisor:
                 raise UsageError(f"--run-dir {self.run_dir} is in use by a live run ({describe(doc)}); stop that run "
                                  "first, or give another --run-dir")
         self.board = Board(self.run_dir, self.node_id)
+        self.warm = None
         try:
             self.board.join(self.state())
             if self.lock.held:
                 self._claim_fresh(args)
+            # Warm from now on, while this node plans and waits: every launch's ranks are forked from it.
+            os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+            self.warm = forks.Server.start(env=launch_env(dict(os.environ)), log_path=self.log_path)
         except BaseException:
             self.close()
             raise
@@ -214,8 +222,14 @@ class Supervisor:
                 "busy": self.busy, "ready_after": self.ready_after, "leaving": self.leaving}
 
     def close(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
         self.board.leave()
         self.lock.release()
+
+    def warm_path(self) -> str | None:
+        """The fork server's socket while it runs (forks.py), else None: ranks and conversions start plain."""
+        return self.warm.path if self.warm is not None and self.warm.alive() else None
 
     # -- one launch of this node's part of an attempt -------------------------------------------------
     def launch(self, plan: dict, watch) -> tuple[int, dict]:
@@ -237,6 +251,8 @@ class Supervisor:
         env = launch_env({**os.environ, SUPERVISOR_ENV: str(os.getpid()), NODE_ENV: self.node_id,
                           LOCK_OWNER_ENV: f"{leader['pid']}@{leader['host']}", DEBUG_LOG_ENV: self.log_path,
                           RESUME_ENV: self.resume_cmd, PLANNED_WORLD_ENV: str(plan["world"])})
+        if (warm := self.warm_path()) is not None:
+            env[forks.WARM_ENV] = warm  # train/__main__.py: the ranks are forked from the warm server
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
         # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
