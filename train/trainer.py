@@ -406,12 +406,15 @@ class Trainer:
         w = self.ckpt.writer.last_s
         return 0.0 if w is None else 1.25 * (w + self.last_stall_s)
 
-    def close(self) -> None:
+    def close(self, *, peers_gone: bool = False) -> None:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
+        # `peers_gone` (a collective failed on a lost peer): the save stops waiting for the parts they never
+        # wrote, instead of holding the job's restart for the 3 s (launch.py).
         for closer in (self.startup.done, lambda: self.watchdog.stop(done=False),
-                       lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+                       lambda: self.ckpt.close(timeout_s=3.0, peers_gone=peers_gone), self.loader.close,
+                       self.metrics.close,
                        self.tracker.close, self.step_comm.close, lambda: self.run_lock and self.run_lock.release()):
             try:
                 closer()

@@ -12,6 +12,7 @@ import argparse
 import socket
 
 import deepspeed  # noqa: F401 - warm: every rank imports it (parallel/engine.py)
+from deepspeed.checkpoint import ds_to_universal  # noqa: F401 - warm: a conversion forks it (ckpt/universal.py)
 
 from loongforge.train import launch
 from loongforge.train.data import colorspace_jit

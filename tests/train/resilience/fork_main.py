@@ -16,8 +16,15 @@ def report() -> None:
     print(json.dumps({"mp_main": sys.modules["__mp_main__"].__spec__.name}), flush=True)
 
 
+def _on_term(signum, frame):
+    print("term", flush=True)
+    os._exit(85)
+
+
 def main(argv: list[str]) -> int:
     what = argv[0]
+    if what == "sleep":  # before the first line: the tests signal it once they have read that line
+        signal.signal(signal.SIGTERM, _on_term)
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
                       "rank": os.environ.get("RANK"), "main": sys.modules["__main__"].__spec__.name}), flush=True)
     if what == "exit":
@@ -28,11 +35,6 @@ def main(argv: list[str]) -> int:
         p.join()
         return p.exitcode
     if what == "sleep":
-        def on_term(signum, frame):
-            print("term", flush=True)
-            os._exit(85)
-
-        signal.signal(signal.SIGTERM, on_term)
         while True:
             time.sleep(0.05)
     return 3

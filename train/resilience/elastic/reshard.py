@@ -111,7 +111,7 @@ def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float, warm: str 
 
 def _run_forked(warm: str, argv: list[str], timeout_s: float) -> str:
     """The child forked by the fork server, its stderr through a temporary file; raises forks.Refused."""
-    with open(os.devnull, "rb") as null, tempfile.TemporaryFile() as err:
+    with open(os.devnull, "r+b") as null, tempfile.TemporaryFile() as err:
         child = forks.spawn(warm, "convert", argv, env=dict(os.environ), cwd=os.getcwd(),
                             fds=(null.fileno(), null.fileno(), err.fileno()))
         try:
