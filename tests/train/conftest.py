@@ -21,6 +21,22 @@ TRAIN_LENGTHS = (20, 12, 18, 14)  # 64 samples at stride 1: 8 global batches of 
 TRAIN_HORIZON = 1
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(tmp_path_factory):
+    """The session's fork server (train_launch.WARM): ranks of launch()/torchrun() are forked from it, their
+    imports done once for the session instead of once per rank (the elastic supervisor's own mechanism,
+    resilience/elastic/forks.py). LOONGFORGE_WARM=0 runs every rank as a fresh interpreter."""
+    from loongforge.train.resilience.elastic import forks
+    from tests.train import train_launch
+
+    server = forks.Server.start(env=train_launch.launch_env(), log_path=str(tmp_path_factory.mktemp("warm") / "log"))
+    train_launch.WARM = server.path if server else None
+    yield server
+    train_launch.WARM = None
+    if server is not None:
+        server.close()
+
+
 @pytest.fixture(scope="session")
 def train_root(tmp_path_factory):
     """4 episodes (64 samples), one per shard, 2 cameras, 16x16 frames, blocks of 4 frames, H = 1.

@@ -20,7 +20,7 @@ def test_the_first_step_records_the_phases_from_process_start(zero3_run):
                             "loader", "first step"]
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) == pytest.approx(s["first_step_end"] - s["process_start"], abs=0.02)
-    assert phases["imports"] > 0.1 and phases["first step"] >= first["step_s"] - 0.02  # the step is inside it
+    assert phases["first step"] >= first["step_s"] - 0.02  # the step is inside it
     # the benchmark's columns take every phase once
     cols = split(s)
     assert set(cols) == set(COLUMNS)

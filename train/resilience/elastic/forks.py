@@ -290,6 +290,7 @@ def _fresh_process_state(module: str, argv: list[str]) -> None:
     for stream in (sys.stdout, sys.stderr):  # torchrun runs ranks with -u
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(write_through=True)
+    tempfile.tempdir = None  # gettempdir() is cached: a fresh process reads this environment's TMPDIR
     np = sys.modules.get("numpy")
     if np is not None:  # forked children would share the server's global RNG state
         np.random.seed(int.from_bytes(os.urandom(4), "little"))

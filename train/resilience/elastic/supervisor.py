@@ -251,6 +251,7 @@ class Supervisor:
         env = launch_env({**os.environ, SUPERVISOR_ENV: str(os.getpid()), NODE_ENV: self.node_id,
                           LOCK_OWNER_ENV: f"{leader['pid']}@{leader['host']}", DEBUG_LOG_ENV: self.log_path,
                           RESUME_ENV: self.resume_cmd, PLANNED_WORLD_ENV: str(plan["world"])})
+        env.pop(forks.WARM_ENV, None)  # another process's server (a test session's) is not this node's
         if (warm := self.warm_path()) is not None:
             env[forks.WARM_ENV] = warm  # train/__main__.py: the ranks are forked from the warm server
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
