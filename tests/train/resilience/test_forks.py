@@ -146,3 +146,34 @@ def test_the_ranks_stop_when_the_server_dies(server, tmp_path):
     out, _ = p.communicate(timeout=30)
     assert "term" in out  # the rank's SIGTERM, as from a launcher that died (owner.py)
     assert p.returncode == 1 and owner.proc_state(rank) in (None, "Z")
+
+
+def test_the_server_outlives_every_malformed_request(server, tmp_path):
+    """The fork server's wire (length-prefixed JSON, descriptors on the first message): garbage, a short
+    message, a huge length, no descriptors, an unknown entry, a client gone mid-message. Each is refused
+    (a one-line reason where the client still listens) and the next good request is served."""
+    import random
+    import socket
+
+    path, srv = server
+    rng = random.Random(0)
+    with open(os.devnull, "r+b") as null:
+        fds = [null.fileno()] * 3
+        bodies = [b"", b"\x00", b"\xff\xff\xff\xff", forks._HEADER.pack(10) + b"{", forks._HEADER.pack(2) + b"[]",
+                  *(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(20))]
+        for i, body in enumerate(bodies):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(20)
+                c.connect(path)
+                if body and i % 2:
+                    socket.send_fds(c, [body], fds)
+                elif body:
+                    c.sendall(body)
+                c.shutdown(socket.SHUT_WR)
+                reply, _ = forks._recv(c)
+                assert reply is None or "refused" in reply, (body, reply)
+        with pytest.raises(forks.Refused, match="malformed request"):
+            forks.spawn(path, "nope", [], env={}, cwd=str(tmp_path), fds=tuple(fds))
+    assert srv.poll() is None
+    p = stand_in(path, ["exit", "4"], tmp_path)
+    assert _first(p)["ppid"] == srv.pid and p.wait(timeout=30) == 4  # still forking

@@ -164,18 +164,19 @@ class ForkServer:
 
     def _accept(self) -> None:
         conn, _ = self.sock.accept()
+        fds: list[int] = []
         try:
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid():
                 raise PermissionError(f"uid {uid} is not this server's")
-            conn.settimeout(10.0)
+            conn.settimeout(10.0)  # one thread: a client that sends nothing holds the others at most this long
             req, fds = _recv(conn, want_fds=3)
             conn.settimeout(None)
-            if req is None or len(fds) != 3 or req.get("entry") not in self.entries:
+            if not isinstance(req, dict) or len(fds) != 3 or req.get("entry") not in self.entries:
                 raise ValueError(f"malformed request: {req!r} with {len(fds)} descriptors")
         except (OSError, ValueError) as exc:
             log.warning("fork server: refused a client: %s", exc)
-            conn.close()
+            self._reply(conn, {"refused": str(exc)}, fds)
             return
         why = fork_safe() or (_room_for(req) if req.get("watch") else "")
         if why:

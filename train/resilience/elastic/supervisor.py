@@ -42,7 +42,8 @@ connections) and the node count fixed for the attempt:
 * every wait for another node is bounded by --rdzv-timeout-s and announced in one line;
 * a relaunch does not wait for imports: each supervisor starts a fork server as it starts (forks.py,
   train/warm.py), which imports what a rank imports once and forks every launch's ranks and the
-  checkpoint conversions; this process itself never imports torch.
+  checkpoint conversions, and keeps the next launch's agent standing by, torch imported (agent.py
+  --standby); this process itself never imports torch.
 
 Why not torchrun's own elastic agent: it restarts the whole local worker group with the same
 --nproc-per-node (elastic only in the NUMBER OF NODES), so on one node it cannot drop a rank; its
@@ -89,6 +90,7 @@ OWN_TORCHRUN_ARGS = ("--nnodes", "--node_rank", "--node-rank", "--nproc_per_node
 AGENT = "loongforge.train.resilience.elastic.agent"
 POLL_S = 0.5
 KILL_AFTER_S = 30.0  # after a forwarded signal: the ranks' grace period plus this, then SIGKILL
+STANDBY_AFTER_S = 10.0  # into a launch, start the next launch's standby agent: off the ranks' own start-up
 
 
 def accum_for(global_batch: int, ranks: int, max_micro: int) -> int:
@@ -157,6 +159,8 @@ class Supervisor:
             # Warm from now on, while this node plans and waits: every launch's ranks are forked from it.
             os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
             self.warm = forks.Server.start(env=launch_env(dict(os.environ)), log_path=self.log_path)
+            self._standby = None
+            self._start_standby()
         except BaseException:
             self.close()
             raise
@@ -222,6 +226,10 @@ class Supervisor:
                 "busy": self.busy, "ready_after": self.ready_after, "leaving": self.leaving}
 
     def close(self) -> None:
+        standby, self._standby = getattr(self, "_standby", None), None
+        if standby is not None:
+            standby.kill()
+            standby.wait()
         if self.warm is not None:
             self.warm.close()
         self.board.leave()
@@ -255,14 +263,14 @@ class Supervisor:
         if (warm := self.warm_path()) is not None:
             env[forks.WARM_ENV] = warm  # train/__main__.py: the ranks are forked from the warm server
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
-        # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
-        self._proc = proc = subprocess.Popen(cmd, start_new_session=True, env=env,
-                                             preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
+        self._proc = proc = self._take_standby(cmd, env) or self._agent(cmd, env)
         ranks: dict[int, int] = {}  # pid -> start ticks of every rank seen: they may outlive a killed launcher
+        t0 = time.monotonic()
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
+                if self._standby is None and time.monotonic() - t0 > STANDBY_AFTER_S:
+                    self._start_standby()
                 self._kill_if_overdue()
                 ranks.update((pid, st[1]) for pid in owner.rank_pids(proc.pid) if (st := owner.proc_stat(pid)))
                 watch(proc)
@@ -274,6 +282,35 @@ class Supervisor:
             self._proc = None
         self._wait_for_ranks(ranks)
         return proc.returncode, self._result(result_path, proc)
+
+    def _agent(self, cmd: list[str], env: dict, *, stdin=None) -> subprocess.Popen:
+        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
+        # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
+        return subprocess.Popen(cmd, start_new_session=True, env=env, stdin=stdin,
+                                preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
+
+    def _start_standby(self) -> None:
+        """The next launch's agent, started now and importing (torch: seconds) while nothing waits for it; the
+        launch hands it its arguments (agent.py --standby). Nothing else differs from a fresh agent."""
+        if self.warm_path() is None:  # LOONGFORGE_WARM=0: every process of a launch starts when it is needed
+            return
+        self._standby = self._agent([sys.executable, "-m", AGENT, "--standby"], launch_env(dict(os.environ)),
+                                    stdin=subprocess.PIPE)
+
+    def _take_standby(self, cmd: list[str], env: dict) -> subprocess.Popen | None:
+        """The standby agent, given this launch (cmd's arguments and env), or None (none, or it died)."""
+        proc, self._standby = self._standby, None
+        if proc is None:
+            return None
+        job = {"env": env, "argv": cmd[cmd.index(AGENT) + 1:]}  # what follows `python -m AGENT` in a fresh one
+        try:
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            proc.stdin.close()
+        except OSError:
+            proc.kill()
+            proc.wait()
+            return None
+        return proc
 
     def _wait_for_ranks(self, ranks: dict[int, int]) -> None:
         """A launcher that was killed leaves its ranks stopping on their own (PDEATHSIG: they may write a
