@@ -120,13 +120,13 @@ def _rank_pid(run_dir: str, rank: int) -> int | None:
     return None
 
 
-def restart(root: str, work: Path, timeout: float, kill_after: int = 3, steps: int = 8) -> dict:
+def restart(root: str, work: Path, name: str, timeout: float, kill_after: int = 3, steps: int = 8) -> dict:
     """2 ranks under the elastic supervisor; rank 1 SIGKILLed after step `kill_after`; kill -> next step."""
-    run_dir = str(work / "restart")
+    run_dir, log, capacity = str(work / name), work / f"{name}.log", work / f"{name}.capacity"
     cmd = [str(VENV_BIN / "loongforge"), "train", "--elastic", "--min-ranks", "1", "--max-ranks", "2",
-           "--capacity-file", str(work / "restart.capacity"), "--data", root, "--run-dir", run_dir,
+           "--capacity-file", str(capacity), "--data", root, "--run-dir", run_dir,
            "--steps", str(steps), "--save-every", "2", "--heartbeat-s", "0.5", *RUN_FLAGS]
-    with open(work / "restart.log", "w") as out:
+    with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + timeout
@@ -136,9 +136,9 @@ def restart(root: str, work: Path, timeout: float, kill_after: int = 3, steps: i
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"restart run: no {kill_after} steps (exit {proc.poll()}):\n"
-                                       f"{(work / 'restart.log').read_text()[-3000:]}")
+                                       f"{log.read_text()[-3000:]}")
                 time.sleep(0.05)
-            (work / "restart.capacity").write_text("1")  # its slot is gone with it: go on with the survivor
+            capacity.write_text("1")  # its slot is gone with it: go on with the survivor
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -147,7 +147,7 @@ def restart(root: str, work: Path, timeout: float, kill_after: int = 3, steps: i
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     if rc != 0:
-        raise RuntimeError(f"restart run exited {rc}:\n{(work / 'restart.log').read_text()[-3000:]}")
+        raise RuntimeError(f"restart run exited {rc}:\n{log.read_text()[-3000:]}")
     rows = _rows(run_dir)
     events = [r for r in rows if r.get("event") == "elastic" and r["t"] >= t_kill]
     fault = next(r for r in events if r["action"] == "fault")
@@ -177,7 +177,7 @@ def measure(args) -> dict:
             one.append(one_launch(root, work, f"one{i}", 1, args.timeout))
             torch_s.append(import_torch(work, args.timeout))
             two.append(one_launch(root, work, f"two{i}", 2, args.timeout))
-        rest = [restart(root, work, args.timeout) for _ in range(args.repeats)] if args.restart else []
+        rest = [restart(root, work, f"restart{i}", args.timeout) for i in range(args.repeats)] if args.restart else []
     base = statistics.median(torch_s)
     doc = {"benchmark": "startup", "import_torch_s": {"median": round(base, 3), "runs": [round(t, 3) for t in torch_s]},
            "one_rank": {**_median(one, "wall_s"), "runs": one}, "two_ranks": {**_median(two, "wall_s"), "runs": two}}

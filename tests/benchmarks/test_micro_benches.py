@@ -122,3 +122,17 @@ def test_startup_table_shows_the_split_the_ratio_and_each_goal():
     assert "| rank 1 of 2 SIGKILLed after step 3, relaunched on 1 | 6.00 | 1.00 | 0.50 | 0.50 |" in out
     assert "goal one_rank_x_import_torch: <= 2.5 x import torch: measured 2.5 x import torch: met" in out
     assert "goal restart_s: <= 5.0 s: measured 6.0 s: MISSED" in out
+
+
+@pytest.mark.slow
+@pytest.mark.full  # ~1-2 min of launches (1 and 2 ranks, an elastic run with a rank killed); its table: the test above
+def test_startup_bench_runs_end_to_end(tmp_path, capsys):
+    assert bench(["startup", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny, 1 step, 1 rank |" in out and "| rank 1 of 2 SIGKILLed after step 3, relaunched on 1 |" in out
+    doc = json.loads(next(tmp_path.glob("startup-*.json")).read_text())
+    one, restart = doc["one_rank"], doc["restart"]
+    assert 0 < doc["import_torch_s"]["median"] < one["wall_s"]
+    assert sum(one["split_s"].values()) == pytest.approx(one["wall_s"], rel=0.2)  # the split accounts for the run
+    assert restart["split_s"]["imports"] < one["split_s"]["imports"]  # the relaunched rank was forked, warm
+    assert 0 < restart["restart_s"] and set(doc["goals"]) == {"one_rank_x_import_torch", "restart_s"}

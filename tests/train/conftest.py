@@ -23,17 +23,16 @@ TRAIN_HORIZON = 1
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_ranks(tmp_path_factory):
-    """The session's fork server (train_launch.WARM): ranks of launch()/torchrun() are forked from it, their
-    imports done once for the session instead of once per rank (the elastic supervisor's own mechanism,
-    resilience/elastic/forks.py). LOONGFORGE_WARM=0 runs every rank as a fresh interpreter."""
-    from loongforge.train.resilience.elastic import forks
+    """The session's fork server (train_launch.WARM, started by the first launch that uses it): ranks of
+    launch()/torchrun() are forked from it, their imports done once for the session instead of once per rank
+    (the elastic supervisor's own mechanism, resilience/elastic/forks.py). LOONGFORGE_WARM=0 runs every rank
+    as a fresh interpreter."""
     from tests.train import train_launch
 
-    server = forks.Server.start(env=train_launch.launch_env(), log_path=str(tmp_path_factory.mktemp("warm") / "log"))
-    train_launch.WARM = server.path if server else None
-    yield server
-    train_launch.WARM = None
-    if server is not None:
+    train_launch.WARM["log"] = str(tmp_path_factory.mktemp("warm") / "log")
+    yield
+    server, train_launch.WARM["server"], train_launch.WARM["log"] = train_launch.WARM["server"], None, None
+    if server:
         server.close()
 
 

@@ -12,12 +12,23 @@ from pathlib import Path
 import pytest
 
 VENV_BIN = Path(sys.executable).parent
-# The session's fork server (conftest.warm_ranks; None: off): a rank launched through launch() or torchrun()
-# is forked from it, its imports done (resilience/elastic/forks.py; ~3x a bare `import torch` per rank, the
-# largest part of a short test launch). The rank runs the same code as a fresh `python -m loongforge.train`;
-# tests of the launch itself (launchers, signals, process ownership, start-up) pass warm=False or build
-# their environment with launch_env(), which is plain, as the deepspeed launcher's runs are.
-WARM: str | None = None
+# The session's fork server (conftest.warm_ranks): a rank launched through launch() or torchrun() is forked
+# from it, its imports done (resilience/elastic/forks.py; ~3x a bare `import torch` per rank, the largest part
+# of a short test launch). The rank runs the same code as a fresh `python -m loongforge.train`; tests of the
+# launch itself (launchers, signals, process ownership, start-up) pass warm=False or build their environment
+# with launch_env(), which is plain, as the deepspeed launcher's runs are. Started at the first warm launch,
+# which waits for it anyway: its imports never compete with a test computing in this process.
+WARM: dict = {"log": None, "server": None}  # conftest sets "log" (None: off); the server once started
+
+
+def warm_socket() -> str | None:
+    from loongforge.train.resilience.elastic import forks
+
+    if WARM["log"] is None:
+        return None
+    if WARM["server"] is None:
+        WARM["server"] = forks.Server.start(env=launch_env(), log_path=WARM["log"]) or False
+    return WARM["server"].path if WARM["server"] else None
 
 
 def launch_env(env: dict | None = None, *, cuda: bool = False, warm: bool = False) -> dict:
@@ -31,8 +42,8 @@ def launch_env(env: dict | None = None, *, cuda: bool = False, warm: bool = Fals
     env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DS_ACCELERATOR", None)
     env.pop(WARM_ENV, None)
-    if warm and WARM and not cuda:
-        env[WARM_ENV] = WARM
+    if warm and not cuda and (path := warm_socket()) is not None:
+        env[WARM_ENV] = path
     if cuda:
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             env.pop("CUDA_VISIBLE_DEVICES")
