@@ -90,7 +90,6 @@ OWN_TORCHRUN_ARGS = ("--nnodes", "--node_rank", "--node-rank", "--nproc_per_node
 AGENT = "loongforge.train.resilience.elastic.agent"
 POLL_S = 0.5
 KILL_AFTER_S = 30.0  # after a forwarded signal: the ranks' grace period plus this, then SIGKILL
-STANDBY_AFTER_S = 10.0  # into a launch, start the next launch's standby agent: off the ranks' own start-up
 
 
 def accum_for(global_batch: int, ranks: int, max_micro: int) -> int:
@@ -265,14 +264,13 @@ class Supervisor:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self._proc = proc = self._take_standby(cmd, env) or self._agent(cmd, env)
         ranks: dict[int, int] = {}  # pid -> start ticks of every rank seen: they may outlive a killed launcher
-        t0 = time.monotonic()
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
-                if self._standby is None and time.monotonic() - t0 > STANDBY_AFTER_S:
-                    self._start_standby()
                 self._kill_if_overdue()
                 ranks.update((pid, st[1]) for pid in owner.rank_pids(proc.pid) if (st := owner.proc_stat(pid)))
+                if ranks:  # the ranks started: the next launch's agent imports now, beside their first steps,
+                    self._start_standby()  # so that a fault early in this launch relaunches without waiting
                 watch(proc)
         except BaseException:
             self._kill_launch()
@@ -292,7 +290,7 @@ class Supervisor:
     def _start_standby(self) -> None:
         """The next launch's agent, started now and importing (torch: seconds) while nothing waits for it; the
         launch hands it its arguments (agent.py --standby). Nothing else differs from a fresh agent."""
-        if self.warm_path() is None:  # LOONGFORGE_WARM=0: every process of a launch starts when it is needed
+        if self._standby is not None or self.warm_path() is None:  # LOONGFORGE_WARM=0: each process when needed
             return
         self._standby = self._agent([sys.executable, "-m", AGENT, "--standby"], launch_env(dict(os.environ)),
                                     stdin=subprocess.PIPE)
