@@ -21,6 +21,8 @@ BENCHMARKS = {
     "memory": ("loongforge.benchmarks.micro.memory", "GPU memory per rank of the released N1.6 by layout "
                                                       "(model states exact, activations from a full-size forward)"),
     "ckpt": ("loongforge.benchmarks.micro.ckpt", "checkpoint stall: no saves vs synchronous vs asynchronous"),
+    "startup": ("loongforge.benchmarks.micro.startup", "time to first step (imports, data, model, DeepSpeed, first "
+                                                       "step) at 1 and 2 ranks, and a restart after a rank's SIGKILL"),
     "storage": ("loongforge.benchmarks.micro.storage", "bytes and decode CPU of the shard root vs the source mp4"),
     "index-scale": ("loongforge.benchmarks.micro.index_scale", "opening and looking up the index at 100 M samples"),
     "order-scale": ("loongforge.benchmarks.micro.order_scale", "one rank's epoch order at 10-100 M samples"),

@@ -35,7 +35,8 @@ LAYERS: dict[str, list] = {
     "loongforge": ["shared", ("preprocess", "cache"), "train", "benchmarks", "cli"],
     # Inside the trainer (train/README.md has the folder map).
     "loongforge.train": ["config", ("model", "data"), "recipes", ("kernels", "observe"), "parallel", "ckpt",
-                         ("eval", "resilience"), "serve", "tune", "flags", "preflight", "trainer", "launch", "cli"],
+                         ("eval", "resilience"), "serve", "tune", "flags", "preflight", "trainer", "launch", "warm",
+                         "cli"],
 }
 
 # What a function may import locally, and why: third-party packages, by their top-level name.

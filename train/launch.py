@@ -44,7 +44,7 @@ def run_args(args: argparse.Namespace) -> int:
     pin_threads()
     _own_by_launcher()
     stop = StopSignals(save_on_term=not args.no_save_on_term, grace_s=args.term_grace_s).install()
-    trainer, code, stopped = None, 0, None
+    trainer, code, stopped, lost_peer = None, 0, None, False
     try:
         trainer = Trainer(config_from_args(args), stop=stop)
         trainer.run()
@@ -58,16 +58,16 @@ def run_args(args: argparse.Namespace) -> int:
     except BaseException as exc:  # noqa: BLE001 - report it, still tear the process group down
         stop.tearing_down()  # the launcher stops the survivors of a failure: its SIGTERM must not cut this short
         if stop.requested:  # a SIGTERM, then a collective failed: a peer is gone (the launcher stops us)
-            stopped = Terminated("a peer left before the checkpoint")
+            stopped, lost_peer = Terminated("a peer left before the checkpoint"), True
         elif trainer is not None and peer_gone(exc):  # after start-up: a start-up failure is shown as it is
-            code = _peer_gone(args, exc)
+            code, lost_peer = _peer_gone(args, exc), True
         else:
             traceback.print_exc()
             code = 1
     finally:
         stop.tearing_down()
         if trainer is not None:
-            trainer.close()  # after it, `latest` is final: no save is in flight
+            trainer.close(peers_gone=lost_peer)  # after it, `latest` is final: no save is in flight
         try:
             shutdown(barrier=code == 0 and stopped is None)
         except Exception as exc:  # noqa: BLE001

@@ -144,10 +144,12 @@ class Trainer:
                     self.world, self.device, cfg.parallel.zero_stage)
 
     def _build(self, attention: str, init_from: str | None):
+        self.startup.enter("build_model", "building the model")
         model = build_model(self.model_cfg, attention=attention)
         if init_from is not None:  # one-line CheckpointError on a missing/mismatched tensor
             self.init_dtypes = load_gr00t_weights(model, init_from)
             log.info("initialised from %s (%d tensors)", init_from, len(self.init_dtypes))
+        self.startup.enter("parallelize", "the DeepSpeed engine")
         return model
 
     def _valset(self):
@@ -200,6 +202,8 @@ class Trainer:
                 trace.before(self.step)
                 timing, record = self._one_step(it, timer, sync=trace.active)
                 record["warmup"] = self.step == start  # first step of this process: report skips it
+                if record["warmup"]:  # where the process's start-up went (`loongforge bench startup`)
+                    record["startup"] = self.startup.split(time.time())
                 if self.save_stall_s:
                     record["save_s"] = self.save_stall_s.pop()  # the previous step's save, blocking part
                 trace.after(self.step)
@@ -402,12 +406,15 @@ class Trainer:
         w = self.ckpt.writer.last_s
         return 0.0 if w is None else 1.25 * (w + self.last_stall_s)
 
-    def close(self) -> None:
+    def close(self, *, peers_gone: bool = False) -> None:
         # A clean run ends with a synchronous save, so a save still in flight here means a failure: its peers
         # may be gone, and launchers SIGKILL ranks that take long to stop (deepspeed's after 30 s), which
         # would skip the rest of this teardown. `latest` still names the previous complete checkpoint.
+        # `peers_gone` (a collective failed on a lost peer): the save stops waiting for the parts they never
+        # wrote, instead of holding the job's restart for the 3 s (launch.py).
         for closer in (self.startup.done, lambda: self.watchdog.stop(done=False),
-                       lambda: self.ckpt.close(timeout_s=3.0), self.loader.close, self.metrics.close,
+                       lambda: self.ckpt.close(timeout_s=3.0, peers_gone=peers_gone), self.loader.close,
+                       self.metrics.close,
                        self.tracker.close, self.step_comm.close, lambda: self.run_lock and self.run_lock.release()):
             try:
                 closer()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loongforge.benchmarks.cli import main as bench
-from loongforge.benchmarks.micro import index_scale
+from loongforge.benchmarks.micro import index_scale, startup
 
 
 def test_index_scale_runs_both_indexes_and_extrapolates_the_json_one(tmp_path, capsys):
@@ -108,3 +108,31 @@ def test_image_transform_runs_every_path(capsys):
     out = capsys.readouterr().out
     for path in ("interpolate eval", "interpolate crop", "matrix eval", "matrix crop", "matrix crop + jitter"):
         assert f"| {path} |" in out
+
+
+def test_startup_table_shows_the_split_the_ratio_and_each_goal():
+    run = {"wall_s": 3.0, "x_import_torch": 2.5, "split_s": {**{c: 0.1 for c in startup.COLUMNS}, "after": 0.2}}
+    doc = {"import_torch_s": {"median": 1.2}, "one_rank": run, "two_ranks": {**run, "x_import_torch": 4.0},
+           "restart": {"restart_s": 6.0, "killed_after_step": 3,
+                       "split_s": {"detect": 1.0, "plan": 0.5, "launch": 0.5, **{c: 0.5 for c in startup.COLUMNS}}},
+           "goals": {"one_rank_x_import_torch": {"goal": 2.5, "measured": 2.5, "met": True},
+                     "restart_s": {"goal": 5.0, "measured": 6.0, "met": False}}}
+    out = startup.table(doc)
+    assert "| tiny, 1 step, 1 rank | 3.00 | 2.50x | 0.10 | 0.10 | 0.10 | 0.10 | 0.10 | 0.10 | 0.20 |" in out
+    assert "| rank 1 of 2 SIGKILLed after step 3, relaunched on 1 | 6.00 | 1.00 | 0.50 | 0.50 |" in out
+    assert "goal one_rank_x_import_torch: <= 2.5 x import torch: measured 2.5 x import torch: met" in out
+    assert "goal restart_s: <= 5.0 s: measured 6.0 s: MISSED" in out
+
+
+@pytest.mark.slow
+@pytest.mark.full  # ~1-2 min of launches (1 and 2 ranks, an elastic run with a rank killed); its table: the test above
+def test_startup_bench_runs_end_to_end(tmp_path, capsys):
+    assert bench(["startup", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny, 1 step, 1 rank |" in out and "| rank 1 of 2 SIGKILLed after step 3, relaunched on 1 |" in out
+    doc = json.loads(next(tmp_path.glob("startup-*.json")).read_text())
+    one, restart = doc["one_rank"], doc["restart"]
+    assert 0 < doc["import_torch_s"]["median"] < one["wall_s"]
+    assert sum(one["split_s"].values()) == pytest.approx(one["wall_s"], rel=0.2)  # the split accounts for the run
+    assert restart["split_s"]["imports"] < one["split_s"]["imports"]  # the relaunched rank was forked, warm
+    assert 0 < restart["restart_s"] and set(doc["goals"]) == {"one_rank_x_import_torch", "restart_s"}

@@ -21,6 +21,21 @@ TRAIN_LENGTHS = (20, 12, 18, 14)  # 64 samples at stride 1: 8 global batches of 
 TRAIN_HORIZON = 1
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(tmp_path_factory):
+    """The session's fork server (train_launch.WARM, started by the first launch that uses it): ranks of
+    launch()/torchrun() are forked from it, their imports done once for the session instead of once per rank
+    (the elastic supervisor's own mechanism, resilience/elastic/forks.py). LOONGFORGE_WARM=0 runs every rank
+    as a fresh interpreter."""
+    from tests.train import train_launch
+
+    train_launch.WARM["log"] = str(tmp_path_factory.mktemp("warm") / "log")
+    yield
+    server, train_launch.WARM["server"], train_launch.WARM["log"] = train_launch.WARM["server"], None, None
+    if server:
+        server.close()
+
+
 @pytest.fixture(scope="session")
 def train_root(tmp_path_factory):
     """4 episodes (64 samples), one per shard, 2 cameras, 16x16 frames, blocks of 4 frames, H = 1.

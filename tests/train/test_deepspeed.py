@@ -68,18 +68,18 @@ def test_zero2_two_ranks_read_disjoint_slices(zero2_run, train_root):
 
 
 def test_profile_cli_table_chart_and_gloo_trace(zero2_run, capsys):
+    """`loongforge profile` in this process (as a process: test_tracking_train.py)."""
+    from loongforge.cli import main
+
     run_dir, _ = zero2_run
-    proc = launch([sys.executable, "-m", "loongforge", "profile", run_dir], cwd=run_dir, timeout=120)
-    _ok(proc)
-    out = proc.stdout
+    capsys.readouterr()
+    assert main(["profile", run_dir]) == 0
+    out = capsys.readouterr().out
     for phase in ("data wait", "communication", "launch/dispatch overhead", "compute", "% of step"):
         assert phase in out
     assert "gloo:all_reduce" in out  # parsed from the CPU chrome trace
     assert "CPU trace: Python overhead (host between ATen ops" in out  # the CPU's dispatch share, measured
     assert os.path.getsize(os.path.join(run_dir, "profile.png")) > 5000
-    from loongforge.cli import main  # the same entry in-process: one interpreter start fewer
-
-    capsys.readouterr()
     assert main(["profile", run_dir, "--json", "--no-chart"]) == 0
     b = json.loads(capsys.readouterr().out)
     assert abs(sum(b["percent"].values()) - 100.0) < 5.0  # the four parts account for the step

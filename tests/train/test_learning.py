@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -175,11 +174,12 @@ def test_zero3_checkpoint_loads_as_a_policy(split_root, tmp_path):
     assert not torch.equal(params[qkv], torch.zeros_like(params[qkv]))
 
 
-def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root):
+def test_eval_without_a_split_says_how_to_fix(tmp_path, train_root, capsys):
+    from loongforge.cli import main
+
     root, _ = train_root
-    proc = subprocess.run([str(VENV_BIN / "loongforge"), "eval", str(tmp_path / "nope"), "--data", root],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "checkpoint" in proc.stderr
+    assert main(["eval", str(tmp_path / "nope"), "--data", root]) != 0
+    assert "checkpoint" in capsys.readouterr().err
 
 
 def test_eval_never_reads_the_ground_truth(trained, learn_root):

@@ -96,7 +96,7 @@ def test_launch_scripts_exit_2_on_config_error_before_any_rank(script, pre, trai
     root, _ = train_root
     t0 = time.monotonic()
     proc = launch(["bash", os.path.join(REPO, "infra", "train", script), *pre, "--data", root, "--run-dir",
-                   str(tmp_path / "run"), "--recipe", "huge"], cwd=str(tmp_path), timeout=120)
+                   str(tmp_path / "run"), "--recipe", "huge"], cwd=str(tmp_path), timeout=120, warm=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "config error: recipe" in proc.stderr
     assert "torch.distributed" not in proc.stderr and "rendezvous" not in proc.stderr.lower()

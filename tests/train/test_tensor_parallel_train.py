@@ -156,19 +156,24 @@ def test_resume_refuses_another_layout():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_run", [3], ids=["zero3"], indirect=True)
-def test_tp_checkpoint_exports_after_a_reshard_to_tp1(tp_run, train_root, tmp_path):
+def test_tp_checkpoint_exports_after_a_reshard_to_tp1(tp_run, train_root, tmp_path, capsys):
     """Export reads whole tensors: a TP-2 checkpoint is refused with the converting command, which then
-    gives a ZeRO-0 TP-1 copy that exports with the reference's tensor names."""
+    gives a ZeRO-0 TP-1 copy that exports with the reference's tensor names. (The commands in this process:
+    `loongforge export` and `ckpt reshard` as processes are test_gr00t_checkpoint's and test_ckpt_reshard's.)"""
+    from loongforge.cli import main
+
     _, run_dir, _ = tp_run
     root, _ = train_root
     run = str(tmp_path / "run")
     shutil.copytree(run_dir, run)
-    export = [sys.executable, "-m", "loongforge", "export", run, str(tmp_path / "out"), "--data", root]
-    bad = launch(export, cwd=str(tmp_path), timeout=180)
-    assert bad.returncode != 0 and "tensor-parallel shards" in bad.stderr, bad.stderr[-2000:]
-    cmd = bad.stderr.split("first: ", 1)[1].split()  # loongforge ckpt reshard RUN --tag T --to world=1,zero=0,tp=1
-    _ok(launch([sys.executable, "-m", "loongforge", *cmd[1:]], cwd=str(tmp_path), timeout=400))
-    _ok(launch(export, cwd=str(tmp_path), timeout=180))
+    export = ["export", run, str(tmp_path / "out"), "--data", root]
+    capsys.readouterr()
+    assert main(export) != 0
+    err = capsys.readouterr().err
+    assert "tensor-parallel shards" in err, err[-2000:]
+    cmd = err.split("first: ", 1)[1].split()  # loongforge ckpt reshard RUN --tag T --to world=1,zero=0,tp=1
+    assert main(cmd[1:]) == 0
+    assert main(export) == 0
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:

@@ -12,16 +12,38 @@ from pathlib import Path
 import pytest
 
 VENV_BIN = Path(sys.executable).parent
+# The session's fork server (conftest.warm_ranks): a rank launched through launch() or torchrun() is forked
+# from it, its imports done (resilience/elastic/forks.py; ~3x a bare `import torch` per rank, the largest part
+# of a short test launch). The rank runs the same code as a fresh `python -m loongforge.train`; tests of the
+# launch itself (launchers, signals, process ownership, start-up) pass warm=False or build their environment
+# with launch_env(), which is plain, as the deepspeed launcher's runs are. Started at the first warm launch,
+# which waits for it anyway: its imports never compete with a test computing in this process.
+WARM: dict = {"log": None, "server": None}  # conftest sets "log" (None: off); the server once started
 
 
-def launch_env(env: dict | None = None, *, cuda: bool = False) -> dict:
+def warm_socket() -> str | None:
+    from loongforge.train.resilience.elastic import forks
+
+    if WARM["log"] is None:
+        return None
+    if WARM["server"] is None:
+        WARM["server"] = forks.Server.start(env=launch_env(), log_path=WARM["log"]) or False
+    return WARM["server"].path if WARM["server"] else None
+
+
+def launch_env(env: dict | None = None, *, cuda: bool = False, warm: bool = False) -> dict:
     """The environment of every launch: one OpenMP thread per rank (2 cores shared by all ranks),
     unbuffered logs, the venv's torchrun/deepspeed first on PATH. A CPU launch hides the GPUs, so
     on a GPU machine it stays a CPU run: the trainer's `--device auto` and DeepSpeed's own probe
     both see no CUDA (nothing forces DS_ACCELERATOR, which would split them). `cuda=True` for the
-    GPU tests."""
+    GPU tests. `warm`: ranks forked from the session's fork server (WARM), CPU launches only."""
+    from loongforge.train.resilience.elastic.forks import WARM_ENV
+
     env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DS_ACCELERATOR", None)
+    env.pop(WARM_ENV, None)
+    if warm and not cuda and (path := warm_socket()) is not None:
+        env[WARM_ENV] = path
     if cuda:
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             env.pop("CUDA_VISIBLE_DEVICES")
@@ -49,8 +71,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None,
-           cuda: bool = False) -> subprocess.CompletedProcess:
-    env = launch_env(env, cuda=cuda)
+           cuda: bool = False, warm: bool = True) -> subprocess.CompletedProcess:
+    env = launch_env(env, cuda=cuda, warm=warm)
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -59,9 +81,9 @@ def launch(cmd: list[str], *, cwd: str, timeout: float = 240, env: dict | None =
 
 
 def torchrun(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, env: dict | None = None,
-             cuda: bool = False):
+             cuda: bool = False, warm: bool = True):
     return launch(torchrun_cmd(nproc, ["-m", "loongforge.train", *args]), cwd=cwd, timeout=timeout, env=env,
-                  cuda=cuda)
+                  cuda=cuda, warm=warm)
 
 
 def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 240, module: bool = False):
@@ -72,7 +94,7 @@ def deepspeed_launch(nproc: int, args: list[str], *, cwd: str, timeout: float = 
 
     target = ["--module", "loongforge.train"] if module else [entry.__file__]
     device = [] if "--device" in args else ["--device", "cpu"]
-    return launch(deepspeed_cmd(nproc, [*target, *args, *device]), cwd=cwd, timeout=timeout)
+    return launch(deepspeed_cmd(nproc, [*target, *args, *device]), cwd=cwd, timeout=timeout, warm=False)
 
 
 def _port() -> int:

@@ -116,6 +116,7 @@ class SaveJob:
     peer_timeout_s: float = 600.0
     delta: DeltaPolicy | None = None  # None: every file full
     final: bool = False  # the run's last save (or the one on SIGTERM): no later save retries it
+    peers_gone: threading.Event = field(default_factory=threading.Event)  # no missing manifest will come
 
 
 @dataclass
@@ -251,6 +252,8 @@ def _gather_rank_manifests(job: SaveJob, tag_dir: str) -> tuple[dict, list[str]]
         while not os.path.exists(part):
             if os.path.exists(failed):
                 raise OSError(f"rank {r} could not write its part: {open(failed).read().strip()}")
+            if job.peers_gone.is_set():  # the rank ends because a peer is gone: its part never comes
+                raise OSError(f"rank {r} wrote no manifest and a peer of this rank is gone")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {r} wrote no manifest within {job.peer_timeout_s:.0f}s")
             time.sleep(_PEER_POLL_S)
@@ -379,6 +382,7 @@ class Writer:
 
     def __init__(self):
         self._thread: threading.Thread | None = None
+        self._job: SaveJob | None = None
         self.last_ok: bool | None = None
         self.last_s: float | None = None  # how long the last completed save took to write (SIGTERM: will it fit?)
 
@@ -390,8 +394,16 @@ class Writer:
         if not background:
             self._run(job)
             return
+        self._job = job
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-writer-{job.tag}", daemon=True)
         self._thread.start()
+
+    def peers_gone(self) -> None:
+        """A peer rank is gone (this rank ends after a failed collective): the save in flight stops waiting
+        for the parts of ranks that have not written theirs, which would never come (up to peer_timeout_s,
+        while the job waits for this rank to exit before it restarts). Parts already written still publish."""
+        if self._job is not None:
+            self._job.peers_gone.set()
 
     def _run(self, job: SaveJob) -> None:
         t0 = time.monotonic()

@@ -102,8 +102,11 @@ class Checkpointer:
             torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
         return bool(busy.item())
 
-    def close(self, timeout_s: float | None = None) -> bool:
-        """Wait for the save in flight; False if it was still running after timeout_s."""
+    def close(self, timeout_s: float | None = None, *, peers_gone: bool = False) -> bool:
+        """Wait for the save in flight; False if it was still running after timeout_s. `peers_gone`: the
+        rank ends because a peer is gone, whose part of that save may never come (Writer.peers_gone)."""
+        if peers_gone:
+            self.writer.peers_gone()
         done = self.writer.wait(timeout_s)
         if not done:
             log.warning("checkpoint writer still busy after %.0fs at exit; `latest` stays on the previous "

@@ -23,13 +23,15 @@ import json
 import logging
 import os
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from loongforge.shared.errors import CheckpointError
 from loongforge.train.ckpt import files as ckpt_files
 from loongforge.train.ckpt.files import MANIFEST, ckpt_root, verify_manifest
 from loongforge.train.observe.metrics import METRICS_FILE, METRICS_VERSION
+
+if TYPE_CHECKING:  # annotations only: the collectives below import it when they run
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ def check_same_checkpoint(tag: str, step: int, *, device: torch.device) -> None:
     """Every rank restored the same tag and step, or CheckpointError on every rank naming what each
     loaded: a model mixing two checkpoints' partitions trains on, silently wrong, and its ranks drift
     steps apart until a save hangs."""
+    import torch  # heavy: the supervisor picks and verifies tags here without it; only ranks gather
+
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "big")
@@ -119,6 +123,8 @@ def _record_fallback(run_dir: str, latest: str, loaded: str, reasons: list[str])
 
 def _broadcast_text(text: str, device: torch.device) -> str:
     """Rank 0's string on every rank: its length, then its UTF-8 bytes (no pickle)."""
+    import torch  # heavy, as in check_same_checkpoint
+
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return text
     data = text.encode()
@@ -137,6 +143,8 @@ def raise_unless_rank0_ok(err: str, *, device: torch.device, failed: str, hint: 
     """Every rank calls this after rank 0 did a step alone (err: its error, "" on success and on the
     other ranks). Collective: a failure on rank 0 raises CheckpointError on every rank, so no peer
     waits forever in the next collective; only rank 0 knows the reason."""
+    import torch  # heavy, as in check_same_checkpoint
+
     ok = torch.tensor([0.0 if err else 1.0], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)

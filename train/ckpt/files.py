@@ -24,8 +24,6 @@ import json
 import os
 from contextlib import contextmanager
 
-import torch
-
 from loongforge.shared.errors import CheckpointError
 from loongforge.shared.storage import HASH_CHUNK
 
@@ -123,6 +121,8 @@ def _deepspeed_value_types() -> list:
 @contextmanager
 def weights_only_loads():
     """Make every torch.load inside (DeepSpeed's included) weights_only=True."""
+    import torch  # heavy: the paths, pointers and manifests here serve the torch-free elastic supervisor
+
     key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
     old = os.environ.get(key)
     os.environ[key] = "1"
@@ -138,5 +138,7 @@ def weights_only_loads():
 
 def load_trusted(path: str):
     """torch.load of a checkpoint file: on the host, weights only, DeepSpeed's value types allowed."""
+    import torch  # heavy, as in weights_only_loads
+
     with weights_only_loads():
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -41,8 +41,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -257,13 +255,7 @@ def _universal_per_tp(src: str, work: str, tp: int, timeout_s: float = 3600.0) -
         _tp_view(src, view, t, tp)
         pairs += [view, dst]
     log.info("converting %d TP rank(s) of %s with DeepSpeed's ds_to_universal", tp, src)
-    env = dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1")
-    try:
-        proc = subprocess.run([sys.executable, "-m", "loongforge.train.ckpt.universal", *pairs], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-        err = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        err = f"timed out after {timeout_s:.0f}s"
+    err = ckpt_universal.run_converter(pairs, timeout_s)
     if err:
         raise CheckpointError(f"converting {src} to DeepSpeed's universal format failed: {err[:500]}; try one TP "
                               f"rank by hand: {ckpt_universal.convert_command(pairs[0])}")

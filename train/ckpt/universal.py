@@ -17,8 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -50,22 +53,74 @@ def _convert(src: str, dst: str, timeout_s: float) -> str:
     tmp = dst + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     log.info("converting %s to a universal checkpoint (DeepSpeed ds_to_universal) for the new layout", src)
-    env = dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1")
-    try:
-        proc = subprocess.run([sys.executable, "-m", "loongforge.train.ckpt.universal", src, tmp], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return f"timed out after {timeout_s:.0f}s"
+    err = run_converter([src, tmp], timeout_s)
     # The converter also writes `latest_universal` beside its output; that pointer is not ours.
     latest_u = os.path.join(os.path.dirname(dst), "latest_universal")
     if os.path.exists(latest_u):
         os.unlink(latest_u)
-    if proc.returncode != 0:
+    if err:
         shutil.rmtree(tmp, ignore_errors=True)
-        return (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1][:500]
+        return err
     os.replace(tmp, dst)
     return ""
+
+
+def run_converter(pairs: list[str], timeout_s: float) -> str:
+    """DeepSpeed's converter on (src, dst) pairs, in a child process: '' or its last stderr line. The child
+    is a fresh interpreter (`python -m loongforge.train.ckpt.universal`), except in a process that already
+    imported the converter and may still fork (one thread, no CUDA): the elastic supervisor's warm
+    conversion child (train/warm.py), where a fork gives the same isolation without importing torch and
+    DeepSpeed again (~1.5x a bare `import torch`, on the path of a restart that changes the rank count)."""
+    if _DS_TO_UNIVERSAL in sys.modules and _single_threaded():
+        return _forked(pairs, timeout_s)
+    env = dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "loongforge.train.ckpt.universal", *pairs], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f}s"
+    return "" if proc.returncode == 0 else _last_line(proc.stderr, proc.returncode)
+
+
+_DS_TO_UNIVERSAL = "deepspeed.checkpoint.ds_to_universal"
+
+
+def _single_threaded() -> bool:
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    return threads == 1 and not torch.cuda.is_initialized()
+
+
+def _forked(pairs: list[str], timeout_s: float) -> str:
+    with tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: main() under the weights-only guard, its stderr to `err`, never returns
+            code = 1
+            try:
+                os.dup2(err.fileno(), 2)
+                os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+                code = main(pairs)
+            except BaseException as exc:  # noqa: BLE001 - one line for the caller, as the subprocess gives
+                print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:480]}", file=sys.stderr)
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout_s
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return f"timed out after {timeout_s:.0f}s"
+            time.sleep(0.05)
+        code = os.waitstatus_to_exitcode(done[1])
+        err.seek(0)
+        return "" if code == 0 else _last_line(err.read().decode(errors="replace"), code)
+
+
+def _last_line(stderr: str, code: int) -> str:
+    return (stderr.strip().splitlines() or [f"exit code {code}"])[-1][:500]
 
 
 def load_universal(engine, root: str, tag: str):

@@ -27,10 +27,10 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import AttentionInterface
 
 from loongforge.shared.errors import ConfigError
 from loongforge.train.model import mask as masks
+from loongforge.train.model.hf import AttentionInterface
 from loongforge.train.model.mask import Causal
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from loongforge.train.model.attention import HF_ATTENTION, Attention, bind_attention
 from loongforge.train.model.config import GrootConfig, TextConfig
+from loongforge.train.model.hf import Qwen3Config, Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 from loongforge.train.model.mask import Causal
 from loongforge.train.model.vision import VisionModel
 

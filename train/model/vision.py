@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.siglip2.configuration_siglip2 import Siglip2VisionConfig
-from transformers.models.siglip2.modeling_siglip2 import (Siglip2EncoderLayer, Siglip2MultiheadAttentionPoolingHead,
-                                                          Siglip2VisionEmbeddings)
 
 from loongforge.train.model.attention import HF_ATTENTION, Attention, bind_attention
 from loongforge.train.model.config import VisionConfig
+from loongforge.train.model.hf import (Siglip2EncoderLayer, Siglip2MultiheadAttentionPoolingHead, Siglip2VisionConfig,
+                                       Siglip2VisionEmbeddings)
 
 
 def hf_vision_config(cfg: VisionConfig) -> Siglip2VisionConfig:

@@ -6,10 +6,12 @@ built by parallelize.py; the model knows nothing of any of this.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import socket
+import sys
 import warnings
 from datetime import timedelta
 
@@ -142,8 +144,37 @@ def skip_cpu_shm_op(deepspeed) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+# DeepSpeed's module of its Muon optimizer: its ZeRO optimizers import it on every run, to recognise a Muon
+# optimizer, and it decorates its Newton-Schulz kernel with @torch.compile when imported.
+_DS_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon module with dynamo off, so that its @torch.compile at import leaves the
+    function as it is instead of loading torch's inductor compiler (its codecache, FX passes, autotuning,
+    redis client and OpenTelemetry: ~1.5x a bare `import torch`, in every rank of every launch and
+    restart). This trainer's optimizer is always AdamW (ds_config): Muon's kernel never runs here; a
+    Muon run in this process would run it eagerly (same numbers). TORCHDYNAMO_DISABLE is read by
+    torch.compile at the call, and restored at once."""
+    if _DS_MUON in sys.modules:
+        return
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(_DS_MUON)
+    except ImportError:  # a DeepSpeed without Muon: nothing to keep from compiling
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
     import deepspeed  # heavy (seconds, and its accelerator probe): only a training process pays it
+
+    import_muon_uncompiled()
 
     # Single-process runs (no launcher) still get a 1-rank group, so the code path is one.
     os.environ.setdefault("RANK", "0")

@@ -23,9 +23,10 @@ import threading
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
-# argv words of a launcher; loongforge.train.resilience.elastic.agent is the supervisor's torchrun (elastic/agent.py)
+# argv words of a launcher; loongforge.train.resilience.elastic.agent is the supervisor's torchrun (elastic/agent.py),
+# loongforge.train.warm its fork server, the parent of the ranks it forks (elastic/forks.py)
 LAUNCHERS = (b"torchrun", b"torch.distributed.run", b"deepspeed", b"loongforge",
-             b"loongforge.train.resilience.elastic.agent")
+             b"loongforge.train.resilience.elastic.agent", b"loongforge.train.warm")
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:

@@ -113,6 +113,19 @@ def _same_file(path: str, st: os.stat_result) -> bool:
     return (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
 
 
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When a process started (exec or fork), on the wall clock; None where /proc cannot say. The
+    kernel counts it in clock ticks since boot (/proc/PID/stat field 22), converted here through
+    CLOCK_BOOTTIME rather than /proc/stat's btime, which is rounded to the second."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class StartupWatch:
     """Ends a rank whose first step has not finished within timeout_s (0 = off), naming the phase."""
 
@@ -123,6 +136,7 @@ class StartupWatch:
         self.closers: list = []
         self._done = threading.Event()
         self._t0 = time.monotonic()
+        self.marks: list[tuple[str, float]] = [("setup", time.time())]  # (phase entered, wall clock): split()
 
     def start(self) -> "StartupWatch":
         if self.timeout_s > 0:
@@ -131,6 +145,18 @@ class StartupWatch:
 
     def enter(self, phase: str, detail: str = "") -> None:
         self.phase, self.detail = phase, detail
+        self.marks.append((phase, time.time()))
+
+    def split(self, end: float) -> dict:
+        """Where this process's start-up went, for the first step's record (`loongforge bench startup`):
+        wall-clock seconds per phase from the process's start (its exec or fork) to `end`, the first
+        step's end; `imports` is everything before the trainer (interpreter, imports, parsing). A phase
+        entered twice (parallelize, around build_model) is summed."""
+        start = process_start_time()
+        phases = {"imports": round(self.marks[0][1] - start, 3)} if start is not None else {}
+        for (name, t), (_, nxt) in zip(self.marks, [*self.marks[1:], ("end", end)]):
+            phases[name] = round(phases.get(name, 0.0) + nxt - t, 3)
+        return {"process_start": start, "first_step_end": end, "phases_s": phases}
 
     def done(self) -> None:
         self._done.set()

@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 log = logging.getLogger(__name__)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 DEFAULT_THREADS = 1  # torchrun's own default for several ranks per node
@@ -36,6 +34,8 @@ def intra_op_threads(env=None) -> int:
 
 def pin_threads() -> int:
     """Set this rank's intra-op threads (see the module docstring); returns the count."""
+    import torch  # heavy: launch_env serves the elastic supervisor, which never imports torch
+
     n = intra_op_threads()
     for var in THREAD_VARS:
         os.environ[var] = str(n)

@@ -22,9 +22,10 @@ COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-windo
 
 
 def _reshard(run_dir, to, tag, cwd):
-    proc = launch([sys.executable, "-m", "loongforge", "ckpt", "reshard", run_dir, "--to", to, "--tag", tag],
-                  cwd=cwd, timeout=400)
-    _ok(proc)
+    """`loongforge ckpt reshard` in this process (its command line as a process: test_reshard_cli_...)."""
+    from loongforge.cli import main
+
+    assert main(["ckpt", "reshard", run_dir, "--to", to, "--tag", tag]) == 0
     root = os.path.join(run_dir, "checkpoints")
     new = open(os.path.join(root, "latest")).read().strip()
     assert new.startswith(tag + "_") and os.path.isdir(os.path.join(root, tag))  # source kept, latest moved

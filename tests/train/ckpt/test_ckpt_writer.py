@@ -153,3 +153,26 @@ def test_resume_falls_back_past_a_corrupt_and_a_missing_file(tmp_path, caplog):
     flip_byte(os.path.join(root, "step00000002", "model.pt"), mask=1)
     with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
         pick_resume_tag(run_dir, "step00000006")
+
+
+def test_a_save_waiting_for_a_lost_peers_part_fails_at_once_when_told(tmp_path, caplog):
+    """Rank 0 of 2 publishes once rank 1's part is there. A rank that ends because its peer is gone (a failed
+    collective, launch.py) tells its writer so: the save stops waiting for the part that will never come
+    (up to peer_timeout_s otherwise, holding the job's restart), and `latest` stays where it was."""
+    import time
+
+    from loongforge.train.ckpt.async_writer import Writer
+
+    root = ckpt_files.ckpt_root(str(tmp_path))
+    job = _job(root, "step00000004", {"w": torch.ones(10)}, peer_timeout_s=600.0)
+    job.world = 2
+    writer = Writer()
+    writer.submit(job, background=True)
+    assert not writer.wait(0.5)  # rank 1's manifest never comes: still waiting
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        writer.peers_gone()
+        assert writer.wait(5.0)
+    assert time.monotonic() - t0 < 2.0 and writer.last_ok is False
+    assert "a peer of this rank is gone" in caplog.text
+    assert ckpt_files.latest_tag(str(tmp_path)) is None

@@ -18,7 +18,7 @@ def test_stale_extension_lock_does_not_hang_a_cpu_launch(train_root, tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext))
     proc = launch([str(VENV_BIN / "python"), "-m", "loongforge.train", "--data", root, "--run-dir", run_dir,
                    "--steps", "2", "--batch-size", "8", "--recipe", "tiny", "--no-ds-breakdown"],
-                  cwd=str(tmp_path), timeout=180, env=env)
+                  cwd=str(tmp_path), timeout=180, env=env, warm=False)  # a fresh rank's own start-up
     assert_ok(proc)
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [0, 1]
     assert not (ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").exists()  # the op was not built

@@ -39,7 +39,7 @@ def _train_with_29500_taken(script: str, pre: list[str], train_root, tmp_path, e
     with _port_taken():
         proc = launch(["bash", os.path.join(REPO, "infra", "train", script), *pre, "--data", root, "--run-dir",
                        str(run_dir), "--steps", "1", *COMMON, *extra], cwd=str(tmp_path), timeout=300,
-                      env={**os.environ, "NPROC": "1", **(env or {})})
+                      env={**os.environ, "NPROC": "1", **(env or {})}, warm=False)  # the scripts' own launch
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step00000001"
     assert "EADDRINUSE" not in proc.stderr and "address already in use" not in proc.stderr.lower()

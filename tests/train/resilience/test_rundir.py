@@ -60,7 +60,7 @@ def test_every_launcher_refuses_to_train_over_checkpoints_with_one_line(train_ro
         "launch_torchrun.sh": (["bash", os.path.join(REPO, "infra", "train", "launch_torchrun.sh"), *args], 2),
     }
     for name, (cmd, code) in paths.items():
-        proc = launch(cmd, cwd=str(tmp_path), timeout=180)
+        proc = launch(cmd, cwd=str(tmp_path), timeout=180, warm=False)  # each launcher as users start it
         lines = _refusals(proc.stderr)
         assert proc.returncode == code and len(lines) == 1, (name, proc.returncode, proc.stderr[-3000:])
         assert f"already holds a run (latest checkpoint {OLD}): add --resume" in lines[0], (name, lines)

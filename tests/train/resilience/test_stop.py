@@ -287,7 +287,11 @@ def test_killing_only_torchrun_relaunches_on_both_ranks(train_root, tmp_path):
     proc = _popen(cmd, str(tmp_path))
     try:
         _wait_steps(proc, run_dir, 4)
-        (agent,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+        # torchrun's agent: the supervisor's child running agent.py that has the ranks below it (not the fork
+        # server, nor the next launch's standby agent)
+        (agent,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid
+                    and b"loongforge.train.resilience.elastic.agent" in _cmdline(int(p))
+                    and any(_ppid(int(q)) == int(p) for q in os.listdir("/proc") if q.isdigit())]
         os.kill(agent, signal.SIGKILL)
         out, err = proc.communicate(timeout=400)
     finally:
@@ -308,3 +312,11 @@ def _ppid(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return -1
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []

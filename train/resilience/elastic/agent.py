@@ -18,6 +18,12 @@ ours to route:
   and why: {"rc", "failures": [{"rank", "local_rank", "pid", "exitcode", "signal"}], "error"}.
 
 Exit code: 0, 1 (a rank failed), 3 (rendezvous), or 128 + the signal.
+
+    python -m loongforge.train.resilience.elastic.agent --standby
+
+imports as above and waits for its launch on stdin (one JSON line: the environment and the arguments a
+fresh agent of that launch gets): the supervisor keeps one standing by, so that a relaunch after a fault does not wait for
+this process's interpreter and torch (supervisor.py).
 """
 
 from __future__ import annotations
@@ -141,13 +147,26 @@ def run(torchrun_argv: list[str], result_path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loongforge.train.resilience.elastic.agent")
-    p.add_argument("--result", required=True, help="JSON outcome for the supervisor")
-    p.add_argument("--log", required=True, help="the node's log file: torchrun's own output")
+    p.add_argument("--result", help="JSON outcome for the supervisor")
+    p.add_argument("--log", help="the node's log file: torchrun's own output")
     p.add_argument("--run-dir", default=None, help="the run dir whose elastic/ board says which nodes live")
     p.add_argument("--peers", default="", help="the attempt's other nodes (comma-separated ids)")
+    p.add_argument("--standby", action="store_true", help="imports done, wait for the launch on stdin: one JSON "
+                   "line {env, argv}: this process's environment and arguments for it (the supervisor's next "
+                   "launch; EOF: exit 0, nothing launched)")
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
     args = p.parse_args(argv)
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
+    if args.standby:
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        job = json.loads(line)
+        os.environ.clear()  # the launch's environment and arguments, as a fresh agent started for it has them
+        os.environ.update(job["env"])
+        return main(job["argv"])
+    if not (args.result and args.log):
+        p.error("--result and --log are required (or --standby)")
     route_logs(args.log)
     restore_cpp_log_level()
     if args.run_dir:

@@ -128,7 +128,7 @@ class Leader:
     # -- one attempt -------------------------------------------------------------------------------
     def _attempt(self, plan: dict) -> int | None:
         s = self.sup
-        converted = convert_for_launch(s.run_dir, world=plan["world"], **s.layout)
+        converted = convert_for_launch(s.run_dir, world=plan["world"], warm=s.warm_path(), **s.layout)
         if converted:
             s.event(**converted, ranks=plan["world"])
         plan["latest"] = latest_pointer(s.run_dir)

@@ -6,7 +6,7 @@ on another rank count, the last verified checkpoint is converted to the new layo
           moments by DP rank; loaded as they are on another rank count they would be dropped
           (checkpoint.check_layout "module"): convert. ZeRO-3 -> ZeRO-3 is converted by the trainer
           itself (ckpt/universal.py); ZeRO-0 is not partitioned (check_layout "replicated"): nothing to do.
-      child process `python -m loongforge.train.resilience.elastic.reshard RUN TAG LAYOUT`:
+      child process `python -m loongforge.train.resilience.elastic.convert RUN TAG LAYOUT` (convert.py):
           reshard(tag -> new tag `stepNNNNNNNN_wWzZtT`, `latest` NOT moved)
           verify the new tag against its manifest
           move `latest` to it (atomic rename, last)
@@ -17,7 +17,8 @@ on another rank count, the last verified checkpoint is converted to the new layo
 Why the supervisor and not the trainer: the conversion runs while no rank is up, so no peer
 waits in a timed collective while rank 0 converts (minutes on a large model), and a crash of the
 converter cannot take a launch with it. The source tag stays on disk (retention removes it like
-any older checkpoint once newer ones are published).
+any older checkpoint once newer ones are published). The supervisor itself never imports torch or
+the model (the child does): its start-up is not in the way of the first launch.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from loongforge.shared.errors import CheckpointError
-from loongforge.shared.storage import write_bytes_atomic
 from loongforge.train.ckpt import fallback as ckpt_fallback, files as ckpt_files
-from loongforge.train.ckpt.reshard import Layout, reshard
+from loongforge.train.resilience.elastic import forks
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 3600.0
+CHILD = "loongforge.train.resilience.elastic.convert"  # the converting child (convert.py)
 
 
 def needs_conversion(doc: dict, *, world: int, zero: int, tp: int, sp: int, topk: bool = False) -> bool:
@@ -50,10 +52,11 @@ def needs_conversion(doc: dict, *, world: int, zero: int, tp: int, sp: int, topk
 
 
 def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: int = 1, topk: bool = False,
-                       timeout_s: float = TIMEOUT_S) -> dict | None:
+                       timeout_s: float = TIMEOUT_S, warm: str | None = None) -> dict | None:
     """Convert the checkpoint the next launch would resume to (world, zero, tp, sp). Returns a record
     for metrics.jsonl ({"action": "reshard", ...}), or None when there is nothing to convert. Never raises
-    for a failed conversion: it is logged as a WARNING and the launch resumes the original tag."""
+    for a failed conversion: it is logged as a WARNING and the launch resumes the original tag. `warm`:
+    the supervisor's fork server (forks.py), which forks the child with its imports done."""
     try:
         latest = ckpt_files.latest_tag(run_dir)
         if latest is None:
@@ -68,7 +71,7 @@ def convert_for_launch(run_dir: str, *, world: int, zero: int, tp: int = 1, sp: 
         return None
     layout = f"world={world},zero={zero},tp={tp}" + (f",sp={sp}" if sp > 1 else "")
     t0 = time.monotonic()
-    err = _run_child(run_dir, tag, layout, timeout_s)
+    err = _run_child(run_dir, tag, layout, timeout_s, warm)
     rec = {"action": "reshard", "from_tag": tag, "from_world": doc["world"], "to": layout,
            "seconds": round(time.monotonic() - t0, 2)}
     if err:
@@ -91,48 +94,40 @@ def _remove_debris(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float) -> str:
+def _run_child(run_dir: str, tag: str, layout: str, timeout_s: float, warm: str | None = None) -> str:
     """'' on success, else the reason (the child's last stderr line)."""
-    cmd = [sys.executable, "-m", "loongforge.train.resilience.elastic.reshard", run_dir, tag, layout]
+    argv = [run_dir, tag, layout]
+    if warm is not None:
+        try:
+            return _run_forked(warm, argv, timeout_s)
+        except forks.Refused:
+            pass  # a fresh interpreter, as without a server
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([sys.executable, "-m", CHILD, *argv], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout_s:.0f}s"
-    if proc.returncode == 0:
+    return _last_line(proc.returncode, proc.stderr)
+
+
+def _run_forked(warm: str, argv: list[str], timeout_s: float) -> str:
+    """The child forked by the fork server, its stderr through a temporary file; raises forks.Refused."""
+    with open(os.devnull, "r+b") as null, tempfile.TemporaryFile() as err:
+        child = forks.spawn(warm, "convert", argv, env=dict(os.environ), cwd=os.getcwd(),
+                            fds=(null.fileno(), null.fileno(), err.fileno()))
+        try:
+            status = child.wait(timeout_s)
+        except TimeoutError:
+            child.kill()
+            child.wait(30.0)
+            return f"timed out after {timeout_s:.0f}s"
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    code = 1 if status is None else os.waitstatus_to_exitcode(status)
+    return _last_line(code, text)
+
+
+def _last_line(code: int, stderr: str) -> str:
+    if code == 0:
         return ""
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    return (lines or [f"exit code {proc.returncode}"])[-1][:500]
-
-
-def convert_and_publish(run_dir: str, tag: str, layout_text: str) -> str:
-    """The child: reshard without moving `latest`, verify the new tag, then move `latest` (last). A failure
-    removes the new tag and leaves `latest` on the source."""
-    doc = ckpt_files.read_sidecar(run_dir, tag)
-    to = Layout.parse(layout_text, default_world=doc["world"])
-    root = ckpt_files.ckpt_root(run_dir)
-    new = None
-    try:
-        new = reshard(run_dir, to, tag=tag, move_latest=False)
-        ckpt_fallback.verify_chain(run_dir, new)
-        ckpt_files.read_sidecar(run_dir, new)
-    except BaseException:
-        if new is not None:
-            shutil.rmtree(os.path.join(root, new), ignore_errors=True)
-        raise
-    write_bytes_atomic(os.path.join(root, "latest"), new.encode())
-    return new
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_dir, tag, layout = argv if argv is not None else sys.argv[1:]
-    try:
-        convert_and_publish(run_dir, tag, layout)
-    except Exception as exc:  # noqa: BLE001 - the supervisor logs the last line and carries on
-        print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:480]}", file=sys.stderr)  # one line
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    return (lines or [f"exit code {code}"])[-1][:500]

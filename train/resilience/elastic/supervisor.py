@@ -39,7 +39,11 @@ connections) and the node count fixed for the attempt:
   (infra/train/README.md), and a rank 0 whose supervisor was killed prints it itself;
 * a config error in a launch (a rank's exit 2 with its {"event": "stop", "config_error": true}
   record) ends the run with exit 2: it is not a fault, a relaunch would fail the same way;
-* every wait for another node is bounded by --rdzv-timeout-s and announced in one line.
+* every wait for another node is bounded by --rdzv-timeout-s and announced in one line;
+* a relaunch does not wait for imports: each supervisor starts a fork server as it starts (forks.py,
+  train/warm.py), which imports what a rank imports once and forks every launch's ranks and the
+  checkpoint conversions, and keeps the next launch's agent standing by, torch imported (agent.py
+  --standby); this process itself never imports torch.
 
 Why not torchrun's own elastic agent: it restarts the whole local worker group with the same
 --nproc-per-node (elastic only in the NUMBER OF NODES), so on one node it cannot drop a rank; its
@@ -66,6 +70,7 @@ import time
 from loongforge.shared.errors import ConfigError, UsageError
 from loongforge.train.observe.metrics import read_events
 from loongforge.train.resilience import owner
+from loongforge.train.resilience.elastic import forks
 from loongforge.train.resilience.elastic.budget import RestartBudget
 from loongforge.train.resilience.elastic.nodes import Board
 from loongforge.train.resilience.exits import (DEBUG_LOG_ENV, NODE_ENV, PLANNED_WORLD_ENV, RESUME_ENV,
@@ -145,10 +150,16 @@ class Supervisor:
                 raise UsageError(f"--run-dir {self.run_dir} is in use by a live run ({describe(doc)}); stop that run "
                                  "first, or give another --run-dir")
         self.board = Board(self.run_dir, self.node_id)
+        self.warm = None
         try:
             self.board.join(self.state())
             if self.lock.held:
                 self._claim_fresh(args)
+            # Warm from now on, while this node plans and waits: every launch's ranks are forked from it.
+            os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+            self.warm = forks.Server.start(env=launch_env(dict(os.environ)), log_path=self.log_path)
+            self._standby = None
+            self._start_standby()
         except BaseException:
             self.close()
             raise
@@ -214,8 +225,18 @@ class Supervisor:
                 "busy": self.busy, "ready_after": self.ready_after, "leaving": self.leaving}
 
     def close(self) -> None:
+        standby, self._standby = getattr(self, "_standby", None), None
+        if standby is not None:
+            standby.kill()
+            standby.wait()
+        if self.warm is not None:
+            self.warm.close()
         self.board.leave()
         self.lock.release()
+
+    def warm_path(self) -> str | None:
+        """The fork server's socket while it runs (forks.py), else None: ranks and conversions start plain."""
+        return self.warm.path if self.warm is not None and self.warm.alive() else None
 
     # -- one launch of this node's part of an attempt -------------------------------------------------
     def launch(self, plan: dict, watch) -> tuple[int, dict]:
@@ -237,17 +258,19 @@ class Supervisor:
         env = launch_env({**os.environ, SUPERVISOR_ENV: str(os.getpid()), NODE_ENV: self.node_id,
                           LOCK_OWNER_ENV: f"{leader['pid']}@{leader['host']}", DEBUG_LOG_ENV: self.log_path,
                           RESUME_ENV: self.resume_cmd, PLANNED_WORLD_ENV: str(plan["world"])})
+        env.pop(forks.WARM_ENV, None)  # another process's server (a test session's) is not this node's
+        if (warm := self.warm_path()) is not None:
+            env[forks.WARM_ENV] = warm  # train/__main__.py: the ranks are forked from the warm server
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
-        # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
-        self._proc = proc = subprocess.Popen(cmd, start_new_session=True, env=env,
-                                             preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
+        self._proc = proc = self._take_standby(cmd, env) or self._agent(cmd, env)
         ranks: dict[int, int] = {}  # pid -> start ticks of every rank seen: they may outlive a killed launcher
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 self._kill_if_overdue()
                 ranks.update((pid, st[1]) for pid in owner.rank_pids(proc.pid) if (st := owner.proc_stat(pid)))
+                if ranks:  # the ranks started: the next launch's agent imports now, beside their first steps,
+                    self._start_standby()  # so that a fault early in this launch relaunches without waiting
                 watch(proc)
         except BaseException:
             self._kill_launch()
@@ -257,6 +280,35 @@ class Supervisor:
             self._proc = None
         self._wait_for_ranks(ranks)
         return proc.returncode, self._result(result_path, proc)
+
+    def _agent(self, cmd: list[str], env: dict, *, stdin=None) -> subprocess.Popen:
+        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it to the ranks.
+        # PDEATHSIG: the launcher (and, through it, the ranks: owner.py) dies with the supervisor, however it dies.
+        return subprocess.Popen(cmd, start_new_session=True, env=env, stdin=stdin,
+                                preexec_fn=lambda: owner.die_with_parent(signal.SIGTERM))
+
+    def _start_standby(self) -> None:
+        """The next launch's agent, started now and importing (torch: seconds) while nothing waits for it; the
+        launch hands it its arguments (agent.py --standby). Nothing else differs from a fresh agent."""
+        if self._standby is not None or self.warm_path() is None:  # LOONGFORGE_WARM=0: each process when needed
+            return
+        self._standby = self._agent([sys.executable, "-m", AGENT, "--standby"], launch_env(dict(os.environ)),
+                                    stdin=subprocess.PIPE)
+
+    def _take_standby(self, cmd: list[str], env: dict) -> subprocess.Popen | None:
+        """The standby agent, given this launch (cmd's arguments and env), or None (none, or it died)."""
+        proc, self._standby = self._standby, None
+        if proc is None:
+            return None
+        job = {"env": env, "argv": cmd[cmd.index(AGENT) + 1:]}  # what follows `python -m AGENT` in a fresh one
+        try:
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            proc.stdin.close()
+        except OSError:
+            proc.kill()
+            proc.wait()
+            return None
+        return proc
 
     def _wait_for_ranks(self, ranks: dict[int, int]) -> None:
         """A launcher that was killed leaves its ranks stopping on their own (PDEATHSIG: they may write a
