@@ -117,16 +117,20 @@ def state_chunk_pairs(data, processor) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.stack(xs), np.stack(ys), np.concatenate(actions)
 
 
+def ridge_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(S + 1, Y) weights of the ridge from [x, 1] to y, closed form, RIDGE_L2 per sample."""
+    x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
+    reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
+    reg[-1, -1] = 0.0  # the bias is not shrunk
+    return np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
+
+
 def fit_reference(data, groups: dict[str, tuple[int, int]], processor) -> TrainingReference:
     """The ridge baseline and the discrete-valued groups of a TrainingData's training episodes."""
     x, y, actions = state_chunk_pairs(data, processor)
     h = data.roots[0].deltas.action_horizon
-    x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
-    reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
-    reg[-1, -1] = 0.0  # the bias is not shrunk
-    weights = np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
     levels, discrete = _levels(actions, groups, data.dataset.modality)
-    return TrainingReference(weights, h, levels, discrete, len(x))
+    return TrainingReference(ridge_fit(x, y), h, levels, discrete, len(x))
 
 
 def _levels(actions: np.ndarray, groups: dict, modality) -> tuple[dict[int, np.ndarray], tuple[str, ...]]:

@@ -22,7 +22,7 @@ import torch
 
 from loongforge.preprocess.samples.sim_env import ACTION_KEYS, STATE_KEYS, flat_action
 from loongforge.shared.errors import ConfigError
-from loongforge.train.eval.baselines import RIDGE_L2, state_chunk_pairs
+from loongforge.train.eval.baselines import TrainingReference, ridge_fit, state_chunk_pairs
 
 MLP_WIDTH, MLP_STEPS, MLP_BATCH, MLP_LR = 256, 3000, 256, 1e-3
 
@@ -69,8 +69,8 @@ class PolicyAgent:
                 "action": (keys("action"), list(ACTION_KEYS))}
         for m, (got, have) in want.items():
             if sorted(got) != sorted(have):
-                raise ConfigError(f"the policy reads {m} keys {got}; this env gives {have} (train on its demonstrations: "
-                                  "loongforge sample-data --sim)")
+                raise ConfigError(f"the policy reads {m} keys {got}; this env gives {have} (train on its "
+                                  "demonstrations: loongforge sample-data --sim)")
         for m in ("video", "state"):
             if list(cfg[m]["delta_indices"]) != [0]:
                 raise ConfigError(f"the policy's {m} delta indices are {cfg[m]['delta_indices']}; closed-loop rollouts "
@@ -120,19 +120,15 @@ class StateAgent:
         return flat_action(self.processor.decode(self.predict(x), raw, self.tag))
 
 
-def fit_state_agents(data, processor, tag: str, names=("state-ridge", "state-mlp"), seed: int = 0) -> list[StateAgent]:
+def fit_state_agents(data, processor, tag: str, names=("state-ridge", "state-mlp"),
+                     seed: int = 0) -> list[StateAgent]:
     """The state-only baselines fitted on the training episodes of `data` (training_data.TrainingData)."""
     x, y, _ = state_chunk_pairs(data, processor)
     h = data.roots[0].deltas.action_horizon
     out = []
     for name in names:
         if name == "state-ridge":
-            xb = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
-            reg = RIDGE_L2 * len(xb) * np.eye(xb.shape[1])
-            reg[-1, -1] = 0.0
-            w = np.linalg.solve(xb.T @ xb + reg, xb.T @ y.astype(np.float64)).astype(np.float32)
-            predict = lambda s, w=w: (np.concatenate([s, np.ones((len(s), 1), np.float32)], 1) @ w).reshape(  # noqa: E731
-                len(s), h, -1)
+            predict = TrainingReference(ridge_fit(x, y), h, {}, (), len(x)).ridge  # the open-loop eval's ridge
         elif name == "state-mlp":
             predict = _fit_mlp(x, y, h, seed)
         else:
@@ -145,8 +141,9 @@ def _fit_mlp(x: np.ndarray, y: np.ndarray, h: int, seed: int):
     """A 2-hidden-layer MLP, x -> y by MSE, Adam, MLP_STEPS minibatches (seconds on a CPU)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], MLP_WIDTH), torch.nn.SiLU(),
-                              torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.SiLU(), torch.nn.Linear(MLP_WIDTH, y.shape[1]))
+    nn = torch.nn
+    net = nn.Sequential(nn.Linear(x.shape[1], MLP_WIDTH), nn.SiLU(), nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.SiLU(),
+                        nn.Linear(MLP_WIDTH, y.shape[1]))
     opt = torch.optim.Adam(net.parameters(), lr=MLP_LR)
     xt, yt = torch.from_numpy(x).float(), torch.from_numpy(y).float()
     for _ in range(MLP_STEPS):

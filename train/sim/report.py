@@ -38,7 +38,8 @@ def write_videos(out: str, agent: str, episodes, fps: int) -> list[str]:
         frames = np.stack(e.frames)
         if VIDEO_SCALE > 1:
             frames = frames.repeat(VIDEO_SCALE, axis=1).repeat(VIDEO_SCALE, axis=2)
-        path = os.path.join(out, "videos", f"{agent}_ep{e.index:03d}_seed{e.seed}_{'success' if e.success else 'fail'}.mp4")
+        name = f"{agent}_ep{e.index:03d}_seed{e.seed}_{'success' if e.success else 'fail'}.mp4"
+        path = os.path.join(out, "videos", name)
         encode_mp4(path, frames, fps=fps, gop=fps, crf=20)
         paths.append(path)
     return paths

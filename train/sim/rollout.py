@@ -50,7 +50,8 @@ class Stats:
                 "render_frames_per_s": round(self.renders / self.render_s, 1) if self.renders else None}
 
 
-def rollouts(agent, pool: EnvPool, seeds: list[int], *, action_steps: int, record: int = 0) -> tuple[list[Episode], Stats]:
+def rollouts(agent, pool: EnvPool, seeds: list[int], *, action_steps: int,
+             record: int = 0) -> tuple[list[Episode], Stats]:
     """Run one episode per seed with `agent`; the first `record` episodes keep their frames."""
     horizon = getattr(agent, "horizon", action_steps)
     if not 1 <= action_steps <= horizon:
