@@ -88,7 +88,7 @@ def register(subparsers) -> None:
     s.add_argument("--sim", default=None, metavar="metaworld:TASK",
                    help="demonstrations from a simulator instead: the task's scripted expert on seeded resets "
                    "(--seed: the first), successful episodes only, as LeRobot v3.0 with H.264 video of one camera at "
-                   "--size (default 56: the tiny recipes' image edge); needs the [sim] extra (make setup)")
+                   "--size (default 84: the tiny-sim recipe's image edge); needs the [sim] extra (make setup)")
     s.add_argument("--camera", default=None, help="--sim: the camera rendered (default corner2)")
     s.set_defaults(func=_sample_data)
 

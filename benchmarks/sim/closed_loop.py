@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6000, help="training steps (6000)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--episodes", type=int, default=50, help="closed-loop rollouts on unseen seeds (50)")
-    p.add_argument("--num-envs", type=int, default=4)
+    p.add_argument("--num-envs", type=int, default=8)
     p.add_argument("--samples", type=int, default=None, help="flow samples per chunk (default: the eval's 8)")
     p.add_argument("--max-steps", type=int, default=None, help="rollout step limit (default: the task's)")
     p.add_argument("--quick", action="store_true", help="3 demos, 40 steps, 3 rollouts of at most 100 steps: the "

@@ -35,7 +35,7 @@ from loongforge.shared.errors import ConfigError
 
 BACKENDS = ("metaworld",)
 DEFAULT_CAMERA = "corner2"
-DEFAULT_SIZE = 56  # pixels: the tiny recipes' image edge (render what the recipe trains on, nothing more)
+DEFAULT_SIZE = 84  # pixels: the tiny-sim recipe's image edge (render what the recipe trains on, nothing more)
 EVAL_SEED_START = 1_000_000  # rollouts start here; demonstrations take seeds below it
 STATE_KEYS = {"hand_pos": 3, "gripper": 1}  # Meta-World's obs[0:3], obs[3]
 ACTION_KEYS = {"hand_delta": 3, "grab_effort": 1}  # the env's 4-D action, as it takes it

@@ -120,7 +120,7 @@ def closed_loop(req: EvalRequest, out: str, log=print) -> dict:
     with EnvPool(spec, envs=min(req.num_envs, req.episodes), size=size, camera=req.camera,
                  max_steps=req.max_steps) as pool:
         for agent in agents:
-            episodes, stats = rollouts(agent, pool, seeds, action_steps=req.action_steps, record=req.videos)
+            episodes, stats = rollouts(agent, pool, seeds, action_steps=req.action_steps, record=req.videos, log=log)
             row = summarize(agent.name, episodes, stats)
             rows.append(row)
             videos += report.write_videos(out, agent.name, episodes[:req.videos], pool.fps)

@@ -19,6 +19,8 @@ import numpy as np
 from loongforge.shared.errors import ConfigError
 from loongforge.train.sim.pool import EnvPool
 
+PROGRESS_EVERY = 10  # episodes between progress lines
+
 
 @dataclass
 class Episode:
@@ -50,9 +52,10 @@ class Stats:
                 "render_frames_per_s": round(self.renders / self.render_s, 1) if self.renders else None}
 
 
-def rollouts(agent, pool: EnvPool, seeds: list[int], *, action_steps: int,
-             record: int = 0) -> tuple[list[Episode], Stats]:
-    """Run one episode per seed with `agent`; the first `record` episodes keep their frames."""
+def rollouts(agent, pool: EnvPool, seeds: list[int], *, action_steps: int, record: int = 0,
+             log=None) -> tuple[list[Episode], Stats]:
+    """Run one episode per seed with `agent`; the first `record` episodes keep their frames. `log`: a line
+    every PROGRESS_EVERY finished episodes."""
     horizon = getattr(agent, "horizon", action_steps)
     if not 1 <= action_steps <= horizon:
         raise ConfigError(f"--action-steps {action_steps}: between 1 and the policy's action horizon ({horizon})")
@@ -89,6 +92,9 @@ def rollouts(agent, pool: EnvPool, seeds: list[int], *, action_steps: int,
                 frames.extend(step.recorded)
             if step.done:
                 done.append(Episode(k, seed, step.success, step.steps, frames))
+                if log and len(done) % PROGRESS_EVERY == 0 and len(done) < len(seeds):
+                    log(f"{agent.name}: {len(done)}/{len(seeds)} episodes, {sum(e.success for e in done)} successes, "
+                        f"{time.perf_counter() - t0:.0f} s")
                 del live[i]
                 if pending:
                     start(i)
