@@ -69,10 +69,11 @@ def plot(out: str, summary: dict) -> str:
     a.set_ylim(0, 105)
     a.set_ylabel("success rate, % (95% Wilson interval)")
     a.set_title(f"{summary['env']}: {summary['episodes']} unseen seeds")
-    for r in agents:
-        steps = [row["steps"] for row in r["rows"] if row["success"]]
+    wins = {r["agent"]: [row["steps"] for row in r["rows"] if row["success"]] for r in agents}
+    top = max([max(v) for v in wins.values() if v] or [summary["max_steps"]])
+    for name, steps in wins.items():
         if steps:
-            b.hist(steps, bins=20, range=(0, summary["max_steps"]), alpha=0.5, label=r["agent"])
+            b.hist(steps, bins=20, range=(0, 1.1 * top), alpha=0.5, label=name)
     b.set_xlabel("env steps to success")
     b.set_ylabel("episodes")
     b.legend()

@@ -159,3 +159,15 @@ def test_the_closed_loop_bench_quick_runs_the_whole_chain(tmp_path):
     assert all(r["episodes"] == 3 for r in agents.values())
     assert (out / next(out.glob("closed-loop-*.json")).stem / "closed_loop" / "closed_loop.png").exists()
     assert doc["stages"]["train"]["cpu_s"] > 0 and doc["load_avg_before"]
+
+
+def test_eval_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys):
+    from loongforge.cli import main
+
+    assert main(["eval", "--env", TASK, "--episodes", "1", "2", "--baselines", "expert"]) == 2
+    assert "--episodes takes one number" in capsys.readouterr().err
+    assert main(["eval"]) == 2  # open loop needs RUN and --data
+    assert main(["eval", "--env", "gym:cartpole", "--baselines", "expert"]) != 0
+    assert main(["eval", "--env", TASK, "--baselines", "expert,state-mlp", "--episodes", "1",
+                 "--out", str(tmp_path)]) == 2  # the state baselines need a policy and its data
+    assert "state baselines" in capsys.readouterr().err
