@@ -10,9 +10,9 @@ TORCH  ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup redis demo test test-full fit bench bench-quick parallel-full clean gpu-check gpu-bundle gpu-rehearse faults
+.PHONY: setup redis osmesa demo test test-full fit bench bench-quick parallel-full clean gpu-check gpu-bundle gpu-rehearse faults
 
-setup: $(STAMP) redis
+setup: $(STAMP) redis osmesa
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ redis:
 	  echo "installing redis-server (Debian package)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@redis-server --version
+
+# MuJoCo's headless rendering for the simulator (`sample-data --sim`, `eval --env`): OSMesa, software OpenGL.
+osmesa:
+	@ldconfig -p | grep -q libOSMesa || { \
+	  echo "installing libosmesa6 (Debian package: headless rendering of the simulator)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libosmesa6 >/dev/null; }
 
 demo: setup
 	PATH=$(BIN):$$PATH bash infra/demo.sh

@@ -32,6 +32,8 @@ BENCHMARKS = {
                                                     "by recipe, batch and clients, split decode/preprocess/model/encode"),
     "image-transform": ("loongforge.benchmarks.micro.image_transform", "N1.6's image transform on the device: "
                         "composed weight matrices vs the torch-interpolate path"),
+    "closed-loop": ("loongforge.benchmarks.sim.closed_loop", "demos from a simulated task's expert -> preprocess -> "
+                    "train -> closed-loop success rate against the expert, random and state-only BC"),
     "gpu-check": ("loongforge.benchmarks.micro.gpu_check", "everything only a GPU can check, in one short run"),
     "block-loader": ("loongforge.benchmarks.loader.block_loader", "the decode worker's body per block size, "
                                                                   "the block order's diversity, the loader's CPU "

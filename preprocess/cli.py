@@ -85,6 +85,11 @@ def register(subparsers) -> None:
                    help="v3.0 only: the re-encoding codec (av1, LeRobot's default)")
     s.add_argument("--episodes-per-file", type=int, default=0, metavar="N",
                    help="v3.0 only: episodes per data/video file (0: all in one)")
+    s.add_argument("--sim", default=None, metavar="metaworld:TASK",
+                   help="demonstrations from a simulator instead: the task's scripted expert on seeded resets "
+                   "(--seed: the first), successful episodes only, as LeRobot v3.0 with H.264 video of one camera at "
+                   "--size (default 84: the tiny-sim recipe's image edge); needs the [sim] extra (make setup)")
+    s.add_argument("--camera", default=None, help="--sim: the camera rendered (default corner2)")
     s.set_defaults(func=_sample_data)
 
 
@@ -145,6 +150,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _sample_data(args: argparse.Namespace) -> int:
+    if args.sim:
+        return _sim_demos(args)
     from loongforge.preprocess.samples.dataset import generate_preset
 
     given = {"episodes": args.episodes, "frames": tuple(args.frames) if args.frames else None,
@@ -170,4 +177,24 @@ def _sample_data(args: argparse.Namespace) -> int:
 
             write_v21(root)
     print(f"wrote LeRobot {version} dataset ({args.preset}) to {root}", file=sys.stderr)
+    return 0
+
+
+def _sim_demos(args: argparse.Namespace) -> int:
+    from loongforge.preprocess.samples.sim_demos import write_demos
+    from loongforge.preprocess.samples.sim_env import DEFAULT_CAMERA, DEFAULT_SIZE
+    from loongforge.shared.errors import UsageError
+
+    if args.lerobot_version == "v2.1":
+        raise UsageError("--sim writes LeRobot v3.0; --lerobot-version v2.1 is not offered")
+    if args.size and args.size[0] != args.size[1]:
+        raise UsageError(f"--size {args.size[0]} {args.size[1]}: --sim renders square frames")
+    summary = write_demos(args.out, args.sim, episodes=args.episodes or 3, size=args.size[0] if args.size else
+                          DEFAULT_SIZE, camera=args.camera or DEFAULT_CAMERA, seed=args.seed or 0,
+                          crf=args.crf if args.crf is not None else 18,
+                          log=lambda line: print(line, file=sys.stderr))
+    print(f"wrote LeRobot v3.0 dataset of {summary['episodes']} expert episode(s) of {summary['env']} to {args.out}: "
+          f"{summary['failed']} failed and left out (seeds {summary['failed_seeds']}); {sum(summary['steps'])} "
+          f"frames; rendering {summary['render_frames_per_s']} frames/s, {summary['env_steps_per_s']} env steps/s "
+          f"in all", file=sys.stderr)
     return 0

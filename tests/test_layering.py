@@ -35,8 +35,8 @@ LAYERS: dict[str, list] = {
     "loongforge": ["shared", ("preprocess", "cache"), "train", "benchmarks", "cli"],
     # Inside the trainer (train/README.md has the folder map).
     "loongforge.train": ["config", ("model", "data"), "recipes", ("kernels", "observe"), "parallel", "ckpt",
-                         ("eval", "resilience"), "serve", "tune", "flags", "preflight", "trainer", "launch", "warm",
-                         "cli"],
+                         ("eval", "resilience"), "serve", "sim", "tune", "flags", "preflight", "trainer", "launch",
+                         "warm", "cli"],
 }
 
 # What a function may import locally, and why: third-party packages, by their top-level name.
@@ -68,6 +68,8 @@ OPTIONAL = {
     "huggingface_hub": "only `--init-from ORG/NAME` (a checkpoint by its hub id) resolves through its cache",
     "zmq": "the serve extra (pyzmq): only `loongforge serve`, its client and its benchmark",
     "msgpack": "the serve extra: Isaac-GR00T's policy-server frames (train/serve/protocol.py)",
+    "metaworld": "the sim extra (Meta-World's tasks and scripted experts): only `sample-data --sim` and `eval --env`",
+    "mujoco": "the sim extra (MuJoCo 3, Meta-World's physics and renderer): imported after MUJOCO_GL is set",
     # A service, not a package: the trainer reads through the cache daemon only with --cache-socket or
     # --cache-tcp, and reads the origin when the cache's client cannot be imported (train/data/sources.py).
     "loongforge.cache": "the trainer's optional path through the cache daemon",

@@ -50,10 +50,15 @@ def register(subparsers) -> None:
     q.add_argument("--no-chart", action="store_true", help="skip profile.png / profile.html")
     q.set_defaults(func=_profile)
     e = subparsers.add_parser("eval", help="open-loop evaluation of a trained run over validation episodes: "
-                                           "MSE/MAE per action group vs baselines, plots, eval.json")
-    e.add_argument("run_dir", metavar="RUN", help="run directory (holds checkpoints/)")
-    e.add_argument("--data", required=True, metavar="SHARDS", help="shard root (its index has the split and stats)")
-    e.add_argument("--episodes", type=int, nargs="+", default=None, help="episode ids (default: validation split)")
+                                           "MSE/MAE per action group vs baselines, plots, eval.json; with --env, "
+                                           "closed-loop rollouts in a simulator: success rate vs baselines")
+    e.add_argument("run_dir", metavar="RUN", nargs="?", default=None, help="run directory (holds checkpoints/), or "
+                   "with --env an exported GR00T directory too")
+    e.add_argument("--data", default=None, metavar="SHARDS", help="shard root (its index has the split and stats); "
+                   "required open loop; with --env the root the policy trained on (the state baselines' demonstrations "
+                   "and the render size)")
+    e.add_argument("--episodes", type=int, nargs="+", default=None, help="episode ids (default: validation split); "
+                   "with --env: the number of rollouts (50)")
     e.add_argument("--out", default=None, help="output directory (default: RUN/eval)")
     e.add_argument("--steps", type=int, default=4, help="Euler steps of the flow (4, as GR00T)")
     e.add_argument("--samples", type=int, default=8, help="noise seeds averaged in the K-sample column (the "
@@ -63,6 +68,23 @@ def register(subparsers) -> None:
     e.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c = e.add_argument_group("closed loop (--env; README 'Evaluate in simulation')")
+    c.add_argument("--env", default=None, metavar="metaworld:TASK", help="roll the policy out in this simulated task "
+                   "(the [sim] extra) on seeds no demonstration used: success rate with its 95%% interval, steps to "
+                   "success, mp4s, plot, closed_loop.json")
+    c.add_argument("--action-steps", type=int, default=8, help="steps of each predicted chunk executed before the "
+                   "policy looks again (Isaac-GR00T's n_action_steps; 8)")
+    c.add_argument("--num-envs", type=int, default=4, help="env worker processes; the policy answers them in one batch")
+    c.add_argument("--baselines", default=",".join(("expert", "random", "state-mlp", "state-ridge")),
+                   help="comma list of expert, random, state-mlp, state-ridge (the state ones need --data); '' none")
+    c.add_argument("--server", default=None, metavar="tcp://HOST:PORT", help="act through a running `loongforge "
+                   "serve` instead of loading RUN here")
+    c.add_argument("--api-token-file", default=None, help="--server: the token file of the server")
+    c.add_argument("--videos", type=int, default=3, help="episodes of each agent written as mp4 (3)")
+    c.add_argument("--seed-start", type=int, default=None, help="first rollout seed (default 1000000: demonstrations "
+                   "use the seeds below)")
+    c.add_argument("--size", type=int, default=None, help="render size (default: the --data root's frames, else 56)")
+    c.add_argument("--max-steps", type=int, default=None, help="step limit per episode (default: the task's)")
     e.set_defaults(func=_eval)
     x = subparsers.add_parser("export", help="write a run's checkpoint as an Isaac-GR00T N1.6 checkpoint directory "
                                              "(config.json, safetensors, processor files)")
@@ -178,6 +200,10 @@ def _profile(args) -> int:
 
 
 def _eval(args) -> int:
+    if args.env:
+        return _closed_loop(args)
+    if args.run_dir is None or args.data is None:
+        raise UsageError("eval: RUN and --data SHARDS are required (or --env for closed-loop rollouts)")
     import torch
     from loongforge.shared.dataset import open_root
     from loongforge.train.ckpt import files as ckpt_files
@@ -206,6 +232,38 @@ def _eval(args) -> int:
         print(f"open-loop eval, {len(summary['episodes'])} episodes, {args.steps} flow steps (dataset units):")
         print(format_table(summary))
         print(f"summary: {os.path.join(out, 'eval.json')}  plots: {out}/episode_*.png")
+    return 0
+
+
+def _closed_loop(args) -> int:
+    import torch
+    from loongforge.preprocess.samples.sim_env import EVAL_SEED_START
+    from loongforge.train.sim.evaluate import EvalRequest, closed_loop
+    from loongforge.train.sim.report import format_table
+
+    if args.episodes is not None and len(args.episodes) != 1:
+        raise UsageError("--env: --episodes takes one number, the rollouts to run")
+    if args.run_dir is None and args.server is None and "expert" not in args.baselines:
+        raise UsageError("--env: give RUN (a run or an exported directory) or --server")
+    token = None
+    if args.api_token_file:
+        with open(args.api_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    req = EvalRequest(env=args.env, episodes=args.episodes[0] if args.episodes else 50,
+                      policy=None if args.server else args.run_dir, server=args.server, api_token=token,
+                      data=args.data, baselines=tuple(b for b in args.baselines.split(",") if b),
+                      action_steps=args.action_steps, num_envs=args.num_envs,
+                      seed_start=EVAL_SEED_START if args.seed_start is None else args.seed_start, videos=args.videos,
+                      samples=args.samples, flow_steps=args.steps, size=args.size, max_steps=args.max_steps,
+                      device=device)
+    out = args.out or os.path.join(args.run_dir or ".", "closed_loop", args.env.replace(":", "_"))
+    summary = closed_loop(req, out, log=lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(format_table(summary))
+        print(f"summary: {os.path.join(out, 'closed_loop.json')}  plot: {summary['plot']}  videos: {out}/videos/")
     return 0
 
 

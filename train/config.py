@@ -19,7 +19,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash")  # train/model/attention.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 # Peak learning rate per recipe (OptimConfig.lr unless --lr), for the default warm-up + cosine schedule.
 # gr00t-n1.6: Isaac-GR00T's fine-tuning lr. tiny / small: train/README.md has the figures.
-RECIPE_LR = {"tiny": 1e-3, "small": 3e-4, "gr00t-n1.6": 1e-4}
+RECIPE_LR = {"tiny": 1e-3, "tiny-sim": 1e-3, "small": 3e-4, "gr00t-n1.6": 1e-4}
 REPORT_TO = ("tensorboard", "wandb")  # experiment trackers (train/observe/tracking.py), HF Trainer's names
 
 

@@ -62,6 +62,19 @@ def tiny() -> Recipe:
         input_embedding_dim=32, max_seq_len=64, **_SCRATCH), ProcessorConfig(image_edge=56, color_jitter=None))
 
 
+def tiny_sim() -> Recipe:
+    """tiny at twice the width, no DiT dropout, 84-pixel images (9 tokens each): the recipe that learns
+    from 50 simulated demonstrations on a CPU (train/README.md "A recipe that learns")."""
+    return Recipe(GrootConfig(
+        vision=VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_patches=36),
+        text=TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=8, vocab_size=BYTE_VOCAB),
+        dit=DiTConfig(num_layers=4, num_attention_heads=4, attention_head_dim=16, output_dim=64, dropout=0.0),
+        image_token_index=BYTE_IMAGE_TOKEN, select_layer=2, backbone_embedding_dim=64, hidden_size=64,
+        input_embedding_dim=64, max_seq_len=64, **_SCRATCH), ProcessorConfig(image_edge=84, color_jitter=None))
+
+
 def small() -> Recipe:
     return Recipe(GrootConfig(
         vision=VisionConfig(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -77,7 +90,7 @@ def gr00t_n1_6() -> Recipe:
     return Recipe(GrootConfig(**_SCRATCH), ProcessorConfig())
 
 
-RECIPES = {"tiny": tiny, "small": small, "gr00t-n1.6": gr00t_n1_6}
+RECIPES = {"tiny": tiny, "tiny-sim": tiny_sim, "small": small, "gr00t-n1.6": gr00t_n1_6}
 
 
 def recipe(name: str) -> Recipe:

@@ -92,8 +92,9 @@ def training_rows(data) -> list[int]:
     return rows.tolist()
 
 
-def fit_reference(data, groups: dict[str, tuple[int, int]], processor) -> TrainingReference:
-    """The ridge baseline and the discrete-valued groups of a TrainingData's training episodes."""
+def state_chunk_pairs(data, processor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every training sample the loader takes, in the model's units: (x (N, S) the processed current
+    state, y (N, H * Da) the processed chunk, the raw actions of those episodes (rows, Da))."""
     r = data.roots[0]
     sa, spec = processor.state_action(r.tag), r.deltas
     xs, ys, actions = [], [], []
@@ -113,13 +114,23 @@ def fit_reference(data, groups: dict[str, tuple[int, int]], processor) -> Traini
             ys.append(y.reshape(-1))
     if not xs:
         raise ConfigError("the training episodes hold no sample (every one shorter than the action horizon)")
-    x, y = np.stack(xs), np.stack(ys)
+    return np.stack(xs), np.stack(ys), np.concatenate(actions)
+
+
+def ridge_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(S + 1, Y) weights of the ridge from [x, 1] to y, closed form, RIDGE_L2 per sample."""
     x = np.concatenate([x, np.ones((len(x), 1), np.float32)], axis=1).astype(np.float64)
     reg = RIDGE_L2 * len(x) * np.eye(x.shape[1])
     reg[-1, -1] = 0.0  # the bias is not shrunk
-    weights = np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
-    levels, discrete = _levels(np.concatenate(actions), groups, data.dataset.modality)
-    return TrainingReference(weights, h, levels, discrete, len(x))
+    return np.linalg.solve(x.T @ x + reg, x.T @ y.astype(np.float64)).astype(np.float32)
+
+
+def fit_reference(data, groups: dict[str, tuple[int, int]], processor) -> TrainingReference:
+    """The ridge baseline and the discrete-valued groups of a TrainingData's training episodes."""
+    x, y, actions = state_chunk_pairs(data, processor)
+    h = data.roots[0].deltas.action_horizon
+    levels, discrete = _levels(actions, groups, data.dataset.modality)
+    return TrainingReference(ridge_fit(x, y), h, levels, discrete, len(x))
 
 
 def _levels(actions: np.ndarray, groups: dict, modality) -> tuple[dict[int, np.ndarray], tuple[str, ...]]:

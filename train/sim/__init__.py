@@ -1,0 +1,1 @@
+"""Closed loop in simulation: env workers (pool), agents, rollouts, the eval and its report."""
