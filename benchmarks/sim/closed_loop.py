@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--episodes", type=int, default=50, help="closed-loop rollouts on unseen seeds (50)")
     p.add_argument("--num-envs", type=int, default=8)
+    p.add_argument("--action-steps", type=int, default=16, help="steps of each predicted chunk executed before the "
+                   "policy looks again (16, the whole chunk: chosen on validation seeds, train/README.md \"A recipe "
+                   "that learns\")")
     p.add_argument("--samples", type=int, default=None, help="flow samples per chunk (default: the eval's 8)")
     p.add_argument("--max-steps", type=int, default=None, help="rollout step limit (default: the task's)")
     p.add_argument("--quick", action="store_true", help="3 demos, 40 steps, 3 rollouts of at most 100 steps: the "
@@ -80,7 +83,8 @@ def handle(a: argparse.Namespace) -> int:
     out = os.path.join(a.out, f"closed-loop-{a.task}-{stamp}")
     os.makedirs(out, exist_ok=True)
     doc = {"task": env, "load_avg_before": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-           "started": stamp, "args": {k: v for k, v in vars(a).items() if k != "func"}, "stages": {}}
+           "started": stamp, "args": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                                      for k, v in vars(a).items() if k != "func"}, "stages": {}}
     st = doc["stages"]
     _stage("demonstrations", ["sample-data", "--sim", env, "--episodes", str(a.demos), demos],
            os.path.join(work, "demos.log"), st)
@@ -95,7 +99,7 @@ def handle(a: argparse.Namespace) -> int:
     doc["open_loop"] = json.load(open(os.path.join(out, "open_loop", "eval.json"))).get("errors")
     doc["open_loop_table"] = text[text.find("MSE"):text.find("summary:")].strip()
     argv = ["eval", run, "--env", env, "--data", shards, "--episodes", str(a.episodes), "--num-envs",
-            str(a.num_envs), "--out", os.path.join(out, "closed_loop")]
+            str(a.num_envs), "--action-steps", str(a.action_steps), "--out", os.path.join(out, "closed_loop")]
     argv += ["--samples", str(a.samples)] if a.samples else []
     argv += ["--max-steps", str(a.max_steps)] if a.max_steps else []
     text = _stage("closed-loop eval", argv, os.path.join(work, "closedloop.log"), st)
