@@ -98,8 +98,12 @@ def test_a_node_lost_the_other_goes_on_alone_from_the_last_checkpoint(train_root
     launches = _events(run_dir, "elastic", "launch")
     assert [(e["ranks"], e["grad_accum"], e["nodes"]) for e in launches] == [(2, 1, {"a": 1, "b": 1}),
                                                                               (1, 2, {"a": 1})], launches
-    (fault,) = _events(run_dir, "fault")
-    assert (fault["kind"], fault["node"], fault["detected_by"]) == ("node_lost", "b", "supervisor"), fault
+    # The supervisor's record; on a loaded machine rank 0's watchdog may see the dead peer first (no
+    # heartbeat for 10 s) and record it too: the same node, never another fault.
+    faults = _events(run_dir, "fault")
+    (fault,) = [f for f in faults if f["kind"] == "node_lost"]
+    assert (fault["node"], fault["detected_by"]) == ("b", "supervisor"), fault
+    assert all(f["kind"] == "dead" and f["node"] == "b" and f["rank"] == 1 for f in faults if f is not fault), faults
     lines = [ln for ln in err.splitlines() if ln.startswith("loongforge train: fault")]
     assert len(lines) == 1 and "node b lost" in lines[0] and "its supervisor is gone" in lines[0], err[-4000:]
     for noise in ("Traceback", "ChildFailedError", "remote worker hanging", "Terminated"):
