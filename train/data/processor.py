@@ -330,7 +330,10 @@ class Processor:
         mean, std = self.cfg.image_mean, self.cfg.image_std
         frames = {}
         for key in cfg.video.modality_keys:
-            raw = torch.from_numpy(np.ascontiguousarray(obs["video"][key])).to(device)  # (B, T, H, W, 3)
+            arr = np.ascontiguousarray(obs["video"][key])
+            if not arr.flags.writeable:  # a received buffer (serve's msgpack): torch views only writable memory
+                arr = arr.copy()
+            raw = torch.from_numpy(arr).to(device)  # (B, T, H, W, 3)
             frames[key] = raw.permute(0, 1, 4, 2, 3).float().sub_(mean * 255.0).mul_(1.0 / (255.0 * std))
         raw_state = {k: np.asarray(obs["state"][k], np.float32) for k in cfg.state.modality_keys}
         state = torch.from_numpy(sa.state(raw_state)).to(device)
