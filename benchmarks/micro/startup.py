@@ -39,6 +39,7 @@ from pathlib import Path
 
 from loongforge.benchmarks.harness.report import RESULTS_DIR, machine_info, write_timestamped
 from loongforge.shared.synthetic import make_synthetic_root
+from loongforge.train.resilience.owner import rank_pid
 
 VENV_BIN = Path(sys.executable).parent
 TRAIN_LENGTHS = (20, 12, 18, 14)  # 64 samples, 8 global batches of 8 (the trainer tests' root)
@@ -105,21 +106,6 @@ def import_torch(work: Path, timeout: float) -> float:
     return _timed([sys.executable, "-c", "import torch"], work / "import-torch.log", timeout)
 
 
-def _rank_pid(run_dir: str, rank: int) -> int | None:
-    """The live rank `rank` of the run in `run_dir` (its command line names the run dir; RANK in its environment)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"loongforge.train" in cmd and run_dir.encode() in cmd and f"RANK={rank}".encode() in env:
-            return int(pid)
-    return None
-
-
 def restart(root: str, work: Path, name: str, timeout: float, kill_after: int = 3, steps: int = 8) -> dict:
     """2 ranks under the elastic supervisor; rank 1 SIGKILLed after step `kill_after`; kill -> next step."""
     run_dir, log, capacity = str(work / name), work / f"{name}.log", work / f"{name}.capacity"
@@ -132,7 +118,7 @@ def restart(root: str, work: Path, name: str, timeout: float, kill_after: int = 
             deadline = time.monotonic() + timeout
             while True:  # after `kill_after` steps, with a checkpoint behind them (save every 2)
                 rows = _rows(run_dir) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else []
-                if len([r for r in rows if "step" in r]) >= kill_after and (pid := _rank_pid(run_dir, 1)):
+                if len([r for r in rows if "step" in r]) >= kill_after and (pid := rank_pid(run_dir, 1)):
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"restart run: no {kill_after} steps (exit {proc.poll()}):\n"

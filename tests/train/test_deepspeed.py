@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from loongforge.train.resilience.owner import rank_pid
 from tests.train.train_launch import (assert_ok as _ok, deepspeed_launch, launch, read_metrics as _metrics,
                                       torchrun)
 
@@ -225,23 +226,6 @@ def test_bad_sample_raise_fails_the_launch_without_hanging(tmp_path):
     assert "DataWorkerError" in proc.stderr and "bad sample" in proc.stderr
 
 
-def _rank_pid(run_dir: str, rank: int) -> int | None:
-    """PID of the training process with RANK=`rank` whose command line names `run_dir`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        # Launchers (torchrun's agent, deepspeed's runner and per-node launcher) carry the same
-        # arguments but set RANK only in their children; decode workers inherit RANK but not the arguments.
-        if run_dir.encode() in cmd and env.get(b"RANK") == str(rank).encode():
-            return int(pid)
-    return None
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.full)])
 def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, tmp_path):
     """SIGKILL of one rank mid-run (OOM killer, node loss): the launch must end non-zero instead of
@@ -270,7 +254,7 @@ def test_killed_rank_ends_the_launch_and_resume_continues(launcher, train_root, 
                 break
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        victim = _rank_pid(run_dir, 1)
+        victim = rank_pid(run_dir, 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)  # a hang here is the failure this test exists for

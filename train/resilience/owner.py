@@ -66,6 +66,25 @@ def cmdline(pid: int) -> list[bytes]:
         return []
 
 
+def rank_pid(run_dir: str, rank: int) -> int | None:
+    """The live training process with RANK=`rank` whose command line names `run_dir` (fault tools,
+    benchmarks and tests that kill one rank). Launchers (torchrun's agent, deepspeed's runner and
+    per-node launcher) carry the same arguments but set RANK only in their children; decode workers
+    inherit RANK but not the arguments; a rank forked by the warm server shows its stand-in's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        args = cmdline(int(pid))
+        if run_dir.encode() not in args:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return int(pid)
+    return None
+
+
 def is_launcher(pid: int) -> bool:
     args = cmdline(pid)[:4]
     return any(os.path.basename(a) in LAUNCHERS or a in LAUNCHERS or a.endswith(b"deepspeed/launcher/launch.py")

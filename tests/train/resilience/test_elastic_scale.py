@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tests.train.ckpt.test_ckpt_resilience import COMMON, _kill_tree, _metrics, _ok  # noqa: E402
-from tests.train.test_deepspeed import _rank_pid  # noqa: E402
+from loongforge.train.resilience.owner import rank_pid  # noqa: E402
 from tests.train.resilience.test_faults import _global_order, _wait_steps  # noqa: E402
 from tests.train.train_launch import VENV_BIN, launch_env, torchrun  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_elastic_down_and_back_up_matches_the_uninterrupted_run(train_root, tmp_
     try:
         _wait_steps(proc, run_dir, 6)  # step 7 never starts on 2 ranks: rank 1 blocks there
         cap.write_text("1")
-        os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
+        os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
         _wait_for(lambda: len(_elastic_events(run_dir, "launch")) == 2, proc)  # the 1-rank attempt has started
         cap.write_text("2")  # capacity returns: the supervisor scales up at the next checkpoint (step 8)
         _, err = proc.communicate(timeout=900)

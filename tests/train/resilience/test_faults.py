@@ -115,7 +115,7 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
     import time
 
     from tests.train.ckpt.test_ckpt_resilience import _kill_tree
-    from tests.train.test_deepspeed import _rank_pid
+    from loongforge.train.resilience.owner import rank_pid
     from tests.train.train_launch import VENV_BIN, _port, launch_env
 
     root, _ = train_root
@@ -127,7 +127,7 @@ def test_sigstop_rank_is_detected_and_the_launch_ends_with_a_fault_record(train_
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_steps(proc, run_dir, 3)
-        victim = _rank_pid(run_dir, 1)
+        victim = rank_pid(run_dir, 1)
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=120)
@@ -182,7 +182,7 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
     import subprocess
 
     from tests.train.ckpt.test_ckpt_resilience import _kill_tree
-    from tests.train.test_deepspeed import _rank_pid
+    from loongforge.train.resilience.owner import rank_pid
     from tests.train.train_launch import VENV_BIN, launch_env
 
     root, index = train_root
@@ -200,7 +200,7 @@ def test_elastic_supervisor_resumes_on_the_surviving_rank_with_every_sample_once
         # Rows are written one step late: step 5's once step 6 ran; step 7 never starts, so no save at 8.
         before = [r for r in _metrics(run_dir) if "event" not in r]
         (tmp_path / "capacity").write_text("1")  # the node of rank 1 is gone: no slot to scale back up to
-        os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
+        os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
         _, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
