@@ -38,8 +38,13 @@ demo: setup
 
 # `make test` keeps pytest under 15 minutes on 2 cores: tests marked `full` (longer variants of
 # behaviours the fast subset covers) run in `make test-full`. The 25 slowest are listed at the end.
+# Two pytest-xdist workers, a test file each at a time (a file's module fixtures stay in one process;
+# the session fixtures several files read are made once, tests/conftest.py once_per_session): the
+# suite in one process keeps ~1.1 of the 2 cores busy (its launches wait on sockets, timeouts, disks).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -m "not full" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not full" -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-full: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

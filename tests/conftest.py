@@ -18,6 +18,54 @@ def pytest_configure(config):
     register(config)  # opt-in per-test CPU seconds: LOONGFORGE_CPU_TIMES=out.json
 
 
+@pytest.fixture(autouse=True)
+def _keeps_torch_threads():
+    """A test that runs a rank's code in-process (launch.main pins the intra-op threads and their
+    environment variables) or sets torch's threads itself leaves the next test in this process the
+    pool it found: under `make test`'s two workers the order of tests in a process is not fixed."""
+    import sys
+
+    from loongforge.train.resilience.threads import THREAD_VARS
+
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    env = {k: os.environ.get(k) for k in THREAD_VARS}
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """`make(directory)` once for the whole session, its directory shared by every process of it.
+
+    Under `make test` (pytest-xdist, one process per worker) a session fixture runs once per worker;
+    the expensive ones (a trained run several files read) are made by the first worker that asks, under
+    a file lock, and the others wait for it and read the same directory. Without xdist it is a plain
+    temporary directory. A `make` that raises leaves no mark: the next asker tries again (and fails
+    the same way, in its own test)."""
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        d = tmp_path_factory.mktemp(name)
+        make(d)
+        return d
+    d = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # the session's directory, above the workers'
+    done = d / ".made"
+    with FileLock(str(d) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+            make(d)
+            done.write_text("ok\n")
+    return d
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

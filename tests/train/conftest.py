@@ -44,8 +44,10 @@ def train_root(tmp_path_factory):
     from loongforge.train.config import DataConfig
     from loongforge.train.data.training_data import load_training_data
 
-    root = str(tmp_path_factory.mktemp("train_root"))
-    make_synthetic_root(root, lengths=TRAIN_LENGTHS, shard_size=1, action_horizon=TRAIN_HORIZON)
+    from tests.conftest import once_per_session
+
+    root = str(once_per_session(tmp_path_factory, "train_root", lambda d: make_synthetic_root(
+        str(d), lengths=TRAIN_LENGTHS, shard_size=1, action_horizon=TRAIN_HORIZON)))
     return root, load_training_data(DataConfig(root=root))
 
 
@@ -54,14 +56,17 @@ def zero3_run(train_root, tmp_path_factory):
     """One plain 2-rank ZeRO-3 run (4 steps, a checkpoint every 2) that several files inspect:
     test_ckpt_resilience resumes it on 1 rank, test_compressed_dp_train compares --grad-compression
     against its losses. A launch costs ~20 CPU s; tests read this run and write only to copies."""
+    from tests.conftest import once_per_session
     from tests.train.train_launch import torchrun
 
     root, _ = train_root
-    work = tmp_path_factory.mktemp("zero3_run")
-    run_dir = str(work / "run")
-    proc = torchrun(2, ["--data", root, "--run-dir", run_dir, *ZERO3_RUN_ARGS], cwd=str(work), timeout=400)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return run_dir
+
+    def make(work):
+        proc = torchrun(2, ["--data", root, "--run-dir", str(work / "run"), *ZERO3_RUN_ARGS], cwd=str(work),
+                        timeout=400)
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    return str(once_per_session(tmp_path_factory, "zero3_run", make) / "run")
 
 
 ZERO3_RUN_ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
@@ -72,11 +77,19 @@ ZERO3_RUN_ARGS = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--blo
 def ac_fp8_zero3_launch(train_root, tmp_path_factory):
     """ac_zero3_worker.py on 2 ranks, both checks in one launch (~20 CPU s each): test_ac.py reads its
     AC-ZERO3-OK lines, test_precision.py its FP8-ZERO3-OK lines."""
+    import json
     import os
+    import subprocess
 
+    from tests.conftest import once_per_session
     from tests.train.train_launch import torchrun_script
 
     root, _ = train_root
-    work = tmp_path_factory.mktemp("ac_zero3")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ac_zero3_worker.py")
-    return torchrun_script(2, worker, [root, str(work / "run"), "ac", "fp8"], cwd=str(work), timeout=600)
+
+    def make(work):  # what the tests read of the launch, kept for the session's other workers
+        proc = torchrun_script(2, worker, [root, str(work / "run"), "ac", "fp8"], cwd=str(work), timeout=600)
+        (work / "launch.json").write_text(json.dumps([proc.args, proc.returncode, proc.stdout, proc.stderr]))
+
+    args, rc, out, err = json.loads((once_per_session(tmp_path_factory, "ac_zero3", make) / "launch.json").read_text())
+    return subprocess.CompletedProcess(args, rc, out, err)

