@@ -5,6 +5,10 @@ leaves the job without a step. Same machine, same minute, one invocation:
 
 Rows, each the median of `--repeats` runs interleaved with the baseline (so load hits both alike):
 * `import torch`: a bare `python -c "import torch"`, process start to exit: the unit of the goal;
+* `floor`: `python -c "import torch, deepspeed, loongforge.train.model.hf, os; os._exit(0)"`: the
+  libraries every rank imports whatever it trains (the engine, transformers' Qwen3/SigLIP2 blocks the
+  model is built from), nothing of LoongForge's own, and the exit a run takes (os._exit: no interpreter
+  teardown, ~1 s with these modules loaded); what a run costs beyond it is LoongForge's own start-up;
 * `1 rank`: `loongforge train` of the `tiny` recipe for 1 step (CPU), process start to exit;
 * `2 ranks`: the same under `torchrun --nproc_per_node 2`;
 * `restart`: `loongforge train --elastic` on 2 ranks; after step 3 rank 1 is SIGKILLed; from the kill
@@ -106,6 +110,13 @@ def import_torch(work: Path, timeout: float) -> float:
     return _timed([sys.executable, "-c", "import torch"], work / "import-torch.log", timeout)
 
 
+FLOOR = "import torch, deepspeed, loongforge.train.model.hf, os; os._exit(0)"
+
+
+def import_floor(work: Path, timeout: float) -> float:
+    return _timed([sys.executable, "-c", FLOOR], work / "import-floor.log", timeout)
+
+
 def restart(root: str, work: Path, name: str, timeout: float, kill_after: int = 3, steps: int = 8) -> dict:
     """2 ranks under the elastic supervisor; rank 1 SIGKILLed after step `kill_after`; kill -> next step."""
     run_dir, log, capacity = str(work / name), work / f"{name}.log", work / f"{name}.capacity"
@@ -157,15 +168,19 @@ def measure(args) -> dict:
         make_synthetic_root(root, lengths=TRAIN_LENGTHS, shard_size=1, action_horizon=1)
         # Warm the page cache and every on-disk cache (numba's, .pyc) once, untimed: the figures are warm starts.
         one_launch(root, work, "warm", 1, args.timeout)
-        torch_s, one, two = [], [], []
+        torch_s, floor_s, one, two = [], [], [], []
         for i in range(args.repeats):  # interleaved: the baseline is measured in the same minute as each run
             torch_s.append(import_torch(work, args.timeout))
+            floor_s.append(import_floor(work, args.timeout))
             one.append(one_launch(root, work, f"one{i}", 1, args.timeout))
             torch_s.append(import_torch(work, args.timeout))
             two.append(one_launch(root, work, f"two{i}", 2, args.timeout))
         rest = [restart(root, work, f"restart{i}", args.timeout) for i in range(args.repeats)] if args.restart else []
     base = statistics.median(torch_s)
+    floor = statistics.median(floor_s)
     doc = {"benchmark": "startup", "import_torch_s": {"median": round(base, 3), "runs": [round(t, 3) for t in torch_s]},
+           "floor_s": {"command": FLOOR, "median": round(floor, 3), "runs": [round(t, 3) for t in floor_s],
+                       "x_import_torch": round(floor / base, 2)},
            "one_rank": {**_median(one, "wall_s"), "runs": one}, "two_ranks": {**_median(two, "wall_s"), "runs": two}}
     doc["one_rank"]["x_import_torch"] = round(doc["one_rank"]["wall_s"] / base, 2)
     doc["two_ranks"]["x_import_torch"] = round(doc["two_ranks"]["wall_s"] / base, 2)
@@ -184,6 +199,9 @@ def table(doc: dict) -> str:
     lines = ["| row | wall (s) | / import torch | " + " | ".join(cols) + " |", "|---" * (len(cols) + 3) + "|"]
     base = doc["import_torch_s"]["median"]
     lines.append(f"| import torch (bare) | {base:.2f} | 1.00x |" + " |" * len(cols))
+    f = doc["floor_s"]
+    lines.append(f"| floor: import torch, deepspeed, transformers' blocks | {f['median']:.2f} | "
+                 f"{f['x_import_torch']:.2f}x |" + " |" * len(cols))
     for key, name in (("one_rank", "tiny, 1 step, 1 rank"), ("two_ranks", "tiny, 1 step, 2 ranks (torchrun)")):
         r = doc[key]
         lines.append(f"| {name} | {r['wall_s']:.2f} | {r['x_import_torch']:.2f}x | "
@@ -199,6 +217,8 @@ def table(doc: dict) -> str:
         unit = "x import torch" if name.startswith("one_rank") else "s"
         out += (f"\ngoal {name}: <= {g['goal']} {unit}: measured {g['measured']} {unit}: "
                 + ("met" if g["met"] else "MISSED"))
+        if name.startswith("one_rank"):
+            out += f" (the floor alone: {doc['floor_s']['x_import_torch']} x import torch)"
     return out
 
 
