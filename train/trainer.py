@@ -106,7 +106,8 @@ class Trainer:
         self.loader = training_data.make_loader(d, self.index, batch_size=d.global_batch_size // accum,
                                                 rank=self.data_rank, world=self.data_world, device=self.device,
                                                 processor=self.processor, prompts=self.plan.prompts,
-                                                image_mean=proc.image_mean, image_std=proc.image_std)
+                                                image_mean=proc.image_mean, image_std=proc.image_std,
+                                                step_batch=d.global_batch_size)
         self.startup.closers.insert(0, self.loader.close)
         self.valset = self._valset()
         f = cfg.faults

@@ -22,7 +22,8 @@ HORIZON = 4
 STEPS = 8
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
           "--no-ds-breakdown", "--steps", str(STEPS), "--action-horizon", str(HORIZON), "--zero", "2",
-          "--dit-dropout", "0"]  # the DiT's dropout masks follow the rank layout
+          "--dit-dropout", "0",  # the DiT's dropout masks follow the rank layout
+          "--lr-schedule", "constant", "--warmup-steps", "1"]  # a run of 4 steps resumed to 8 has the 8-step lr
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 

@@ -69,7 +69,7 @@ class BlockLoader:
                  image_mean: float = 0.5, image_std: float = 0.5, train_only: bool = True,
                  source: SourceSpec | None = None, drop_last: bool = True, prompts: PromptTable | None = None,
                  recycle_buffers: bool = True, state_action: StateAction | None = None, keys: dict | None = None,
-                 cameras: tuple[str, ...] | None = None, raw: bool = False):
+                 cameras: tuple[str, ...] | None = None, raw: bool = False, step_batch: int | None = None):
         self.ds = dataset if dataset is not None else open_root(root)
         self.prompts = prompts  # the model's prompt per task (the trainer's); None = the task text's bytes
         info = self.ds.info
@@ -94,7 +94,7 @@ class BlockLoader:
         n = self.table.num_samples if self.train_eps is None else \
             int(self.table.counts[np.asarray(self.train_eps, bool)].sum())
         # drop_last=False: the epoch's last, partial batch too (the LeRobot adapter; order.py "Uneven tail").
-        self.plan = order.plan_epoch(n, batch_size, drop_last)
+        self.plan = order.plan_epoch(n, batch_size, drop_last, step_batch=step_batch)
         self.device = resolve_device(device)
         self.num_workers, self.prefetch, self.max_steps = num_workers, prefetch, max_steps
         if block_cache_mb < 0:
@@ -301,7 +301,7 @@ class BlockLoader:
         return {"version": LOADER_STATE_VERSION, "format_version": FORMAT_VERSION, "seed": self.seed,
                 "epoch": self.epoch, "consumed": self.consumed, "global_batch": self.global_batch,
                 "steps_done": self.steps_done, "dropped": self.dropped, "num_samples": self.num_samples,
-                "order": self._order_key()}
+                "epoch_samples": self.plan.steps * self.global_batch, "order": self._order_key()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != LOADER_STATE_VERSION or state.get("format_version") != FORMAT_VERSION:
@@ -327,8 +327,8 @@ class BlockLoader:
         """Another loader batch reads the same global positions when the resume point is on a batch boundary
         and each epoch uses the same number of samples (same tail dropped)."""
         old, n = int(state["global_batch"]), self.plan.samples
-        return int(state["consumed"]) % self.global_batch == 0 and n // old * old == n // self.global_batch * \
-            self.global_batch
+        used = int(state.get("epoch_samples", n // old * old))  # absent: written before step_batch existed
+        return int(state["consumed"]) % self.global_batch == 0 and used == self.plan.steps * self.global_batch
 
     def _stop_pipeline(self) -> None:
         # Order matters: wake the prefetch thread out of pool.get first, then join it, and only

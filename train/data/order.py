@@ -19,7 +19,8 @@ in benchmarks/README.md). Every rank computes the same sequence, so no rank ever
 ask another what to read.
 
 Uneven tail: the last partial global batch of an epoch is DROPPED (and counted in
-`EpochPlan.dropped`). Every rank therefore runs exactly `steps` steps per epoch: ranks
+`EpochPlan.dropped`); under gradient accumulation, in whole optimizer steps (`plan_epoch`'s
+`step_batch`), so a run in micro-batches reads each epoch's samples as one without them. Every rank therefore runs exactly `steps` steps per epoch: ranks
 with different batch counts deadlock in allreduce (webdataset #188). We drop rather than
 pad because padding repeats samples within an epoch; the dropped samples differ every
 epoch, since the order does. With `drop_last=False` (the LeRobot adapter, as a DataLoader)
@@ -50,20 +51,28 @@ class EpochPlan:
     drop_last: bool = True
 
 
-def plan_epoch(num_samples: int, global_batch: int, drop_last: bool = True) -> EpochPlan:
-    if num_samples < (global_batch if drop_last else 1):
-        raise ConfigError(f"data.global_batch_size: {global_batch} exceeds the {num_samples} samples of the "
+def plan_epoch(num_samples: int, global_batch: int, drop_last: bool = True, *,
+               step_batch: int | None = None) -> EpochPlan:
+    """`step_batch`: the optimizer step's batch when a step is several loader batches (gradient
+    accumulation: `global_batch` is then one micro-batch of all ranks). The tail is dropped in whole
+    steps, so a run split into micro-batches reads, epoch by epoch, the samples of one that is not."""
+    unit = step_batch or global_batch
+    if unit % global_batch:
+        raise ConfigError(f"the step's batch {unit} is not a multiple of the loader's {global_batch}")
+    if num_samples < (unit if drop_last else 1):
+        raise ConfigError(f"data.global_batch_size: {unit} exceeds the {num_samples} samples of the "
                           "dataset; lower --batch-size")
-    steps = num_samples // global_batch
     if not drop_last:
         return EpochPlan(num_samples, global_batch, -(-num_samples // global_batch), 0, False)
+    steps = num_samples // unit * (unit // global_batch)
     return EpochPlan(num_samples, global_batch, steps, num_samples - steps * global_batch)
 
 
 def advance(epoch: int, consumed: int, plan: EpochPlan) -> tuple[int, int]:
-    """(epoch, in-epoch counter) after one global batch; rolls over, dropping the tail unless kept."""
+    """(epoch, in-epoch counter) after one global batch; rolls over after the epoch's last batch (the
+    tail dropped unless kept)."""
     consumed += plan.global_batch
-    if consumed + (plan.global_batch if plan.drop_last else 0) > plan.samples or consumed == plan.samples:
+    if consumed >= (plan.steps * plan.global_batch if plan.drop_last else plan.samples):
         return epoch + 1, 0
     return epoch, consumed
 

@@ -157,9 +157,10 @@ class _DeltaFlags:
 
 
 def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int, device, processor=None,
-                prompts=None, image_mean: float = 0.5, image_std: float = 0.5):
+                prompts=None, image_mean: float = 0.5, image_std: float = 0.5, step_batch: int | None = None):
     """The run's loader: a BlockLoader over its root, or a MixtureLoader over one per root.
-    `prompts`: the PromptTable of each root (one table, or a sequence of them)."""
+    `prompts`: the PromptTable of each root (one table, or a sequence of them). `step_batch`: the optimizer
+    step's global batch when `batch_size` is one micro-batch of it (order.plan_epoch)."""
     tables = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts] * len(data.roots)
     loaders = []
     for r, table in zip(data.roots, tables):
@@ -171,7 +172,7 @@ def make_loader(d, data: TrainingData, *, batch_size: int, rank: int, world: int
             prefetch=d.prefetch_batches, timeout_s=d.worker_timeout_s, start_method=d.start_method,
             image_mean=image_mean, image_std=image_std, prompts=table,
             source=SourceSpec(root=r.root, cache_socket=d.cache_socket, cache_tcp=d.cache_tcp),
-            state_action=sa, keys=r.keys, cameras=r.cameras))
+            state_action=sa, keys=r.keys, cameras=r.cameras, step_batch=step_batch))
     if len(loaders) == 1:
         return loaders[0]
     return MixtureLoader(loaders, [r.weight for r in data.roots], seed=d.seed)

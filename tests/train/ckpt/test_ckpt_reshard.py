@@ -18,7 +18,8 @@ from tests.train.train_launch import assert_ok as _ok, launch, read_metrics as _
 from loongforge.shared.errors import CheckpointError, ConfigError  # noqa: E402
 
 COMMON = ["--batch-size", "8", "--recipe", "tiny", "--seed", "1", "--block-window", "8", "--lr", "3e-3",
-          "--no-ds-breakdown", "--workers", "1", "--dit-dropout", "0"]  # dropout masks follow the rank layout
+          "--no-ds-breakdown", "--workers", "1", "--dit-dropout", "0",  # dropout masks follow the rank layout
+          "--lr-schedule", "constant", "--warmup-steps", "1"]  # runs of different --steps continue each other
 
 
 def _reshard(run_dir, to, tag, cwd):
