@@ -115,6 +115,23 @@ def test_advance_rolls_over_and_drops_tail():
     assert seen == [(0, 0), (0, 4), (1, 0), (1, 4), (2, 0)]
 
 
+def test_micro_batches_drop_the_tail_in_whole_optimizer_steps():
+    """--grad-accum 2: the loader's batch (4) is half the step's (8); an epoch of 52 samples reads the 48
+    one rank of batch 8 reads, in 12 micro-batches, then rolls over where that run does."""
+    whole, micro = order.plan_epoch(52, 8), order.plan_epoch(52, 4, step_batch=8)
+    assert (whole.steps, whole.dropped) == (6, 4) and (micro.steps, micro.dropped) == (12, 4)
+    assert order.plan_epoch(52, 4).steps == 13  # without the step's batch: one micro-batch into the tail
+    state, seen = (0, 0), []
+    for _ in range(13):
+        seen.append(state)
+        state = order.advance(*state, micro)
+    assert seen[-2:] == [(0, 44), (1, 0)]
+    with pytest.raises(ConfigError, match="not a multiple"):
+        order.plan_epoch(52, 3, step_batch=8)
+    with pytest.raises(ConfigError, match="16 exceeds the 12 samples"):
+        order.plan_epoch(12, 8, step_batch=16)
+
+
 def test_a_kept_tail_is_one_more_smaller_batch_split_over_the_ranks():
     plan = order.plan_epoch(10, 4, drop_last=False)
     assert (plan.steps, plan.dropped) == (3, 0)
