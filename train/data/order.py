@@ -19,9 +19,10 @@ in benchmarks/README.md). Every rank computes the same sequence, so no rank ever
 ask another what to read.
 
 Uneven tail: the last partial global batch of an epoch is DROPPED (and counted in
-`EpochPlan.dropped`); under gradient accumulation, in whole optimizer steps (`plan_epoch`'s
-`step_batch`), so a run in micro-batches reads each epoch's samples as one without them. Every rank therefore runs exactly `steps` steps per epoch: ranks
-with different batch counts deadlock in allreduce (webdataset #188). We drop rather than
+`EpochPlan.dropped`); under gradient accumulation in whole optimizer steps (`plan_epoch`'s
+`step_batch`), so a run in micro-batches reads each epoch's samples as one without them. Every
+rank therefore runs exactly `steps` steps per epoch: ranks with different batch counts deadlock
+in allreduce (webdataset #188). We drop rather than
 pad because padding repeats samples within an epoch; the dropped samples differ every
 epoch, since the order does. With `drop_last=False` (the LeRobot adapter, as a DataLoader)
 the tail is one more, smaller global batch, split over the ranks in contiguous slices as
